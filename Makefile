@@ -1,0 +1,47 @@
+# mtpc — two commands do everything: `make demo` and `make test`.
+# Set-up is idempotent: a .venv is created if missing, torch is installed first when absent
+# (TORCH_SPEC overrides, e.g. TORCH_SPEC='torch==2.11.0' for a CUDA machine), then the project + dev extras.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-fast demo bench bench-circuits bench-loss bench-decode pretrain lint clean-cache
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -m pip install -e '.[dev,data]'
+	@touch $@
+
+# pytest's exit code 5 (nothing collected) is a failure, not a pass.
+test: setup
+	@set +e; $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests — failing"; exit 1; fi; exit $$rc
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow and not slurm" $(PYTEST_ARGS)
+
+demo: setup
+	$(PY) -m sweeps.demo
+
+pretrain: setup
+	$(PY) -m experiments.pretrain
+
+bench: bench-circuits bench-loss bench-decode
+
+bench-circuits: setup
+	$(PY) bench/bench_circuits.py --out bench/results/circuits_cpu.json
+
+bench-loss: setup
+	$(PY) bench/bench_loss_memory.py --out bench/results/loss_memory_cpu.json
+
+bench-decode: setup
+	$(PY) bench/bench_decode.py --out bench/results/decode_cpu.json
+
+lint: setup
+	$(VENV)/bin/ruff check mtpc experiments sweeps analysis tests bench
