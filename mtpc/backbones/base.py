@@ -156,28 +156,9 @@ class BackboneAdapter(nn.Module):
         return cls(model, lora_depth=lora_depth, name=name, tokenizer=tokenizer, **lora_kw)
 
     def _build_draft_top(self, rank, alpha, dropout, targets) -> _DraftTop:
-        from peft import LoraConfig, inject_adapter_in_model
-
         layers = self.model.model.layers
-        top = range(self._split, self.num_layers)
-        clones = {i: _shared_clone(layers[i], keep=[self.model.config]) for i in top}
-        draft = _DraftTop(clones)
-        present = {n.rsplit(".", 1)[-1] for n, m in draft.named_modules() if isinstance(m, nn.Linear)}
-        targets = [t for t in targets if t in present]
-        if not targets:
-            raise ValueError(f"lora_targets: none of {list(targets)} is a Linear in the decoder layers ({sorted(present)})")
-        config = LoraConfig(
-            r=rank,
-            lora_alpha=alpha if alpha is not None else 2 * rank,
-            lora_dropout=dropout,
-            target_modules=targets,
-            layers_to_transform=list(top),
-            layers_pattern="layers",
-        )
-        draft = inject_adapter_in_model(config, draft)
-        for n, p in draft.named_parameters():
-            p.requires_grad_("lora_" in n)
-        return draft
+        clones = {i: _shared_clone(layers[i], keep=[self.model.config]) for i in range(self._split, self.num_layers)}
+        return build_lora_top(clones, rank, alpha, dropout, targets)
 
     # -- facts ----------------------------------------------------------------------------------
     @property
@@ -279,26 +260,58 @@ class BackboneAdapter(nn.Module):
 
     # -- LoRA -----------------------------------------------------------------------------------
     def lora_parameters(self) -> list[nn.Parameter]:
-        if self.draft_top is None:
-            return []
-        return [p for n, p in self.draft_top.named_parameters() if "lora_" in n]
+        return lora_parameters(self.draft_top)
 
     def lora_state_dict(self) -> dict[str, torch.Tensor]:
-        if self.draft_top is None:
-            return {}
-        return {n: p.detach().clone() for n, p in self.draft_top.named_parameters() if "lora_" in n}
+        return {n: p.detach().clone() for n, p in lora_named_parameters(self.draft_top).items()}
 
     def load_lora_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        own = dict(self.draft_top.named_parameters()) if self.draft_top is not None else {}
-        own = {n: p for n, p in own.items() if "lora_" in n}
-        missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
-        if missing or unexpected:
-            raise ValueError(
-                f"load_lora_state_dict: keys differ from this backbone's LoRA (lora_depth={self.lora_depth}, "
-                f"rank={self.lora_rank}): missing {missing[:4]}, unexpected {unexpected[:4]}"
-            )
-        with torch.no_grad():
-            for n, p in own.items():
-                if state_dict[n].shape != p.shape:
-                    raise ValueError(f"load_lora_state_dict: {n} has shape {tuple(state_dict[n].shape)}, expected {tuple(p.shape)}")
-                p.copy_(state_dict[n])
+        load_lora_state_dict(self.draft_top, state_dict, f"lora_depth={self.lora_depth}, rank={self.lora_rank}")
+
+
+def build_lora_top(clones: dict[int, nn.Module], rank: int, alpha: float | None, dropout: float, targets) -> _DraftTop:
+    """peft LoRA on the clones of the top layers (`layers_to_transform` = their model indices)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    draft = _DraftTop(clones)
+    present = {n.rsplit(".", 1)[-1] for n, m in draft.named_modules() if isinstance(m, nn.Linear)}
+    chosen = [t for t in targets if t in present]
+    if not chosen:
+        raise ValueError(f"lora_targets: none of {list(targets)} is a Linear in the decoder layers ({sorted(present)})")
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha if alpha is not None else 2 * rank,
+        lora_dropout=dropout,
+        target_modules=chosen,
+        layers_to_transform=sorted(clones),
+        layers_pattern="layers",
+    )
+    draft = inject_adapter_in_model(config, draft)
+    for n, p in draft.named_parameters():
+        p.requires_grad_("lora_" in n)
+    return draft
+
+
+def lora_named_parameters(draft_top: nn.Module | None) -> dict[str, nn.Parameter]:
+    if draft_top is None:
+        return {}
+    return {n: p for n, p in draft_top.named_parameters() if "lora_" in n}
+
+
+def lora_parameters(draft_top: nn.Module | None) -> list[nn.Parameter]:
+    return list(lora_named_parameters(draft_top).values())
+
+
+def load_lora_state_dict(draft_top: nn.Module | None, state_dict: dict[str, torch.Tensor], what: str) -> None:
+    own = lora_named_parameters(draft_top)
+    missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
+    if missing or unexpected:
+        raise ValueError(
+            f"load_lora_state_dict: keys differ from this backbone's LoRA ({what}): "
+            f"missing {missing[:4]}, unexpected {unexpected[:4]}"
+        )
+    with torch.no_grad():
+        for n, p in own.items():
+            if state_dict[n].shape != p.shape:
+                raise ValueError(f"load_lora_state_dict: {n} has shape {tuple(state_dict[n].shape)}, expected {tuple(p.shape)}")
+            p.copy_(state_dict[n])
