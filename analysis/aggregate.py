@@ -91,6 +91,7 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
     # interleave mean/std per metric for readability
     ordered = keys + [c for m in metrics for c in (f"{m}_mean", f"{m}_std")] + ["n_evals", "prompt_sets", "run_ids"]
     out = out[ordered]
+    out = _attach_stp(runs, out)
     for k in ("window", "rank", "lora_depth"):
         if k in out.columns:
             out[k] = out[k].astype("Int64")
@@ -102,6 +103,33 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
     sort_keys = [k for k in ("backbone", "mode", "extra_token", "temperature", "top_p", "hardware") if k in out.columns]
     out = out.sort_values(sort_keys + ["window", "rank", "_circuit_order", "lora_depth"], na_position="last", kind="stable")
     return out.drop(columns="_circuit_order").reset_index(drop=True)
+
+
+STP_COLUMNS = ("setting_stp_mu_lat_mean", "setting_stp_mu_lat_std", "setting_stp_throughput_mean", "setting_stp_throughput_std")
+
+
+def _attach_stp(runs: pd.DataFrame, out: pd.DataFrame) -> pd.DataFrame:
+    """The STP baseline of each setting: stp_mu_lat and stp_throughput averaged over the runs of a
+    prompt set, then mean ± std over prompt sets; repeated on every row of the setting."""
+    skeys = [k for k in SETTING_KEYS if k in runs.columns]
+    have = [m for m in ("stp_mu_lat", "stp_throughput") if m in runs.columns]
+    if not have:
+        return out.assign(**{c: np.nan for c in STP_COLUMNS})
+    per_ps = runs.groupby([*skeys, "prompt_set"], dropna=False, sort=False)[have].mean()
+    g = per_ps.groupby(level=list(range(len(skeys))), dropna=False, sort=False)
+    stp = pd.concat([g.mean().add_prefix("setting_").add_suffix("_mean"), g.std(ddof=1).add_prefix("setting_").add_suffix("_std")], axis=1)
+    stp = stp.reindex(columns=[c for c in STP_COLUMNS if c in stp.columns]).reset_index()
+    # merge on setting keys; NaN keys must match NaN keys, so merge on a string form
+    def keycol(df):
+        cols = [df[k].map(lambda v: "<na>" if _is_missing(v) else repr(v)) for k in skeys]
+        return pd.Series(["|".join(t) for t in zip(*cols)], index=df.index)
+
+    stp.index = keycol(stp)
+    merged = stp.drop(columns=skeys).reindex(keycol(out))
+    merged.index = out.index
+    for c in STP_COLUMNS:
+        out[c] = merged[c] if c in merged.columns else np.nan
+    return out
 
 
 def _setting_of(row: pd.Series) -> Setting:
@@ -136,17 +164,12 @@ def split_settings(agg: pd.DataFrame) -> list[tuple[Setting, pd.DataFrame]]:
 
 
 def stp_baseline(part: pd.DataFrame) -> tuple[float, float, float, float] | None:
-    """(stp_mu_lat mean, std, stp_throughput mean, std) over the runs of a setting, from the
-    per-configuration means (each evaluation measured STP side by side); None if not logged."""
-    if "stp_mu_lat_mean" not in part.columns:
+    """(stp_mu_lat mean, std, stp_throughput mean, std) of a setting's rows (from `aggregate`):
+    per prompt set the mean over its runs, then mean ± std over prompt sets; None if not logged."""
+    if len(part) == 0 or "setting_stp_mu_lat_mean" not in part.columns:
         return None
-    lat = part["stp_mu_lat_mean"].to_numpy(dtype=float)
-    lat = lat[np.isfinite(lat)]
-    if len(lat) == 0:
+    row = part.iloc[0]
+    lat = float(row["setting_stp_mu_lat_mean"])
+    if not math.isfinite(lat):
         return None
-    thr = part["stp_throughput_mean"].to_numpy(dtype=float) if "stp_throughput_mean" in part.columns else np.array([])
-    thr = thr[np.isfinite(thr)]
-    lat_std = float(lat.std(ddof=1)) if len(lat) > 1 else float("nan")
-    thr_mean = float(thr.mean()) if len(thr) else float("nan")
-    thr_std = float(thr.std(ddof=1)) if len(thr) > 1 else float("nan")
-    return float(lat.mean()), lat_std, thr_mean, thr_std
+    return (lat, float(row["setting_stp_mu_lat_std"]), float(row["setting_stp_throughput_mean"]), float(row["setting_stp_throughput_std"]))

@@ -8,7 +8,7 @@
 - `acceptance_figure`: per-position acceptance (acc_pos_<i>) of the fastest configurations.
 - `accepted_length_figure`: accepted-length distribution from the histogram artifact.
 
-Artists carry `gid`s ("circuit-<c>", "errorbar-<c>", "pareto-front", "iso-throughput",
+Artists carry `gid`s ("circuit-<c>", "errorbar-<c>" (error-bar containers: label "_errorbar-<c>"), "pareto-front", "iso-throughput",
 "iso-label", "stp", "point-label") so tests and users can find them. Data loading and tables live
 elsewhere; `save` writes PNG (300 dpi) + PDF.
 """
@@ -125,10 +125,12 @@ def pareto_figure(setting: Setting, part: pd.DataFrame, width: float = COLUMN_WI
         for c in _circuits(part):
             m = circuits == c
             color, marker = _style(c)
-            ax.errorbar(
+            eb = ax.errorbar(
                 x[m], y[m], xerr=xerr[m], yerr=yerr[m], fmt="none", ecolor=color, elinewidth=0.6,
-                capsize=1.2, alpha=0.7, zorder=2, gid=f"errorbar-{c}",
+                capsize=1.2, alpha=0.7, zorder=2, label=f"_errorbar-{c}",  # "_": not in the legend
             )  # fmt: skip
+            for artist in eb.lines[2]:
+                artist.set_gid(f"errorbar-{c}")
             edge = np.where(front[m], "black", "none").tolist()
             ax.scatter(
                 x[m], y[m], s=16, marker=marker, c=color, edgecolors=edge, linewidths=0.7,
@@ -329,11 +331,12 @@ def throughput_figure(setting: Setting, part: pd.DataFrame, x: str = "window", w
         for c in _circuits(rows):
             g = rows[rows["circuit"] == c].sort_values(x)
             color, marker = _style(c)
-            ax.errorbar(
+            eb = ax.errorbar(
                 g[x].to_numpy(dtype=float), g["throughput_mean"].to_numpy(dtype=float),
                 yerr=_nan0(g["throughput_std"].to_numpy(dtype=float)), color=color, marker=marker, ms=3,
-                capsize=1.2, elinewidth=0.6, label=c, gid=f"circuit-{c}",
+                capsize=1.2, elinewidth=0.6, label=c,
             )  # fmt: skip
+            eb.lines[0].set_gid(f"circuit-{c}")  # the data line (caps and bars stay anonymous)
         stp = stp_baseline(part)
         if stp is not None and math.isfinite(stp[2]):
             ax.axhline(stp[2], ls=":", color="black", lw=0.8, label="STP", gid="stp")
