@@ -88,9 +88,6 @@ def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[
     out.mkdir(parents=True, exist_ok=True)
     agg = aggregate(result.runs)
     parts = split_settings(agg)
-    hists, problems = load_hists(client, list(result.runs["run_id"])) if client is not None else ({}, [])
-    for msg in problems:
-        print(f"warning: {msg}", file=sys.stderr)
     written: list[Path] = []
     best_lines: list[str] = []
     md_all: list[str] = []
@@ -105,6 +102,11 @@ def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[
         fig = plots.acceptance_figure(setting, part, top=top)
         if fig is not None:
             written += plots.save(fig, out, f"acceptance_{slug}")
+        # histogram artifacts only of the configurations the plot shows (downloads are slow)
+        ids = [r for row, _, _ in plots.representatives(part, min(top, 4)) for r in row["run_ids"]]
+        hists, problems = load_hists(client, ids) if client is not None else ({}, [])
+        for msg in problems:
+            print(f"warning: {msg}", file=sys.stderr)
         fig = plots.accepted_length_figure(setting, part, hists, top=min(top, 4))
         if fig is not None:
             written += plots.save(fig, out, f"accepted_length_{slug}")
@@ -125,15 +127,20 @@ def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[
     return written, best_lines
 
 
-def log_summary(client, result: LoadResult, files: list[Path], args: argparse.Namespace, filters: Filters) -> str:
-    """A summary run in the experiment holding the figures and tables as artifacts."""
+def single_experiment(result: LoadResult) -> str:
+    """The one experiment the runs come from (where the summary run goes), else AnalysisError."""
     exp_ids = sorted(set(result.runs["experiment_id"]))
     if len(exp_ids) != 1:
         raise AnalysisError(
             f"--log-to-mlflow needs one experiment, but the runs come from {len(exp_ids)} "
             f"({', '.join(result.experiments)}); pass --experiment"
         )
-    run = client.create_run(exp_ids[0], run_name=args.summary_run_name, tags={SUMMARY_TAG: "summary"})
+    return exp_ids[0]
+
+
+def log_summary(client, result: LoadResult, files: list[Path], args: argparse.Namespace, filters: Filters) -> str:
+    """A summary run in the experiment holding the figures and tables as artifacts."""
+    run = client.create_run(single_experiment(result), run_name=args.summary_run_name, tags={SUMMARY_TAG: "summary"})
     run_id = run.info.run_id
     try:
         from mlflow.entities import Param
@@ -164,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result, client, uri = load(args.tracking_uri, args.experiment, filters)
         report_skips(result)
+        if args.log_to_mlflow:
+            single_experiment(result)  # fail before the slow part
         print(f"{len(result.runs)} evaluation run(s) from {', '.join(result.experiments)} at {uri} ({filters.describe()})")
         out = Path(args.out)
         files, best = write_outputs(result, client, out, top=args.top)

@@ -55,7 +55,7 @@ def synthetic_evaluations(
             for n in windows:
                 for r in ranks if c != "ff" else (1,):
                     for k in lora_depths:
-                        trial = f"{c}-n{n}-r{r}-k{k}"
+                        trial = f"{backbone}-{c}-n{n}-r{r}-k{k}"
                         base_q = _QUALITY[c] + 0.04 * k - (0.02 if mode == "sample" else 0.0)
                         base_q = min(base_q + 0.002 * (r - 32) * (c != "ff"), 0.95)
                         for ps in prompt_sets:
