@@ -67,7 +67,9 @@ class Setting:
 def metric_columns(df: pd.DataFrame) -> list[str]:
     """The metric columns of a runs DataFrame: the named metrics plus acc_pos_<i>."""
     named = [m for m in (*REQUIRED_METRICS, *OPTIONAL_METRICS) if m in df.columns]
-    acc = sorted((c for c in df.columns if ACC_POS_RE.match(str(c))), key=lambda c: int(ACC_POS_RE.match(c).group(1)))
+    acc = sorted(
+        (c for c in df.columns if ACC_POS_RE.match(str(c))), key=lambda c: int(ACC_POS_RE.match(c).group(1))
+    )
     return named + acc
 
 
@@ -89,7 +91,9 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
     )
     out = pd.concat([mean, std, extra], axis=1).reset_index()
     # interleave mean/std per metric for readability
-    ordered = keys + [c for m in metrics for c in (f"{m}_mean", f"{m}_std")] + ["n_evals", "prompt_sets", "run_ids"]
+    ordered = (
+        keys + [c for m in metrics for c in (f"{m}_mean", f"{m}_std")] + ["n_evals", "prompt_sets", "run_ids"]
+    )
     out = out[ordered]
     out = _attach_stp(runs, out)
     for k in ("window", "rank", "lora_depth"):
@@ -99,13 +103,24 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
     for k in ("backbone", "mode", "extra_token", "hardware", "circuit"):
         if k in out.columns:
             out[k] = out[k].astype(object).where(out[k].notna(), None)
-    out["_circuit_order"] = out["circuit"].map({c: i for i, c in enumerate(CIRCUIT_ORDER)}).fillna(len(CIRCUIT_ORDER))
-    sort_keys = [k for k in ("backbone", "mode", "extra_token", "temperature", "top_p", "hardware") if k in out.columns]
-    out = out.sort_values(sort_keys + ["window", "rank", "_circuit_order", "lora_depth"], na_position="last", kind="stable")
+    out["_circuit_order"] = (
+        out["circuit"].map({c: i for i, c in enumerate(CIRCUIT_ORDER)}).fillna(len(CIRCUIT_ORDER))
+    )
+    sort_keys = [
+        k for k in ("backbone", "mode", "extra_token", "temperature", "top_p", "hardware") if k in out.columns
+    ]
+    out = out.sort_values(
+        sort_keys + ["window", "rank", "_circuit_order", "lora_depth"], na_position="last", kind="stable"
+    )
     return out.drop(columns="_circuit_order").reset_index(drop=True)
 
 
-STP_COLUMNS = ("setting_stp_mu_lat_mean", "setting_stp_mu_lat_std", "setting_stp_throughput_mean", "setting_stp_throughput_std")
+STP_COLUMNS = (
+    "setting_stp_mu_lat_mean",
+    "setting_stp_mu_lat_std",
+    "setting_stp_throughput_mean",
+    "setting_stp_throughput_std",
+)
 
 
 def _attach_stp(runs: pd.DataFrame, out: pd.DataFrame) -> pd.DataFrame:
@@ -117,12 +132,19 @@ def _attach_stp(runs: pd.DataFrame, out: pd.DataFrame) -> pd.DataFrame:
         return out.assign(**{c: np.nan for c in STP_COLUMNS})
     per_ps = runs.groupby([*skeys, "prompt_set"], dropna=False, sort=False)[have].mean()
     g = per_ps.groupby(level=list(range(len(skeys))), dropna=False, sort=False)
-    stp = pd.concat([g.mean().add_prefix("setting_").add_suffix("_mean"), g.std(ddof=1).add_prefix("setting_").add_suffix("_std")], axis=1)
+    stp = pd.concat(
+        [
+            g.mean().add_prefix("setting_").add_suffix("_mean"),
+            g.std(ddof=1).add_prefix("setting_").add_suffix("_std"),
+        ],
+        axis=1,
+    )
     stp = stp.reindex(columns=[c for c in STP_COLUMNS if c in stp.columns]).reset_index()
+
     # merge on setting keys; NaN keys must match NaN keys, so merge on a string form
     def keycol(df):
         cols = [df[k].map(lambda v: "<na>" if _is_missing(v) else repr(v)) for k in skeys]
-        return pd.Series(["|".join(t) for t in zip(*cols)], index=df.index)
+        return pd.Series(["|".join(t) for t in zip(*cols, strict=True)], index=df.index)
 
     stp.index = keycol(stp)
     merged = stp.drop(columns=skeys).reindex(keycol(out))
@@ -172,4 +194,9 @@ def stp_baseline(part: pd.DataFrame) -> tuple[float, float, float, float] | None
     lat = float(row["setting_stp_mu_lat_mean"])
     if not math.isfinite(lat):
         return None
-    return (lat, float(row["setting_stp_mu_lat_std"]), float(row["setting_stp_throughput_mean"]), float(row["setting_stp_throughput_std"]))
+    return (
+        lat,
+        float(row["setting_stp_mu_lat_std"]),
+        float(row["setting_stp_throughput_mean"]),
+        float(row["setting_stp_throughput_std"]),
+    )

@@ -21,7 +21,9 @@ def _check_direction(name: str, value: str) -> None:
         raise ValueError(f"{name}={value!r}: expected 'min' or 'max'")
 
 
-def pareto_mask(points: np.ndarray | Sequence[Sequence[float]], directions: Sequence[str] = ("min", "max")) -> np.ndarray:
+def pareto_mask(
+    points: np.ndarray | Sequence[Sequence[float]], directions: Sequence[str] = ("min", "max")
+) -> np.ndarray:
     """Boolean mask of the non-dominated rows of ``points`` (N, 2) under ``directions``.
 
     O(N log N): sort by the first objective (best first), sweep groups of equal first value and
@@ -72,5 +74,7 @@ def pareto_front(
     for col in (x, y):
         if col not in df.columns:
             raise ValueError(f"column {col!r} not in the DataFrame; columns: {list(df.columns)}")
-    pts = np.column_stack([df[x].to_numpy(dtype=float, na_value=np.nan), df[y].to_numpy(dtype=float, na_value=np.nan)])
+    pts = np.column_stack(
+        [df[x].to_numpy(dtype=float, na_value=np.nan), df[y].to_numpy(dtype=float, na_value=np.nan)]
+    )
     return pd.Series(pareto_mask(pts, (x_dir, y_dir)), index=df.index, name="on_front")

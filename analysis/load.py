@@ -411,7 +411,10 @@ def load(
         if n_all == 0:
             extra = ""
             if result.skipped:
-                listed = "; ".join(f"{r.run_id} ({r.run_name or 'unnamed'}): missing {', '.join(r.missing)}" for r in result.skipped[:5])
+                listed = "; ".join(
+                    f"{r.run_id} ({r.run_name or 'unnamed'}): missing {', '.join(r.missing)}"
+                    for r in result.skipped[:5]
+                )
                 more = f"; ... and {len(result.skipped) - 5} more" if len(result.skipped) > 5 else ""
                 extra = f"; {len(result.skipped)} evaluation run(s) were skipped for missing params/metrics: {listed}{more}"
             if result.unfinished_note():

@@ -38,18 +38,34 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python analysis/pareto.py",
         description="Pareto plots (acceptance vs latency, iso-throughput lines) and paper tables from MLflow runs.",
     )
-    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///./mlflow.db)")
-    p.add_argument("--experiment", help="experiment name or id (default: $MLFLOW_EXPERIMENT_NAME, else every experiment with runs)")
+    p.add_argument(
+        "--tracking-uri",
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///./mlflow.db)",
+    )
+    p.add_argument(
+        "--experiment",
+        help="experiment name or id (default: $MLFLOW_EXPERIMENT_NAME, else every experiment with runs)",
+    )
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
     p.add_argument("--mode", nargs="+", choices=MODES, help="keep only these decoding modes")
     p.add_argument("--backbone", nargs="+", help="keep only these backbones")
-    p.add_argument("--extra-token", nargs="+", choices=("keep", "drop"), help="keep only these extra-token rules")
+    p.add_argument(
+        "--extra-token", nargs="+", choices=("keep", "drop"), help="keep only these extra-token rules"
+    )
     p.add_argument("--temperature", nargs="+", type=float, help="keep only these temperatures")
     p.add_argument("--window", nargs="+", type=int, help="keep only these windows n")
     p.add_argument("--lora-depth", nargs="+", type=int, help="keep only these LoRA depths k")
-    p.add_argument("--circuit", nargs="+", choices=("ff", "cp", "hmm", "btree"), help="keep only these circuits")
-    p.add_argument("--top", type=int, default=5, help="configurations shown in the acceptance plots (default 5)")
-    p.add_argument("--log-to-mlflow", action="store_true", help="attach figures and tables to a summary run in the experiment")
+    p.add_argument(
+        "--circuit", nargs="+", choices=("ff", "cp", "hmm", "btree"), help="keep only these circuits"
+    )
+    p.add_argument(
+        "--top", type=int, default=5, help="configurations shown in the acceptance plots (default 5)"
+    )
+    p.add_argument(
+        "--log-to-mlflow",
+        action="store_true",
+        help="attach figures and tables to a summary run in the experiment",
+    )
     p.add_argument("--summary-run-name", default="pareto-summary", help="name of that summary run")
     return p
 
@@ -72,9 +88,14 @@ def filters_from_args(args: argparse.Namespace) -> Filters:
 def report_skips(result: LoadResult) -> None:
     if result.skipped:
         n = len(result.skipped)
-        print(f"warning: {n} evaluation run(s) skipped for missing or malformed params/metrics:", file=sys.stderr)
+        print(
+            f"warning: {n} evaluation run(s) skipped for missing or malformed params/metrics:",
+            file=sys.stderr,
+        )
         for s in result.skipped[:MAX_LISTED_SKIPS]:
-            print(f"  {s.run_id} ({s.run_name or 'unnamed'}): missing {', '.join(s.missing)}", file=sys.stderr)
+            print(
+                f"  {s.run_id} ({s.run_name or 'unnamed'}): missing {', '.join(s.missing)}", file=sys.stderr
+            )
         if n > MAX_LISTED_SKIPS:
             print(f"  ... and {n - MAX_LISTED_SKIPS} more", file=sys.stderr)
     if result.n_unfinished:
@@ -138,9 +159,13 @@ def single_experiment(result: LoadResult) -> str:
     return exp_ids[0]
 
 
-def log_summary(client, result: LoadResult, files: list[Path], args: argparse.Namespace, filters: Filters) -> str:
+def log_summary(
+    client, result: LoadResult, files: list[Path], args: argparse.Namespace, filters: Filters
+) -> str:
     """A summary run in the experiment holding the figures and tables as artifacts."""
-    run = client.create_run(single_experiment(result), run_name=args.summary_run_name, tags={SUMMARY_TAG: "summary"})
+    run = client.create_run(
+        single_experiment(result), run_name=args.summary_run_name, tags={SUMMARY_TAG: "summary"}
+    )
     run_id = run.info.run_id
     try:
         from mlflow.entities import Param
@@ -173,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         report_skips(result)
         if args.log_to_mlflow:
             single_experiment(result)  # fail before the slow part
-        print(f"{len(result.runs)} evaluation run(s) from {', '.join(result.experiments)} at {uri} ({filters.describe()})")
+        print(
+            f"{len(result.runs)} evaluation run(s) from {', '.join(result.experiments)} at {uri} ({filters.describe()})"
+        )
         out = Path(args.out)
         files, best = write_outputs(result, client, out, top=args.top)
         for line in best:

@@ -138,7 +138,15 @@ def pareto_figure(setting: Setting, part: pd.DataFrame, width: float = COLUMN_WI
             )  # fmt: skip
         # the front as a line through its points, in order of mu_acc
         order = np.argsort(x[front])
-        ax.plot(x[front][order], y[front][order], color="black", lw=0.7, zorder=3, label="Pareto front", gid="pareto-front")
+        ax.plot(
+            x[front][order],
+            y[front][order],
+            color="black",
+            lw=0.7,
+            zorder=3,
+            label="Pareto front",
+            gid="pareto-front",
+        )
         # STP: one byte per cycle, nothing accepted
         stp = stp_baseline(part)
         xs, ys = list(x - xerr), list(y - yerr)
@@ -165,13 +173,17 @@ def pareto_figure(setting: Setting, part: pd.DataFrame, width: float = COLUMN_WI
         ax.grid(False)
         labelled = len(x) <= MAX_LABELLED_POINTS
         leg = ax.legend(
-            loc="upper left", frameon=True, framealpha=0.85, edgecolor="none", handletextpad=0.3,
+            loc="lower right",  # beyond the front (fast and accepting): empty by construction
+            frameon=True, framealpha=0.85, edgecolor="none", handletextpad=0.3,
             borderaxespad=0.3, labelspacing=0.3, markerscale=0.9,
             title="labels: n/r/k" if labelled else "front labels: n/r/k", title_fontsize=5.5,
         )  # fmt: skip
         # n/r/k labels (only the front when crowded), placed to avoid points and each other
         show = np.ones(len(x), bool) if labelled else front
-        texts = [f"{part.iloc[i]['window']}/{part.iloc[i]['rank']}/{part.iloc[i]['lora_depth']}" for i in range(len(x))]
+        texts = [
+            f"{part.iloc[i]['window']}/{part.iloc[i]['rank']}/{part.iloc[i]['lora_depth']}"
+            for i in range(len(x))
+        ]
         _place_labels(ax, x, y, texts, show, avoid=[leg])
     return fig
 
@@ -226,7 +238,9 @@ def _place_labels(ax, x: np.ndarray, y: np.ndarray, texts: list[str], show: np.n
         obstacles.append(ext)
 
 
-def _draw_iso_lines(ax, setting: Setting, part: pd.DataFrame, x: np.ndarray, y_ms: np.ndarray, stp_lat_ms: float | None) -> None:
+def _draw_iso_lines(
+    ax, setting: Setting, part: pd.DataFrame, x: np.ndarray, y_ms: np.ndarray, stp_lat_ms: float | None
+) -> None:
     """Dashed lines of constant tokens_per_cycle / mu_lat through the plot box, labelled where
     they leave it. In (mu_acc, mu_lat[ms]) coordinates: y = 1000 (x + c) / T."""
     c = iso_offset(setting, part)
@@ -240,7 +254,8 @@ def _draw_iso_lines(ax, setting: Setting, part: pd.DataFrame, x: np.ndarray, y_m
     (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
     xx = np.linspace(x0, x1, 200)
     levels = [(float(t), False) for t in iso_levels(float(rates.min()), float(rates.max()))]
-    if stp_lat_ms is not None:  # the line through STP: configurations right of it beat STP
+    exact = c == 1.0  # keep: tokens_per_cycle = mu_acc + 1 exactly; else lines are approximate
+    if stp_lat_ms is not None and exact:  # the line through STP: configurations right of it beat STP
         t_stp = 1000.0 / stp_lat_ms
         levels = [(t, s) for t, s in levels if abs(t - t_stp) > 0.04 * t_stp] + [(t_stp, True)]
     for t, is_stp in levels:
@@ -258,7 +273,7 @@ def _draw_iso_lines(ax, setting: Setting, part: pd.DataFrame, x: np.ndarray, y_m
         else:
             lx, ly, ha, va = t * y1 / 1000.0 - c, y1, "right", "top"
         ax.text(
-            lx, ly, format_rate(t) + (" (STP)" if is_stp else ""), fontsize=5, color="black" if is_stp else "#666666", ha=ha, va=va, zorder=1, gid="iso-label",
+            lx, ly, ("" if exact else "≈") + format_rate(t) + (" (STP)" if is_stp else ""), fontsize=5, color="black" if is_stp else "#666666", ha=ha, va=va, zorder=1, gid="iso-label",
             bbox=dict(boxstyle="square,pad=0.1", fc="white", ec="none", alpha=0.8),
         )  # fmt: skip
     ax.set_xlim(x0, x1)
@@ -267,13 +282,21 @@ def _draw_iso_lines(ax, setting: Setting, part: pd.DataFrame, x: np.ndarray, y_m
 
 
 def _drop_overlapping_iso_labels(ax) -> None:
-    """Hide iso-throughput labels that overlap an earlier one (the STP label is kept first)."""
+    """Keep iso-throughput labels inside the plot box, then hide any that overlap an earlier one
+    (the STP label first)."""
     labels = [t for t in ax.texts if t.get_gid() == "iso-label"]
-    if len(labels) < 2:
+    if not labels:
         return
     fig = ax.figure
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
+    box = ax.get_window_extent(renderer)
+    for t in labels:
+        ext = t.get_window_extent(renderer)
+        if ext.x0 < box.x0:  # runs off the left edge: hang it to the right of its anchor
+            t.set_ha("left")
+        elif ext.x1 > box.x1:
+            t.set_ha("right")
     labels.sort(key=lambda t: "(STP)" not in t.get_text())
     kept = []
     for t in labels:
@@ -316,7 +339,9 @@ def throughput_slice(part: pd.DataFrame, x: str) -> tuple[pd.DataFrame, dict[str
     return part[keep.to_numpy(dtype=bool, na_value=False)], held
 
 
-def throughput_figure(setting: Setting, part: pd.DataFrame, x: str = "window", width: float = COLUMN_WIDTH_IN) -> Figure | None:
+def throughput_figure(
+    setting: Setting, part: pd.DataFrame, x: str = "window", width: float = COLUMN_WIDTH_IN
+) -> Figure | None:
     """Logged throughput (mean ± std) against ``x`` ("window" or "lora_depth"), one line per
     circuit on the slice of `throughput_slice`; None when ``x`` takes fewer than two values there."""
     if x not in ("window", "lora_depth"):
@@ -344,8 +369,15 @@ def throughput_figure(setting: Setting, part: pd.DataFrame, x: str = "window", w
         ax.set_xlabel(xlabel)
         ax.set_ylabel("throughput (bytes/s)")
         held_text = ", ".join(f"{names[k]}={v}" for k, v in held.items())
-        ax.set_title(f"{setting.title()}\n({held_text}; ff: r=1)" if "rank" in held else f"{setting.title()} ({held_text})", pad=3)
-        ax.legend(loc="best", frameon=True, framealpha=0.85, edgecolor="none", handlelength=1.5, labelspacing=0.3)
+        ax.set_title(
+            f"{setting.title()}\n({held_text}; ff: r=1)"
+            if "rank" in held
+            else f"{setting.title()} ({held_text})",
+            pad=3,
+        )
+        ax.legend(
+            loc="best", frameon=True, framealpha=0.85, edgecolor="none", handlelength=1.5, labelspacing=0.3
+        )
     return fig
 
 
@@ -366,10 +398,18 @@ def representatives(part: pd.DataFrame, top: int) -> list[tuple[pd.Series, str, 
             out.append((row, color, marker))
         return out
     marker = _style(circuits[0])[1]
-    return [(row, _PALETTE[j % len(_PALETTE)], marker) for j, (_, row) in enumerate(ranked.head(top).iterrows())]
+    return [
+        (row, _PALETTE[j % len(_PALETTE)], marker) for j, (_, row) in enumerate(ranked.head(top).iterrows())
+    ]
 
 
-def acceptance_figure(setting: Setting, part: pd.DataFrame, top: int = 5, width: float = COLUMN_WIDTH_IN) -> Figure | None:
+def _rep_caption(part: pd.DataFrame) -> str:
+    return "fastest configuration per circuit" if len(_circuits(part)) > 1 else "fastest configurations"
+
+
+def acceptance_figure(
+    setting: Setting, part: pd.DataFrame, top: int = 5, width: float = COLUMN_WIDTH_IN
+) -> Figure | None:
     """Per-position acceptance rate (accepted / tested at window position i) of the
     `representatives`; None when no acc_pos_<i> metric was logged."""
     cols = [c for c in part.columns if str(c).endswith("_mean") and ACC_POS_RE.match(str(c)[: -len("_mean")])]
@@ -389,14 +429,18 @@ def acceptance_figure(setting: Setting, part: pd.DataFrame, top: int = 5, width:
         ax.set_ylim(0, 1.02)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("window position $i$")
-        ax.set_ylabel("acceptance rate at position $i$")
-        ax.set_title(setting.title(), pad=3)
-        ax.legend(loc="lower left", frameon=True, framealpha=0.85, edgecolor="none", labelspacing=0.3)
+        ax.set_ylabel("accepted / tested at position $i$")
+        ax.set_title(f"{setting.title()}\n{_rep_caption(part)}", pad=3)
+        ax.legend(loc="best", frameon=True, framealpha=0.85, edgecolor="none", labelspacing=0.3)
     return fig
 
 
 def accepted_length_figure(
-    setting: Setting, part: pd.DataFrame, hists: dict[str, np.ndarray], top: int = 4, width: float = COLUMN_WIDTH_IN
+    setting: Setting,
+    part: pd.DataFrame,
+    hists: dict[str, np.ndarray],
+    top: int = 4,
+    width: float = COLUMN_WIDTH_IN,
 ) -> Figure | None:
     """Distribution of accepted drafted bytes per cycle (counts pooled over the prompt sets of a
     configuration, normalised) of the `representatives`; None without histogram artifacts."""
@@ -423,7 +467,7 @@ def accepted_length_figure(
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("accepted drafted bytes per cycle")
         ax.set_ylabel("fraction of cycles")
-        ax.set_title(setting.title(), pad=3)
+        ax.set_title(f"{setting.title()}\n{_rep_caption(part)}", pad=3)
         ax.legend(loc="upper right", frameon=True, framealpha=0.85, edgecolor="none", labelspacing=0.3)
     return fig
 

@@ -35,7 +35,9 @@ def store(tmp_path_factory):
     ps = ("chat", "code")
     good = synthetic_evaluations(circuits=("ff", "cp", "btree"), windows=(8,), prompt_sets=ps)
     good += synthetic_evaluations(modes=("sample",), circuits=("cp",), windows=(8, 16), prompt_sets=ps)
-    good += synthetic_evaluations(backbone="bare", circuits=("cp",), windows=(8,), prompt_sets=ps, with_optional=False)
+    good += synthetic_evaluations(
+        backbone="bare", circuits=("cp",), windows=(8,), prompt_sets=ps, with_optional=False
+    )
     broken = synthetic_evaluations(circuits=("hmm",), windows=(8,), prompt_sets=("chat",))[0]
     del broken.metrics["mu_lat"]
     broken.trial = "broken-trial"
@@ -46,7 +48,9 @@ def store(tmp_path_factory):
     only_broken = synthetic_evaluations(circuits=("cp",), windows=(8,), prompt_sets=("chat",))[0]
     del only_broken.metrics["throughput"]
     log_sweep(uri, "allbroken", [only_broken])
-    second = synthetic_evaluations(backbone="bare", circuits=("ff",), windows=(8,), prompt_sets=("chat",), with_optional=False)
+    second = synthetic_evaluations(
+        backbone="bare", circuits=("ff",), windows=(8,), prompt_sets=("chat",), with_optional=False
+    )
     log_sweep(uri, "second", second)
     return {"uri": uri, "good": good, "ids": ids, "broken_id": ids[str(len(good))], "root": root}
 
@@ -57,9 +61,22 @@ def test_dataframe_contents_and_types(store):
     good = store["good"]
     assert uri == store["uri"] and result.experiments == ["sweep"]
     assert len(df) == len(good) == 12  # children only: parents, broken and running runs left out
-    assert str(df["window"].dtype) == "Int64" and str(df["rank"].dtype) == "Int64" and str(df["lora_depth"].dtype) == "Int64"
+    assert (
+        str(df["window"].dtype) == "Int64"
+        and str(df["rank"].dtype) == "Int64"
+        and str(df["lora_depth"].dtype) == "Int64"
+    )
     assert str(df["seed"].dtype) == "Int64"
-    for col in ("temperature", "top_p", "mu_lat", "mu_acc", "throughput", "stp_mu_lat", "acc_pos_2", "acc_pos_16"):
+    for col in (
+        "temperature",
+        "top_p",
+        "mu_lat",
+        "mu_acc",
+        "throughput",
+        "stp_mu_lat",
+        "acc_pos_2",
+        "acc_pos_16",
+    ):
         assert df[col].dtype == np.float64, col
     assert df["backbone"].dtype == object and set(df["mode"]) == {"greedy", "sample"}
     assert df["parent_run_id"].notna().all() and df["parent_run_id"].nunique() == 6  # 3 + 2 + 1 trials
@@ -103,7 +120,9 @@ def test_experiment_resolution_and_store_errors(store, tmp_path, monkeypatch):
     assert sorted(res.experiments) == ["allbroken", "second", "sweep"] and len(res.runs) == 3
     exp_id = client.get_experiment_by_name("sweep").experiment_id
     assert len(load(store["uri"], exp_id)[0].runs) == 12  # by id
-    with pytest.raises(AnalysisError, match=r"no usable evaluation runs .* 1 evaluation run\(s\) were skipped"):
+    with pytest.raises(
+        AnalysisError, match=r"no usable evaluation runs .* 1 evaluation run\(s\) were skipped"
+    ):
         load(store["uri"], "allbroken")
     with pytest.raises(AnalysisError, match="no MLflow database at .*missing.db"):
         connect(f"sqlite:///{tmp_path}/missing.db")
@@ -142,7 +161,11 @@ def test_cli_writes_figures_tables_and_logs_summary(store, tmp_path, capsys):
     cap = capsys.readouterr()
     assert rc == 0, cap.err
     # skipped run listed and counted on stderr
-    assert "1 evaluation run(s) skipped" in cap.err and store["broken_id"] in cap.err and "missing mu_lat" in cap.err
+    assert (
+        "1 evaluation run(s) skipped" in cap.err
+        and store["broken_id"] in cap.err
+        and "missing mu_lat" in cap.err
+    )
     assert "1 unfinished run(s) ignored" in cap.err
     names = {p.name for p in out.iterdir()}
     slugs = ["tiny_greedy_keep_T0_p1_cpu-test", "tiny_sample_keep_T1_p1_cpu-test"]
@@ -156,7 +179,10 @@ def test_cli_writes_figures_tables_and_logs_summary(store, tmp_path, capsys):
     # table value: the logged throughput of greedy cp, mean ± std over the two prompt sets, bold (best)
     thr = [e.metrics["throughput"] for e in store["good"][:6] if e.params["circuit"] == "btree"]
     md = (out / "table_tiny_greedy_keep_T0_p1_cpu-test.md").read_text()
-    assert f"**{np.mean(thr):.0f} ± {np.std(thr, ddof=1):.0f}**" in md or f"**{np.mean(thr):.1f} ± {np.std(thr, ddof=1):.1f}**" in md
+    assert (
+        f"**{np.mean(thr):.0f} ± {np.std(thr, ddof=1):.0f}**" in md
+        or f"**{np.mean(thr):.1f} ± {np.std(thr, ddof=1):.1f}**" in md
+    )
     best_lines = [ln for ln in cap.out.splitlines() if ln.startswith("best [")]
     assert len(best_lines) == 2 and any("btree n=8 r=32 k=0" in ln for ln in best_lines)
     # the summary run: in the same experiment, tagged, with the artifacts; never read back as data
@@ -175,7 +201,20 @@ def test_cli_writes_figures_tables_and_logs_summary(store, tmp_path, capsys):
 
 
 def test_cli_errors_exit_1_without_traceback(store, tmp_path, capsys):
-    rc = pareto.main(["--tracking-uri", store["uri"], "--experiment", "sweep", "--mode", "sample", "--window", "32", "--out", str(tmp_path)])
+    rc = pareto.main(
+        [
+            "--tracking-uri",
+            store["uri"],
+            "--experiment",
+            "sweep",
+            "--mode",
+            "sample",
+            "--window",
+            "32",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 1 and "no runs match the filters (mode=sample, window=32)" in err and "Traceback" not in err
     rc = pareto.main(["--tracking-uri", f"sqlite:///{tmp_path}/none.db", "--out", str(tmp_path)])
@@ -184,7 +223,17 @@ def test_cli_errors_exit_1_without_traceback(store, tmp_path, capsys):
     rc = pareto.main(["--tracking-uri", store["uri"], "--experiment", "allbroken", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 1 and "no usable evaluation runs" in err and "missing throughput" in err
-    rc = pareto.main(["--tracking-uri", store["uri"], "--backbone", "bare", "--log-to-mlflow", "--out", str(tmp_path / "o")])
+    rc = pareto.main(
+        [
+            "--tracking-uri",
+            store["uri"],
+            "--backbone",
+            "bare",
+            "--log-to-mlflow",
+            "--out",
+            str(tmp_path / "o"),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 1 and "--log-to-mlflow needs one experiment, but the runs come from 2" in err
     assert not (tmp_path / "o").exists()  # failed before writing anything

@@ -42,7 +42,9 @@ def _expected(evals, **key):
 def test_aggregate_is_mean_and_sample_std_of_logged_values(evals, setting_part):
     _, part = setting_part
     assert len(part) == 28  # ff: 2 n x 2 k; cp/hmm/btree: 2 n x 2 r x 2 k
-    row = part[(part.circuit == "hmm") & (part.window == 16) & (part["rank"] == 8) & (part.lora_depth == 2)].iloc[0]
+    row = part[
+        (part.circuit == "hmm") & (part.window == 16) & (part["rank"] == 8) & (part.lora_depth == 2)
+    ].iloc[0]
     sel = _expected(evals, circuit="hmm", window=16, rank=8, lora_depth=2)
     thr = np.array([e.metrics["throughput"] for e in sel])
     assert row["n_evals"] == 3 and row["prompt_sets"] == "chat,code,math"
@@ -55,12 +57,24 @@ def test_aggregate_is_mean_and_sample_std_of_logged_values(evals, setting_part):
     assert sorted(row["run_ids"]) == sorted(f"run{evals.index(e)}" for e in sel)
     # sorted by n, r, circuit (ff, cp, hmm, btree), k
     first = part.iloc[:6][["window", "rank", "circuit", "lora_depth"]].values.tolist()
-    assert first == [[8, 1, "ff", 0], [8, 1, "ff", 2], [8, 8, "cp", 0], [8, 8, "cp", 2], [8, 8, "hmm", 0], [8, 8, "hmm", 2]]
+    assert first == [
+        [8, 1, "ff", 0],
+        [8, 1, "ff", 2],
+        [8, 8, "cp", 0],
+        [8, 8, "cp", 2],
+        [8, 8, "hmm", 0],
+        [8, 8, "hmm", 2],
+    ]
 
 
 def test_split_settings_front_matches_mask(setting_part):
     setting, part = setting_part
-    assert (setting.backbone, setting.mode, setting.extra_token, setting.hardware) == ("tiny", "greedy", "keep", "cpu-test")
+    assert (setting.backbone, setting.mode, setting.extra_token, setting.hardware) == (
+        "tiny",
+        "greedy",
+        "keep",
+        "cpu-test",
+    )
     pts = part[["mu_lat_mean", "mu_acc_mean"]].to_numpy()
     np.testing.assert_array_equal(part["on_front"].to_numpy(), pareto_mask(pts, ("min", "max")))
     assert 2 <= part["on_front"].sum() < len(part)
@@ -72,7 +86,11 @@ def test_settings_split_by_mode_and_extra_token(evals):
     parts = split_settings(aggregate(frame_from_evaluations(more)))
     titles = sorted(s.title() for s, _ in parts)
     # hardware/top_p absent on the third group: its own setting, not mixed with the first
-    assert titles == ["tiny, greedy, extra=keep", "tiny, greedy, extra=keep, cpu-test", "tiny, sample, extra=keep, T=1, top-p=1, cpu-test"]
+    assert titles == [
+        "tiny, greedy, extra=keep",
+        "tiny, greedy, extra=keep, cpu-test",
+        "tiny, sample, extra=keep, T=1, top-p=1, cpu-test",
+    ]
     assert sorted(len(p) for _, p in parts) == [1, 1, 28]
     slugs = [s.slug() for s, _ in parts]
     assert len(set(slugs)) == 3 and all(re.fullmatch(r"[A-Za-z0-9._=-]+", s) for s in slugs)
@@ -201,7 +219,15 @@ def test_throughput_figures_use_the_slice(evals, setting_part):
     assert "r=32, k=0" in ax.get_title()  # ranks 8/32 tie -> largest; k 0/2 tie -> smallest
     for c, rank in (("ff", 1), ("cp", 32), ("btree", 32)):
         (ln,) = [ln for ln in ax.lines if ln.get_gid() == f"circuit-{c}"]
-        want = [np.mean([e.metrics["throughput"] for e in _expected(evals, circuit=c, window=n, rank=rank, lora_depth=0)]) for n in (8, 16)]
+        want = [
+            np.mean(
+                [
+                    e.metrics["throughput"]
+                    for e in _expected(evals, circuit=c, window=n, rank=rank, lora_depth=0)
+                ]
+            )
+            for n in (8, 16)
+        ]
         np.testing.assert_allclose(ln.get_xdata(), [8, 16])
         np.testing.assert_allclose(ln.get_ydata(), want)
     (stp,) = [ln for ln in ax.lines if ln.get_gid() == "stp"]
@@ -209,7 +235,15 @@ def test_throughput_figures_use_the_slice(evals, setting_part):
     plots.plt.close(fig)
     fig = plots.throughput_figure(setting, part, x="lora_depth")
     (ln,) = [ln for ln in fig.axes[0].lines if ln.get_gid() == "circuit-hmm"]
-    want = [np.mean([e.metrics["throughput"] for e in _expected(evals, circuit="hmm", window=16, rank=32, lora_depth=k)]) for k in (0, 2)]
+    want = [
+        np.mean(
+            [
+                e.metrics["throughput"]
+                for e in _expected(evals, circuit="hmm", window=16, rank=32, lora_depth=k)
+            ]
+        )
+        for k in (0, 2)
+    ]
     np.testing.assert_allclose(ln.get_ydata(), want)
     plots.plt.close(fig)
     assert plots.throughput_figure(setting, part[part.window == 8], x="window") is None
