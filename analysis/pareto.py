@@ -111,6 +111,7 @@ def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[
     parts = split_settings(agg)
     written: list[Path] = []
     best_lines: list[str] = []
+    hist_problems: list[str] = []
     md_all: list[str] = []
     tex_all: list[str] = []
     for setting, part in parts:
@@ -126,8 +127,7 @@ def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[
         # histogram artifacts only of the configurations the plot shows (downloads are slow)
         ids = [r for row, _, _ in plots.representatives(part, min(top, 4)) for r in row["run_ids"]]
         hists, problems = load_hists(client, ids) if client is not None else ({}, [])
-        for msg in problems:
-            print(f"warning: {msg}", file=sys.stderr)
+        hist_problems += problems
         fig = plots.accepted_length_figure(setting, part, hists, top=min(top, 4))
         if fig is not None:
             written += plots.save(fig, out, f"accepted_length_{slug}")
@@ -143,6 +143,11 @@ def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[
     for name, text in (("tables.md", "\n".join(md_all)), ("tables.tex", "\n".join(tex_all))):
         (out / name).write_text(text)
         written.append(out / name)
+    if hist_problems:  # one line per kind of problem, not one per run
+        print(
+            f"warning: {len(hist_problems)} accepted-length histogram(s) skipped, e.g. {hist_problems[0]}",
+            file=sys.stderr,
+        )
     agg.drop(columns="run_ids").to_csv(out / "summary.csv", index=False)
     written.append(out / "summary.csv")
     return written, best_lines
