@@ -235,7 +235,7 @@ def _place_labels(ax, x: np.ndarray, y: np.ndarray, texts: list[str], show: np.n
         ann.set_position((dx, dy))
         ann.set_ha(ha)
         ann.set_va(va)
-        obstacles.append(ext)
+        obstacles.append(ext.padded(fig.dpi / 72.0))  # 1 pt of air: survives small layout shifts
 
 
 def _draw_iso_lines(

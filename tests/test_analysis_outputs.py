@@ -279,3 +279,44 @@ def test_save_writes_png_and_pdf(tmp_path, setting_part):
     paths = plots.save(plots.pareto_figure(setting, part), tmp_path / "figs", "pareto_x")
     assert [p.name for p in paths] == ["pareto_x.png", "pareto_x.pdf"]
     assert paths[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and paths[1].read_bytes()[:5] == b"%PDF-"
+
+
+def _extents(fig, gid):
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    return [t.get_window_extent(r) for t in fig.axes[0].texts if t.get_gid() == gid]
+
+
+def test_pareto_labels_readable_no_overlap_inside_box(setting_part):
+    """Readability regressions: n/r/k labels do not overlap each other; iso labels stay inside."""
+    setting, part = setting_part
+    fig = plots.pareto_figure(setting, part)
+    labels = _extents(fig, "point-label")
+    for i in range(len(labels)):
+        for j in range(i + 1, len(labels)):
+            assert plots._overlap(labels[i], labels[j]) == 0, (i, j)
+    box = fig.axes[0].get_window_extent(fig.canvas.get_renderer())
+    for ext in _extents(fig, "iso-label"):
+        assert box.x0 - 1 <= ext.x0 and ext.x1 <= box.x1 + 1 and box.y0 - 1 <= ext.y0 and ext.y1 <= box.y1 + 1
+    plots.plt.close(fig)
+
+
+def test_pareto_figure_drop_mode_marks_iso_lines_approximate(evals):
+    sel = [e for e in evals if e.params["lora_depth"] == 0 and e.params["rank"] in (1, 32)]
+    runs = frame_from_evaluations(sel)
+    runs["extra_token"] = "drop"
+    runs["tokens_per_cycle"] = runs["mu_acc"] + 0.3  # mean max(s, 1): not mu_acc + 1
+    setting, part = split_settings(aggregate(runs))[0]
+    assert setting.extra_token == "drop" and plots.iso_offset(setting, part) == pytest.approx(0.3)
+    fig = plots.pareto_figure(setting, part)
+    ax = fig.axes[0]
+    texts = [t.get_text() for t in ax.texts if t.get_gid() == "iso-label"]
+    assert texts and all(t.startswith("≈") for t in texts)
+    assert not [ln for ln in ax.lines if ln.get_gid() == "iso-throughput-stp"]
+    for ln in _iso_lines(ax):
+        t = 1000 * (ln.get_xdata() + 0.3) / ln.get_ydata()
+        np.testing.assert_allclose(t, t[0], rtol=1e-9)
+    assert len([t for t in ax.texts if t.get_gid() == "point-label"]) == len(
+        part
+    )  # <= 12 points: all labelled
+    plots.plt.close(fig)
