@@ -175,6 +175,8 @@ def test_cli_writes_figures_tables_and_logs_summary(store, tmp_path, capsys):
     assert "throughput_vs_window_tiny_sample_keep_T1_p1_cpu-test.png" in names  # n varies only there
     assert "throughput_vs_window_tiny_greedy_keep_T0_p1_cpu-test.png" not in names
     assert "accepted_length_tiny_greedy_keep_T0_p1_cpu-test.png" in names
+    assert (out / f"pareto_{slugs[0]}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / f"pareto_{slugs[0]}.pdf").read_bytes()[:5] == b"%PDF-"
     assert {"tables.md", "tables.tex", "summary.csv"} <= names
     # table value: the logged throughput of greedy cp, mean ± std over the two prompt sets, bold (best)
     thr = [e.metrics["throughput"] for e in store["good"][:6] if e.params["circuit"] == "btree"]

@@ -274,13 +274,6 @@ def test_acceptance_and_accepted_length_figures(evals, runs, setting_part):
     assert plots.acceptance_figure(setting, no_acc) is None
 
 
-def test_save_writes_png_and_pdf(tmp_path, setting_part):
-    setting, part = setting_part
-    paths = plots.save(plots.pareto_figure(setting, part), tmp_path / "figs", "pareto_x")
-    assert [p.name for p in paths] == ["pareto_x.png", "pareto_x.pdf"]
-    assert paths[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and paths[1].read_bytes()[:5] == b"%PDF-"
-
-
 def _extents(fig, gid):
     fig.canvas.draw()
     r = fig.canvas.get_renderer()
