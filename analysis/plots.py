@@ -184,7 +184,8 @@ def pareto_figure(setting: Setting, part: pd.DataFrame, width: float = COLUMN_WI
             f"{part.iloc[i]['window']}/{part.iloc[i]['rank']}/{part.iloc[i]['lora_depth']}"
             for i in range(len(x))
         ]
-        _place_labels(ax, x, y, texts, show, avoid=[leg])
+        front_lines = [ln for ln in ax.lines if ln.get_gid() == "pareto-front"]
+        _place_labels(ax, x, y, texts, show, avoid=[leg], lines=front_lines)
     return fig
 
 
@@ -201,9 +202,12 @@ def _overlap(a, b) -> float:
     return w * h if w > 0 and h > 0 else 0.0
 
 
-def _place_labels(ax, x: np.ndarray, y: np.ndarray, texts: list[str], show: np.ndarray, avoid=()) -> None:
+def _place_labels(
+    ax, x: np.ndarray, y: np.ndarray, texts: list[str], show: np.ndarray, avoid=(), lines=()
+) -> None:
     """Annotate the points ``show`` with ``texts``, trying a few offsets per label and keeping the
-    first that overlaps no marker, no earlier label and nothing in ``avoid`` (else the least bad)."""
+    first that overlaps no marker, no earlier label, nothing in ``avoid`` and no segment of
+    ``lines`` (else the least bad)."""
     from matplotlib.transforms import Bbox
 
     fig = ax.figure
@@ -213,6 +217,13 @@ def _place_labels(ax, x: np.ndarray, y: np.ndarray, texts: list[str], show: np.n
     r = 3.5 * fig.dpi / 72.0  # marker half-size in pixels
     obstacles = [Bbox.from_extents(px - r, py - r, px + r, py + r) for px, py in pts]
     obstacles += [a.get_window_extent(renderer) for a in avoid]
+    for line in lines:  # points every ~2 px along each segment, as 2 px boxes
+        xy = ax.transData.transform(np.column_stack([line.get_xdata(), line.get_ydata()]))  # (M, 2)
+        for (ax0, ay0), (ax1, ay1) in zip(xy[:-1], xy[1:], strict=True):
+            k = max(2, int(np.hypot(ax1 - ax0, ay1 - ay0) / 2))
+            for t in np.linspace(0, 1, k):
+                px, py = ax0 + t * (ax1 - ax0), ay0 + t * (ay1 - ay0)
+                obstacles.append(Bbox.from_extents(px - 1, py - 1, px + 1, py + 1))
     box = ax.get_window_extent(renderer)
     for i in np.flatnonzero(show)[np.argsort(-y[show])]:  # top to bottom
         ann = ax.annotate(texts[i], (x[i], y[i]), xytext=(0, 0), textcoords="offset points", fontsize=5,
