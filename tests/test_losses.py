@@ -142,6 +142,23 @@ def test_chunked_equals_naive_loss_and_gradients(kind, delta):
         assert all(g.abs().sum() > 0 for g in grads.values())
 
 
+def test_frozen_unembedding_with_trainable_sums_and_double_backward():
+    head = make_head("cp", n=4)
+    e, ids, score, docs = make_batch()
+    head.leaf_weight.requires_grad_(False)
+    window_loss(head, e, ids, score, docs, chunk_size=None).loss.backward()
+    ref = {k: p.grad.clone() for k, p in head.named_parameters() if p.requires_grad}
+    head.zero_grad()
+    out = window_loss(head, e, ids, score, docs, chunk_size=3)
+    (2.0 * out.loss).backward(retain_graph=True)
+    for k, p in head.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, 2.0 * ref[k])
+    assert head.leaf_weight.grad is None
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        out.loss.backward()
+
+
 def test_frozen_head_only_e_gets_gradients_and_no_grad_evaluation():
     head = make_head("cp", n=4)
     e, ids, score, docs = make_batch()
