@@ -12,19 +12,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtpc.circuits import build_circuit
+from mtpc.circuits import CIRCUIT_KINDS, build_circuit
 from mtpc.circuits.reference import dense_joint, dense_max_joint
 from tests.circuit_helpers import (
     ALPHA,
     CASES,
     all_windows,
     chi_square_pvalue,
+    one_thread,  # noqa: F401  (autouse fixture)
     rank_for,
     raw_logits,
     window_index,
 )
 
-KINDS = ("ff", "cp")  # hmm and btree join in the next commit
+KINDS = CIRCUIT_KINDS
 
 
 def _setup(kind, case, batch_shape=(2,), seed=0):

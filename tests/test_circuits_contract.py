@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtpc.circuits import build_circuit
-from tests.circuit_helpers import raw_logits
+from mtpc.circuits import CIRCUIT_KINDS, build_circuit
+from tests.circuit_helpers import one_thread, raw_logits  # noqa: F401  (autouse fixture)
 
-KINDS = ("ff", "cp")  # hmm and btree join in the next commit
+KINDS = CIRCUIT_KINDS
 
 
 def _c(kind, n=4, r=3, v=5):

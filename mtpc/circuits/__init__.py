@@ -7,12 +7,14 @@
 from __future__ import annotations
 
 from .base import Circuit, Params
+from .btree import BTreeCircuit, BtreeNode
 from .cp import CPCircuit
 from .ff import FFCircuit
+from .hmm import HMMCircuit
 
 CIRCUIT_KINDS = ("ff", "cp", "hmm", "btree")
 
-_CLASSES: dict[str, type[Circuit]] = {"ff": FFCircuit, "cp": CPCircuit}
+_CLASSES: dict[str, type[Circuit]] = {"ff": FFCircuit, "cp": CPCircuit, "hmm": HMMCircuit, "btree": BTreeCircuit}
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -32,9 +34,7 @@ def build_circuit(kind: str, window: int, rank: int, vocab: int) -> Circuit:
     vocab = _positive_int("vocab", vocab)
     if kind == "ff" and rank != 1:
         raise ValueError(f"rank: ff is fully factorised and requires rank 1, got {rank}")
-    if kind not in _CLASSES:
-        raise ValueError(f"kind: {kind!r} is not implemented yet")
     return _CLASSES[kind](window, rank, vocab)
 
 
-__all__ = ["CIRCUIT_KINDS", "Circuit", "Params", "build_circuit"]
+__all__ = ["CIRCUIT_KINDS", "BtreeNode", "Circuit", "Params", "build_circuit"]
