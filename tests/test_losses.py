@@ -127,18 +127,20 @@ def _grads(head, e_source, ids, score, docs, chunk_size):
     return out, grads
 
 
-@pytest.mark.parametrize("kind, delta", [("ff", 0), ("cp", 0), ("hmm", 0), ("btree", 0), ("cp", 2)])
-def test_chunked_equals_naive_loss_and_gradients(kind, delta):
-    head = make_head(kind, n=4, r=3, v=5, d=6, dtype=torch.float32, leaf_delta_rank=delta)
-    e, ids, score, docs = make_batch(v=5, d=6, dtype=torch.float32)
-    source = {"lin": torch.nn.Linear(6, 6), "e0": e}
+@pytest.mark.parametrize("kind, delta", [("ff", 0), ("cp", 0), ("hmm", 0), ("btree", 0), ("cp", 2), ("btree", 2)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_chunked_equals_naive_loss_and_gradients(kind, delta, dtype):
+    head = make_head(kind, n=4, r=3, v=5, d=6, dtype=dtype, leaf_delta_rank=delta)
+    e, ids, score, docs = make_batch(v=5, d=6, dtype=dtype)
+    source = {"lin": torch.nn.Linear(6, 6).to(dtype), "e0": e}
     ref, ref_grads = _grads(head, source, ids, score, docs, None)
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-6)
     for chunk in (1, 5, 1000):
         out, grads = _grads(head, source, ids, score, docs, chunk)
-        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
-        torch.testing.assert_close(out.per_position_nll, ref.per_position_nll, rtol=1e-5, atol=0)
+        torch.testing.assert_close(out.loss, ref.loss, **tol)
+        torch.testing.assert_close(out.per_position_nll, ref.per_position_nll, **tol)
         for name, g in ref_grads.items():
-            torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=f"{name} chunk={chunk}")
+            torch.testing.assert_close(grads[name], g, **tol, msg=lambda m: f"{name} chunk={chunk}: {m}")
         assert all(g.abs().sum() > 0 for g in grads.values())
 
 
