@@ -24,12 +24,14 @@ Left out: the head itself (mtpc/heads.py), the backbone forward that produces e.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from mtpc.circuits import build_circuit
 from mtpc.heads import MtpcHead
 
 
@@ -120,6 +122,12 @@ def _observed_leaf_scores(head: MtpcHead, e: Tensor, x: Tensor, dtype: torch.dty
     return picked - (m + Z.log()).squeeze(-1), E, Z, idx
 
 
+@functools.lru_cache(maxsize=32)
+def _observed_circuit(kind: str, window: int, rank: int):
+    """The same structure over a vocabulary of one: its leaves are the observed-token scores."""
+    return build_circuit(kind, window=window, rank=rank, vocab=1)
+
+
 class _ChunkedWindowLoss(torch.autograd.Function):
     """loss = sum(loss_w * nll(head(e), x)) and stats = sum_rows(stat_w * nll), in chunks.
 
@@ -130,9 +138,10 @@ class _ChunkedWindowLoss(torch.autograd.Function):
 
     Fast path for a full unembedding W (leaf_delta_rank = 0), which keeps a single
     (c, n, r, v) buffer per chunk: prefix marginals need the leaves only at the observed tokens,
-    so the circuit gets the (c, n, r) scores log softmax(W e)[x] as leaves with a vocabulary of 1
-    (broadcast to v, queried at x = 0: exact for every kind, checked against the naive path by
-    the tests). The leaf-logit gradient is then formed by hand in the softmax buffer,
+    so the same circuit structure built over a vocabulary of one gets the (c, n, r) scores
+    log softmax(W e)[x] as its (already normalised over v) leaves and is queried at x = 0 (exact
+    for every kind: prefix marginals never sum over the leaves of later positions, they use their
+    normalisation; checked against the naive path by the tests). The leaf-logit gradient is then formed by hand in the softmax buffer,
     g_L = g_s (onehot(x) - softmax(W e)), and W's gradient accumulated in place (grad_W += g_L^T e).
     Other parameters (sum units; the low-rank delta option) go through autograd.
     """
@@ -146,6 +155,7 @@ class _ChunkedWindowLoss(torch.autograd.Function):
         cfg, circuit = head.config, head.circuit
         W = getattr(head, "leaf_weight", None)
         fast = W is not None
+        score_circuit = _observed_circuit(cfg.kind, cfg.window, cfg.rank) if fast else None
         W_index = next((i for i, p in enumerate(params) if p is W), None) if fast else None  # None: W frozen
         auto = [i for i, need in enumerate(need_p) if need and not (fast and i == W_index)]
         loss = torch.zeros((), dtype=loss_w.dtype, device=e.device)
@@ -163,7 +173,7 @@ class _ChunkedWindowLoss(torch.autograd.Function):
                 if fast:
                     scores.requires_grad_(W_index is not None or need_e)
                     q = {"leaves": scores.unsqueeze(-1), **circuit.normalize(head.sum_logits(e_chunk))}
-                    nll = _conditional_nll(circuit._prefix_log_marginals(q, torch.zeros_like(x_chunk)))
+                    nll = _conditional_nll(score_circuit._prefix_log_marginals(q, torch.zeros_like(x_chunk)))
                 else:
                     nll = window_nll(head, e_chunk, x_chunk)  # (c, n)
                 chunk_loss = (nll * loss_w[rows]).sum()
