@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Circuit, Params, gather_leaf_scores, gather_rows, gumbel_argmax, log_vecmat, with_prefix
+from .base import Circuit, Params, gather_leaf_scores, gather_rows, log_vecmat, sample_rows, with_prefix
 
 
 class HMMCircuit(Circuit):
@@ -70,7 +70,7 @@ class HMMCircuit(Circuit):
             row = trans[..., i - 1, :, :].gather(-2, z[-1][..., None, None].expand(*z[-1].shape, 1, r)).squeeze(-2)
             z.append((row + noise[..., i, :]).argmax(-1))
         states = torch.stack(z, dim=-1)  # (..., n - start)
-        x = gumbel_argmax(gather_rows(leaves[..., start:, :, :], states), generator)  # (..., n - start)
+        x = sample_rows(gather_rows(leaves[..., start:, :, :], states), generator, normalised=True)  # (..., n - start)
         if start > 0:
             x = torch.cat([x.new_zeros(*x.shape[:-1], start), x], dim=-1)
         return with_prefix(prefix, x)
