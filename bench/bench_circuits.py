@@ -4,7 +4,8 @@
             -> backward; reported per 1k windows (also with all prefix marginals, what the loss uses).
   draft:    batch 1, prefix of length 1 (what the decoding loop calls every cycle): the fused
             `_draft` (sample + conditionals of the sampled window), the unfused `_sample` then
-            `_conditionals`, the greedy draft, and `normalize` of raw logits, at 1 and 2 threads.
+            `_conditionals`, the greedy draft, and `normalize` of raw logits, at 1 and 2 threads,
+            under torch.inference_mode (draft also under plain no_grad, which costs more per op).
 
 Medians of repeated runs; the machine (CPU model, cores, torch, load average) is written with the
 numbers. Usage:  python bench/bench_circuits.py --out bench/results/circuits_cpu.json
@@ -55,8 +56,8 @@ def machine() -> dict:
     }
 
 
-def timed(fn, reps: int, warmup: int, min_time: float = 0.0) -> float:
-    """Median seconds of one call over `reps` calls after `warmup` calls."""
+def timed(fn, reps: int, warmup: int, min_time: float = 0.0, max_time: float = 3.0) -> float:
+    """Median seconds of one call: `reps` calls (at least min_time s; fewer, >= 5, past max_time s)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -65,6 +66,8 @@ def timed(fn, reps: int, warmup: int, min_time: float = 0.0) -> float:
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
+        if len(times) >= 5 and time.perf_counter() - start > max_time:
+            break
     return statistics.median(times)
 
 
@@ -99,7 +102,7 @@ def bench_train(kind, n, r, v, budget_elems, reps, generator) -> dict:
             "train_nll_ms_per_1k": 1e6 * nll / batch, "train_prefix_ms_per_1k": 1e6 * pre / batch}
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def bench_draft(kind, n, r, v, reps, threads, generator) -> dict:
     torch.set_num_threads(threads)
     c = build_circuit(kind, window=n, rank=r, vocab=v)
@@ -110,6 +113,9 @@ def bench_draft(kind, n, r, v, reps, threads, generator) -> dict:
     x = c._sample(q, g, prefix)
     out = {"kind": kind, "n": n, "r": r, "v": v, "threads": threads}
     out["draft_ms"] = 1e3 * timed(lambda: c._draft(q, prefix, g), reps, 20, 0.2)
+    with torch.inference_mode(False), torch.no_grad():  # what a caller without inference_mode pays
+        qn = c.normalize({k: t.clone() for k, t in raw.items()})
+        out["draft_no_grad_ms"] = 1e3 * timed(lambda: c._draft(qn, prefix.clone(), g), reps, 20, 0.2)
     out["sample_then_conditionals_ms"] = 1e3 * timed(lambda: c._conditionals(q, c._sample(q, g, prefix)), reps, 10, 0.2)
     out["greedy_draft_ms"] = 1e3 * timed(lambda: c._draft(q, prefix, g, greedy=True), reps, 10, 0.2)
     out["normalize_ms"] = 1e3 * timed(lambda: c.normalize(raw), reps, 10, 0.2)
@@ -172,8 +178,8 @@ def main(argv=None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(table(train, ["kind", "n", "r", "batch", "train_nll_ms_per_1k", "train_prefix_ms_per_1k"]) if train else "")
-    print(table(draft, ["kind", "n", "r", "threads", "draft_ms", "sample_then_conditionals_ms", "greedy_draft_ms",
-                        "normalize_ms"]))
+    print(table(draft, ["kind", "n", "r", "threads", "draft_ms", "draft_no_grad_ms", "sample_then_conditionals_ms",
+                        "greedy_draft_ms", "normalize_ms"]))
     print(json.dumps(checks, indent=1))
     print(f"wrote {args.out}")
 

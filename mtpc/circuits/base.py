@@ -42,7 +42,7 @@ def log_vecmat(logv: Tensor, probs: Tensor) -> Tensor:
     T.transpose(-1, -2) for sum_b T[a, b] exp(logv[b])). The shift is detached: the result does not
     depend on it. A row-vector matmul is used because it is the fastest layout at batch 1.
     """
-    m = logv.detach().amax(-1, keepdim=True)  # (..., 1)
+    m = (logv.detach() if logv.requires_grad else logv).amax(-1, keepdim=True)  # (..., 1)
     out = torch.matmul((logv - m).exp().unsqueeze(-2), probs).squeeze(-2)  # (..., b)
     return out.log() + m
 

@@ -171,7 +171,7 @@ class BTreeCircuit(Circuit):
             scores = gather_leaf_scores(leaves[..., : ids.shape[-1], :, :], ids)  # (..., k, r)
         return e["root"], e["internal"], leaves, ids, scores
 
-    def _upward(self, s: _Schedule, table: Tensor, leaf_msg: Tensor, use_max: bool):
+    def _upward(self, s: _Schedule, table: Tensor, leaf_msg: Tensor, use_max: bool, keep_u: bool = True):
         """Upward pass. table: internal tables breadth-first (probs for sum, logs for max) (..., m, r, r);
         leaf_msg (..., n, r) (leaf scores, or 0 / max-over-tokens for free leaves).
 
@@ -182,30 +182,35 @@ class BTreeCircuit(Circuit):
             slices = [(a, b) for a, b, _ in s.up_levels]
         else:
             slices = s.up_slices
+        if not use_max:
+            table = table.transpose(-1, -2)  # [node state, parent state] for the row-vector matmul
         buf = torch.cat([leaf_msg.new_zeros(*leaf_msg.shape[:-2], 1, self.rank), leaf_msg], dim=-2)
         us = []
         for (a, b), (a0, b0, kids) in zip(slices, s.up_levels, strict=True):
             u = buf.index_select(-2, kids).unflatten(-2, (b0 - a0, 2)).sum(-2)  # (..., S, r)
-            tl = table[..., a:b, :, :]  # (..., S, r, r) [parent state, node state]
-            if use_max:
+            tl = table[..., a:b, :, :]  # (..., S, r, r)
+            if use_max:  # max_b T[a, b] + U(b)
                 msg = (tl + u.unsqueeze(-2)).amax(-1)
-            else:
-                msg = log_vecmat(u, tl.transpose(-1, -2))  # logsumexp_b T[a, b] + U(b)
-            us.append(u)
+            else:  # logsumexp_b T[a, b] + U(b)
+                msg = log_vecmat(u, tl)
+            if keep_u:
+                us.append(u)
             buf = torch.cat([buf, msg], dim=-2)
         u_root = buf.index_select(-2, s.root_children).sum(-2)  # (..., r)
+        if not keep_u:
+            return buf, None, u_root
         u_all = torch.cat(us, dim=-2) if us else leaf_msg.new_zeros(*leaf_msg.shape[:-2], 0, self.rank)
         return buf, u_all, u_root
 
     def _log_prob(self, q: Params, x: Tensor) -> Tensor:
         root, internal, _, _, scores = self._parts(q, x)
         s = self._sched(x.device)
-        _, _, u_root = self._upward(s, internal.exp(), scores, False)
+        _, _, u_root = self._upward(s, internal.exp(), scores, False, keep_u=False)
         return torch.logsumexp(root + u_root, dim=-1)
 
     def _context(self, s: _Schedule, root: Tensor, probs: Tensor, scores: Tensor) -> Tensor:
         """w (..., n, r): log q(state a of the node above leaf i, x_<i), from full leaf scores (..., n, r)."""
-        buf, _, _ = self._upward(s, probs, scores, False)
+        buf, _, _ = self._upward(s, probs, scores, False, keep_u=False)
         a = root.unsqueeze(-2)  # (..., 1, r)  A(root) = log prior; A buffer indexed by node id
         for lo, hi, parents, sibs in s.down_levels:
             v = a.index_select(-2, parents) + buf.index_select(-2, sibs)  # (..., S, r) parent state & x left of it
