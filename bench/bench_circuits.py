@@ -1,7 +1,9 @@
 """Benchmark of the circuit engine on CPU: training forward+backward and the batch-1 draft.
 
   training: raw head logits (B windows, requires_grad) -> normalize -> log q(x) -> mean window NLL
-            -> backward; reported per 1k windows (also with all prefix marginals, what the loss uses).
+            -> backward; reported per 1k windows (also with all prefix marginals, what the loss uses);
+            the kinds at one (n, r) run interleaved round by round and the ratio to cp is the median
+            of per-round ratios (the machine is shared: ratios side by side, DESIGN section 7).
   draft:    batch 1, prefix of length 1 (what the decoding loop calls every cycle): the fused
             `_draft` (sample + conditionals of the sampled window), the unfused `_sample` then
             `_conditionals`, the greedy draft, and `normalize` of raw logits, at 1 and 2 threads,
@@ -78,28 +80,43 @@ def configs(kinds, windows, ranks):
                 yield kind, n, r
 
 
-def bench_train(kind, n, r, v, budget_elems, reps, generator) -> dict:
-    c = build_circuit(kind, window=n, rank=r, vocab=v)
+def bench_train_group(kinds, n, r, v, budget_elems, reps, generator) -> list[dict]:
+    """All kinds at one (n, r), the same batch, steps interleaved round by round so that the
+    ratios between kinds are measured side by side under the same machine load."""
     batch = int(min(1024, max(16, budget_elems // (n * r * v))))
-    raw = {k: torch.randn((batch, *s), generator=generator).requires_grad_(True) for k, s in c.param_shapes.items()}
     x = torch.randint(0, v, (batch, n), generator=generator)
+    steps = {}
+    for kind in kinds:
+        c = build_circuit(kind, window=n, rank=r, vocab=v)
+        raw = {k: torch.randn((batch, *s), generator=generator).requires_grad_(True) for k, s in c.param_shapes.items()}
 
-    def step_nll():
-        loss = -c._log_prob(c.normalize(raw), x).mean()  # mean window NLL
-        loss.backward()
-        for t in raw.values():
-            t.grad = None
+        def step(c=c, raw=raw, prefix=False):
+            q = c.normalize(raw)
+            out = c._prefix_log_marginals(q, x) if prefix else c._log_prob(q, x)
+            (-out.mean()).backward()  # mean window NLL (or mean prefix marginal)
+            for t in raw.values():
+                t.grad = None
 
-    def step_prefix():
-        loss = -c._prefix_log_marginals(c.normalize(raw), x).mean()
-        loss.backward()
-        for t in raw.values():
-            t.grad = None
-
-    nll = timed(step_nll, reps, 1)
-    pre = timed(step_prefix, max(2, reps // 2), 1)
-    return {"kind": kind, "n": n, "r": r, "v": v, "batch": batch,
-            "train_nll_ms_per_1k": 1e6 * nll / batch, "train_prefix_ms_per_1k": 1e6 * pre / batch}
+        steps[kind] = step
+    times = {(kind, pre): [] for kind in kinds for pre in (False, True)}
+    for round_ in range(reps + 1):  # round 0 is the warm-up
+        for kind in kinds:
+            for pre in (False, True):
+                t = time.perf_counter()
+                steps[kind](prefix=pre)
+                if round_:
+                    times[(kind, pre)].append(time.perf_counter() - t)
+    rows = []
+    for kind in kinds:
+        row = {"kind": kind, "n": n, "r": r, "v": v, "batch": batch,
+               "train_nll_ms_per_1k": 1e6 * statistics.median(times[(kind, False)]) / batch,
+               "train_prefix_ms_per_1k": 1e6 * statistics.median(times[(kind, True)]) / batch}
+        if "cp" in kinds and kind != "cp":  # median over rounds of the per-round ratio to cp
+            for pre, name in ((False, "nll"), (True, "prefix")):
+                ratios = [a / b for a, b in zip(times[(kind, pre)], times[("cp", pre)], strict=True)]
+                row[f"{name}_over_cp"] = statistics.median(ratios)
+        rows.append(row)
+    return rows
 
 
 @torch.inference_mode()
@@ -139,8 +156,9 @@ def main(argv=None) -> None:
     ap.add_argument("--ranks", nargs="+", type=int, default=[1, 8, 32, 128])
     ap.add_argument("--vocab", type=int, default=320)
     ap.add_argument("--train-elems", type=int, default=8_000_000, help="batch = this / (n r v), clamped to [16, 1024]")
-    ap.add_argument("--train-reps", type=int, default=5)
-    ap.add_argument("--train-threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--train-reps", type=int, default=7, help="interleaved rounds per (n, r)")
+    ap.add_argument("--train-threads", type=int, default=1,
+                    help="1 by default: on a shared, oversubscribed CPU, multi-threaded ops stall on descheduled threads")
     ap.add_argument("--draft-reps", type=int, default=200)
     ap.add_argument("--draft-threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--skip-train", action="store_true")
@@ -153,10 +171,12 @@ def main(argv=None) -> None:
     train, draft = [], []
     if not args.skip_train:
         torch.set_num_threads(args.train_threads)
-        for kind, n, r in configs(args.kinds, args.windows, args.ranks):
-            row = bench_train(kind, n, r, args.vocab, args.train_elems, args.train_reps, gen)
-            print(json.dumps(row), flush=True)
-            train.append(row)
+        for n in args.windows:
+            for r in args.ranks:
+                kinds = [k for k in args.kinds if k != "ff" or r == 1]
+                for row in bench_train_group(kinds, n, r, args.vocab, args.train_elems, args.train_reps, gen):
+                    print(json.dumps(row), flush=True)
+                    train.append(row)
     for threads in args.draft_threads:
         for kind, n, r in configs(args.kinds, args.windows, args.ranks):
             row = bench_draft(kind, n, r, args.vocab, args.draft_reps, threads, gen)
@@ -169,15 +189,18 @@ def main(argv=None) -> None:
         if (row["kind"], row["n"], row["r"]) == ("btree", 16, 32):
             checks[f"btree_draft_n16_r32_v{row['v']}_threads{row['threads']}_ms"] = row["draft_ms"]
     for row in train:
-        if row["kind"] == "btree":
-            cp = next((t for t in train if t["kind"] == "cp" and t["n"] == row["n"] and t["r"] == row["r"]), None)
-            if cp:
-                checks[f"btree_over_cp_train_nll_n{row['n']}_r{row['r']}"] = row["train_nll_ms_per_1k"] / cp["train_nll_ms_per_1k"]
+        if row["kind"] == "btree" and "nll_over_cp" in row:
+            checks[f"btree_over_cp_train_nll_n{row['n']}_r{row['r']}"] = row["nll_over_cp"]
+            checks[f"btree_over_cp_train_prefix_n{row['n']}_r{row['r']}"] = row["prefix_over_cp"]
     result = {"machine": info, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "train": train, "draft": draft, "checks": checks}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(table(train, ["kind", "n", "r", "batch", "train_nll_ms_per_1k", "train_prefix_ms_per_1k"]) if train else "")
+    for row in train:
+        row.setdefault("nll_over_cp", float("nan") if row["kind"] != "cp" else 1.0)
+        row.setdefault("prefix_over_cp", float("nan") if row["kind"] != "cp" else 1.0)
+    print(table(train, ["kind", "n", "r", "batch", "train_nll_ms_per_1k", "nll_over_cp", "train_prefix_ms_per_1k",
+                        "prefix_over_cp"]) if train else "")
     print(table(draft, ["kind", "n", "r", "threads", "draft_ms", "draft_no_grad_ms", "sample_then_conditionals_ms",
                         "greedy_draft_ms", "normalize_ms"]))
     print(json.dumps(checks, indent=1))
