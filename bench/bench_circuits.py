@@ -175,6 +175,7 @@ def main(argv=None) -> None:
     ap.add_argument("--draft-threads", nargs="+", type=int, default=[1],
                     help="intra-op threads for the batch-1 draft (2 stalls on an oversubscribed CPU)")
     ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--skip-draft", action="store_true")
     args = ap.parse_args(argv)
     if any(n < 1 for n in args.windows) or any(r < 1 for r in args.ranks):
         ap.error("--windows and --ranks must be >= 1")
@@ -190,7 +191,7 @@ def main(argv=None) -> None:
                 for row in bench_train_group(kinds, n, r, args.vocab, args.train_elems, args.train_reps, gen):
                     print(json.dumps(row), flush=True)
                     train.append(row)
-    for threads in args.draft_threads:
+    for threads in [] if args.skip_draft else args.draft_threads:
         for kind, n, r in configs(args.kinds, args.windows, args.ranks):
             row = bench_draft(kind, n, r, args.vocab, args.draft_reps, threads, gen)
             print(json.dumps(row), flush=True)
