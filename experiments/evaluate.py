@@ -220,7 +220,7 @@ def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
     for r in results["runs"]:
         groups.setdefault((r["head"], r["mode"], r["extra_token"]), []).append(r)
     out = []
-    for (head, mode, extra), rs in groups.items():
+    for (_head, mode, extra), rs in groups.items():
         row = {k: rs[0][k] for k in ("head", "backbone", "circuit", "window", "rank", "lora_depth")}
         row.update({"mode": mode, "extra_token": extra, "sets": len(rs)})
         for k in SUMMARY_METRICS:

@@ -16,7 +16,13 @@ from mtpc import MtpcModel
 from mtpc.circuits import CIRCUIT_KINDS
 from mtpc.heads import HeadConfig, MtpcHead, save_head
 from mtpc.speculative.acceptance import TorchChooser
-from mtpc.speculative.loop import BackboneEngine, CircuitDrafter, DecodeConfig, plain_decode, speculative_decode
+from mtpc.speculative.loop import (
+    BackboneEngine,
+    CircuitDrafter,
+    DecodeConfig,
+    plain_decode,
+    speculative_decode,
+)
 from tests.backbone_helpers import randomize_lora, tiny_backbone, tiny_llama
 from tests.speculative_helpers import circuit_enum_drafter, enumerate_outcomes, single_thread, total_variation
 
