@@ -153,7 +153,8 @@ class MtpcTrainModule(L.LightningModule):
     def lora_active(self) -> bool:
         return bool(self.lora_params) and self.current_epoch >= self.hparams.lora_start_epoch
 
-    def on_train_epoch_start(self) -> None:
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # per batch, not per epoch: Lightning skips on_train_epoch_start when resuming mid-epoch
         active = self.lora_active()
         for p in self.lora_params:
             p.requires_grad_(active)
@@ -200,8 +201,10 @@ class MtpcTrainModule(L.LightningModule):
     # -- checkpoints: trainable tensors + RNG states only -----------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if _is_trainable_key(k)}
-        checkpoint["rng_states"] = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                                    "numpy": np.random.get_state()}
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        checkpoint["rng_states"] = {  # plain types and tensors only: Lightning loads with weights_only
+            "torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)]}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         want = {k for k in self.state_dict() if _is_trainable_key(k)}
@@ -213,7 +216,8 @@ class MtpcTrainModule(L.LightningModule):
         if rng:
             torch.set_rng_state(rng["torch"])
             random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
+            kind, keys, pos, has_gauss, gauss = rng["numpy"]
+            np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
 
 
 def stp_nll(logits: torch.Tensor, ids: torch.Tensor, score_mask: torch.Tensor,

@@ -23,6 +23,7 @@ import resource
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,8 @@ class RunConfig:
     tracking: bool = True
     tracking_uri: str | None = None
     experiment: str = "mtpc-train"
+    cpu_threads: int | None = None
+    """torch CPU threads (1 is fastest for tiny models on a shared machine); None: torch's default"""
 
 
 @dataclass
@@ -77,6 +80,8 @@ class TrainResult:
     run_dir: Path
     mlflow_run_id: str | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    model: Any = field(default=None, repr=False)
+    """the trained MtpcTrainModule (backbone + head), so a caller can evaluate without reloading"""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -258,6 +263,7 @@ class TrainCLI(LightningCLI):
     mlflow_run_id: str | None = None
     extra_callbacks: list[Callback] = []
     resuming: bool = False
+    validate_only: bool = False
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_class_arguments(RunConfig, "run")
@@ -276,8 +282,14 @@ class TrainCLI(LightningCLI):
         run["name"] = run.get("name") or default_run_name(self.resolved)
         run["dir"] = str(Path(run.get("dir") or Path("runs") / run["name"]).resolve())
         run["export_dir"] = str(Path(run.get("export_dir") or Path(run["dir"]) / "head").resolve())
+        if run.get("cpu_threads"):
+            torch.set_num_threads(int(run["cpu_threads"]))
         if self.subcommand == "fit" and cfg.get("ckpt_path"):
             self.resuming = True
+
+    def instantiate_classes(self) -> None:
+        if not self.validate_only:
+            super().instantiate_classes()
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         run = self.resolved["run"]
@@ -375,7 +387,7 @@ def _finish(cli: TrainCLI, started: float) -> TrainResult:
         client.log_artifact(run_id, str(head_dir / "config.json"), artifact_path="head")
     (Path(run["dir"]) / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return TrainResult(head_dir=head_dir, metrics=metrics, checkpoint_dir=Path(run["dir"]) / "checkpoints",
-                       run_dir=Path(run["dir"]), mlflow_run_id=run_id, config=cli.resolved)
+                       run_dir=Path(run["dir"]), mlflow_run_id=run_id, config=cli.resolved, model=cli.model)
 
 
 def _deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -407,13 +419,36 @@ def load_config(config: dict[str, Any] | str | Path) -> tuple[dict[str, Any], st
 
 def make_cli(args: dict[str, Any] | list[str] | None, *, run: bool, source: str | None = None,
              mlflow_run_id: str | None = None, callbacks: list[Callback] | None = None,
-             resuming: bool = False) -> TrainCLI:
-    attrs = {"mlflow_run_id": mlflow_run_id, "extra_callbacks": list(callbacks or []), "resuming": resuming}
+             resuming: bool = False, validate_only: bool = False) -> TrainCLI:
+    attrs = {"mlflow_run_id": mlflow_run_id, "extra_callbacks": list(callbacks or []), "resuming": resuming,
+             "validate_only": validate_only}
     if source:
         attrs["config_source"] = source
     cls = type("TrainCLI", (TrainCLI,), attrs)
-    return cls(MtpcTrainModule, ChatDataModule, args=args, run=run, save_config_callback=None,
-               seed_everything_default=0, parser_kwargs={"exit_on_error": False} if not run else None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
+        warnings.filterwarnings("ignore", message=".*srun. command is available.*")
+        return cls(MtpcTrainModule, ChatDataModule, args=args, run=run, save_config_callback=None,
+                   seed_everything_default=0, parser_kwargs={"exit_on_error": False} if not run else None)
+
+
+def _parse(config: dict[str, Any] | str | Path, overrides: dict[str, Any] | None, **kw: Any) -> TrainCLI:
+    cfg, source = load_config(config)
+    cfg = _deep_merge(cfg, overrides or {})
+    try:
+        return make_cli(cfg, run=False, source=source, **kw)
+    except Exception as err:  # jsonargparse type errors name the key; say which file too
+        if isinstance(err, ValueError) and str(err).startswith(source):
+            raise
+        raise ValueError(f"{source}: {err}") from err
+
+
+def check_config(config: dict[str, Any] | str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Parse (types) and validate a config without loading weights or data; returns the resolved dict.
+
+    Raises ValueError naming the key and the file. The sweep runner can check every grid point with it.
+    """
+    return _parse(config, overrides, validate_only=True).resolved
 
 
 def train_head(config: dict[str, Any] | str | Path, overrides: dict[str, Any] | None = None, *,
@@ -428,20 +463,13 @@ def train_head(config: dict[str, Any] | str | Path, overrides: dict[str, Any] | 
     run_dir / export_dir: override `run.dir` / `run.export_dir`.
     callbacks: extra Lightning callbacks (tests use them to record or interrupt).
     """
-    cfg, source = load_config(config)
-    cfg = _deep_merge(cfg, overrides or {})
+    overrides = dict(overrides or {})
     if run_dir is not None:
-        cfg = _deep_merge(cfg, {"run.dir": str(run_dir)})
+        overrides["run.dir"] = str(run_dir)
     if export_dir is not None:
-        cfg = _deep_merge(cfg, {"run.export_dir": str(export_dir)})
+        overrides["run.export_dir"] = str(export_dir)
     started = time.perf_counter()
-    try:
-        cli = make_cli(cfg, run=False, source=source, mlflow_run_id=mlflow_run_id, callbacks=callbacks,
-                       resuming=ckpt_path is not None)
-    except Exception as err:  # jsonargparse type errors name the key; say which file too
-        if isinstance(err, ValueError) and str(err).startswith(source):
-            raise
-        raise ValueError(f"{source}: {err}") from err
+    cli = _parse(config, overrides, mlflow_run_id=mlflow_run_id, callbacks=callbacks, resuming=ckpt_path is not None)
     if ckpt_path == "last":
         last = Path(cli.resolved["run"]["dir"]) / "checkpoints" / "last.ckpt"
         ckpt_path = str(last) if last.exists() else None
