@@ -232,8 +232,12 @@ class MtpcHead(nn.Module):
         if e.shape[-1] != d:
             raise ValueError(f"e: expected last dim = hidden = {d}, got shape {tuple(e.shape)}")
         e = e.to(self._param_dtype)
-        lead = e.shape[:-1]
-        out = {"leaves": self.leaf_logits(e)}  # (..., n, r, v)
+        return {"leaves": self.leaf_logits(e), **self.sum_logits(e)}  # leaves (..., n, r, v)
+
+    def sum_logits(self, e: Tensor) -> dict[str, Tensor]:
+        """e (..., d) in the head's dtype -> the sum-unit logits only (everything but leaves)."""
+        d, lead = self.config.hidden, e.shape[:-1]
+        out = {}
         for name in self.sum_names:
             w, b = self.sum_weight[name], self.sum_bias[name]
             out[name] = F.linear(e, w.view(-1, d), b.reshape(-1)).view(*lead, *b.shape)

@@ -87,10 +87,18 @@ def loss_weights(scored: Tensor, gamma: float, dtype: torch.dtype = torch.float3
     return stat, stat * discount, V.sum(dim=0)
 
 
-def window_nll(head: MtpcHead, e: Tensor, x: Tensor) -> Tensor:
-    """-log q(x_j | x_<j, e) for every window offset: e (N, d), x (N, n) -> (N, n)."""
+def window_nll(head: MtpcHead, e: Tensor, x: Tensor, leaves: Tensor | None = None) -> Tensor:
+    """-log q(x_j | x_<j, e) for every window offset: e (N, d), x (N, n) -> (N, n).
+
+    `leaves` (N, n, r, v), when given, replaces head.leaf_logits(e) (the chunked fast path
+    computes them itself so that it can take their gradient by hand).
+    """
     circuit = head.circuit
-    q = circuit.normalize(head(e))
+    if leaves is None:
+        p = head(e)
+    else:
+        p = {"leaves": leaves, **head.sum_logits(e.to(leaves.dtype))}
+    q = circuit.normalize(p)
     prefix = circuit._prefix_log_marginals(q, x)  # (N, n) log q(x_1..x_j)
     previous = torch.nn.functional.pad(prefix[..., :-1], (1, 0), value=0.0)  # (N, n)
     return previous - prefix
@@ -101,7 +109,12 @@ class _ChunkedWindowLoss(torch.autograd.Function):
 
     forward recomputes each chunk with grad enabled on a detached slice of e, takes the
     chunk's gradients for e and every trainable head parameter at once, and accumulates them;
-    backward only scales the stored sums by grad_output. stats is not differentiable.
+    backward only scales the stored sums by grad_output (in place: one backward per forward).
+    stats is not differentiable.
+
+    Fast path for a full unembedding W (leaf_delta_rank = 0): the leaf logits L = e W^T are made
+    a leaf of the chunk's graph, and W's gradient is accumulated in place (grad_W += g_L^T e),
+    so no parameter-sized temporary exists per chunk. Other parameters go through autograd.
     """
 
     @staticmethod
@@ -110,33 +123,57 @@ class _ChunkedWindowLoss(torch.autograd.Function):
         need_p = ctx.needs_input_grad[6:]
         grad_e = torch.zeros_like(e) if need_e else None
         grads = [torch.zeros_like(p) if need else None for p, need in zip(params, need_p)]
-        wanted = ([0] if need_e else []) + [i + 1 for i, need in enumerate(need_p) if need]
+        cfg = head.config
+        W = getattr(head, "leaf_weight", None)
+        fast = W is not None and (need_e or any(need_p))
+        if fast:
+            W_index = next((i for i, p in enumerate(params) if p is W), None)  # None: W is frozen
+            W_flat = W.detach().view(-1, cfg.hidden)  # (n r v, d)
+        auto = [i for i, need in enumerate(need_p) if need and not (fast and i == W_index)]
         loss = torch.zeros((), dtype=loss_w.dtype, device=e.device)
         stats = torch.zeros(x.shape[-1], dtype=loss_w.dtype, device=e.device)
         for start in range(0, e.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             with torch.enable_grad():
-                e_chunk = e[rows].detach().requires_grad_(need_e)
-                nll = window_nll(head, e_chunk, x[rows])  # (c, n)
+                e_chunk = e[rows].detach().to(head._param_dtype).requires_grad_(need_e)
+                leaves = None
+                if fast:
+                    leaves = torch.nn.functional.linear(e_chunk.detach(), W_flat).requires_grad_(True)  # (c, n r v)
+                    leaves_view = leaves.view(-1, cfg.window, cfg.rank, cfg.vocab)  # (c, n, r, v)
+                nll = window_nll(head, e_chunk, x[rows], leaves_view if fast else None)  # (c, n)
                 chunk_loss = (nll * loss_w[rows]).sum()
-            if wanted:
-                inputs = [([e_chunk] + list(params))[i] for i in wanted]
-                chunk_grads = torch.autograd.grad(chunk_loss, inputs)
-                for i, g in zip(wanted, chunk_grads):
-                    if i == 0:
-                        grad_e[rows] = g
-                    else:
-                        grads[i - 1] += g
+            inputs = ([leaves] if fast else []) + ([e_chunk] if need_e else []) + [params[i] for i in auto]
+            if inputs:
+                got = list(torch.autograd.grad(chunk_loss, inputs, allow_unused=True))
+                g_leaves = got.pop(0) if fast else None  # (c, n r v)
+                g_e = got.pop(0) if need_e else None  # (c, d)
+                for i, g in zip(auto, got):
+                    if g is not None:
+                        grads[i] += g
+                if fast:
+                    if W_index is not None:
+                        grads[W_index].view(-1, cfg.hidden).addmm_(g_leaves.t(), e_chunk.detach())  # (n r v, d)
+                    if need_e:
+                        g_e = g_leaves @ W_flat if g_e is None else g_e.addmm_(g_leaves, W_flat)  # (c, d)
+                    del g_leaves, leaves, leaves_view
+                if need_e and g_e is not None:
+                    grad_e[rows] = g_e.to(grad_e.dtype)
             loss += chunk_loss.detach()
             stats += (nll.detach() * stat_w[rows]).sum(dim=0)
-        ctx.save_for_backward(grad_e, *grads)
+        ctx.grads = (grad_e, *grads)
         ctx.mark_non_differentiable(stats)
         return loss, stats
 
     @staticmethod
     def backward(ctx, grad_loss, grad_stats):
-        grad_e, *grads = ctx.saved_tensors
-        scale = lambda g: None if g is None else g * grad_loss.to(g.dtype)
+        if ctx.grads is None:
+            raise RuntimeError(
+                "window_loss: backward ran twice through one chunked loss; its gradients are computed "
+                "in forward and handed over once (call window_loss again, or use chunk_size=None)"
+            )
+        grad_e, *grads = ctx.grads
+        ctx.grads = None  # hand the buffers over: autograd may adopt them as .grad without a copy
+        scale = lambda g: None if g is None else g.mul_(grad_loss.to(g.dtype))
         return (None, None, scale(grad_e), None, None, None, *[scale(g) for g in grads])
 
 
@@ -214,9 +251,6 @@ class _NoGradCtx:
 
     def __init__(self, num_params: int) -> None:
         self.needs_input_grad = (False,) * (6 + num_params)
-
-    def save_for_backward(self, *tensors) -> None:
-        pass
 
     def mark_non_differentiable(self, *tensors) -> None:
         pass
