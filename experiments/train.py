@@ -41,6 +41,7 @@ from experiments.module import INITS, MtpcTrainModule, backbone_num_layers
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+TRAIN_CONFIGS = ("debug", "default", "llama_byte", "evabyte")  # shipped in CONFIG_DIR (pretrain_*.yaml are not ours)
 RUN_ID_FILE = "mlflow_run_id.txt"
 PACKAGES = ("torch", "lightning", "transformers", "peft", "mlflow", "jsonargparse", "safetensors", "numpy", "mtpc")
 
