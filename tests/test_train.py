@@ -10,6 +10,7 @@ the CLI runs end to end.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -174,12 +175,45 @@ def test_export_reloads_to_same_outputs(reference_run):
     assert head.config.lora_depth == 1 and head.config.kind == "cp"
 
 
-def test_cli_fit_end_to_end(tmp_path):
+def test_cli_fit_then_resume_with_ckpt_path_last(tmp_path):
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "experiments.train", "fit", "--config", str(CONFIG_DIR / "debug.yaml"),
-           "--trainer.max_steps", "3", "--run.dir", str(tmp_path / "cli")]
-    out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=170,
-                         env={**os.environ, "PYTHONPATH": str(root)})
+    base = [sys.executable, "-m", "experiments.train", "fit", "--config", str(CONFIG_DIR / "debug.yaml"),
+            "--run.dir", str(tmp_path / "cli")]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run(base + ["--trainer.max_steps", "3"], cwd=root, capture_output=True, text=True,
+                         timeout=170, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "cli" / "head" / "head.safetensors").exists()
-    assert (tmp_path / "cli" / "checkpoints" / "last.ckpt").exists()
+    assert torch.load(tmp_path / "cli" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
+    out = subprocess.run(base + ["--trainer.max_steps", "5", "--ckpt_path", "last"], cwd=root, capture_output=True,
+                         text=True, timeout=170, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Restoring states from the checkpoint" in out.stdout + out.stderr
+    assert torch.load(tmp_path / "cli" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 5
+
+
+class SignalAt(Callback):
+    """Sends this process SIGUSR1 at a given step, like SLURM's --signal=USR1 before pre-emption."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def test_sigusr1_checkpoints_stops_and_resumes_exactly(tmp_path, reference_run):
+    ref_losses, _ = reference_run
+    n_steps = max(ref_losses)
+    stop_at = n_steps // 2 - 1  # mid-epoch 0
+    over = {"model.lora_depth": 1}
+    res = train_head("debug", over, run_dir=tmp_path, callbacks=[SignalAt(stop_at)])
+    assert res.preempted and not (res.head_dir / "head.safetensors").exists()
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+    assert saved in (stop_at, stop_at + 1)  # at the first optimizer-step boundary after the signal
+    rec = Recorder()
+    res = train_head("debug", over, run_dir=tmp_path, callbacks=[rec], ckpt_path="last")
+    assert not res.preempted and (res.head_dir / "head.safetensors").exists()
+    assert sorted(rec.losses) == list(range(saved + 1, n_steps + 1))
+    assert all(rec.losses[s] == ref_losses[s] for s in rec.losses)
