@@ -224,7 +224,7 @@ def peak_memory_bytes() -> int:
 
 
 class PreemptionCheckpoint(Callback):
-    """On SIGUSR1 (SLURM's `--signal=USR1@<secs>` before a time limit or pre-emption): write
+    """Writes `last.ckpt` at the final max_steps step, and on SIGUSR1 (SLURM's `--signal=USR1@<secs>` before a time limit or pre-emption): write
     `last.ckpt` after the current optimizer step and stop, so `ckpt_path="last"` resumes exactly.
 
     Lightning's own handler is not used: under LightningEnvironment (which we pass so a one-task
@@ -257,10 +257,16 @@ class PreemptionCheckpoint(Callback):
             self._previous = None
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.requested and not self.saved and trainer.fit_loop._should_accumulate() is False:
+        if trainer.fit_loop._should_accumulate():
+            return
+        if self.requested and not self.saved:
             trainer.save_checkpoint(self.checkpoint)
             self.saved = True
             trainer.should_stop = True
+        elif 0 < trainer.max_steps <= trainer.global_step:
+            # the last step of a max_steps run: ModelCheckpoint may not save here (mid-epoch), but a
+            # later `--ckpt_path last --trainer.max_steps <more>` must continue from this exact state
+            trainer.save_checkpoint(self.checkpoint)
 
 
 class _LastValidation(Callback):

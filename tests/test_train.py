@@ -217,3 +217,15 @@ def test_sigusr1_checkpoints_stops_and_resumes_exactly(tmp_path, reference_run):
     assert not res.preempted and (res.head_dir / "head.safetensors").exists()
     assert sorted(rec.losses) == list(range(saved + 1, n_steps + 1))
     assert all(rec.losses[s] == ref_losses[s] for s in rec.losses)
+
+
+def test_max_steps_run_continues_exactly(tmp_path, reference_run):
+    """A run stopped by max_steps mid-epoch (between checkpoints) continues exactly with more steps."""
+    ref_losses, _ = reference_run
+    stop = max(ref_losses) // 2 - 1
+    over = {"model.lora_depth": 1, "run.checkpoint_every_n_steps": 0}
+    train_head("debug", {**over, "trainer.max_steps": stop}, run_dir=tmp_path)
+    rec = Recorder()
+    train_head("debug", over, run_dir=tmp_path, callbacks=[rec], ckpt_path="last")
+    assert sorted(rec.losses) == list(range(stop + 1, max(ref_losses) + 1))
+    assert all(rec.losses[s] == ref_losses[s] for s in rec.losses)
