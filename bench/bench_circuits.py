@@ -9,8 +9,9 @@
             `_conditionals`, the greedy draft, and `normalize` of raw logits, at 1 and 2 threads,
             under torch.inference_mode (draft also under plain no_grad, which costs more per op).
 
-Medians of repeated runs; the machine (CPU model, cores, torch, load average) is written with the
-numbers. Usage:  python bench/bench_circuits.py --out bench/results/circuits_cpu.json
+Medians of repeated runs, as wall time and as process CPU time (robust to waiting for a core on a
+shared machine; the bars are judged on it); the machine (CPU model, cores, torch, load average) is
+written with the numbers. Usage:  python bench/bench_circuits.py --out bench/results/circuits_cpu.json
 Leaves out: the head's unembedding (mtpc/heads.py) and the backbone.
 """
 
@@ -58,19 +59,22 @@ def machine() -> dict:
     }
 
 
-def timed(fn, reps: int, warmup: int, min_time: float = 0.0, max_time: float = 3.0) -> float:
-    """Median seconds of one call: `reps` calls (at least min_time s; fewer, >= 5, past max_time s)."""
+def timed(fn, reps: int, warmup: int, min_time: float = 0.0, max_time: float = 3.0) -> tuple[float, float]:
+    """(median wall seconds, median process-CPU seconds) of one call, over `reps` calls (at least
+    min_time s; fewer, >= 5, past max_time s). CPU time leaves out the time the process waits for a
+    core, which dominates wall-time noise on a shared machine."""
     for _ in range(warmup):
         fn()
-    times = []
+    wall, cpu = [], []
     start = time.perf_counter()
-    while len(times) < reps or time.perf_counter() - start < min_time:
-        t = time.perf_counter()
+    while len(wall) < reps or time.perf_counter() - start < min_time:
+        t, c = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - t)
-        if len(times) >= 5 and time.perf_counter() - start > max_time:
+        cpu.append(time.process_time() - c)
+        wall.append(time.perf_counter() - t)
+        if len(wall) >= 5 and time.perf_counter() - start > max_time:
             break
-    return statistics.median(times)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def configs(kinds, windows, ranks):
@@ -98,23 +102,27 @@ def bench_train_group(kinds, n, r, v, budget_elems, reps, generator) -> list[dic
                 t.grad = None
 
         steps[kind] = step
-    times = {(kind, pre): [] for kind in kinds for pre in (False, True)}
+    wall = {(kind, pre): [] for kind in kinds for pre in (False, True)}
+    cpu = {(kind, pre): [] for kind in kinds for pre in (False, True)}
     for round_ in range(reps + 1):  # round 0 is the warm-up
         for kind in kinds:
             for pre in (False, True):
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 steps[kind](prefix=pre)
                 if round_:
-                    times[(kind, pre)].append(time.perf_counter() - t)
+                    cpu[(kind, pre)].append(time.process_time() - c)
+                    wall[(kind, pre)].append(time.perf_counter() - t)
     rows = []
     for kind in kinds:
-        row = {"kind": kind, "n": n, "r": r, "v": v, "batch": batch,
-               "train_nll_ms_per_1k": 1e6 * statistics.median(times[(kind, False)]) / batch,
-               "train_prefix_ms_per_1k": 1e6 * statistics.median(times[(kind, True)]) / batch}
-        if "cp" in kinds and kind != "cp":  # median over rounds of the per-round ratio to cp
-            for pre, name in ((False, "nll"), (True, "prefix")):
-                ratios = [a / b for a, b in zip(times[(kind, pre)], times[("cp", pre)], strict=True)]
+        row = {"kind": kind, "n": n, "r": r, "v": v, "batch": batch}
+        for pre, name in ((False, "nll"), (True, "prefix")):
+            row[f"train_{name}_ms_per_1k"] = 1e6 * statistics.median(wall[(kind, pre)]) / batch
+            row[f"train_{name}_cpu_ms_per_1k"] = 1e6 * statistics.median(cpu[(kind, pre)]) / batch
+            if "cp" in kinds and kind != "cp":  # median over rounds of the per-round CPU-time ratio to cp
+                ratios = [a / b for a, b in zip(cpu[(kind, pre)], cpu[("cp", pre)], strict=True)]
                 row[f"{name}_over_cp"] = statistics.median(ratios)
+                q1, _, q3 = statistics.quantiles(ratios, n=4)
+                row[f"{name}_over_cp_iqr"] = [q1, q3]
         rows.append(row)
     return rows
 
@@ -129,14 +137,18 @@ def bench_draft(kind, n, r, v, reps, threads, generator) -> dict:
     g = torch.Generator().manual_seed(0)
     x = c._sample(q, g, prefix)
     out = {"kind": kind, "n": n, "r": r, "v": v, "threads": threads}
-    out["draft_ms"] = 1e3 * timed(lambda: c._draft(q, prefix, g), reps, 20, 0.2)
+    def put(name, fn, warmup=10):
+        w, cpu = timed(fn, reps, warmup, 0.2)
+        out[f"{name}_ms"], out[f"{name}_cpu_ms"] = 1e3 * w, 1e3 * cpu
+
+    put("draft", lambda: c._draft(q, prefix, g), 20)
     with torch.inference_mode(False), torch.no_grad():  # what a caller without inference_mode pays
         qn = c.normalize({k: t.clone() for k, t in raw.items()})
-        out["draft_no_grad_ms"] = 1e3 * timed(lambda: c._draft(qn, prefix.clone(), g), reps, 20, 0.2)
-    out["sample_then_conditionals_ms"] = 1e3 * timed(lambda: c._conditionals(q, c._sample(q, g, prefix)), reps, 10, 0.2)
-    out["greedy_draft_ms"] = 1e3 * timed(lambda: c._draft(q, prefix, g, greedy=True), reps, 10, 0.2)
-    out["normalize_ms"] = 1e3 * timed(lambda: c.normalize(raw), reps, 10, 0.2)
-    out["conditionals_ms"] = 1e3 * timed(lambda: c._conditionals(q, x), reps, 10, 0.2)
+        put("draft_no_grad", lambda: c._draft(qn, prefix.clone(), g), 20)
+    put("sample_then_conditionals", lambda: c._conditionals(q, c._sample(q, g, prefix)))
+    put("greedy_draft", lambda: c._draft(q, prefix, g, greedy=True))
+    put("normalize", lambda: c.normalize(raw))
+    put("conditionals", lambda: c._conditionals(q, x))
     return out
 
 
@@ -156,12 +168,14 @@ def main(argv=None) -> None:
     ap.add_argument("--ranks", nargs="+", type=int, default=[1, 8, 32, 128])
     ap.add_argument("--vocab", type=int, default=320)
     ap.add_argument("--train-elems", type=int, default=8_000_000, help="batch = this / (n r v), clamped to [16, 1024]")
-    ap.add_argument("--train-reps", type=int, default=7, help="interleaved rounds per (n, r)")
+    ap.add_argument("--train-reps", type=int, default=15, help="interleaved rounds per (n, r)")
     ap.add_argument("--train-threads", type=int, default=1,
                     help="1 by default: on a shared, oversubscribed CPU, multi-threaded ops stall on descheduled threads")
     ap.add_argument("--draft-reps", type=int, default=200)
-    ap.add_argument("--draft-threads", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--draft-threads", nargs="+", type=int, default=[1],
+                    help="intra-op threads for the batch-1 draft (2 stalls on an oversubscribed CPU)")
     ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--skip-draft", action="store_true")
     args = ap.parse_args(argv)
     if any(n < 1 for n in args.windows) or any(r < 1 for r in args.ranks):
         ap.error("--windows and --ranks must be >= 1")
@@ -171,13 +185,15 @@ def main(argv=None) -> None:
     train, draft = [], []
     if not args.skip_train:
         torch.set_num_threads(args.train_threads)
+        # a discarded warm-up group: the first steps of a process pay one-off allocation and init costs
+        bench_train_group(args.kinds, args.windows[0], args.ranks[0], args.vocab, args.train_elems, 2, gen)
         for n in args.windows:
             for r in args.ranks:
                 kinds = [k for k in args.kinds if k != "ff" or r == 1]
                 for row in bench_train_group(kinds, n, r, args.vocab, args.train_elems, args.train_reps, gen):
                     print(json.dumps(row), flush=True)
                     train.append(row)
-    for threads in args.draft_threads:
+    for threads in [] if args.skip_draft else args.draft_threads:
         for kind, n, r in configs(args.kinds, args.windows, args.ranks):
             row = bench_draft(kind, n, r, args.vocab, args.draft_reps, threads, gen)
             print(json.dumps(row), flush=True)
@@ -187,11 +203,13 @@ def main(argv=None) -> None:
     checks = {}
     for row in draft:
         if (row["kind"], row["n"], row["r"]) == ("btree", 16, 32):
-            checks[f"btree_draft_n16_r32_v{row['v']}_threads{row['threads']}_ms"] = row["draft_ms"]
+            t = row["threads"]
+            checks[f"btree_draft_n16_r32_v{row['v']}_threads{t}_ms"] = row["draft_ms"]
+            checks[f"btree_draft_n16_r32_v{row['v']}_threads{t}_cpu_ms"] = row["draft_cpu_ms"]
     for row in train:
         if row["kind"] == "btree" and "nll_over_cp" in row:
-            checks[f"btree_over_cp_train_nll_n{row['n']}_r{row['r']}"] = row["nll_over_cp"]
-            checks[f"btree_over_cp_train_prefix_n{row['n']}_r{row['r']}"] = row["prefix_over_cp"]
+            checks[f"btree_over_cp_train_nll_cpu_n{row['n']}_r{row['r']}"] = row["nll_over_cp"]
+            checks[f"btree_over_cp_train_prefix_cpu_n{row['n']}_r{row['r']}"] = row["prefix_over_cp"]
     result = {"machine": info, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "train": train, "draft": draft, "checks": checks}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -199,10 +217,10 @@ def main(argv=None) -> None:
     for row in train:
         row.setdefault("nll_over_cp", float("nan") if row["kind"] != "cp" else 1.0)
         row.setdefault("prefix_over_cp", float("nan") if row["kind"] != "cp" else 1.0)
-    print(table(train, ["kind", "n", "r", "batch", "train_nll_ms_per_1k", "nll_over_cp", "train_prefix_ms_per_1k",
-                        "prefix_over_cp"]) if train else "")
-    print(table(draft, ["kind", "n", "r", "threads", "draft_ms", "draft_no_grad_ms", "sample_then_conditionals_ms",
-                        "greedy_draft_ms", "normalize_ms"]))
+    print(table(train, ["kind", "n", "r", "batch", "train_nll_cpu_ms_per_1k", "nll_over_cp", "train_prefix_cpu_ms_per_1k",
+                        "prefix_over_cp", "train_nll_ms_per_1k"]) if train else "")
+    print(table(draft, ["kind", "n", "r", "threads", "draft_ms", "draft_cpu_ms", "draft_no_grad_ms",
+                        "sample_then_conditionals_ms", "greedy_draft_ms", "normalize_ms"]))
     print(json.dumps(checks, indent=1))
     print(f"wrote {args.out}")
 

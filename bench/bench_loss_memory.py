@@ -67,7 +67,7 @@ def worker(args: argparse.Namespace) -> None:
 
     rss_before = _rss_bytes()
     times = []
-    for step in range(1 + args.repeats):
+    for _ in range(1 + args.repeats):
         head.zero_grad(set_to_none=True)  # what optimizer.zero_grad() does by default
         e.grad = None
         t0 = time.perf_counter()

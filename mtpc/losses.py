@@ -151,7 +151,7 @@ class _ChunkedWindowLoss(torch.autograd.Function):
         need_e = ctx.needs_input_grad[2]
         need_p = ctx.needs_input_grad[6:]
         grad_e = torch.zeros_like(e) if need_e else None
-        grads = [torch.zeros_like(p) if need else None for p, need in zip(params, need_p)]
+        grads = [torch.zeros_like(p) if need else None for p, need in zip(params, need_p, strict=True)]
         cfg, circuit = head.config, head.circuit
         W = getattr(head, "leaf_weight", None)
         fast = W is not None
@@ -183,7 +183,7 @@ class _ChunkedWindowLoss(torch.autograd.Function):
                 got = list(torch.autograd.grad(chunk_loss, inputs, allow_unused=True))
                 g_scores = got.pop(0) if leaf_grad else None  # (c, n, r)
                 g_e = got.pop(0) if need_e else None  # (c, d)
-                for i, g in zip(auto, got):
+                for i, g in zip(auto, got, strict=True):
                     if g is not None:
                         grads[i] += g
                 if leaf_grad:
@@ -276,7 +276,7 @@ def window_loss(
         else:
             with torch.no_grad():
                 loss, per_position = _ChunkedWindowLoss.forward(
-                    _NoGradCtx(len(params)), head, chunk_size, e_rows, x_rows, loss_rows, stat_rows
+                    _NoGradCtx(0), head, chunk_size, e_rows, x_rows, loss_rows, stat_rows
                 )
     total = per_position.sum()
     return WindowLossOutput(

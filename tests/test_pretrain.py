@@ -35,6 +35,9 @@ def test_bad_configs(tmp_path):
         pt.load_config(path)
     with pytest.raises(ValueError, match="no such file"):
         pt.load_config(tmp_path / "nope.yaml")
+    with pytest.raises(SystemExit):  # argparse error naming the bad override
+        pt.main(["--config", "cpu", "--set", "max_minutes=-1", "--out", str(tmp_path / "m")])
+    assert pt.load_config(pt.CONFIGS["cpu"], max_minutes=30).max_minutes == 30
 
 
 def _corpus(path, n=60):

@@ -54,7 +54,7 @@ def test_chat_template_layout_and_mask():
     assert ids == expected
     assert len(mask) == len(ids)
     # exactly the assistant content bytes and each assistant turn's closing EOS
-    scored = [i for i, m in zip(ids, mask) if m]
+    scored = [i for i, m in zip(ids, mask, strict=True) if m]
     assert scored == [ord("y"), ord("o"), ord("!"), EOS_ID, 0xC3, 0xA9, EOS_ID]
     assert [j for j, m in enumerate(mask) if m] == [9, 10, 11, 12, 18, 19, 20]
 
@@ -121,7 +121,7 @@ def test_hf_chat_tokenizer_mask_and_prompt():
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "ok"}]
     ids, mask = tok.apply_chat_template(msgs)
     assert len(ids) == len(mask)
-    scored = [i for i, m in zip(ids, mask) if m]
+    scored = [i for i, m in zip(ids, mask, strict=True) if m]
     assert hf.decode(scored) == "yo<|end|>"  # the assistant turn and its closing marker only
     prompt = tok.render_prompt("hi")
     assert hf.convert_ids_to_tokens(prompt[-1]) == "<|assistant|>"

@@ -182,12 +182,14 @@ class Circuit:
         raise NotImplementedError
 
     def _leaf_context(self, q: Params, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """-> (w (..., n, r) = log q(s_i = a, x_<i), leaves (..., n, r, v), x (..., n)), all broadcast."""
+        """-> (w (..., n, r) = log q(s_i = a, x_<i), leaves (..., n, r, v), leaf scores of x (..., n, r)),
+        all broadcast to the batch of q and x. The scores are returned so that callers do not gather
+        from the leaves twice (each gather's backward zero-fills a leaves-sized gradient)."""
         raise NotImplementedError
 
     def _prefix_log_marginals(self, q: Params, x: Tensor) -> Tensor:  # (..., n)
-        w, leaves, x = self._leaf_context(q, x)
-        return torch.logsumexp(w + gather_leaf_scores(leaves, x), dim=-1)
+        w, _, scores = self._leaf_context(q, x)
+        return torch.logsumexp(w + scores, dim=-1)
 
     def _conditionals(self, q: Params, x: Tensor) -> Tensor:  # (..., n, v)
         w, leaves, _ = self._leaf_context(q, x)

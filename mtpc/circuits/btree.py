@@ -104,9 +104,16 @@ class _Schedule:
         self.perm_height = t([k - 1 for k in up_order])  # internal rows in up_order
         # when the tree is perfect (n a power of 2) height order is reverse breadth-first order, level
         # by level: then the upward pass slices the breadth-first table and needs no permuted copy
-        self.up_slices = None
-        if all(sorted(up_order[a:b]) == list(range(up_order[a], up_order[a] + b - a)) for a, b, _ in self.up_levels):
-            self.up_slices = [(up_order[a] - 1, up_order[a] - 1 + b - a) for a, b, _ in self.up_levels]
+        # Level tables are taken with torch.split (one concatenation in backward), not by slicing per
+        # level (each slice's backward zero-fills a full-size gradient).
+        self.up_sizes = [b - a for a, b, _ in self.up_levels]  # split sizes of the height-ordered table
+        self.up_slices = None  # else: (split sizes of the breadth-first table, which chunk each level uses)
+        if self.up_levels and all(
+            sorted(up_order[a:b]) == list(range(up_order[a], up_order[a] + b - a)) for a, b, _ in self.up_levels
+        ):
+            starts = sorted(up_order[a] - 1 for a, _, _ in self.up_levels)
+            sizes = [b - a for a, b in zip(starts, starts[1:] + [m], strict=True)]
+            self.up_slices = (sizes, [starts.index(up_order[a] - 1) for a, _, _ in self.up_levels])
         self.inv_height = t([up_order.index(k) for k in range(1, len(nodes))])  # BFS row -> up_order position
         self.root_children = t([kid(nodes[0].left), kid(nodes[0].right)])
         # downward levels by depth: BFS ids lo..hi-1 = internal rows lo-1..hi-2
@@ -119,6 +126,7 @@ class _Schedule:
                 par = nodes[nodes[k].parent]
                 sibs.append(kid(par.left) if par.right == ("node", k) else 0)
             self.down_levels.append((ids[0] - 1, ids[-1], t([nodes[k].parent for k in ids]), t(sibs)))
+        self.down_sizes = [hi - lo for lo, hi, _, _ in self.down_levels]  # split sizes of the breadth-first table
         leaf_parent, leaf_sib = [0] * n, [0] * n
         for nd in nodes:
             for c in (nd.left, nd.right):
@@ -177,18 +185,19 @@ class BTreeCircuit(Circuit):
 
         -> message buffer (..., 1 + n + m, r), U of the non-root nodes in height order (..., m, r), U of the root.
         """
-        if s.up_slices is None:
-            table = table.index_select(-3, s.perm_height)  # height order
-            slices = [(a, b) for a, b, _ in s.up_levels]
+        if not s.up_levels:
+            chunks = []
+        elif s.up_slices is None:
+            chunks = torch.split(table.index_select(-3, s.perm_height), s.up_sizes, dim=-3)  # height order
         else:
-            slices = s.up_slices
-        if not use_max:
-            table = table.transpose(-1, -2)  # [node state, parent state] for the row-vector matmul
+            parts = torch.split(table, s.up_slices[0], dim=-3)
+            chunks = [parts[j] for j in s.up_slices[1]]
         buf = torch.cat([leaf_msg.new_zeros(*leaf_msg.shape[:-2], 1, self.rank), leaf_msg], dim=-2)
         us = []
-        for (a, b), (a0, b0, kids) in zip(slices, s.up_levels, strict=True):
+        for tl, (a0, b0, kids) in zip(chunks, s.up_levels, strict=True):
             u = buf.index_select(-2, kids).unflatten(-2, (b0 - a0, 2)).sum(-2)  # (..., S, r)
-            tl = table[..., a:b, :, :]  # (..., S, r, r)
+            if not use_max:
+                tl = tl.transpose(-1, -2)  # (..., S, r, r) [node state, parent state] for the row-vector matmul
             if use_max:  # max_b T[a, b] + U(b)
                 msg = (tl + u.unsqueeze(-2)).amax(-1)
             else:  # logsumexp_b T[a, b] + U(b)
@@ -212,14 +221,15 @@ class BTreeCircuit(Circuit):
         """w (..., n, r): log q(state a of the node above leaf i, x_<i), from full leaf scores (..., n, r)."""
         buf, _, _ = self._upward(s, probs, scores, False, keep_u=False)
         a = root.unsqueeze(-2)  # (..., 1, r)  A(root) = log prior; A buffer indexed by node id
-        for lo, hi, parents, sibs in s.down_levels:
+        chunks = torch.split(probs, s.down_sizes, dim=-3) if s.down_sizes else []
+        for tl, (_, _, parents, sibs) in zip(chunks, s.down_levels, strict=True):
             v = a.index_select(-2, parents) + buf.index_select(-2, sibs)  # (..., S, r) parent state & x left of it
-            a = torch.cat([a, log_vecmat(v, probs[..., lo:hi, :, :])], dim=-2)
+            a = torch.cat([a, log_vecmat(v, tl)], dim=-2)
         return a.index_select(-2, s.leaf_parent) + buf.index_select(-2, s.leaf_sib)  # (..., n, r)
 
     def _leaf_context(self, q: Params, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         root, internal, leaves, x, scores = self._parts(q, x)
-        return self._context(self._sched(x.device), root, internal.exp(), scores), leaves, x
+        return self._context(self._sched(x.device), root, internal.exp(), scores), leaves, scores
 
     def _topdown(self, s, root, internal, u_all, u_root, leaves, generator, greedy: bool) -> Tensor:
         """Choose every node state given its parent from q(node | parent, evidence below) (Gumbel-max,
@@ -233,8 +243,9 @@ class BTreeCircuit(Circuit):
         u_bfs = u_all.index_select(-2, s.inv_height)  # (..., m, r) breadth-first
         logits = root + u_root
         z = (logits if noise is None else logits + noise[..., 0, :]).argmax(-1, keepdim=True)  # (..., 1) by node id
-        for lo, hi, parents, _ in s.down_levels:
-            logits = gather_rows(internal[..., lo:hi, :, :], z.index_select(-1, parents)) + u_bfs[..., lo:hi, :]
+        chunks = torch.split(internal, s.down_sizes, dim=-3) if s.down_sizes else []
+        for tl, (lo, hi, parents, _) in zip(chunks, s.down_levels, strict=True):
+            logits = gather_rows(tl, z.index_select(-1, parents)) + u_bfs[..., lo:hi, :]
             if noise is not None:
                 logits = logits + noise[..., lo + 1 : hi + 1, :]
             z = torch.cat([z, logits.argmax(-1)], dim=-1)

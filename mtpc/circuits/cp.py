@@ -35,7 +35,7 @@ class CPCircuit(Circuit):
     def _leaf_context(self, q: Params, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         mixture, leaves, x, scores = self._scores(q, x)  # scores (..., n, r)
         before = scores.cumsum(-2) - scores  # (..., n, r)  sum over positions < i
-        return mixture.unsqueeze(-2) + before, leaves, x
+        return mixture.unsqueeze(-2) + before, leaves, scores
 
     def _prefix_log_marginals(self, q: Params, x: Tensor) -> Tensor:
         mixture, _, _, scores = self._scores(q, x)

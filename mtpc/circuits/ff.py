@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Circuit, Params, sample_rows, with_prefix
+from .base import Circuit, Params, gather_leaf_scores, sample_rows, with_prefix
 
 
 class FFCircuit(Circuit):
@@ -27,7 +27,7 @@ class FFCircuit(Circuit):
         batch = self._batch_shape(q, x.shape[:-1])
         leaves = q["leaves"].expand(*batch, self.window, 1, self.vocab)
         w = leaves.new_zeros(()).expand(*batch, self.window, 1)
-        return w, leaves, x.expand(*batch, self.window)
+        return w, leaves, gather_leaf_scores(leaves, x.expand(*batch, self.window))
 
     def _log_prob(self, q: Params, x: Tensor) -> Tensor:
         return self._token_scores(q, x).sum(-1)
