@@ -244,3 +244,30 @@ def test_stats_names_and_ranges():
             )
         assert st.generated == 40 and st["mu_acc"] == st.mu_acc
         assert st.decode_generated == (39 if extra == "keep" else 40)
+
+
+def _trained_head_dirs(limit=4):
+    from mtpc.paths import cache_dir
+
+    root = cache_dir() / "heads"
+    dirs = sorted(p for p in root.glob("default-*") if (p / "config.json").is_file()) if root.is_dir() else []
+    return dirs[:limit]
+
+
+@pytest.mark.skipif(not _trained_head_dirs(), reason="no trained head exported under cache_dir()/heads yet")
+def test_greedy_with_trained_heads_equals_plain_greedy_float32():
+    """The embedded default model (float32) with whatever trained heads exist: byte-identical greedy output."""
+    from mtpc.backbones import load_backbone
+
+    bb = load_backbone("default")
+    prompts = ["How do I sort a list in Python?", "Write a haiku about the sea."]
+    accepted = 0
+    for d in _trained_head_dirs():
+        m = MtpcModel.from_pretrained(d, backbone=bb)
+        for p in prompts:
+            plain = m.generate_plain(p, max_new_tokens=24, ban_eos=True)
+            for extra in ("keep", "drop"):
+                out = m.generate(p, max_new_tokens=24, extra_token=extra, ban_eos=True)
+                assert out.ids.tolist() == plain.ids.tolist(), (d.name, extra, p)
+                accepted += out.stats.mu_acc * out.stats.cycles
+    assert accepted > 0
