@@ -177,8 +177,11 @@ def _markov_draft_head(n, seed=0, support=2):
     return head_fn
 
 
-def _markov_program(n, extra_token, mode="sample", T=3, prompt=(0, 2)):
-    cfg = DecodeConfig(max_new_tokens=T, mode=mode, extra_token="keep" if extra_token == "plain" else extra_token)
+def _markov_program(n, extra_token, mode="sample", T=3, prompt=(0, 2), temperature=1.0, top_p=1.0):
+    cfg = DecodeConfig(
+        max_new_tokens=T, mode=mode, extra_token="keep" if extra_token == "plain" else extra_token,
+        temperature=temperature, top_p=top_p,
+    )  # fmt: skip
     head_fn = _markov_draft_head(n)
 
     def program(choose):
@@ -224,3 +227,13 @@ def test_markov_keep_is_exact_for_several_windows():
     for n in (2, 4):
         keep = enumerate_outcomes(_markov_program(n, "keep"))
         assert total_variation(keep, target) < 1e-12
+
+
+def test_markov_keep_is_exact_with_temperature_and_top_p():
+    """Temperature and top-p act on p only; the output follows the tempered, truncated chain exactly."""
+    kw = {"temperature": 0.6, "top_p": 0.8}
+    plain = enumerate_outcomes(_markov_program(3, "plain", **kw))
+    keep = enumerate_outcomes(_markov_program(3, "keep", **kw))
+    assert total_variation(keep, plain) < 1e-12
+    untempered = markov_sequence_distribution(TRANSITION, first=2, length=3)
+    assert total_variation(plain, untempered) > 0.05  # the options did change the target
