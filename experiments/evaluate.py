@@ -138,7 +138,7 @@ def _describe(model: MtpcModel) -> dict[str, Any]:
 
 
 def evaluate_heads(
-    models: dict[str, MtpcModel],
+    models: dict[str, MtpcModel] | MtpcModel,
     prompt_sets: list[list[str | bytes | torch.Tensor]],
     modes: tuple[str, ...] = ("greedy",),
     extra_tokens: tuple[str, ...] = ("keep",),
@@ -153,10 +153,13 @@ def evaluate_heads(
 ) -> dict[str, Any]:
     """Run STP and every head on every prompt set in this process; returns a JSON-able dict.
 
-    models: name -> MtpcModel (they may share a backbone); STP runs on the first one's backbone.
+    models: name -> MtpcModel (they may share a backbone), or one MtpcModel (named "head");
+    STP runs on the first one's backbone.
     ff_name: the key of an ff head in `models`; every other run then gets `speedup_vs_ff`.
     Prompt i of a set is sampled with seed + i for STP and every head alike.
     """
+    if isinstance(models, MtpcModel):
+        models = {"head": models}
     if not models:
         raise ValueError("models: need at least one head")
     bad = [m for m in modes if m not in MODES] + [e for e in extra_tokens if e not in EXTRA_TOKENS]

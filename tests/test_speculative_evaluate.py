@@ -91,7 +91,7 @@ def test_mlflow_children_carry_params_and_metrics(exported, tmp_path):
     exp = client.create_experiment("eval-test")
     parent = client.create_run(exp, run_name="trial").info.run_id
     m = MtpcModel.from_pretrained(exported / "cp")
-    res = evaluate_heads({"head": m}, [["one", "two"], ["three", "four"]], ("greedy",), ("keep",),
+    res = evaluate_heads(m, [["one", "two"], ["three", "four"]], ("greedy",), ("keep",),
                          max_new_tokens=8, progress=False)  # fmt: skip
     ids = log_evaluation_to_mlflow(res, parent, params={"trial": 7}, tracking_uri=uri)
     assert len(ids) == 2
