@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads-dir", default=str(cache_dir() / "heads"))
     ap.add_argument("--random-rank", type=int, default=8)
     ap.add_argument("--num-prompts", type=int, default=4)
-    ap.add_argument("--sets", type=int, default=2)
+    ap.add_argument("--sets", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier on a shared CPU)")
     ap.add_argument("--seed", type=int, default=0)
