@@ -320,8 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="results JSON path")
     ap.add_argument("--mlflow-parent-run", default=None, help="log one child run per (mode, prompt_set) under it")
     ap.add_argument("--mlflow-tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI / mlflow's default")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (1 is steadier on a shared CPU)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     try:
         modes = _choices(args.mode, MODES, "--mode")
         extras = _choices(args.extra_token, EXTRA_TOKENS, "--extra-token")
