@@ -26,14 +26,14 @@ import os
 import shutil
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from mtpc.paths import cache_dir
+from mtpc.paths import cache_dir as default_cache_dir
 
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {
@@ -187,8 +187,8 @@ def _iter_hf(name: str, split: str, kw: dict) -> Iterator[tuple[str, str, Any]]:
 class ChatCorpus:
     train: list[dict]  # {"id", "messages"}
     heldout_prompts: list[str]
-    heldout: list[dict]  # held-out conversations (held-out bits/byte of the default model)
-    stats: dict[str, int]
+    heldout: list[dict] = field(default_factory=list)  # held-out chats (the default model's held-out bits/byte)
+    stats: dict[str, int] = field(default_factory=dict)  # build counts (records, truncated_tail, malformed, ...)
 
 
 def sharegpt_file() -> Path:
@@ -263,11 +263,15 @@ def _write_jsonl(path: Path, rows: Sequence[dict]) -> None:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
 
 
-def sharegpt_corpus(cache_dir_: str | os.PathLike | None = None, progress: bool = True) -> ChatCorpus:
-    """The processed ShareGPT corpus, built on first use and cached (file-locked)."""
+def sharegpt_corpus(cache_dir: str | os.PathLike | None = None, progress: bool = True) -> ChatCorpus:
+    """The processed ShareGPT corpus, built on first use and cached (file-locked).
+
+    cache_dir: the mtpc cache root (default `mtpc.paths.cache_dir()`); files go to
+    `<cache_dir>/data/sharegpt-v1/`.
+    """
     from filelock import FileLock
 
-    root = Path(cache_dir_) if cache_dir_ is not None else cache_dir() / "data"
+    root = Path(cache_dir if cache_dir is not None else default_cache_dir()) / "data"
     target = root / CORPUS_VERSION
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / f"{CORPUS_VERSION}.lock")):
