@@ -51,19 +51,23 @@ def run_one(kind: str, window: int, rank: int, steps: int, extra: dict) -> dict:
 
 def table(path: Path = RESULTS) -> str:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # only rows trained on the backbone of the newest row (the default model may have been re-trained)
+    bb = (rows[-1]["backbone_pretrain_steps"], rows[-1]["backbone_heldout_bpb"])
+    rows = [r for r in rows if (r["backbone_pretrain_steps"], r["backbone_heldout_bpb"]) == bb]
     latest = {}
-    for r in rows:  # the last run of each name wins
-        latest[r["name"]] = r
+    for r in rows:  # the last run of each (name, steps) wins
+        latest[r["name"], r["steps"]] = r
     order = {"ff": 0, "cp": 1, "hmm": 2, "btree": 3}
-    rows = sorted(latest.values(), key=lambda r: (r["window"], order[r["circuit"]]))
-    out = ["| circuit | n | r | NLL pos 1 | pos 2 | pos 4 | pos 8 | pos 16 | window NLL (nats) | bits/byte | STP NLL pos 1 |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = sorted(latest.values(), key=lambda r: (r["steps"], r["window"], order[r["circuit"]]))
+    out = ["| steps | circuit | n | r | NLL pos 1 | pos 2 | pos 4 | pos 8 | pos 16 | window NLL (nats) | bits/byte "
+           "| STP NLL pos 1 | min |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         nll = r["val_nll"]
         pos = [f"{nll[j - 1]:.3f}" if j <= len(nll) else "" for j in (1, 2, 4, 8, 16)]
         stp = f"{r['val_stp_nll']:.3f}" if r.get("val_stp_nll") is not None else ""
-        out.append(f"| {r['circuit']} | {r['window']} | {r['rank']} | " + " | ".join(pos)
-                   + f" | {r['val_window_nll']:.3f} | {r['val_bits_per_byte']:.3f} | {stp} |")
+        out.append(f"| {r['steps']} | {r['circuit']} | {r['window']} | {r['rank']} | " + " | ".join(pos)
+                   + f" | {r['val_window_nll']:.3f} | {r['val_bits_per_byte']:.3f} | {stp} | {r['seconds'] / 60:.1f} |")
     return "\n".join(out)
 
 

@@ -26,7 +26,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -187,8 +187,8 @@ def _iter_hf(name: str, split: str, kw: dict) -> Iterator[tuple[str, str, Any]]:
 class ChatCorpus:
     train: list[dict]  # {"id", "messages"}
     heldout_prompts: list[str]
-    heldout: list[dict]  # held-out conversations (held-out bits/byte of the default model)
-    stats: dict[str, int]
+    heldout: list[dict] = field(default_factory=list)  # held-out chats (the default model's held-out bits/byte)
+    stats: dict[str, int] = field(default_factory=dict)  # build counts (records, truncated_tail, malformed, ...)
 
 
 def sharegpt_file() -> Path:

@@ -119,3 +119,18 @@ def test_load_backbone_dispatches_to_evabyte(tmp_path):
     assert isinstance(bb, EvaByteAdapter) and bb.vocab_size == 320
     x = ids(12)
     assert_close(bb.stp_logits(bb(x).verify_hidden), model(x).logits, rtol=0, atol=1e-10)
+
+
+def test_ff_head_with_window_16_starts_from_evabyte_heads():
+    """Cross-check with mtpc.heads: positions 1-8 copy EvaByte's 8 heads, 9-16 the last one."""
+    from mtpc.heads import HeadConfig, MtpcHead
+
+    bb = EvaByteAdapter.from_hf(standin())
+    W = bb.mtp_unembeddings().float()  # (8, 320, 32)
+    head = MtpcHead(HeadConfig(kind="ff", window=16, rank=1, vocab=320, hidden=32))
+    head.init_from_unembeddings(W, noise=0.0)
+    e = torch.randn(3, 32)
+    leaves = head(e)["leaves"]  # (3, 16, 1, 320)
+    for i in range(16):
+        assert_close(leaves[:, i, 0], e @ W[min(i, 7)].T, rtol=1e-5, atol=1e-5)
+    assert_close(leaves[:, 0, 0], bb.stp_logits(e.double()).float(), rtol=1e-5, atol=1e-5)
