@@ -44,23 +44,33 @@ export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 export PYTHONUNBUFFERED=1
 
 echo "sweep.sh: job ${SLURM_JOB_ID:-?} (array ${SLURM_ARRAY_JOB_ID:-?}_${SLURM_ARRAY_TASK_ID:-?}, restart ${SLURM_RESTART_COUNT:-0}) on $(hostname) spec $SPEC"
-"$PY" -m sweeps.run "$SPEC" --init "$@" || { echo "sweep.sh: init failed (see above)"; exit 2; }
-
-"$PY" -m sweeps.run "$SPEC" --worker "$@" &
+# --task = the idempotent init (file-locked: the first task creates the study, the others find it)
+# followed by a worker, in one process; exit code 2 = bad spec or unreachable store (message above).
+"$PY" -m sweeps.run "$SPEC" --task "$@" &
 WORKER=$!
 GOT=""
 trap 'GOT=USR1; kill -USR1 "$WORKER" 2>/dev/null' USR1
 trap 'GOT=TERM; kill -TERM "$WORKER" 2>/dev/null' TERM
-# `wait` returns early when a trapped signal arrives: wait again until the worker has exited.
+# `wait` returns early (status > 128) when a trapped signal arrives: wait until the worker is gone.
 while :; do
     wait "$WORKER"
     RC=$?
-    kill -0 "$WORKER" 2>/dev/null || break
+    kill -0 "$WORKER" 2>/dev/null && continue
+    if [ "$RC" -gt 128 ] && [ -n "$GOT" ]; then
+        # interrupted by the trap just as the worker exited: fetch its real status (127: already had it)
+        wait "$WORKER" 2>/dev/null
+        RC2=$?
+        [ "$RC2" != 127 ] && RC=$RC2
+    fi
+    break
 done
 echo "sweep.sh: worker exited with $RC${GOT:+ after SIG$GOT}"
-if [ "$RC" = 75 ] && [ "$GOT" = USR1 ] && [ -n "${SLURM_JOB_ID:-}" ]; then
-    echo "sweep.sh: requeueing job $SLURM_JOB_ID to resume the checkpointed trial"
-    scontrol requeue "$SLURM_JOB_ID"
+# the task's own id: in an array the bare SLURM_JOB_ID of one task can equal the whole array's id
+TASK_ID=${SLURM_JOB_ID:-}
+[ -n "${SLURM_ARRAY_JOB_ID:-}" ] && TASK_ID=${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}
+if [ "$RC" = 75 ] && [ "$GOT" = USR1 ] && [ -n "$TASK_ID" ]; then
+    echo "sweep.sh: requeueing $TASK_ID to resume the checkpointed trial"
+    scontrol requeue "$TASK_ID"
     exit 0
 fi
 exit "$RC"

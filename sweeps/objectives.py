@@ -53,7 +53,8 @@ def eval_config(spec: SweepSpec) -> dict[str, Any]:
     e = spec.eval
     return {
         "modes": list(e.modes),
-        "prompt_sets": list(e.prompt_sets),
+        "prompts": e.prompts,
+        "sets": e.sets,
         "n_prompts": e.n_prompts,
         "max_new_tokens": e.max_new_tokens,
         "extra_token": e.extra_token,
@@ -147,7 +148,7 @@ def fixture_objective(ctx: TrialContext) -> None:
     e = spec.eval
     hw = tracking.hardware() if spec.objective_kind != "fixture" else "fixture"
     for mode in e.modes:
-        for ps in e.prompt_sets:
+        for ps in (f"{e.prompts}-{i}" for i in range(e.sets)):
             params = {
                 "backbone": spec.train.get("backbone", "fixture"), **point, "mode": mode,
                 "extra_token": e.extra_token, "temperature": e.temperature, "prompt_set": ps,

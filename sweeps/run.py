@@ -41,6 +41,8 @@ from sweeps.spec import GRID_PARAMS, SpecError, SweepSpec, grid_key, load_spec
 EXIT_BAD_INPUT = 2
 EXIT_PREEMPTED = 75
 HEARTBEAT_S = 20.0
+ENDING_WAIT_S = 180.0  # how long an idle worker waits for peers' jobs that are COMPLETING
+TRANSITIONAL_SLURM_STATES = {"COMPLETING", "SIGNALING", "STAGE_OUT"}  # ending: requeued or gone, wait
 ALIVE_SLURM_STATES = {
     "PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "CONFIGURING",
     "COMPLETING", "RESIZING", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "STOPPED", "PREEMPTED",
@@ -189,7 +191,7 @@ class Owner:
             host=socket.gethostname(),
             pid=os.getpid(),
             pid_start=_pid_start(os.getpid()) or "",
-            slurm_job_id=os.environ.get("SLURM_JOB_ID") or None,
+            slurm_job_id=slurm_task_id(),
             slurm_restart=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
         )
 
@@ -204,6 +206,15 @@ class Owner:
             return Owner(**json.loads(s))
         except (TypeError, ValueError):
             return None
+
+
+def slurm_task_id() -> str | None:
+    """This task's id for scontrol/scancel: `<array job>_<index>` in an array (the bare SLURM_JOB_ID
+    of the last array task equals the array's id, so `scontrol requeue <it>` would hit every task)."""
+    arr, idx = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    if arr and idx:
+        return f"{arr}_{idx}"
+    return os.environ.get("SLURM_JOB_ID") or None
 
 
 def _pid_start(pid: int) -> str | None:
@@ -251,18 +262,25 @@ def owner_is_dead(owner: Owner | None, me: Owner, heartbeat: float | None, stale
     return stale, f"worker on another host {owner.host}" + ("; heartbeat stale" if stale else "")
 
 
-def reap(spec: SweepSpec, study, me: Owner) -> tuple[list[int], list[int]]:
-    """Fail RUNNING trials whose worker is dead and re-enqueue them; return (adopt, reaped):
-    `adopt` are this job's own trials from before a requeue, to be resumed, not failed."""
+@dataclass
+class ReapResult:
+    adopt: list[int]  # trial ids of this job's own trials from before a requeue: resume them
+    reaped: list[int]  # trial numbers marked FAIL (and re-enqueued up to max_retries)
+    ending: int  # RUNNING trials whose SLURM job is still ending (COMPLETING): ask again soon
+
+
+def reap(spec: SweepSpec, study, me: Owner) -> ReapResult:
+    """Fail RUNNING trials whose worker is dead and re-enqueue them."""
     import optuna
     from optuna.trial import TrialState
 
-    adopt, reaped = [], []
+    adopt, reaped, ending = [], [], 0
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         owner = Owner.from_json(t.user_attrs.get("owner"))
         hb = t.user_attrs.get("heartbeat")
         dead, why = owner_is_dead(owner, me, hb, spec.stale_after_s)
         if not dead:
+            ending += any(f" is {s}" in why for s in TRANSITIONAL_SLURM_STATES)
             continue
         if owner is not None and owner.slurm_job_id and owner.slurm_job_id == me.slurm_job_id:
             adopt.append(t._trial_id)
@@ -282,7 +300,7 @@ def reap(spec: SweepSpec, study, me: Owner) -> tuple[list[int], list[int]]:
             point = {k: t.params.get(k, t.system_attrs.get("fixed_params", {}).get(k)) for k in GRID_PARAMS}
             study.enqueue_trial(point, user_attrs=_grid_attrs(spec, point, attempt + 1, retry_of=t.number))
             log(f"reaper: re-enqueued {grid_key(point)} (attempt {attempt + 1})")
-    return adopt, reaped
+    return ReapResult(adopt, reaped, ending)
 
 
 def _kill_mlflow_runs(spec: SweepSpec, t) -> None:
@@ -359,16 +377,21 @@ def worker(spec: SweepSpec, *, max_trials: int | None = None, stop: StopFlag | N
     if spec.sampler is not None:
         study.sampler = _sampler(spec, salt=os.getpid())
     exp_id = _experiment_id(spec, study)
-    adopt, _ = reap(spec, study, me)
+    adopt = reap(spec, study, me).adopt
     done = 0
+    ending_deadline = time.time() + ENDING_WAIT_S
     while not stop() and (max_trials is None or done < max_trials):
         trial_id = adopt.pop(0) if adopt else _pop_waiting(study)
         if trial_id is None and spec.sampler is not None:
             trial_id = _ask_new(spec, study)
         if trial_id is None:
-            more, _ = reap(spec, study, me)  # a peer may have died meanwhile
-            adopt.extend(more)
+            r = reap(spec, study, me)  # a peer may have died meanwhile
+            adopt.extend(r.adopt)
             trial_id = adopt.pop(0) if adopt else _pop_waiting(study)
+            if trial_id is None and r.ending and time.time() < ending_deadline:
+                log(f"{r.ending} RUNNING trial(s) belong to SLURM jobs that are ending; checking again shortly")
+                time.sleep(3.0)
+                continue
         if trial_id is None:
             break
         try:
@@ -501,10 +524,13 @@ def run_one(spec: SweepSpec, study, trial_id: int, exp_id: str, me: Owner, stop:
 def _read_back(spec: SweepSpec, exp_id: str, parent: str) -> tuple[list[float], list[str]]:
     """Objective values from the *stored* child runs; raise unless every evaluation is there."""
     children = tracking.child_runs(spec.tracking_uri, exp_id, parent)
-    expected = {(m, p) for m in spec.eval.modes for p in spec.eval.prompt_sets}
-    got = {(r.data.params.get("mode"), r.data.params.get("prompt_set")) for r in children}
-    if not expected <= got:
-        raise tracking.TrackingError(f"stored child runs of parent {parent} cover {sorted(got)}, expected {sorted(expected)}")
+    for m in spec.eval.modes:
+        sets = {r.data.params.get("prompt_set") for r in children if r.data.params.get("mode") == m}
+        if len(sets) < spec.eval.sets:
+            raise tracking.TrackingError(
+                f"parent run {parent}: {len(sets)} stored child run(s) with mode={m} (prompt sets {sorted(map(str, sets))}), "
+                f"expected {spec.eval.sets}; the evaluation did not store its results"
+            )
     values = []
     for o in spec.objectives:
         rows = [r for r in children if o.mode is None or r.data.params.get("mode") == o.mode]
@@ -572,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--check", action="store_true", help="validate the spec and check the stores can be reached")
     g.add_argument("--init", action="store_true", help="create study + experiment, enqueue the grid")
     g.add_argument("--worker", action="store_true", help="run trials until none are waiting")
+    g.add_argument("--task", action="store_true", help="--init then --worker in one process (what slurm/sweep.sh runs)")
     g.add_argument("--workers", type=int, metavar="N", help="init, then N local worker processes")
     g.add_argument("--resume", action="store_true", help="init, reap dead trials, then workers (--workers N, default 1)")
     g.add_argument("--submit", action="store_true", help="init, then sbatch slurm/sweep.sh with the spec's resources")
@@ -602,9 +629,11 @@ def main(argv: list[str] | None = None) -> int:
         if a.init:
             init(spec, retry_failed=a.retry_failed)
             return 0
-        if a.worker:
+        if a.worker or a.task:
             stop = StopFlag()
             stop.install()
+            if a.task:
+                init(spec, retry_failed=a.retry_failed)
             return worker(spec, max_trials=a.max_trials, stop=stop)
         if a.workers is not None or a.resume:
             init(spec, retry_failed=a.retry_failed)

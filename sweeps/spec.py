@@ -66,8 +66,9 @@ class Objective:
 @dataclass(frozen=True)
 class EvalSettings:
     modes: tuple[str, ...] = ("greedy", "sample")
-    prompt_sets: tuple[str, ...] = ("heldout",)
-    n_prompts: int = 8
+    prompts: str = "heldout"  # `heldout` (the corpus' held-out prompts) or a .jsonl file
+    sets: int = 1  # prompt sets per mode: one child run each (named by the evaluator)
+    n_prompts: int = 8  # prompts per set
     max_new_tokens: int = 64
     extra_token: str = "keep"
     temperature: float = 1.0
@@ -399,10 +400,10 @@ def parse_spec(raw: Any, path: Path, *, env: dict[str, str]) -> SweepSpec:
     for o in objectives:
         if o.mode is not None and o.mode not in modes:
             raise ctx.err("objectives", f"objective mode {o.mode!r} is not evaluated (eval.modes = {list(modes)})")
-    prompt_sets = tuple(ctx.str_(s, "eval.prompt_sets") for s in ctx.list_(ev.get("prompt_sets", list(d.prompt_sets)), "eval.prompt_sets"))
     evs = EvalSettings(
         modes=modes,
-        prompt_sets=prompt_sets,
+        prompts=ctx.str_(ev.get("prompts", d.prompts), "eval.prompts"),
+        sets=ctx.int_(ev.get("sets", d.sets), "eval.sets", 1, 1000),
         n_prompts=ctx.int_(ev.get("n_prompts", d.n_prompts), "eval.n_prompts", 1, 100000),
         max_new_tokens=ctx.int_(ev.get("max_new_tokens", d.max_new_tokens), "eval.max_new_tokens", 1, 1_000_000),
         extra_token=ctx.choice(ev.get("extra_token", d.extra_token), "eval.extra_token", EXTRA_TOKEN),

@@ -1,0 +1,132 @@
+"""One sweep trial: train a head (`experiments.train.train_head`), evaluate it with speculative
+decoding (`experiments.evaluate`, one child run per (mode, prompt_set)), all in one MLflow parent run.
+
+    run_trial(train_config, eval_config, *, mlflow_tracking_uri, mlflow_experiment_id, parent_run_name, ...)
+
+`train_config` = {"config": <shipped name or YAML path>, <nested overrides>..., "circuit", "rank",
+"window", "lora_depth"} (the grid point's names go to `model.*`). Training checkpoints under
+`checkpoint_dir`; a re-run with the same directory resumes from `last.ckpt`. When `should_stop()`
+turns true (pre-emption), training saves a checkpoint at the next batch end and `preempted_exc` is
+raised instead of evaluating a half-trained head. Lightning gets `LightningEnvironment` from
+train_head (a one-task SLURM job is not a multi-process or self-requeueing job).
+
+Returns the objective metrics as means over the stored child runs ("<metric>" over all,
+"<mode>/<metric>" per mode). The sweep runner reads the child runs back itself as well.
+Leaves out: Optuna (sweeps/run.py) and the decoding metrics' definitions (mtpc.speculative).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+GRID_KEYS = ("circuit", "rank", "window", "lora_depth")
+
+
+def stop_callback(should_stop: Callable[[], bool], ckpt_path: Path):
+    """A Lightning callback: once `should_stop()` is true, save `ckpt_path` and end fit."""
+    from lightning.pytorch.callbacks import Callback
+
+    class StopOnRequest(Callback):
+        stopped = False
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if should_stop() and not self.stopped:
+                ckpt_path.parent.mkdir(parents=True, exist_ok=True)
+                trainer.save_checkpoint(str(ckpt_path))
+                self.stopped = True
+                trainer.should_stop = True
+
+    return StopOnRequest()
+
+
+def train_overrides(train_config: dict[str, Any], *, tracking_uri: str, experiment: str | None) -> tuple[str | dict, dict[str, Any]]:
+    """Split a sweep's train config into (base config, overrides for experiments.train.train_head)."""
+    cfg = dict(train_config)
+    base = cfg.pop("config", "debug")
+    overrides: dict[str, Any] = {}
+    for k in GRID_KEYS:
+        if k in cfg:
+            overrides[f"model.{k}"] = cfg.pop(k)
+    for k, v in cfg.items():
+        overrides[k] = v
+    overrides["run.tracking"] = True
+    overrides["run.tracking_uri"] = tracking_uri
+    if experiment:
+        overrides["run.experiment"] = experiment
+    return base, overrides
+
+
+def evaluate_args(head_dir: Path, mode: str, eval_config: dict[str, Any], parent_run_id: str, out: Path) -> list[str]:
+    """argv for `python -m experiments.evaluate` (the decoding issue's documented CLI)."""
+    return [
+        "--head", str(head_dir),
+        "--prompts", str(eval_config.get("prompts", "heldout")),
+        "--num-prompts", str(eval_config.get("n_prompts", 8)),
+        "--sets", str(eval_config.get("sets", 1)),
+        "--max-new-tokens", str(eval_config.get("max_new_tokens", 64)),
+        "--mode", mode,
+        "--out", str(out),
+        "--mlflow-parent-run", parent_run_id,
+    ]
+
+
+def run_trial(
+    train_config: dict[str, Any],
+    eval_config: dict[str, Any],
+    *,
+    mlflow_tracking_uri: str,
+    mlflow_experiment_id: str,
+    parent_run_name: str,
+    parent_run_id: str | None = None,
+    checkpoint_dir: str | Path | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    preempted_exc: type[Exception] = KeyboardInterrupt,
+) -> dict[str, float]:
+    """Train + evaluate one architecture; log into the parent run (created here if not given)."""
+    from mlflow.tracking import MlflowClient
+
+    from experiments import evaluate
+    from experiments.train import train_head
+
+    client = MlflowClient(tracking_uri=mlflow_tracking_uri)
+    exp_name = client.get_experiment(mlflow_experiment_id).name
+    if parent_run_id is None:
+        parent_run_id = client.create_run(mlflow_experiment_id, run_name=parent_run_name).info.run_id
+    should_stop = should_stop or (lambda: False)
+    run_dir = Path(checkpoint_dir or Path("runs") / parent_run_name)
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    base, overrides = train_overrides(train_config, tracking_uri=mlflow_tracking_uri, experiment=exp_name)
+    # evaluate and train read MLFLOW_TRACKING_URI when given no URI: make them agree with the sweep
+    os.environ["MLFLOW_TRACKING_URI"] = mlflow_tracking_uri
+    stopper = stop_callback(should_stop, ckpt)
+    result = train_head(
+        base, overrides, mlflow_run_id=parent_run_id, ckpt_path="last" if ckpt.exists() else None,
+        run_dir=run_dir, export_dir=run_dir / "head", callbacks=[stopper],
+    )
+    if stopper.stopped or should_stop():
+        raise preempted_exc(f"training stopped on request; checkpoint {ckpt}")
+    # children of an interrupted earlier attempt would be counted twice: drop them first
+    from sweeps.tracking import child_runs, discard_children
+
+    discard_children(mlflow_tracking_uri, mlflow_experiment_id, parent_run_id)
+    for mode in eval_config.get("modes", ["greedy", "sample"]):
+        if should_stop():
+            raise preempted_exc(f"stopped before evaluating mode {mode}")
+        argv = evaluate_args(result.head_dir, mode, eval_config, parent_run_id, run_dir / f"eval_{mode}.json")
+        rc = evaluate.main(argv)
+        if rc not in (0, None):
+            raise RuntimeError(f"experiments.evaluate {' '.join(argv)} exited with {rc}")
+    out: dict[str, float] = {}
+    runs = child_runs(mlflow_tracking_uri, mlflow_experiment_id, parent_run_id)
+    for key in ("mu_lat", "mu_acc", "tokens_per_cycle", "throughput", "speedup_vs_stp"):
+        vals = [r.data.metrics[key] for r in runs if key in r.data.metrics]
+        if vals:
+            out[key] = sum(vals) / len(vals)
+        for mode in eval_config.get("modes", ["greedy", "sample"]):
+            mv = [r.data.metrics[key] for r in runs if key in r.data.metrics and r.data.params.get("mode") == mode]
+            if mv:
+                out[f"{mode}/{key}"] = sum(mv) / len(mv)
+    return out
