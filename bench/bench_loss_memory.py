@@ -1,0 +1,191 @@
+"""Benchmark: the chunked window loss (custom autograd Function) against the naive one.
+
+For each circuit kind, two fresh subprocesses (naive = all (S, n, r, v) logits materialised;
+chunked = `window_loss(..., chunk_size=C)`) each build the same seeded head and batch, run one
+warm-up plus `--repeats` forward+backward steps (e requires grad, as with a LoRA draft top), and
+report the median step time and the peak RSS above what the process held before the first step
+minus the gradient tensors (= peak working memory above parameters and their gradients). The
+parent compares the two runs' loss (rtol 1e-5) and gradients (rtol 1e-4, atol 1e-6 x max|grad|),
+and checks memory <= 1/4 of naive and time <= 1.3x. Results go to JSON (`--out`).
+
+CPU only; numbers depend on the machine and on other load (reported: cpu count, load average).
+
+    python bench/bench_loss_memory.py --out bench/results/loss_memory_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("VmRSS not found in /proc/self/status")
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One mode in this (fresh) process; prints one JSON line, saves loss + grads to args.grads."""
+    import torch
+
+    from mtpc.heads import HeadConfig, MtpcHead
+    from mtpc.losses import window_loss
+
+    torch.manual_seed(0)
+    S, n, r, v, d = args.seq_len, args.window, args.rank, args.vocab, args.hidden
+    rank = 1 if args.kind == "ff" else r
+    head = MtpcHead(HeadConfig(args.kind, n, rank, v, d))
+    head.init_from_unembeddings(torch.randn(min(n, 8), v, d) * d**-0.5, noise=0.05)
+    with torch.no_grad():
+        for w in head.sum_weight.values():
+            w.normal_(0.0, 0.02)  # a trained-looking head: sums depend on e
+    ids = torch.randint(0, 256, (1, S))
+    e = torch.randn(1, S, d, requires_grad=True)
+    # two packed documents, each a user turn (not scored) then an assistant turn (scored)
+    doc = torch.zeros(1, S, dtype=torch.long)
+    doc[:, S // 2 :] = 1
+    pos = torch.arange(S) % (S // 2)
+    score = (pos >= (S // 2) // 5).unsqueeze(0)  # (1, S): 80 % assistant bytes
+    chunk = None if args.mode == "naive" else args.chunk_size
+
+    rss_before = _rss_bytes()
+    times = []
+    for step in range(1 + args.repeats):
+        head.zero_grad(set_to_none=True)  # what optimizer.zero_grad() does by default
+        e.grad = None
+        t0 = time.perf_counter()
+        out = window_loss(head, e, ids, score, doc, chunk_size=chunk)
+        out.loss.backward()
+        times.append(time.perf_counter() - t0)
+        loss = out.loss.item()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    grads = {name: p.grad for name, p in head.named_parameters()}
+    grads["e"] = e.grad
+    grad_bytes = sum(g.numel() * g.element_size() for g in grads.values())
+    param_bytes = sum(p.numel() * p.element_size() for p in head.parameters())
+    torch.save({"loss": loss, "grads": grads}, args.grads)
+    print(
+        json.dumps(
+            {
+                "mode": args.mode,
+                "kind": args.kind,
+                "loss": loss,
+                "times_s": times[1:],
+                "median_s": statistics.median(times[1:]),
+                "peak_rss_bytes": peak,
+                "rss_before_bytes": rss_before,
+                "grad_bytes": grad_bytes,
+                "param_bytes": param_bytes,
+                "peak_above_params_and_grads_bytes": peak - rss_before - grad_bytes,
+            }
+        )
+    )
+
+
+def compare(naive_path: str, chunked_path: str) -> dict:
+    import torch
+
+    a, b = torch.load(naive_path), torch.load(chunked_path)
+    loss_rel = abs(a["loss"] - b["loss"]) / abs(a["loss"])
+    worst, ok = {}, True
+    for name, ref in a["grads"].items():
+        got = b["grads"][name]
+        scale = ref.abs().max().item()
+        close = torch.allclose(got, ref, rtol=1e-4, atol=1e-6 * scale)
+        ok &= close
+        worst[name] = {"max_abs_err_over_max_abs": (got - ref).abs().max().item() / max(scale, 1e-30), "allclose": close}
+    return {"loss_rel_err": loss_rel, "loss_ok": loss_rel <= 1e-5, "grads_ok": bool(ok), "grads": worst}
+
+
+def run_mode(mode: str, kind: str, args: argparse.Namespace, grads_path: str) -> dict:
+    cmd = [sys.executable, __file__, "--worker", mode, "--kind", kind, "--grads", grads_path]
+    for k in ("seq_len", "window", "rank", "vocab", "hidden", "chunk_size", "repeats"):
+        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    if proc.returncode != 0:
+        raise SystemExit(f"{mode}/{kind} worker failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=None, help="JSON results file")
+    p.add_argument("--kinds", default="cp", help="comma-separated circuit kinds (default cp)")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--window", type=int, default=16)
+    p.add_argument("--rank", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=320)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=2, help="timed steps after one warm-up")
+    p.add_argument("--worker", choices=["naive", "chunked"], help=argparse.SUPPRESS)
+    p.add_argument("--kind", help=argparse.SUPPRESS)
+    p.add_argument("--grads", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        args.mode = args.worker
+        return worker(args)
+
+    import torch
+
+    results = []
+    for kind in [k.strip() for k in args.kinds.split(",") if k.strip()]:
+        with tempfile.TemporaryDirectory() as tmp:
+            runs = {}
+            for mode in ("naive", "chunked"):
+                runs[mode] = run_mode(mode, kind, args, os.path.join(tmp, f"{mode}.pt"))
+                print(f"{kind} {mode}: {runs[mode]['median_s']:.2f} s, peak above params+grads "
+                      f"{runs[mode]['peak_above_params_and_grads_bytes'] / 2**20:.0f} MiB", flush=True)
+            check = compare(os.path.join(tmp, "naive.pt"), os.path.join(tmp, "chunked.pt"))
+        mem_ratio = runs["chunked"]["peak_above_params_and_grads_bytes"] / runs["naive"]["peak_above_params_and_grads_bytes"]
+        time_ratio = runs["chunked"]["median_s"] / runs["naive"]["median_s"]
+        row = {
+            "kind": kind,
+            "naive": runs["naive"],
+            "chunked": runs["chunked"],
+            "memory_ratio": mem_ratio,
+            "time_ratio": time_ratio,
+            **check,
+            "memory_ok": mem_ratio <= 0.25,
+            "time_ok": time_ratio <= 1.3,
+        }
+        print(f"{kind}: memory ratio {mem_ratio:.3f} (<= 0.25: {row['memory_ok']}), time ratio {time_ratio:.2f} "
+              f"(<= 1.3: {row['time_ok']}), loss ok {check['loss_ok']}, grads ok {check['grads_ok']}", flush=True)
+        results.append(row)
+    report = {
+        "config": {k: getattr(args, k) for k in ("seq_len", "window", "rank", "vocab", "hidden", "chunk_size", "repeats")},
+        "machine": {
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "load_average_at_end": os.getloadavg(),
+            "note": "CPU shared with other jobs; times are noisy, ratios measured back to back",
+        },
+        "results": results,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    if not all(r["loss_ok"] and r["grads_ok"] and r["memory_ok"] and r["time_ok"] for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

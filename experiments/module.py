@@ -1,0 +1,241 @@
+"""LightningModule: a frozen backbone + an MtPC head (+ LoRA on the draft top), trained with the window loss.
+
+Holds `MtpcTrainModule` (training/validation steps, the two-stage schedule: head only for the
+first `lora_start_epoch` epochs, then head + LoRA), `build_backbone` (the `tiny` in-process Llama
+for debug runs, else `mtpc.backbones.load_backbone`) and `backbone_num_layers` (what config
+validation needs, read without loading weights). Checkpoints hold only the trainable tensors
+(head + LoRA) and the RNG states; the frozen backbone is rebuilt from its name on resume.
+Leaves out: the loss maths (`mtpc.losses`), export (`mtpc.heads.save_head`), the CLI (train.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+
+# The `tiny` debug backbone: a random Llama built in-process (seeded), vocab 320 like the byte models.
+TINY_BACKBONE = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+# Layer counts of the paper's backbones, so validation can check lora_depth without their weights.
+KNOWN_NUM_LAYERS = {"benjamin/Llama3-2-3B-IT-Byte": 28, "EvaByte/EvaByte-SFT": 32, "EvaByte/EvaByte": 32}
+INITS = ("lm_head", "mtp", "random")
+
+
+def build_backbone(name: str, lora_depth: int, dtype: str | None = None, tiny_seed: int = 0,
+                   **kwargs: Any) -> torch.nn.Module:
+    """`tiny` -> the seeded random Llama of TINY_BACKBONE; anything else -> `load_backbone(name, ...)`."""
+    torch_dtype = getattr(torch, dtype) if dtype else None
+    if name == "tiny":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from mtpc.backbones import BackboneAdapter
+        from mtpc.tokenizer import ByteTokenizer
+
+        cfg = LlamaConfig(**TINY_BACKBONE, tie_word_embeddings=False, bos_token_id=257, eos_token_id=258,
+                          pad_token_id=256)
+        with torch.random.fork_rng():
+            torch.manual_seed(tiny_seed)
+            model = LlamaForCausalLM(cfg).eval()
+        if torch_dtype is not None:
+            model = model.to(torch_dtype)
+        return BackboneAdapter.from_hf(model, lora_depth=lora_depth, name="tiny", tokenizer=ByteTokenizer(),
+                                       **kwargs)
+    from mtpc.backbones import load_backbone
+
+    return load_backbone(name, lora_depth=lora_depth, dtype=torch_dtype, **kwargs)
+
+
+def backbone_num_layers(name: str) -> int | None:
+    """Number of layers of backbone `name` without loading weights; None when it cannot be known offline."""
+    if name == "tiny":
+        return TINY_BACKBONE["num_hidden_layers"]
+    if name in KNOWN_NUM_LAYERS:
+        return KNOWN_NUM_LAYERS[name]
+    if name == "default":
+        from experiments import pretrain
+
+        return int(pretrain.default_num_layers())
+    cfg = Path(name).expanduser() / "config.json"
+    if cfg.exists():
+        c = json.loads(cfg.read_text())
+        return c.get("num_hidden_layers", c.get("n_layer", c.get("num_layers")))
+    try:  # a hub name already in the local HF cache
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(name, local_files_only=True, trust_remote_code=True).num_hidden_layers
+    except Exception:
+        return None
+
+
+def _is_trainable_key(key: str) -> bool:
+    return key.startswith("head.") or "lora_" in key
+
+
+class MtpcTrainModule(L.LightningModule):
+    """Frozen backbone + MtPC head; only head (+ LoRA) parameters train.
+
+    Args:
+        backbone: `default` (the embedded model), `tiny` (debug), a local HF directory or a hub name.
+        circuit: ff | cp | hmm | btree.
+        window: n, bytes predicted per context position.
+        rank: r, latent states per sum unit (ff: forced to 1).
+        lora_depth: k, the top layers the draft runs with LoRA adapters (0: none).
+        lora_start_epoch: epochs of head-only training before the LoRA adapters train too.
+        lr: Adam learning rate (the paper: 3e-4).
+        betas: Adam betas.
+        weight_decay: Adam weight decay.
+        gamma: loss discount per window position (None: 0.8 for n <= 8, else 0.9).
+        chunk_size: context positions per chunk of the loss (bounds peak memory).
+        init: head initialisation: `lm_head` (copy the STP unembedding), `mtp` (the backbone's own
+            MTP heads where it has them, e.g. EvaByte; else lm_head), or `random`.
+        init_noise: noise that breaks the symmetry between copied components.
+        transition_bias: diagonal bias of hmm/btree transitions at init (near identity).
+        backbone_dtype: torch dtype name for the backbone weights (e.g. bfloat16); None: as stored.
+        backbone_kwargs: extra keyword arguments for `load_backbone` (e.g. LoRA rank).
+        tiny_seed: seed of the `tiny` debug backbone.
+    """
+
+    def __init__(
+        self,
+        backbone: str = "default",
+        circuit: str = "cp",
+        window: int = 8,
+        rank: int = 8,
+        lora_depth: int = 0,
+        lora_start_epoch: int = 1,
+        lr: float = 3e-4,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0.0,
+        gamma: float | None = None,
+        chunk_size: int = 256,
+        init: str = "lm_head",
+        init_noise: float = 1e-2,
+        transition_bias: float = 4.0,
+        backbone_dtype: str | None = None,
+        backbone_kwargs: dict[str, Any] | None = None,
+        tiny_seed: int = 0,
+    ):
+        super().__init__()
+        from mtpc.heads import HeadConfig, MtpcHead
+
+        if circuit == "ff":
+            rank = 1
+        self.save_hyperparameters()
+        self.strict_loading = False  # checkpoints carry head + LoRA only (see on_save_checkpoint)
+        self.backbone = build_backbone(backbone, lora_depth, backbone_dtype, tiny_seed, **(backbone_kwargs or {}))
+        for p in self.backbone.parameters():
+            p.requires_grad_(False)
+        self.lora_params = list(self.backbone.lora_parameters()) if lora_depth > 0 else []
+        cfg = HeadConfig(kind=circuit, window=window, rank=rank, vocab=self.backbone.vocab_size,
+                         hidden=self.backbone.hidden_size, lora_depth=lora_depth, backbone=backbone)
+        self.head = MtpcHead(cfg)
+        if init != "random":
+            W = self.backbone.mtp_unembeddings() if init == "mtp" else None
+            if W is None:
+                W = self.backbone.lm_head_weight[None]  # (1, v, d)
+            self.head.init_from_unembeddings(W.detach().float(), noise=init_noise, transition_bias=transition_bias)
+        self.head.float()
+        self.tokenizer = getattr(self.backbone, "tokenizer", None)
+
+    # -- frozen backbone stays in eval mode (no dropout), LoRA switches on at lora_start_epoch --------
+    def train(self, mode: bool = True) -> MtpcTrainModule:
+        super().train(mode)
+        self.backbone.eval()
+        return self
+
+    def lora_active(self) -> bool:
+        return bool(self.lora_params) and self.current_epoch >= self.hparams.lora_start_epoch
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # per batch, not per epoch: Lightning skips on_train_epoch_start when resuming mid-epoch
+        active = self.lora_active()
+        for p in self.lora_params:
+            p.requires_grad_(active)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        params = [{"params": list(self.head.parameters())}]
+        if self.lora_params:
+            params.append({"params": self.lora_params})
+        h = self.hparams
+        return torch.optim.Adam(params, lr=h.lr, betas=tuple(h.betas), weight_decay=h.weight_decay)
+
+    # -- steps ------------------------------------------------------------------------------------
+    def _loss(self, batch: tuple[torch.Tensor, ...], grad_backbone: bool):
+        from mtpc.losses import window_loss
+
+        ids, score_mask, doc_ids = batch  # (B, S) each
+        with torch.set_grad_enabled(grad_backbone and torch.is_grad_enabled()):
+            out = self.backbone(ids)
+        e = out.draft_hidden  # (B, S, d)
+        res = window_loss(self.head, e, ids, score_mask, doc_ids, gamma=self.hparams.gamma,
+                          chunk_size=self.hparams.chunk_size)
+        return res, out
+
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        res, _ = self._loss(batch, grad_backbone=self.lora_active())
+        bs = batch[0].shape[0]
+        self.log("train_loss", res.loss, prog_bar=True, batch_size=bs)
+        self.log("train_window_nll", res.window_nll, batch_size=bs)
+        self.log("train_bits_per_byte", res.bits_per_byte, batch_size=bs)
+        return res.loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
+        res, out = self._loss(batch, grad_backbone=False)
+        bs = batch[0].shape[0]
+        self.log("val_loss", res.loss, batch_size=bs, prog_bar=True)
+        self.log("val_window_nll", res.window_nll, batch_size=bs)
+        self.log("val_bits_per_byte", res.bits_per_byte, batch_size=bs)
+        for j, v in enumerate(res.per_position_nll.tolist(), start=1):
+            self.log(f"val_nll_{j}", v, batch_size=bs)
+        stp = stp_nll(self.backbone.stp_logits(out.verify_hidden), *batch)
+        if stp is not None:
+            self.log("val_stp_nll", stp, batch_size=bs)
+
+    # -- checkpoints: trainable tensors + RNG states only -----------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if _is_trainable_key(k)}
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        checkpoint["rng_states"] = {  # plain types and tensors only: Lightning loads with weights_only
+            "torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)]}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        want = {k for k in self.state_dict() if _is_trainable_key(k)}
+        missing = want - set(checkpoint["state_dict"])
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} trainable tensors, e.g. {sorted(missing)[:3]}: "
+                             "was it written for another circuit, window, rank or lora_depth?")
+        rng = checkpoint.get("rng_states")
+        if rng:
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
+            kind, keys, pos, has_gauss, gauss = rng["numpy"]
+            np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+
+
+def stp_nll(logits: torch.Tensor, ids: torch.Tensor, score_mask: torch.Tensor,
+            doc_ids: torch.Tensor) -> torch.Tensor | None:
+    """The backbone's own next-byte NLL (nats) on the scored targets, per-example mean then batch mean.
+
+    Same normalisation as the window loss at position 1, so it is the floor a head's val_nll_1 can reach.
+    """
+    lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, S-1, v)
+    tgt = ids[:, 1:]
+    valid = (doc_ids[:, 1:] == doc_ids[:, :-1]) & (doc_ids[:, :-1] >= 0) & score_mask[:, 1:]  # (B, S-1)
+    nll = -lp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) * valid
+    count = valid.sum(-1)
+    keep = count > 0
+    if not keep.any():
+        return None
+    return (nll.sum(-1)[keep] / count[keep]).mean()
+
+
+def bits_per_byte(nll_nats: float) -> float:
+    return nll_nats / math.log(2)

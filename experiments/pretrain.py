@@ -1,0 +1,341 @@
+"""Pre-train the embedded default backbone: a small byte-level Llama on the ShareGPT training split.
+
+`python -m experiments.pretrain [--config cpu|gpu|PATH] [--out DIR] [--force]` (= `make pretrain`)
+trains a transformers `LlamaForCausalLM` (vocab 320, `mtpc.tokenizer.ByteTokenizer`) with Lightning
+on next-byte prediction over every byte of the packed, chat-templated training conversations,
+stops at `max_steps` or `max_minutes` (whichever comes first; the cosine schedule follows the
+further of the two), reports held-out bits per byte, and saves with `save_pretrained`
+(safetensors, config, tokenizer files, `pretrain_metrics.json`) to
+`mtpc.paths.cache_dir()/models/default`, where `load_backbone("default")` finds it.
+`ensure_default_model()` returns that directory, pre-training first (under a file lock) if it is
+missing. Leaves out: MtPC heads and LoRA (experiments/train.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+import torch
+import yaml
+from lightning.pytorch.plugins.environments import LightningEnvironment
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from mtpc.backbones import default_model_dir
+from mtpc.data import is_heldout, load_messages, pack, sharegpt_corpus
+from mtpc.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, ByteTokenizer
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+CONFIGS = {"cpu": CONFIG_DIR / "pretrain_cpu.yaml", "gpu": CONFIG_DIR / "pretrain_gpu.yaml"}
+METRICS_FILE = "pretrain_metrics.json"
+
+
+@dataclass
+class PretrainConfig:
+    """One pre-training run; every field can be set in the YAML."""
+
+    hidden_size: int = 512
+    """d, the width of e_t (DESIGN D4: d >= 512 keeps an r = 8 head near the backbone's size)."""
+    num_layers: int = 6
+    """Decoder layers (>= 5 so that LoRA depth k = 4 still leaves a shared trunk)."""
+    num_heads: int = 8
+    num_kv_heads: int = 8
+    intermediate_size: int = 1024
+    max_context: int = 4096
+    """max_position_embeddings of the saved model (rotary; longer than seq_len)."""
+    seq_len: int = 512
+    batch_size: int = 8
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    max_steps: int = 100_000
+    max_minutes: float = 10.0
+    """Wall-clock budget for the optimisation steps (evaluation and saving come on top)."""
+    train_data: str = "sharegpt"
+    """'sharegpt' (the bundled corpus) or a messages-format .json/.jsonl file / datasets name."""
+    heldout_data: str | None = None
+    """Held-out conversations; None: the corpus's own held-out split (sharegpt) or the hash split."""
+    heldout_rows: int = 32
+    """Rows of seq_len held-out bytes scored for the reported bits/byte."""
+    accelerator: str = "cpu"
+    precision: str = "32-true"
+    num_threads: int | None = None
+    seed: int = 0
+
+    def validate(self, where: str = "config") -> None:
+        def bad(key, why):
+            raise ValueError(f"{where}: {key}={getattr(self, key)!r} {why}")
+
+        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_context",
+                    "seq_len", "batch_size", "max_steps", "heldout_rows"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                bad(key, "must be a positive int")
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
+            bad("hidden_size", f"must split into num_heads={self.num_heads} heads of even size (rotary)")
+        if self.num_heads % self.num_kv_heads:
+            bad("num_kv_heads", f"must divide num_heads={self.num_heads}")
+        if self.seq_len > self.max_context:
+            bad("seq_len", f"exceeds max_context={self.max_context}")
+        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
+            bad("lr", f"must be > 0 with min_lr_ratio in [0, 1] (got {self.min_lr_ratio})")
+        if self.warmup_steps < 0 or self.weight_decay < 0:
+            bad("warmup_steps", "and weight_decay must be >= 0")
+        if not self.max_minutes > 0:
+            bad("max_minutes", "must be > 0")
+        if self.accelerator not in ("cpu", "gpu", "cuda", "auto"):
+            bad("accelerator", "must be one of cpu, gpu, cuda, auto")
+        if self.precision not in ("32-true", "bf16-mixed", "16-mixed", "bf16-true"):
+            bad("precision", "must be one of 32-true, bf16-mixed, 16-mixed, bf16-true")
+
+    def llama_config(self) -> LlamaConfig:
+        cfg = LlamaConfig(
+            vocab_size=VOCAB_SIZE,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            max_position_embeddings=self.max_context,
+            bos_token_id=BOS_ID,
+            eos_token_id=EOS_ID,
+            pad_token_id=PAD_ID,
+            tie_word_embeddings=False,
+        )
+        cfg._attn_implementation = "sdpa"
+        return cfg
+
+
+def load_config(path: str | Path, **overrides) -> PretrainConfig:
+    """Read a YAML into a validated `PretrainConfig`; unknown keys are errors naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"pretrain config {path}: no such file (shipped: {sorted(CONFIGS)})")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a mapping of PretrainConfig fields")
+    raw.update(overrides)
+    known = {f.name for f in dataclasses.fields(PretrainConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {unknown}; expected some of {sorted(known)}")
+    cfg = PretrainConfig(**raw)
+    cfg.validate(str(path))
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------------------------
+def _conversations(cfg: PretrainConfig) -> tuple[list[dict], list[dict]]:
+    if cfg.train_data == "sharegpt":
+        corpus = sharegpt_corpus()
+        train, heldout = corpus.train, corpus.heldout
+    else:
+        convs = load_messages(cfg.train_data)
+        train = [c for c in convs if not is_heldout(c["id"])]
+        heldout = [c for c in convs if is_heldout(c["id"])] or train[-max(1, len(train) // 20):]
+    if cfg.heldout_data is not None:
+        heldout = load_messages(cfg.heldout_data)
+    if not train or not heldout:
+        raise ValueError(f"train_data={cfg.train_data!r}: need training and held-out conversations")
+    return train, heldout
+
+
+def present_targets(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, S) -> (B, S-1) bool: target t+1 is present for position t (same document, not padding)."""
+    return (doc_ids[:, 1:] == doc_ids[:, :-1]) & (doc_ids[:, :-1] >= 0)
+
+
+def next_byte_nll(model: LlamaForCausalLM, input_ids: torch.Tensor, doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed next-byte NLL (nats) over present targets and their count."""
+    logits = model(input_ids=input_ids).logits[:, :-1].float()  # (B, S-1, v)
+    keep = present_targets(doc_ids)
+    nll = torch.nn.functional.cross_entropy(logits[keep], input_ids[:, 1:][keep], reduction="sum")
+    return nll, int(keep.sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# Lightning
+# ---------------------------------------------------------------------------------------------
+class ByteLM(L.LightningModule):
+    """Next-byte training of a LlamaForCausalLM with a cosine schedule over steps or time."""
+
+    def __init__(self, cfg: PretrainConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaForCausalLM(cfg.llama_config())
+        self.t0: float | None = None
+
+    def training_step(self, batch, batch_idx):
+        input_ids, doc_ids = batch
+        nll, n = next_byte_nll(self.model, input_ids, doc_ids)
+        loss = nll / max(n, 1)
+        self.log("bpb", loss / math.log(2), prog_bar=True)
+        return loss
+
+    def on_train_start(self):
+        self.t0 = time.monotonic()
+
+    def progress(self, step: int) -> float:
+        """Fraction of the run done: the further of step and wall-clock progress."""
+        elapsed = 0.0 if self.t0 is None else (time.monotonic() - self.t0) / 60
+        return min(1.0, max(step / self.cfg.max_steps, elapsed / self.cfg.max_minutes))
+
+    def configure_optimizers(self):
+        cfg = self.cfg
+        decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
+        other = [p for n, p in self.model.named_parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}],
+            lr=cfg.lr,
+            betas=(0.9, 0.95),
+        )
+
+        def factor(step: int) -> float:
+            if step < cfg.warmup_steps:
+                return (step + 1) / (cfg.warmup_steps + 1)
+            cos = 0.5 * (1 + math.cos(math.pi * self.progress(step)))
+            return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+@torch.no_grad()
+def heldout_bits_per_byte(model: LlamaForCausalLM, rows, batch_size: int = 8) -> dict[str, float]:
+    """Bits per byte on held-out packed rows: all present targets, and assistant bytes only."""
+    model.eval()
+    device = next(model.parameters()).device
+    tot = {"all": [0.0, 0], "assistant": [0.0, 0]}
+    for i in range(0, len(rows), batch_size):
+        ids = rows.input_ids[i : i + batch_size].to(device)
+        doc = rows.doc_ids[i : i + batch_size].to(device)
+        score = rows.score_mask[i : i + batch_size, 1:].to(device)
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # (B, S-1)
+        keep = present_targets(doc)
+        for name, m in (("all", keep), ("assistant", keep & score)):
+            tot[name][0] += float(nll[m].sum())
+            tot[name][1] += int(m.sum())
+    return {
+        "heldout_bits_per_byte": tot["all"][0] / max(tot["all"][1], 1) / math.log(2),
+        "heldout_bits_per_assistant_byte": tot["assistant"][0] / max(tot["assistant"][1], 1) / math.log(2),
+        "heldout_bytes_scored": tot["all"][1],
+    }
+
+
+def pretrain(cfg: PretrainConfig, out_dir: str | Path) -> dict:
+    """Train, evaluate and save to `out_dir` (written whole or not at all); returns the metrics."""
+    cfg.validate()
+    out_dir = Path(out_dir)
+    wall0 = time.monotonic()
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    tok = ByteTokenizer()
+    train, heldout = _conversations(cfg)
+    random.Random(cfg.seed).shuffle(train)
+    rows_needed = cfg.max_steps * cfg.batch_size
+    train_rows = pack(train, tok, cfg.seq_len, max_rows=rows_needed)
+    held_rows = pack(heldout, tok, cfg.seq_len, max_rows=cfg.heldout_rows)
+    dataset = torch.utils.data.TensorDataset(train_rows.input_ids, train_rows.doc_ids)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, drop_last=True)
+    if len(loader) == 0:
+        raise ValueError(f"train_data={cfg.train_data!r}: fewer than batch_size={cfg.batch_size} rows of {cfg.seq_len} bytes")
+    module = ByteLM(cfg)
+    trainer = L.Trainer(
+        accelerator=cfg.accelerator,
+        devices=1,
+        precision=cfg.precision,
+        max_steps=cfg.max_steps,
+        max_epochs=-1,
+        max_time={"minutes": cfg.max_minutes},
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        log_every_n_steps=10,
+        gradient_clip_val=1.0,
+        plugins=[LightningEnvironment()],  # never mistake a one-task SLURM job for a multi-process run
+    )
+    trainer.fit(module, loader)
+    train_wall = time.monotonic() - (module.t0 or wall0)
+    model = module.model.float()
+    metrics = heldout_bits_per_byte(model, held_rows)
+    metrics.update(
+        steps=int(trainer.global_step),
+        train_bytes_seen=int(trainer.global_step) * cfg.batch_size * cfg.seq_len,
+        train_minutes=train_wall / 60,
+        total_minutes=(time.monotonic() - wall0) / 60,
+        parameters=sum(p.numel() for p in model.parameters()),
+        torch_threads=torch.get_num_threads(),
+        config=dataclasses.asdict(cfg),
+    )
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    (tmp / METRICS_FILE).write_text(json.dumps(metrics, indent=2) + "\n")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return metrics
+
+
+def default_config() -> PretrainConfig:
+    return load_config(CONFIGS["gpu" if torch.cuda.is_available() else "cpu"])
+
+
+def ensure_default_model() -> Path:
+    """The embedded default model's directory; pre-trains it first (under a file lock) if missing."""
+    from filelock import FileLock
+
+    out = default_model_dir()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out.parent / "default.lock")):
+        if not (out / "config.json").is_file():
+            pretrain(default_config(), out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.pretrain", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="auto", help="cpu, gpu, auto (gpu if CUDA is available) or a YAML path")
+    ap.add_argument("--out", default=None, help=f"output directory (default: {default_model_dir()})")
+    ap.add_argument("--force", action="store_true", help="retrain even if the output directory holds a model")
+    args = ap.parse_args(argv)
+    try:
+        if args.config == "auto":
+            cfg = default_config()
+        else:
+            cfg = load_config(CONFIGS.get(args.config, args.config))
+    except ValueError as e:
+        ap.error(str(e))
+    out = Path(args.out) if args.out else default_model_dir()
+    if (out / "config.json").is_file() and not args.force:
+        print(f"default model already at {out} (use --force to retrain)")
+        metrics_path = out / METRICS_FILE
+        if metrics_path.is_file():
+            print(metrics_path.read_text())
+        return 0
+    from filelock import FileLock
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out.parent / f"{out.name}.lock")):
+        metrics = pretrain(cfg, out)
+    print(json.dumps({k: v for k, v in metrics.items() if k != "config"}, indent=2))
+    print(f"saved to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

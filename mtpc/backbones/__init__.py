@@ -1,0 +1,129 @@
+"""Backbone adapters and `load_backbone`: resolve a name or path to a frozen, split, byte-level LM.
+
+Names: "default" (the embedded model pre-trained by `make pretrain`, under
+`mtpc.paths.cache_dir()/models/default`), "evabyte" (EvaByte/EvaByte-SFT), "llama3-byte"
+(benjamin/Llama3-2-3B-IT-Byte), a local `save_pretrained` directory, or a hub id "org/name"
+(unreachable on these machines; loaded with `trust_remote_code`). Checkpoints whose vocabulary
+exceeds 512 are refused unless `allow_non_byte=True`. The adapter classes live in `base.py`
+(Llama architecture) and `evabyte.py`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mtpc.backbones.base import BackboneAdapter, KVStore, SplitCache, SplitOutput
+from mtpc.paths import cache_dir
+
+ALIASES = {
+    "evabyte": "EvaByte/EvaByte-SFT",
+    "llama3-byte": "benjamin/Llama3-2-3B-IT-Byte",
+}
+MAX_BYTE_VOCAB = 512
+
+__all__ = [
+    "ALIASES",
+    "BackboneAdapter",
+    "KVStore",
+    "SplitCache",
+    "SplitOutput",
+    "default_model_dir",
+    "load_backbone",
+]
+
+
+def default_model_dir() -> Path:
+    """Where `make pretrain` saves the embedded default model."""
+    return cache_dir() / "models" / "default"
+
+
+def _resolve(name_or_path: str) -> tuple[str, str]:
+    """(label, source) where source is a local directory or a hub id."""
+    if not isinstance(name_or_path, (str, Path)) or not str(name_or_path):
+        raise ValueError(f"backbone: expected a name or path, got {name_or_path!r}")
+    name = str(name_or_path)
+    if name == "default":
+        path = default_model_dir()
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"backbone 'default': no embedded model at {path}; run `make pretrain` "
+                "(python -m experiments.pretrain) once to train it"
+            )
+        return "default", str(path)
+    if name in ALIASES:
+        return name, ALIASES[name]
+    if Path(name).expanduser().is_dir():
+        path = Path(name).expanduser()
+        if not (path / "config.json").is_file():
+            raise ValueError(f"backbone {name!r}: directory has no config.json (expected a save_pretrained checkpoint)")
+        return name, str(path)
+    if re.fullmatch(r"[\w.\-]+/[\w.\-]+", name) and not Path(name).exists():
+        return name, name
+    raise ValueError(
+        f"backbone {name!r}: unknown name and not a directory; expected 'default', one of {sorted(ALIASES)}, "
+        "a save_pretrained directory or a hub id 'org/name'"
+    )
+
+
+def _load_tokenizer(source: str, trust_remote_code: bool) -> Any:
+    from mtpc.tokenizer import ByteTokenizer, HFChatTokenizer
+
+    if Path(source).is_dir() and ByteTokenizer.is_saved_in(source):
+        return ByteTokenizer.from_pretrained(source)
+    try:
+        from transformers import AutoTokenizer
+
+        return HFChatTokenizer(AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code))
+    except Exception:  # no tokenizer files: tiny test checkpoints; callers pass ids themselves
+        return None
+
+
+def load_backbone(
+    name_or_path: str,
+    lora_depth: int = 0,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    *,
+    trust_remote_code: bool = True,
+    allow_non_byte: bool = False,
+    attn_implementation: str | None = None,
+    **lora_kw: Any,
+) -> BackboneAdapter:
+    """Load a checkpoint by name or path and wrap it; see the module docstring for names.
+
+    lora_kw: lora_rank, lora_alpha, lora_dropout, lora_targets (see `BackboneAdapter`).
+    """
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    label, source = _resolve(name_or_path)
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"backbone {label!r}: cannot read its config from {source!r} ({e})") from e
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is None or (vocab > MAX_BYTE_VOCAB and not allow_non_byte):
+        raise ValueError(
+            f"backbone {label!r}: vocab_size={vocab} is not byte-level (limit {MAX_BYTE_VOCAB}); "
+            "pass allow_non_byte=True to use it anyway"
+        )
+    kw: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if dtype is not None:
+        major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+        kw["dtype" if (major, minor) >= (4, 56) else "torch_dtype"] = dtype
+    if attn_implementation is not None:
+        kw["attn_implementation"] = attn_implementation
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, **kw)
+    except OSError as e:
+        raise ValueError(f"backbone {label!r}: cannot load weights from {source!r} ({e})") from e
+    model.eval()
+    if device is not None:
+        model.to(device)
+    tokenizer = _load_tokenizer(source, trust_remote_code)
+    cls = BackboneAdapter
+    return cls.from_hf(model, lora_depth=lora_depth, name=label, tokenizer=tokenizer, **lora_kw)

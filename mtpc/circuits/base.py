@@ -1,0 +1,291 @@
+"""The shared `Circuit` base class: the public contract, argument validation, dtype rules, broadcasting.
+
+A circuit is a *structure* (kind, window n, rank r, vocab v) plus a dict of log-parameter tensors
+whose leading dims are a batch (any shape, broadcast by torch rules). Subclasses (ff, cp, hmm,
+btree) implement the unchecked `_` queries on normalised parameters; this module turns them into
+the validated public methods and holds the numerical helpers they share (log-space matrix-vector
+products, Gumbel-max sampling, leaf mixing).
+
+Every kind answers the prefix queries through one quantity, `_leaf_context(q, x)`: for each
+position i the log joint  w_i(a) = log q(s_i = a, x_<i)  of the state s_i of the unit above leaf i
+and the tokens before it. Then
+    log q(x_1..x_i)          = logsumexp_a  w_i(a) + log q(x_i | s_i = a)
+    log q(x_i = . | x_<i)    = logsumexp_a  log_softmax(w_i)(a) + leaves[i, a, .]
+so `_prefix_log_marginals` and `_conditionals` live here once.
+
+What it leaves out: the structures themselves (ff.py, cp.py, hmm.py, btree.py) and the dense
+brute-force oracle (reference.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+Params = dict[str, Tensor]
+
+
+# ----------------------------------------------------------------------------- numerical helpers
+
+
+def compute_dtype(params: Mapping[str, Tensor]) -> torch.dtype:
+    """float64 if any parameter is float64, else float32 (bf16/fp16 inputs are upcast)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in params.values()) else torch.float32
+
+
+def log_vecmat(logv: Tensor, probs: Tensor) -> Tensor:
+    """log sum_a exp(logv[..., a]) * probs[..., a, b]  -> (..., b), by a shifted matmul.
+
+    logv (..., a), probs (..., a, b) with entries in [0, 1]. The shift is detached (the result does
+    not depend on it) and clamped so that an all -inf vector gives -inf, not NaN.
+    """
+    m = logv.detach().amax(-1, keepdim=True).clamp_min(-1e30)  # (..., 1)
+    out = torch.matmul((logv - m).exp().unsqueeze(-2), probs).squeeze(-2)  # (..., b)
+    return out.log() + m
+
+
+def log_matvec(probs: Tensor, logv: Tensor) -> Tensor:
+    """log sum_b probs[..., a, b] * exp(logv[..., b])  -> (..., a)."""
+    m = logv.detach().amax(-1, keepdim=True).clamp_min(-1e30)  # (..., 1)
+    out = torch.matmul(probs, (logv - m).exp().unsqueeze(-1)).squeeze(-1)  # (..., a)
+    return out.log() + m
+
+
+def gumbel_argmax(logits: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One exact sample per row of the categorical softmax(logits) (Gumbel-max), int64 (...)."""
+    u = torch.rand(logits.shape, generator=generator, dtype=logits.dtype, device=logits.device)
+    g = -(-u.clamp_min(torch.finfo(logits.dtype).tiny).log()).log()  # standard Gumbel noise
+    return (logits + g).argmax(-1)
+
+
+def gather_leaf_scores(leaves: Tensor, x: Tensor) -> Tensor:
+    """leaves (..., k, r, v), x (..., k) int -> (..., k, r): log q(x_i | state a) for every a.
+
+    Leading dims of leaves and x must already agree (expand before calling).
+    """
+    r = leaves.shape[-2]
+    idx = x.unsqueeze(-1).unsqueeze(-1).expand(*x.shape, r, 1)  # (..., k, r, 1)
+    return leaves.gather(-1, idx).squeeze(-1)
+
+
+def gather_rows(table: Tensor, state: Tensor) -> Tensor:
+    """table (..., k, r, s), state (..., k) int -> (..., k, s) = table[..., i, state_i, :]."""
+    s = table.shape[-1]
+    idx = state.unsqueeze(-1).unsqueeze(-1).expand(*state.shape, 1, s)  # (..., k, 1, s)
+    return table.gather(-2, idx).squeeze(-2)
+
+
+def mix_leaves(logw: Tensor, leaves: Tensor) -> Tensor:
+    """logw (..., n, r) log weights, leaves (..., n, r, v) -> (..., n, v): logsumexp_a logw + leaves."""
+    return torch.logsumexp(logw.unsqueeze(-1) + leaves, dim=-2)
+
+
+def with_prefix(prefix: Tensor | None, x: Tensor) -> Tensor:
+    """Overwrite the first k positions of x (..., n) with prefix (..., k) (broadcast)."""
+    if prefix is None or prefix.shape[-1] == 0:
+        return x
+    k = prefix.shape[-1]
+    return torch.cat([prefix.expand(*x.shape[:-1], k), x[..., k:]], dim=-1)
+
+
+# ----------------------------------------------------------------------------- the base class
+
+
+class Circuit:
+    """Base class of the four circuit kinds. Use `build_circuit(kind, window, rank, vocab)`.
+
+    Public query methods validate their arguments (raising ValueError that names the argument),
+    normalise the parameters (log_softmax over the last dim, float64 if any parameter is float64,
+    else float32) and call the unchecked `_` method. Leading dims of params, x and prefix broadcast.
+    """
+
+    kind: str = ""
+
+    def __init__(self, window: int, rank: int, vocab: int) -> None:
+        self.window = window  # n
+        self.rank = rank  # r
+        self.vocab = vocab  # v
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(kind={self.kind!r}, window={self.window}, rank={self.rank}, vocab={self.vocab})"
+
+    # -- structure ------------------------------------------------------------------------------
+
+    @property
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """{name: per-context shape}; leading (batch) dims come in front of these."""
+        raise NotImplementedError
+
+    def random_params(
+        self,
+        batch_shape: Sequence[int] | int = (),
+        generator: torch.Generator | None = None,
+        dtype: torch.dtype = torch.float32,
+        scale: float = 1.0,
+    ) -> Params:
+        """Normalised log-parameters: log_softmax(scale * N(0, 1) logits), shapes batch_shape + shape."""
+        if isinstance(batch_shape, int):
+            batch_shape = (batch_shape,)
+        try:
+            batch_shape = tuple(int(d) for d in batch_shape)
+        except TypeError as e:
+            raise ValueError(f"batch_shape: expected a sequence of ints, got {batch_shape!r}") from e
+        if any(d < 0 for d in batch_shape):
+            raise ValueError(f"batch_shape: dims must be >= 0, got {batch_shape}")
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"dtype: expected a floating torch dtype, got {dtype!r}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
+        out = {}
+        for name, shape in self.param_shapes.items():
+            logits = torch.randn(batch_shape + shape, generator=generator, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+            out[name] = (scale * logits).log_softmax(-1).to(dtype)
+        return out
+
+    # -- unchecked fast path --------------------------------------------------------------------
+
+    def normalize(self, p: Mapping[str, Tensor]) -> Params:
+        """log_softmax over the last dim of every parameter, in float64 if any is float64 else float32."""
+        dtype = compute_dtype(p)
+        return {name: t.to(dtype).log_softmax(-1) for name, t in p.items()}
+
+    def _batch_shape(self, q: Mapping[str, Tensor], *others: torch.Size) -> torch.Size:
+        shapes = self.param_shapes
+        return torch.broadcast_shapes(*(t.shape[: t.dim() - len(shapes[k])] for k, t in q.items()), *others)
+
+    def _expand(self, q: Mapping[str, Tensor], batch: torch.Size) -> Params:
+        shapes = self.param_shapes
+        return {k: t.expand(*batch, *shapes[k]) for k, t in q.items()}
+
+    def _log_prob(self, q: Params, x: Tensor) -> Tensor:  # (...)
+        raise NotImplementedError
+
+    def _leaf_context(self, q: Params, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """-> (w (..., n, r) = log q(s_i = a, x_<i), leaves (..., n, r, v), x (..., n)), all broadcast."""
+        raise NotImplementedError
+
+    def _prefix_log_marginals(self, q: Params, x: Tensor) -> Tensor:  # (..., n)
+        w, leaves, x = self._leaf_context(q, x)
+        return torch.logsumexp(w + gather_leaf_scores(leaves, x), dim=-1)
+
+    def _conditionals(self, q: Params, x: Tensor) -> Tensor:  # (..., n, v)
+        w, leaves, _ = self._leaf_context(q, x)
+        return mix_leaves(w.log_softmax(-1), leaves)
+
+    def _sample(self, q: Params, generator: torch.Generator | None = None, prefix: Tensor | None = None) -> Tensor:
+        raise NotImplementedError
+
+    def _greedy(self, q: Params, prefix: Tensor | None = None) -> Tensor:
+        raise NotImplementedError
+
+    def _draft(
+        self, q: Params, prefix: Tensor | None, generator: torch.Generator | None = None, greedy: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """Fused draft for the decoding loop: (x (..., n) int64, conditionals of x (..., n, v)).
+
+        x is sampled from q(. | prefix) (or the greedy max-product window); no validation.
+        """
+        x = self._greedy(q, prefix) if greedy else self._sample(q, generator, prefix)
+        return x, self._conditionals(q, x)
+
+    # -- validation -----------------------------------------------------------------------------
+
+    def _check_params(self, p: object) -> torch.Size:
+        if not isinstance(p, Mapping):
+            raise ValueError(f"params: expected a dict of tensors {sorted(self.param_shapes)}, got {type(p).__name__}")
+        shapes = self.param_shapes
+        missing = sorted(set(shapes) - set(p))
+        extra = sorted(set(p) - set(shapes))
+        if missing or extra:
+            raise ValueError(
+                f"params: {self.kind} expects keys {sorted(shapes)}; missing {missing}, unexpected {extra}"
+            )
+        batch = []
+        for name, shape in shapes.items():
+            t = p[name]
+            if not isinstance(t, Tensor) or not t.is_floating_point():
+                raise ValueError(f"params[{name!r}]: expected a floating-point tensor, got {_describe(t)}")
+            if t.dim() < len(shape) or tuple(t.shape[t.dim() - len(shape) :]) != shape:
+                raise ValueError(
+                    f"params[{name!r}]: expected shape (..., {', '.join(map(str, shape))}) "
+                    f"for {self!r}, got {tuple(t.shape)}"
+                )
+            batch.append(t.shape[: t.dim() - len(shape)])
+        try:
+            return torch.broadcast_shapes(*batch)
+        except RuntimeError as e:
+            raise ValueError(
+                f"params: leading (batch) dims do not broadcast: "
+                f"{ {k: tuple(b) for k, b in zip(shapes, batch, strict=True)} }"
+            ) from e
+
+    def _check_ids(self, name: str, x: object, batch: torch.Size, length: int | None) -> torch.Size:
+        """Validate an id tensor: integer, last dim == length (or <= n if None), ids in [0, v)."""
+        if not isinstance(x, Tensor) or x.dtype == torch.bool or x.is_floating_point() or x.is_complex():
+            raise ValueError(f"{name}: expected an integer tensor of token ids, got {_describe(x)}")
+        if x.dim() < 1:
+            raise ValueError(f"{name}: expected shape (..., k) with a window axis last, got a 0-d tensor")
+        k = x.shape[-1]
+        if length is not None and k != length:
+            raise ValueError(f"{name}: expected last dim = window = {length}, got shape {tuple(x.shape)}")
+        if length is None and k > self.window:
+            raise ValueError(f"{name}: length {k} is longer than the window n = {self.window}")
+        if x.numel() > 0:
+            lo, hi = int(x.min()), int(x.max())
+            if lo < 0 or hi >= self.vocab:
+                raise ValueError(f"{name}: ids must lie in [0, {self.vocab}) (vocab), got min {lo}, max {hi}")
+        try:
+            return torch.broadcast_shapes(batch, x.shape[:-1])
+        except RuntimeError as e:
+            raise ValueError(
+                f"{name}: leading dims {tuple(x.shape[:-1])} do not broadcast with the params' batch dims {tuple(batch)}"
+            ) from e
+
+    @staticmethod
+    def _check_generator(generator: object) -> None:
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
+
+    # -- public, validated ------------------------------------------------------------------------
+
+    def log_prob(self, p: Mapping[str, Tensor], x: Tensor) -> Tensor:
+        """log q(x_1..x_n); x (..., n) int -> (...)."""
+        self._check_ids("x", x, self._check_params(p), self.window)
+        return self._log_prob(self.normalize(p), x.long())
+
+    def prefix_log_marginals(self, p: Mapping[str, Tensor], x: Tensor) -> Tensor:
+        """log q(x_1..x_i) for i = 1..n; x (..., n) -> (..., n)."""
+        self._check_ids("x", x, self._check_params(p), self.window)
+        return self._prefix_log_marginals(self.normalize(p), x.long())
+
+    def conditionals(self, p: Mapping[str, Tensor], x: Tensor) -> Tensor:
+        """log q(x_i = . | x_<i) for every i; x (..., n) -> (..., n, v)."""
+        self._check_ids("x", x, self._check_params(p), self.window)
+        return self._conditionals(self.normalize(p), x.long())
+
+    def sample(
+        self, p: Mapping[str, Tensor], generator: torch.Generator | None = None, prefix: Tensor | None = None
+    ) -> Tensor:
+        """Exact sample of a window from q(. | x_1..x_k = prefix); prefix (..., k), 0 <= k <= n -> (..., n) int64."""
+        batch = self._check_params(p)
+        self._check_generator(generator)
+        if prefix is not None:
+            self._check_ids("prefix", prefix, batch, None)
+            prefix = prefix.long()
+        return self._sample(self.normalize(p), generator, prefix)
+
+    def greedy(self, p: Mapping[str, Tensor], prefix: Tensor | None = None) -> Tensor:
+        """Token part of a joint maximiser over latents and tokens given the prefix -> (..., n) int64."""
+        batch = self._check_params(p)
+        if prefix is not None:
+            self._check_ids("prefix", prefix, batch, None)
+            prefix = prefix.long()
+        return self._greedy(self.normalize(p), prefix)
+
+
+def _describe(t: object) -> str:
+    if isinstance(t, Tensor):
+        return f"tensor of dtype {t.dtype} and shape {tuple(t.shape)}"
+    return type(t).__name__

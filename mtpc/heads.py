@@ -1,0 +1,311 @@
+"""MtPC heads: a hidden state e_t becomes the parameter logits of a probabilistic circuit.
+
+Holds `HeadConfig` (validated dataclass), `MtpcHead` (nn.Module: e (..., d) -> dict of
+unnormalised logits shaped like `circuit.param_shapes`), its initialisation from the backbone's
+unembeddings, and the export format (`save_head` / `load_head`: safetensors + config.json).
+
+Input units (leaves) come from an unembedding tensor W (n, r, v, d): logits W[i, j] e_t, computed
+as one matmul e (..., d) x W.view(n*r*v, d)^T. Optionally (App. G of the paper,
+`leaf_delta_rank=k > 0`) W[i, j] = U[i] + B[i, j] A[i, j], a shared per-position unembedding
+U (n, v, d) plus a rank-k delta per component, which cuts the head from n r v d to about
+n (v d + r k (v + d)) parameters. Sum units come from R e_t + b, one weight/bias pair per
+circuit parameter name (mixture, initial, transitions, root, internal); the head knows nothing
+kind-specific beyond `circuit.param_shapes`. The circuit normalises the logits itself.
+
+Left out: the loss (mtpc/losses.py), the backbone and its LoRA adapter (mtpc/backbones.py; only
+the adapter's state dict passes through `save_head` / `load_head`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from mtpc.circuits import CIRCUIT_KINDS, build_circuit
+
+FORMAT_VERSION = 1
+MAX_WINDOW = 64
+MAX_RANK = 1024
+HEAD_FILE = "head.safetensors"
+LORA_FILE = "lora.safetensors"
+CONFIG_FILE = "config.json"
+
+
+@dataclass
+class HeadConfig:
+    """What a head is: circuit kind, window n, rank r, vocab v, hidden size d (+ provenance)."""
+
+    kind: str
+    """circuit kind: ff, cp, hmm or btree"""
+    window: int
+    """n, the number of future bytes the head predicts (1..MAX_WINDOW)"""
+    rank: int
+    """r, latent states per sum unit (ff: must be 1)"""
+    vocab: int
+    """v, must equal the backbone's vocab size"""
+    hidden: int
+    """d, must equal the backbone's hidden size (the size of e_t)"""
+    lora_depth: int = 0
+    """k, number of top backbone layers with a draft LoRA adapter (0: none)"""
+    backbone: str = ""
+    """name or path of the backbone the head was trained on (provenance only)"""
+    leaf_delta_rank: int = 0
+    """0: a full unembedding per (position, component); k > 0: shared per-position unembedding
+    plus a rank-k delta per component (paper App. G)"""
+
+    def __post_init__(self) -> None:
+        if self.kind not in CIRCUIT_KINDS:
+            raise ValueError(f"kind: unknown circuit kind {self.kind!r}; expected one of {CIRCUIT_KINDS}")
+        for name, low, high in (("window", 1, MAX_WINDOW), ("rank", 1, MAX_RANK)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"{name}: expected an integer in [{low}, {high}], got {value!r}")
+        if self.kind == "ff" and self.rank != 1:
+            raise ValueError(f"rank: an ff head has no latent states, expected rank 1, got {self.rank}")
+        for name, low in (("vocab", 2), ("hidden", 1), ("lora_depth", 0), ("leaf_delta_rank", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+        if not isinstance(self.backbone, str):
+            raise ValueError(f"backbone: expected a string (name or path), got {self.backbone!r}")
+
+    def check_compatible(self, backbone_hidden: int, backbone_vocab: int) -> None:
+        """Raise ValueError unless this head reads e_t of size d and predicts the backbone's vocab."""
+        if self.hidden != backbone_hidden:
+            raise ValueError(
+                f"hidden: the head expects e_t of size {self.hidden}, the backbone's hidden size is "
+                f"{backbone_hidden}; expected hidden={backbone_hidden}"
+            )
+        if self.vocab != backbone_vocab:
+            raise ValueError(
+                f"vocab: the head predicts {self.vocab} symbols, the backbone's vocab is "
+                f"{backbone_vocab}; expected vocab={backbone_vocab}"
+            )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "config") -> HeadConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown head config keys {unknown}; expected a subset of {sorted(known)}")
+        missing = [k for k in ("kind", "window", "rank", "vocab", "hidden") if k not in d]
+        if missing:
+            raise ValueError(f"{where}: missing head config keys {missing}")
+        return cls(**d)
+
+
+class MtpcHead(nn.Module):
+    """e_t (..., d) -> {name: unnormalised logits (..., *circuit.param_shapes[name])}."""
+
+    def __init__(self, config: HeadConfig, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.config = config
+        n, r, v, d, k = config.window, config.rank, config.vocab, config.hidden, config.leaf_delta_rank
+        self.circuit = build_circuit(config.kind, window=n, rank=r, vocab=v)
+        shapes = {name: tuple(s) for name, s in self.circuit.param_shapes.items()}
+        if shapes.get("leaves") != (n, r, v):
+            raise ValueError(f"circuit {config.kind}: expected leaves of shape {(n, r, v)}, got {shapes.get('leaves')}")
+        fk = {"device": device, "dtype": dtype}
+        if k == 0:
+            self.leaf_weight = nn.Parameter(torch.empty(n, r, v, d, **fk))  # W
+        else:
+            self.leaf_base = nn.Parameter(torch.empty(n, v, d, **fk))  # U
+            self.leaf_delta_in = nn.Parameter(torch.empty(n, r, k, d, **fk))  # A
+            self.leaf_delta_out = nn.Parameter(torch.empty(n, r, v, k, **fk))  # B
+        self.sum_names = tuple(name for name in shapes if name != "leaves")
+        self.sum_weight = nn.ParameterDict(
+            {name: nn.Parameter(torch.empty(*shapes[name], d, **fk)) for name in self.sum_names}
+        )  # R per name
+        self.sum_bias = nn.ParameterDict(
+            {name: nn.Parameter(torch.empty(*shapes[name], **fk)) for name in self.sum_names}
+        )
+        self.reset_parameters()
+
+    # --- parameters -------------------------------------------------------------------------
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Random leaves (std d^-1/2, so logits are O(1) for unit-RMS e_t); zero sum weights and
+        biases (uniform mixtures / transitions). The delta's B starts at zero."""
+        std = self.config.hidden**-0.5
+        with torch.no_grad():
+            if self.config.leaf_delta_rank == 0:
+                self.leaf_weight.normal_(0.0, std, generator=generator)
+            else:
+                self.leaf_base.normal_(0.0, std, generator=generator)
+                self.leaf_delta_in.normal_(0.0, std, generator=generator)
+                self.leaf_delta_out.zero_()
+            for name in self.sum_names:
+                self.sum_weight[name].zero_()
+                self.sum_bias[name].zero_()
+
+    def init_from_unembeddings(
+        self,
+        W: Tensor,
+        noise: float = 0.01,
+        transition_bias: float | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        """Start the head from per-position unembeddings W (m, v, d) (or (v, d) = one).
+
+        Position i (0-based) copies W[min(i, m-1)]: with EvaByte, W[0] is the STP lm_head and
+        W[1..7] its MTP heads; for n > m the positions past m repeat the last unembedding.
+        Every component j gets the same copy plus `noise` x std(W[i]) Gaussian noise when r > 1
+        (identical components get identical gradients forever); with the delta option the copy
+        goes to U and the noise to B (A is random already, which breaks the symmetry alone).
+        Sum weights R start at zero, so mixtures and roots are uniform; every r x r table
+        (hmm transitions, btree internal nodes) gets a diagonal bias b (default ln(r-1) + 4:
+        stay probability 1/(1+e^-4) = 0.982), so hmm/btree start as cp up to about (r-1)e^-b
+        per table. With noise=0, cp is exactly ff and hmm/btree are cp up to that bound.
+        """
+        cfg = self.config
+        n, r, v, d = cfg.window, cfg.rank, cfg.vocab, cfg.hidden
+        if not isinstance(W, Tensor):
+            raise ValueError(f"W: expected a tensor (m, v, d), got {type(W).__name__}")
+        if W.dim() == 2:
+            W = W.unsqueeze(0)
+        if W.dim() != 3 or W.shape[1] != v or W.shape[2] != d or W.shape[0] < 1:
+            raise ValueError(f"W: expected shape (m >= 1, v={v}, d={d}) or (v, d), got {tuple(W.shape)}")
+        if noise < 0 or not math.isfinite(noise):
+            raise ValueError(f"noise: expected a finite value >= 0, got {noise}")
+        if transition_bias is None:
+            transition_bias = math.log(max(r - 1, 1)) + 4.0
+        idx = torch.arange(n).clamp(max=W.shape[0] - 1)
+        base = W.detach()[idx].to(self._param_dtype)  # (n, v, d)
+        eye = torch.eye(r, dtype=self._param_dtype)
+        with torch.no_grad():
+            if cfg.leaf_delta_rank == 0:
+                target = base.unsqueeze(1).expand(n, r, v, d).clone()  # (n, r, v, d)
+                if noise > 0 and r > 1:
+                    std = base.float().flatten(1).std(dim=1).view(n, 1, 1, 1).to(target.dtype)  # (n, 1, 1, 1)
+                    target += noise * std * torch.randn(target.shape, generator=generator, dtype=target.dtype)
+                self.leaf_weight.copy_(target)
+            else:
+                self.leaf_base.copy_(base)
+                self.leaf_delta_out.zero_()
+                if noise > 0 and r > 1:
+                    std = base.float().flatten(1).std(dim=1).view(n, 1, 1, 1).to(base.dtype)
+                    self.leaf_delta_out.copy_(
+                        noise * std * torch.randn(self.leaf_delta_out.shape, generator=generator, dtype=base.dtype)
+                    )
+            for name in self.sum_names:
+                self.sum_weight[name].zero_()
+                bias = self.sum_bias[name]
+                bias.zero_()
+                if bias.dim() >= 2 and tuple(bias.shape[-2:]) == (r, r) and r > 1:
+                    bias.copy_((transition_bias * eye).expand_as(bias))
+
+    @property
+    def _param_dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def check_compatible(self, backbone_hidden: int, backbone_vocab: int) -> None:
+        self.config.check_compatible(backbone_hidden, backbone_vocab)
+
+    # --- forward ----------------------------------------------------------------------------
+
+    def leaf_logits(self, e: Tensor) -> Tensor:
+        """e (..., d) -> leaf logits (..., n, r, v)."""
+        cfg = self.config
+        n, r, v, d, k = cfg.window, cfg.rank, cfg.vocab, cfg.hidden, cfg.leaf_delta_rank
+        lead = e.shape[:-1]
+        if k == 0:
+            return F.linear(e, self.leaf_weight.view(n * r * v, d)).view(*lead, n, r, v)
+        flat = e.reshape(-1, d)  # (N, d)
+        base = F.linear(flat, self.leaf_base.view(n * v, d)).view(-1, n, 1, v)  # (N, n, 1, v)
+        h = F.linear(flat, self.leaf_delta_in.view(n * r * k, d)).view(-1, n * r, k)  # (N, n r, k)
+        delta = torch.bmm(h.transpose(0, 1), self.leaf_delta_out.view(n * r, v, k).transpose(1, 2))  # (n r, N, v)
+        delta = delta.transpose(0, 1).reshape(-1, n, r, v)  # (N, n, r, v)
+        return (base + delta).view(*lead, n, r, v)
+
+    def forward(self, e: Tensor) -> dict[str, Tensor]:
+        d = self.config.hidden
+        if e.shape[-1] != d:
+            raise ValueError(f"e: expected last dim = hidden = {d}, got shape {tuple(e.shape)}")
+        e = e.to(self._param_dtype)
+        return {"leaves": self.leaf_logits(e), **self.sum_logits(e)}  # leaves (..., n, r, v)
+
+    def sum_logits(self, e: Tensor) -> dict[str, Tensor]:
+        """e (..., d) in the head's dtype -> the sum-unit logits only (everything but leaves)."""
+        d, lead = self.config.hidden, e.shape[:-1]
+        out = {}
+        for name in self.sum_names:
+            w, b = self.sum_weight[name], self.sum_bias[name]
+            out[name] = F.linear(e, w.view(-1, d), b.reshape(-1)).view(*lead, *b.shape)
+        return out
+
+
+# --- export ---------------------------------------------------------------------------------
+
+
+def save_head(directory: str | Path, head: MtpcHead, lora_state: dict[str, Tensor] | None = None) -> Path:
+    """Write head.safetensors + config.json (+ lora.safetensors when `lora_state` is given)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {"format_version": FORMAT_VERSION, **head.config.to_dict()}
+    state = {name: t.detach().contiguous().cpu() for name, t in head.state_dict().items()}
+    save_file(state, str(directory / HEAD_FILE), metadata={"format_version": str(FORMAT_VERSION)})
+    lora_path = directory / LORA_FILE
+    if lora_state:
+        save_file({k: t.detach().contiguous().cpu() for k, t in lora_state.items()}, str(lora_path))
+    elif lora_path.exists():
+        lora_path.unlink()  # a stale adapter from an earlier save must not be picked up
+    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return directory
+
+
+def load_head(
+    directory: str | Path, *, device=None, dtype: torch.dtype | None = None
+) -> tuple[MtpcHead, dict[str, Tensor] | None]:
+    """Read a `save_head` directory -> (head, lora_state or None). No Lightning needed.
+
+    Every tensor is checked against the shapes the config implies before loading, so a config
+    that does not match its tensors fails with a ValueError naming the tensor.
+    """
+    directory = Path(directory)
+    config_path, head_path = directory / CONFIG_FILE, directory / HEAD_FILE
+    for p in (config_path, head_path):
+        if not p.is_file():
+            raise ValueError(f"{directory}: not a head export, missing {p.name}")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_path}: not valid JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_path}: expected a JSON object")
+    version = raw.pop("format_version", None)
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{config_path}: format_version {version!r} is not supported; expected {FORMAT_VERSION}")
+    config = HeadConfig.from_dict(raw, where=str(config_path))
+    state = load_file(str(head_path))
+    head = MtpcHead(config, device="meta")
+    expected = {name: tuple(t.shape) for name, t in head.state_dict().items()}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"{head_path}: tensors do not match {config_path.name} (kind={config.kind}): "
+            f"missing {missing}, unexpected {unexpected}"
+        )
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != shape:
+            raise ValueError(
+                f"{head_path}: tensor {name!r} has shape {tuple(state[name].shape)}, but {config_path.name} "
+                f"(kind={config.kind}, window={config.window}, rank={config.rank}, vocab={config.vocab}, "
+                f"hidden={config.hidden}, leaf_delta_rank={config.leaf_delta_rank}) implies {shape}"
+            )
+    dtype = dtype or next(iter(state.values())).dtype
+    head = MtpcHead(config, device=device, dtype=dtype)
+    head.load_state_dict(state)
+    lora_path = directory / LORA_FILE
+    lora_state = load_file(str(lora_path), device=str(device) if device is not None else "cpu") if lora_path.is_file() else None
+    return head, lora_state

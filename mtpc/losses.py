@@ -1,0 +1,256 @@
+"""The discounted window loss of an MtPC head (DESIGN section 4), in bounded memory.
+
+For every position t of every row the head reads e_t and scores the next n bytes:
+L = sum_j gamma^(j-1) L_j with
+L_j = mean over examples b (that have a scored target at offset j) of
+      (1 / V_bj) sum_t -log q(x_{t+j} | x_{t+1..t+j-1}, e_t),
+where the conditional is prefix_marginal_j - prefix_marginal_{j-1}, the sum runs over targets
+that are present (same packed document, inside the row) and scored (assistant bytes), and V_bj
+counts them. Present-but-unscored targets are conditioned on; absent targets are marginalised.
+
+Presence is a prefix of the window: with `doc_ids` as `mtpc.data.pack` makes them (each document
+one contiguous run of ids, padding = -1), once x_{t+j} leaves t's document (or the row) every
+later target does too, so the first m present targets are scored from prefix marginals and the
+rest never enter (exact marginalisation by the circuit). The code enforces the prefix with a
+running product, so a non-contiguous doc_ids would only drop targets, never score a wrong one.
+
+Memory: `chunk_size` positions at a time through `_ChunkedWindowLoss`, an autograd Function that
+computes each chunk's gradients (head parameters and e) inside forward and stores only their
+sums, so nothing of size (positions x n x r x v) outlives a chunk. `chunk_size=None` is the naive
+version (everything materialised, plain autograd), kept as the reference.
+
+Left out: the head itself (mtpc/heads.py), the backbone forward that produces e.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from mtpc.heads import MtpcHead
+
+
+def default_gamma(window: int) -> float:
+    """Discount of the window loss: 0.8 for n <= 8, 0.9 above (DESIGN section 4)."""
+    return 0.8 if window <= 8 else 0.9
+
+
+@dataclass
+class WindowLossOutput:
+    loss: Tensor
+    """scalar sum_j gamma^(j-1) L_j; the only differentiable field"""
+    per_position_nll: Tensor
+    """(n,) L_j in nats (detached)"""
+    window_nll: Tensor
+    """scalar sum_j L_j, undiscounted (detached)"""
+    bits_per_byte: Tensor
+    """window_nll / n / ln 2 (detached)"""
+    valid_targets: Tensor
+    """(n,) number of scored targets at each window offset, summed over the batch"""
+
+
+def window_targets(input_ids: Tensor, score_mask: Tensor, doc_ids: Tensor, window: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Targets of every window and which of them are present / scored.
+
+    Returns x (B, S, n) long (absent targets filled with 0, never read), present (B, S, n) bool
+    (a prefix along n), scored (B, S, n) bool = present and score_mask at the target.
+    """
+    B, S = input_ids.shape
+    n = window
+    pad = (0, n)
+    ids = torch.nn.functional.pad(input_ids, pad, value=0)  # (B, S + n)
+    docs = torch.nn.functional.pad(doc_ids, pad, value=-1)  # (B, S + n)
+    mask = torch.nn.functional.pad(score_mask, pad, value=False)  # (B, S + n)
+    x = ids.unfold(1, n, 1)[:, 1 : S + 1]  # (B, S, n): x[b, t, j-1] = ids[b, t+j]
+    target_docs = docs.unfold(1, n, 1)[:, 1 : S + 1]  # (B, S, n)
+    same = (target_docs == doc_ids.unsqueeze(-1)) & (doc_ids.unsqueeze(-1) >= 0)  # (B, S, n)
+    present = same.cumprod(dim=-1).bool()  # (B, S, n): absent targets form a suffix
+    scored = present & mask.unfold(1, n, 1)[:, 1 : S + 1]  # (B, S, n)
+    return x.contiguous(), present, scored
+
+
+def loss_weights(scored: Tensor, gamma: float, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-target weights such that L_j = sum_{b,t} stat[b,t,j] nll[b,t,j] and
+    loss = sum_{b,t,j} loss_w[b,t,j] nll[b,t,j]; computed on the whole batch before chunking.
+
+    Returns stat (B, S, n), loss_w (B, S, n), counts V summed over the batch (n,).
+    """
+    n = scored.shape[-1]
+    scored_f = scored.to(dtype)
+    V = scored_f.sum(dim=1)  # (B, n)  V_bj
+    examples = (V > 0).sum(dim=0).clamp(min=1).to(dtype)  # (n,) examples with a target at offset j
+    stat = scored_f / (V.clamp(min=1).unsqueeze(1) * examples)  # (B, S, n)
+    discount = gamma ** torch.arange(n, dtype=dtype, device=scored.device)  # (n,)
+    return stat, stat * discount, V.sum(dim=0)
+
+
+def window_nll(head: MtpcHead, e: Tensor, x: Tensor, leaves: Tensor | None = None) -> Tensor:
+    """-log q(x_j | x_<j, e) for every window offset: e (N, d), x (N, n) -> (N, n).
+
+    `leaves` (N, n, r, v), when given, replaces head.leaf_logits(e) (the chunked fast path
+    computes them itself so that it can take their gradient by hand).
+    """
+    circuit = head.circuit
+    if leaves is None:
+        p = head(e)
+    else:
+        p = {"leaves": leaves, **head.sum_logits(e.to(leaves.dtype))}
+    q = circuit.normalize(p)
+    prefix = circuit._prefix_log_marginals(q, x)  # (N, n) log q(x_1..x_j)
+    previous = torch.nn.functional.pad(prefix[..., :-1], (1, 0), value=0.0)  # (N, n)
+    return previous - prefix
+
+
+class _ChunkedWindowLoss(torch.autograd.Function):
+    """loss = sum(loss_w * nll(head(e), x)) and stats = sum_rows(stat_w * nll), in chunks.
+
+    forward recomputes each chunk with grad enabled on a detached slice of e, takes the
+    chunk's gradients for e and every trainable head parameter at once, and accumulates them;
+    backward only scales the stored sums by grad_output (in place: one backward per forward).
+    stats is not differentiable.
+
+    Fast path for a full unembedding W (leaf_delta_rank = 0): the leaf logits L = e W^T are made
+    a leaf of the chunk's graph, and W's gradient is accumulated in place (grad_W += g_L^T e),
+    so no parameter-sized temporary exists per chunk. Other parameters go through autograd.
+    """
+
+    @staticmethod
+    def forward(ctx, head, chunk_size, e, x, loss_w, stat_w, *params):  # e (N, d), x/w (N, n)
+        need_e = ctx.needs_input_grad[2]
+        need_p = ctx.needs_input_grad[6:]
+        grad_e = torch.zeros_like(e) if need_e else None
+        grads = [torch.zeros_like(p) if need else None for p, need in zip(params, need_p)]
+        cfg = head.config
+        W = getattr(head, "leaf_weight", None)
+        fast = W is not None and (need_e or any(need_p))
+        if fast:
+            W_index = next((i for i, p in enumerate(params) if p is W), None)  # None: W is frozen
+            W_flat = W.detach().view(-1, cfg.hidden)  # (n r v, d)
+        auto = [i for i, need in enumerate(need_p) if need and not (fast and i == W_index)]
+        loss = torch.zeros((), dtype=loss_w.dtype, device=e.device)
+        stats = torch.zeros(x.shape[-1], dtype=loss_w.dtype, device=e.device)
+        for start in range(0, e.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            with torch.enable_grad():
+                e_chunk = e[rows].detach().to(head._param_dtype).requires_grad_(need_e)
+                leaves = None
+                if fast:
+                    leaves = torch.nn.functional.linear(e_chunk.detach(), W_flat).requires_grad_(True)  # (c, n r v)
+                    leaves_view = leaves.view(-1, cfg.window, cfg.rank, cfg.vocab)  # (c, n, r, v)
+                nll = window_nll(head, e_chunk, x[rows], leaves_view if fast else None)  # (c, n)
+                chunk_loss = (nll * loss_w[rows]).sum()
+            inputs = ([leaves] if fast else []) + ([e_chunk] if need_e else []) + [params[i] for i in auto]
+            if inputs:
+                got = list(torch.autograd.grad(chunk_loss, inputs, allow_unused=True))
+                g_leaves = got.pop(0) if fast else None  # (c, n r v)
+                g_e = got.pop(0) if need_e else None  # (c, d)
+                for i, g in zip(auto, got):
+                    if g is not None:
+                        grads[i] += g
+                if fast:
+                    if W_index is not None:
+                        grads[W_index].view(-1, cfg.hidden).addmm_(g_leaves.t(), e_chunk.detach())  # (n r v, d)
+                    if need_e:
+                        g_e = g_leaves @ W_flat if g_e is None else g_e.addmm_(g_leaves, W_flat)  # (c, d)
+                    del g_leaves, leaves, leaves_view
+                if need_e and g_e is not None:
+                    grad_e[rows] = g_e.to(grad_e.dtype)
+            loss += chunk_loss.detach()
+            stats += (nll.detach() * stat_w[rows]).sum(dim=0)
+        ctx.grads = (grad_e, *grads)
+        ctx.mark_non_differentiable(stats)
+        return loss, stats
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_stats):
+        if ctx.grads is None:
+            raise RuntimeError(
+                "window_loss: backward ran twice through one chunked loss; its gradients are computed "
+                "in forward and handed over once (call window_loss again, or use chunk_size=None)"
+            )
+        grad_e, *grads = ctx.grads
+        ctx.grads = None  # hand the buffers over: autograd may adopt them as .grad without a copy
+        scale = lambda g: None if g is None else g.mul_(grad_loss.to(g.dtype))
+        return (None, None, scale(grad_e), None, None, None, *[scale(g) for g in grads])
+
+
+def _validate(head: MtpcHead, e: Tensor, input_ids: Tensor, score_mask: Tensor, doc_ids: Tensor, gamma, chunk_size):
+    if not isinstance(head, MtpcHead):
+        raise ValueError(f"head: expected an MtpcHead, got {type(head).__name__}")
+    cfg = head.config
+    if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"input_ids: expected an integer tensor (B, S), got {input_ids.dtype} {tuple(input_ids.shape)}")
+    B, S = input_ids.shape
+    if tuple(e.shape) != (B, S, cfg.hidden):
+        raise ValueError(f"e: expected shape (B, S, d) = {(B, S, cfg.hidden)}, got {tuple(e.shape)}")
+    if tuple(score_mask.shape) != (B, S) or score_mask.dtype != torch.bool:
+        raise ValueError(f"score_mask: expected a bool tensor {(B, S)}, got {score_mask.dtype} {tuple(score_mask.shape)}")
+    if tuple(doc_ids.shape) != (B, S) or doc_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"doc_ids: expected an integer tensor {(B, S)}, got {doc_ids.dtype} {tuple(doc_ids.shape)}")
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab):
+        raise ValueError(f"input_ids: expected ids in [0, {cfg.vocab}), got [{int(input_ids.min())}, {int(input_ids.max())}]")
+    if not (0.0 < gamma <= 1.0):
+        raise ValueError(f"gamma: expected a value in (0, 1], got {gamma}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size: expected a positive int or None (naive), got {chunk_size!r}")
+
+
+def window_loss(
+    head: MtpcHead,
+    e: Tensor,
+    input_ids: Tensor,
+    score_mask: Tensor,
+    doc_ids: Tensor,
+    gamma: float | None = None,
+    chunk_size: int | None = 256,
+) -> WindowLossOutput:
+    """The discounted window loss of `head` on e (B, S, d) for the rows input_ids (B, S).
+
+    score_mask (B, S) bool: the byte at that position is an assistant byte (scored as a target);
+    doc_ids (B, S): packed-document index, -1 on padding (see mtpc.data.pack). Positions whose
+    window has no scored target are skipped. chunk_size=None materialises all logits at once.
+    """
+    n = head.config.window
+    gamma = default_gamma(n) if gamma is None else float(gamma)
+    _validate(head, e, input_ids, score_mask, doc_ids, gamma, chunk_size)
+    x, _, scored = window_targets(input_ids.long(), score_mask, doc_ids.long(), n)
+    dtype = torch.float64 if next(head.parameters()).dtype == torch.float64 else torch.float32
+    stat_w, loss_w, counts = loss_weights(scored, gamma, dtype)  # (B, S, n), (B, S, n), (n,)
+    d = e.shape[-1]
+    active = scored.any(dim=-1).flatten().nonzero().squeeze(-1)  # (N,) rows with something to score
+    e_rows = e.reshape(-1, d)[active]  # (N, d)
+    x_rows, loss_rows, stat_rows = (t.reshape(-1, n)[active] for t in (x, loss_w, stat_w))  # (N, n)
+    if chunk_size is None:
+        nll = window_nll(head, e_rows, x_rows)  # (N, n)
+        loss = (nll * loss_rows).sum()
+        per_position = (nll.detach() * stat_rows).sum(dim=0)
+    else:
+        params = [p for p in head.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
+        if torch.is_grad_enabled() and (e_rows.requires_grad or params):
+            loss, per_position = _ChunkedWindowLoss.apply(head, chunk_size, e_rows, x_rows, loss_rows, stat_rows, *params)
+        else:
+            with torch.no_grad():
+                loss, per_position = _ChunkedWindowLoss.forward(
+                    _NoGradCtx(len(params)), head, chunk_size, e_rows, x_rows, loss_rows, stat_rows
+                )
+    total = per_position.sum()
+    return WindowLossOutput(
+        loss=loss,
+        per_position_nll=per_position,
+        window_nll=total,
+        bits_per_byte=total / n / math.log(2),
+        valid_targets=counts,
+    )
+
+
+class _NoGradCtx:
+    """Stand-in ctx to run the chunked forward for evaluation (no gradients, nothing saved)."""
+
+    def __init__(self, num_params: int) -> None:
+        self.needs_input_grad = (False,) * (6 + num_params)
+
+    def mark_non_differentiable(self, *tensors) -> None:
+        pass

@@ -1,0 +1,64 @@
+"""Tiny in-process backbones for tests (reusable by other test files; nothing is downloaded).
+
+`tiny_llama` builds a stock transformers `LlamaForCausalLM` with a small vocabulary (4 symbols
+work), float64 and eager attention by default, for exactness tests. `tiny_backbone` wraps it in a
+`BackboneAdapter`; `randomize_lora` gives the draft top's LoRA non-zero B matrices so that the
+draft differs from the verifier.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from mtpc.backbones import BackboneAdapter
+
+
+def tiny_llama_config(
+    vocab: int = 16,
+    hidden: int = 32,
+    layers: int = 4,
+    heads: int = 4,
+    kv_heads: int = 2,
+    max_context: int = 128,
+    attn: str = "eager",
+    tie: bool = False,
+) -> LlamaConfig:
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_context,
+        tie_word_embeddings=tie,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=None,
+    )
+    cfg._attn_implementation = attn
+    return cfg
+
+
+def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float64, **cfg_kw) -> LlamaForCausalLM:
+    """A random tiny Llama in eval mode; weights scaled up so the layers matter numerically."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_llama_config(**cfg_kw))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.2)
+    return model.to(dtype).eval()
+
+
+def tiny_backbone(lora_depth: int = 0, seed: int = 0, dtype: torch.dtype = torch.float64, lora_rank: int = 4, **cfg_kw):
+    return BackboneAdapter.from_hf(tiny_llama(seed, dtype, **cfg_kw), lora_depth=lora_depth, lora_rank=lora_rank)
+
+
+def randomize_lora(bb: BackboneAdapter, seed: int = 1, scale: float = 0.3) -> None:
+    """Non-zero LoRA A and B everywhere (peft initialises B = 0, i.e. draft == verifier)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in bb.lora_parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype) * scale)

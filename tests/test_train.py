@@ -1,0 +1,184 @@
+"""Training entry tests on the CPU debug config (tiny in-process Llama, generated chats).
+
+Covers: every shipped YAML parses and validates without weights; bad configs are rejected with
+the key and file named; a debug fit of each circuit kind with lora_depth 0 and 1 lowers the loss
+(and LoRA trains only in stage 2); a run killed mid-epoch resumes exactly (same losses step for
+step); the exported head reloads to the same outputs; MLflow gets params, artifacts and metrics;
+the CLI runs end to end.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from experiments.train import CONFIG_DIR, check_config, main, train_head
+
+SHIPPED = sorted(CONFIG_DIR.glob("*.yaml"))
+
+
+class InjectedCrash(RuntimeError):
+    """Stands for a killed job (KeyboardInterrupt would make Lightning call sys.exit)."""
+
+
+class Recorder(Callback):
+    """Records (global_step, loss) after every optimizer step and LoRA snapshots at epoch ends."""
+
+    def __init__(self, crash_at: int | None = None):
+        self.losses: dict[int, float] = {}
+        self.lora_at_epoch_end: list[list[torch.Tensor]] = []
+        self.crash_at = crash_at
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses[trainer.global_step] = float(outputs["loss"])
+        if self.crash_at is not None and trainer.global_step == self.crash_at:
+            raise InjectedCrash(f"injected crash at step {trainer.global_step}")
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.lora_at_epoch_end.append([p.detach().clone() for p in pl_module.lora_params])
+
+
+def test_shipped_configs_parse_and_validate():
+    names = {p.stem for p in SHIPPED}
+    assert {"debug", "default", "llama_byte", "evabyte"} <= names
+    for path in SHIPPED:
+        cfg = check_config(path)
+        assert cfg["model"]["circuit"] in ("ff", "cp", "hmm", "btree"), path
+        assert cfg["run"]["dir"] and cfg["run"]["export_dir"], path
+    paper = check_config(CONFIG_DIR / "llama_byte.yaml")
+    d, t, m = paper["data"], paper["trainer"], paper["model"]
+    assert d["seq_len"] == 8192 and m["lr"] == 3e-4
+    assert d["seq_len"] * d["batch_size"] * t["accumulate_grad_batches"] == 2**21  # ~2M bytes per step
+    assert t["max_epochs"] == m["lora_start_epoch"] + 1  # one head epoch, then one with LoRA
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ({"model.circuit": "mlp"}, "model.circuit"),
+        ({"model.window": 1}, "model.window"),
+        ({"model.rank": 0}, "model.rank"),
+        ({"model.lora_depth": 3}, "model.lora_depth"),  # the tiny backbone has 2 layers
+        ({"model.backbone": "./no/such/model"}, "model.backbone"),
+        ({"model.backbone": "nonsense"}, "model.backbone"),
+        ({"data.source": "/no/such/chats.jsonl"}, "data.source"),
+        ({"data.seq_len": 4}, "data.seq_len"),
+        ({"model.lora_depth": 1, "model.lora_start_epoch": 2}, "model.lora_start_epoch"),
+        ({"model.window": "eight"}, "model.window"),  # a type error from the parser
+    ],
+)
+def test_bad_config_names_key_and_file(override, key):
+    with pytest.raises(ValueError) as err:
+        check_config(CONFIG_DIR / "debug.yaml", override)
+    assert key in str(err.value) and "debug.yaml" in str(err.value), str(err.value)
+
+
+def test_cli_bad_config_exits_2(capsys):
+    rc = main(["fit", "--config", str(CONFIG_DIR / "debug.yaml"), "--model.circuit", "mlp"])
+    assert rc == 2
+    assert "model.circuit" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lora_depth", [0, 1])
+@pytest.mark.parametrize("kind", ["ff", "cp", "hmm", "btree"])
+def test_debug_fit_lowers_loss(tmp_path, kind, lora_depth):
+    rec = Recorder()
+    res = train_head("debug", {"model.circuit": kind, "model.lora_depth": lora_depth},
+                     run_dir=tmp_path, callbacks=[rec])
+    steps = sorted(rec.losses)
+    first = sum(rec.losses[s] for s in steps[:3]) / 3
+    last = sum(rec.losses[s] for s in steps[-3:]) / 3
+    assert last < 0.8 * first, (kind, lora_depth, first, last)
+    assert res.metrics["val_loss"] < first
+    assert (res.head_dir / "config.json").exists()
+    if lora_depth:  # stage 1 (epoch 0) leaves LoRA untouched, stage 2 trains it
+        init = [p.detach() for p in res.model.backbone.lora_parameters()]
+        assert len(rec.lora_at_epoch_end) == 2 and init
+        stage2_moved = any(not torch.equal(a, b) for a, b in zip(rec.lora_at_epoch_end[0], rec.lora_at_epoch_end[1]))
+        assert stage2_moved
+    else:
+        assert not (res.head_dir / "lora.safetensors").exists()
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    """An uninterrupted debug run (cp, k = 1) with a checkpoint every step."""
+    rec = Recorder()
+    res = train_head("debug", {"model.lora_depth": 1, "run.checkpoint_every_n_steps": 1},
+                     run_dir=tmp_path_factory.mktemp("ref"), callbacks=[rec])
+    return rec.losses, res
+
+
+@pytest.mark.parametrize("crash_at", [4, 12])  # mid-epoch 0 (head only) and mid-epoch 1 (head + LoRA)
+def test_resume_after_crash_is_exact(tmp_path, reference_run, crash_at, monkeypatch):
+    ref_losses, ref = reference_run
+    n_steps = max(ref_losses)
+    assert crash_at < n_steps and crash_at != n_steps // 2  # mid-epoch, not at a boundary
+    track = crash_at == 12  # MLflow in one of the two (a fresh sqlite store costs seconds)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    over = {"model.lora_depth": 1, "run.checkpoint_every_n_steps": 1, "run.tracking": track}
+    first = Recorder(crash_at=crash_at)
+    with pytest.raises(InjectedCrash):
+        train_head("debug", over, run_dir=tmp_path / "run", callbacks=[first])
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    saved_step = torch.load(last, weights_only=True)["global_step"]
+    assert 0 < saved_step <= crash_at  # the crash may come before that step's checkpoint is written
+    second = Recorder()
+    res = train_head("debug", over, run_dir=tmp_path / "run", callbacks=[second], ckpt_path="last")
+    assert min(second.losses) == saved_step + 1 and max(second.losses) == n_steps  # same step count
+    for step in range(saved_step + 1, n_steps + 1):
+        assert second.losses[step] == ref_losses[step], (step, second.losses[step], ref_losses[step])
+    for name, p in res.model.head.state_dict().items():
+        torch.testing.assert_close(p, ref.model.head.state_dict()[name], rtol=0, atol=0)
+    if not track:
+        return
+
+    # the resumed run logged into the same MLflow run, with params, artifacts and metrics
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    run = client.get_run(res.mlflow_run_id)
+    assert (tmp_path / "run" / "mlflow_run_id.txt").read_text().strip() == res.mlflow_run_id
+    for key in ("backbone", "circuit", "window", "rank", "lora_depth", "seed", "lr", "seq_len"):
+        assert key in run.data.params, key
+    assert run.data.params["circuit"] == "cp" and run.data.params["lora_depth"] == "1"
+    assert {"train_loss", "val_loss", "val_nll_1", "val_bits_per_byte", "peak_mem_bytes"} <= set(run.data.metrics)
+    history = client.get_metric_history(res.mlflow_run_id, "train_loss")
+    assert {m.step for m in history} >= set(range(n_steps))  # Lightning logs step s as s - 1
+    artifacts = {a.path for a in client.list_artifacts(res.mlflow_run_id, "run")}
+    assert {"run/config.yaml", "run/git_sha.txt", "run/package_versions.json"} <= artifacts
+
+
+def test_export_reloads_to_same_outputs(reference_run):
+    from mtpc.heads import load_head
+
+    _, res = reference_run
+    head, lora = load_head(res.head_dir)
+    e = torch.randn(3, res.model.backbone.hidden_size)
+    with torch.no_grad():
+        want, got = res.model.head(e), head(e)
+    assert set(want) == set(got)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+    sd = res.model.backbone.lora_state_dict()
+    assert lora is not None and set(lora) == set(sd)
+    for name in sd:
+        torch.testing.assert_close(lora[name], sd[name], rtol=0, atol=0)
+    assert head.config.lora_depth == 1 and head.config.kind == "cp"
+
+
+def test_cli_fit_end_to_end(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "experiments.train", "fit", "--config", str(CONFIG_DIR / "debug.yaml"),
+           "--trainer.max_steps", "3", "--run.dir", str(tmp_path / "cli")]
+    out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=170,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "cli" / "head" / "head.safetensors").exists()
+    assert (tmp_path / "cli" / "checkpoints" / "last.ckpt").exists()
