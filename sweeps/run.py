@@ -127,6 +127,24 @@ def _check_signature(spec: SweepSpec, study) -> None:
 # init
 
 
+def validate_trial_configs(spec: SweepSpec) -> int:
+    """With the real objective, parse + validate the training config of every grid point (no
+    weights, no data) before anything is submitted; errors name the spec, the point and the key."""
+    if spec.objective_kind != "trial" or spec.grid is None:
+        return 0
+    from experiments.train import check_config
+
+    from experiments.trial import train_overrides
+
+    for point in spec.grid:
+        base, overrides = train_overrides({**spec.train, **point}, tracking_uri=spec.tracking_uri, experiment=spec.experiment)
+        try:
+            check_config(base, overrides)
+        except (ValueError, TypeError) as e:
+            raise SpecError(f"{spec.path}: key 'train' (grid point {grid_key(point)}): {e}") from e
+    return len(spec.grid)
+
+
 def init(spec: SweepSpec, *, retry_failed: bool = False) -> dict[str, Any]:
     """Create experiment + study once and enqueue missing grid points; safe to call from many tasks."""
     import optuna
@@ -134,6 +152,7 @@ def init(spec: SweepSpec, *, retry_failed: bool = False) -> dict[str, Any]:
 
     check_storage(spec.storage)
     tracking.check_tracking(spec.tracking_uri)
+    validate_trial_configs(spec)
     spec.output_dir.mkdir(parents=True, exist_ok=True)
     with FileLock(str(spec.output_dir / f".{spec.study}.init.lock"), timeout=600):
         exp_id = tracking.ensure_experiment(spec.tracking_uri, spec.experiment)
@@ -624,6 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.check:
             check_storage(spec.storage)
             tracking.check_tracking(spec.tracking_uri)
+            validate_trial_configs(spec)
             print(json.dumps({"study": spec.study, "points": spec.n_trials, "storage": spec.storage, "tracking_uri": spec.tracking_uri}))
             return 0
         if a.init:

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.sweep_helpers import check_complete_results, fixture_spec, run_cli
+from sweeps import run
+from sweeps.spec import load_spec
+from tests.sweep_helpers import REPO, check_complete_results, fixture_spec, fresh_tracking_uri, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -36,11 +38,12 @@ def start_server(tmp: Path) -> tuple[subprocess.Popen, str]:
     """What docs/sweeps.md documents: sqlite backend, artifacts served from a local directory."""
     port = _free_port()
     uri = f"http://127.0.0.1:{port}"
+    fresh_tracking_uri(tmp)  # tmp/mlflow.db: an already-migrated schema, so the server starts sooner
     env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
     log = open(tmp / "server.log", "w")  # noqa: SIM115 (closed with the process)
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{tmp / 'server.db'}", "--artifacts-destination", str(tmp / "artifacts"),
+         "--backend-store-uri", f"sqlite:///{tmp / 'mlflow.db'}", "--artifacts-destination", str(tmp / "artifacts"),
          "--workers", "1"],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )
@@ -69,16 +72,21 @@ def stop_server(proc: subprocess.Popen) -> None:
 def test_two_concurrent_trials_log_to_a_server_then_it_stops(tmp_path):
     proc, uri = start_server(tmp_path)
     try:
-        spec = fixture_spec(tmp_path, "srv", tracking_uri=uri, fixture={"steps": 3, "step_seconds": 1.0},
+        spec = fixture_spec(tmp_path, "srv", tracking_uri=uri, fixture={"steps": 5, "step_seconds": 1.0},
                             space={"slices": {"a": {"circuit": ["cp", "btree"], "rank": [4], "window": [4], "lora_depth": [0]}}})
-        r = run_cli([str(spec), "--workers", "2"])
-        assert r.returncode == 0, r.stderr[-3000:]
+        run.init(load_spec(spec, env={}))
+        # two workers, one trial each, started together
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        procs = [subprocess.Popen([sys.executable, "-m", "sweeps.run", str(spec), "--worker", "--max-trials", "1"], env=env, cwd=REPO,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs
         storage = f"journal:{tmp_path / 'out' / 'optuna.journal'}"
         complete = check_complete_results(storage, "srv", uri, "srv")
         assert len(complete) == 2
         # the two trials ran at the same time
         (a, b) = sorted(complete, key=lambda t: t.datetime_start)
-        assert b.datetime_start < a.datetime_complete, "trials did not overlap"
+        assert b.datetime_start < a.datetime_complete, ("trials did not overlap", a.datetime_start, a.datetime_complete, b.datetime_start)
         # REST: the experiment by name, then its finished runs (2 parents + 2 x 2 children)
         exp = json.loads(_get(f"{uri}/api/2.0/mlflow/experiments/get-by-name?experiment_name=srv"))["experiment"]
         body = json.dumps({"experiment_ids": [exp["experiment_id"]], "filter": "attributes.status = 'FINISHED'", "max_results": 100}).encode()

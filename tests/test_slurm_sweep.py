@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from sweeps import tracking
 from sweeps.run import Owner
-from tests.sweep_helpers import REPO, by_state, check_complete_results, runs, trials
+from tests.sweep_helpers import REPO, by_state, check_complete_results, fresh_tracking_uri, runs, trials
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 SCRIPT = REPO / "slurm" / "local_cluster.sh"
@@ -57,10 +56,7 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="session")
 def store(tmp_path_factory):
     """One MLflow sqlite store for every cluster test (its creation is the slow part)."""
-    d = tmp_path_factory.mktemp("slurm_mlflow")
-    uri = f"sqlite:///{d / 'mlflow.db'}"
-    tracking.ensure_experiment(uri, "warmup")
-    return uri
+    return fresh_tracking_uri(tmp_path_factory.mktemp("slurm_mlflow"))
 
 
 def _sh(cluster, *cmd: str, check: bool = True) -> str:

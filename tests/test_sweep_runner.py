@@ -15,16 +15,13 @@ import pytest
 
 from sweeps import run, tracking
 from sweeps.spec import SpecError, load_spec
-from tests.sweep_helpers import REPO, by_state, check_complete_results, fixture_spec, run_cli, runs, trials
+from tests.sweep_helpers import REPO, by_state, check_complete_results, fixture_spec, fresh_tracking_uri, run_cli, runs, trials
 
 
 @pytest.fixture(scope="module")
 def tracking_uri(tmp_path_factory):
     """One MLflow sqlite store for the module (creating one costs ~10 s of migrations)."""
-    d = tmp_path_factory.mktemp("mlflow")
-    uri = f"sqlite:///{d / 'mlflow.db'}"
-    tracking.ensure_experiment(uri, "warmup")
-    return uri
+    return fresh_tracking_uri(tmp_path_factory.mktemp("mlflow"))
 
 
 def _dead_pid() -> int:
