@@ -1,0 +1,227 @@
+"""`python analysis/pareto.py`: figures and paper-style tables of a sweep, read from MLflow.
+
+Per setting (backbone, mode, extra_token, temperature[, top_p, hardware]) it writes to --out:
+  pareto_<setting>.png/.pdf            mu_acc vs mu_lat, front, iso-throughput lines, STP
+  throughput_vs_window_<setting>.*     when the window varies
+  throughput_vs_lora_depth_<setting>.* when the LoRA depth varies
+  acceptance_<setting>.*               per-position acceptance (acc_pos_<i> metrics), if logged
+  accepted_length_<setting>.*          accepted-length histogram artifact, if logged
+  table_<setting>.md / .tex            rows (n, r, circuit[, k]), mean ± std, best in bold
+plus tables.md, tables.tex and summary.csv for all settings, and prints the best configuration
+per setting. --log-to-mlflow attaches all of it to a summary run in the same experiment.
+
+Errors (no match, unreachable store, ...) print one clear message and exit 1; runs missing a
+metric are listed and skipped. Run as `python analysis/pareto.py` or `python -m analysis.pareto`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: import the package from the repo root, and keep
+    # analysis/ itself off sys.path so that e.g. tables.py cannot shadow the PyPI `tables`
+    _here = str(Path(__file__).resolve().parent)
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(_here)]
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from analysis.aggregate import aggregate, split_settings  # noqa: E402
+from analysis.load import MODES, SUMMARY_TAG, AnalysisError, Filters, LoadResult, load, load_hists  # noqa: E402
+
+DEFAULT_OUT = "outputs/analysis"
+MAX_LISTED_SKIPS = 20
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python analysis/pareto.py",
+        description="Pareto plots (acceptance vs latency, iso-throughput lines) and paper tables from MLflow runs.",
+    )
+    p.add_argument(
+        "--tracking-uri",
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///./mlflow.db)",
+    )
+    p.add_argument(
+        "--experiment",
+        help="experiment name or id (default: $MLFLOW_EXPERIMENT_NAME, else every experiment with runs)",
+    )
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
+    p.add_argument("--mode", nargs="+", choices=MODES, help="keep only these decoding modes")
+    p.add_argument("--backbone", nargs="+", help="keep only these backbones")
+    p.add_argument(
+        "--extra-token", nargs="+", choices=("keep", "drop"), help="keep only these extra-token rules"
+    )
+    p.add_argument("--temperature", nargs="+", type=float, help="keep only these temperatures")
+    p.add_argument("--window", nargs="+", type=int, help="keep only these windows n")
+    p.add_argument("--lora-depth", nargs="+", type=int, help="keep only these LoRA depths k")
+    p.add_argument(
+        "--circuit", nargs="+", choices=("ff", "cp", "hmm", "btree"), help="keep only these circuits"
+    )
+    p.add_argument(
+        "--top", type=int, default=5, help="configurations shown in the acceptance plots (default 5)"
+    )
+    p.add_argument(
+        "--log-to-mlflow",
+        action="store_true",
+        help="attach figures and tables to a summary run in the experiment",
+    )
+    p.add_argument("--summary-run-name", default="pareto-summary", help="name of that summary run")
+    return p
+
+
+def filters_from_args(args: argparse.Namespace) -> Filters:
+    def tup(v):
+        return None if v is None else tuple(v)
+
+    return Filters(
+        backbone=tup(args.backbone),
+        mode=tup(args.mode),
+        extra_token=tup(args.extra_token),
+        temperature=tup(args.temperature),
+        window=tup(args.window),
+        lora_depth=tup(args.lora_depth),
+        circuit=tup(args.circuit),
+    )
+
+
+def report_skips(result: LoadResult) -> None:
+    if result.skipped:
+        n = len(result.skipped)
+        print(
+            f"warning: {n} evaluation run(s) skipped for missing or malformed params/metrics:",
+            file=sys.stderr,
+        )
+        for s in result.skipped[:MAX_LISTED_SKIPS]:
+            print(
+                f"  {s.run_id} ({s.run_name or 'unnamed'}): missing {', '.join(s.missing)}", file=sys.stderr
+            )
+        if n > MAX_LISTED_SKIPS:
+            print(f"  ... and {n - MAX_LISTED_SKIPS} more", file=sys.stderr)
+    if result.n_unfinished:
+        print(f"note: {result.unfinished_note()} (status not FINISHED)", file=sys.stderr)
+
+
+def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[list[Path], list[str]]:
+    """Figures, tables and summary for every setting; returns (written files, best-config lines)."""
+    from analysis import plots, tables  # matplotlib import is slow: only when there is work
+
+    out.mkdir(parents=True, exist_ok=True)
+    agg = aggregate(result.runs)
+    parts = split_settings(agg)
+    written: list[Path] = []
+    best_lines: list[str] = []
+    hist_problems: list[str] = []
+    md_all: list[str] = []
+    tex_all: list[str] = []
+    for setting, part in parts:
+        slug = setting.slug()
+        written += plots.save(plots.pareto_figure(setting, part), out, f"pareto_{slug}")
+        for x in ("window", "lora_depth"):
+            fig = plots.throughput_figure(setting, part, x=x)
+            if fig is not None:
+                written += plots.save(fig, out, f"throughput_vs_{x}_{slug}")
+        fig = plots.acceptance_figure(setting, part, top=top)
+        if fig is not None:
+            written += plots.save(fig, out, f"acceptance_{slug}")
+        # histogram artifacts only of the configurations the plot shows (downloads are slow)
+        ids = [r for row, _, _ in plots.representatives(part, min(top, 4)) for r in row["run_ids"]]
+        hists, problems = load_hists(client, ids) if client is not None else ({}, [])
+        hist_problems += problems
+        fig = plots.accepted_length_figure(setting, part, hists, top=min(top, 4))
+        if fig is not None:
+            written += plots.save(fig, out, f"accepted_length_{slug}")
+        table = tables.build_table(setting, part)
+        md, tex = tables.to_markdown(table), tables.to_latex(table)
+        for suffix, text in (("md", md), ("tex", tex)):
+            path = out / f"table_{slug}.{suffix}"
+            path.write_text(text)
+            written.append(path)
+        md_all.append(md)
+        tex_all.append(tex)
+        best_lines.append(tables.best_configuration(setting, part))
+    for name, text in (("tables.md", "\n".join(md_all)), ("tables.tex", "\n".join(tex_all))):
+        (out / name).write_text(text)
+        written.append(out / name)
+    if hist_problems:  # one line per kind of problem, not one per run
+        print(
+            f"warning: {len(hist_problems)} accepted-length histogram(s) skipped, e.g. {hist_problems[0]}",
+            file=sys.stderr,
+        )
+    agg.drop(columns="run_ids").to_csv(out / "summary.csv", index=False)
+    written.append(out / "summary.csv")
+    return written, best_lines
+
+
+def single_experiment(result: LoadResult) -> str:
+    """The one experiment the runs come from (where the summary run goes), else AnalysisError."""
+    exp_ids = sorted(set(result.runs["experiment_id"]))
+    if len(exp_ids) != 1:
+        raise AnalysisError(
+            f"--log-to-mlflow needs one experiment, but the runs come from {len(exp_ids)} "
+            f"({', '.join(result.experiments)}); pass --experiment"
+        )
+    return exp_ids[0]
+
+
+def log_summary(
+    client, result: LoadResult, files: list[Path], args: argparse.Namespace, filters: Filters
+) -> str:
+    """A summary run in the experiment holding the figures and tables as artifacts."""
+    run = client.create_run(
+        single_experiment(result), run_name=args.summary_run_name, tags={SUMMARY_TAG: "summary"}
+    )
+    run_id = run.info.run_id
+    try:
+        from mlflow.entities import Param
+
+        params = [Param(f"filter_{k}", ",".join(map(str, v))) for k, v in filters.active().items()]
+        params.append(Param("n_evaluation_runs", str(len(result.runs))))
+        params.append(Param("n_skipped_runs", str(len(result.skipped))))
+        client.log_batch(run_id, params=params)
+        for f in files:
+            sub = "figures" if f.suffix in (".png", ".pdf") else "tables"
+            client.log_artifact(run_id, str(f), artifact_path=sub)
+    except Exception:
+        client.set_terminated(run_id, status="FAILED")
+        raise
+    client.set_terminated(run_id, status="FINISHED")
+    return run_id
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.top < 1:
+        parser.error(f"--top={args.top}: expected a positive integer")
+    try:
+        filters = filters_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        result, client, uri = load(args.tracking_uri, args.experiment, filters)
+        report_skips(result)
+        if args.log_to_mlflow:
+            single_experiment(result)  # fail before the slow part
+        print(
+            f"{len(result.runs)} evaluation run(s) from {', '.join(result.experiments)} at {uri} ({filters.describe()})"
+        )
+        out = Path(args.out)
+        files, best = write_outputs(result, client, out, top=args.top)
+        for line in best:
+            print(line)
+        print(f"wrote {len(files)} files to {out}/")
+        if args.log_to_mlflow:
+            run_id = log_summary(client, result, files, args, filters)
+            print(f"logged figures and tables to MLflow run {run_id} ({args.summary_run_name})")
+    except AnalysisError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"error: cannot write the outputs to {args.out!r}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Paper-style tables of one setting: rows (n, r, circuit [, k]), columns mu_lat, mu_acc,
+throughput and speed-up over STP, each mean ± std over prompt sets, the best value of each column
+in bold; rendered as Markdown and LaTeX. Also the one-line "best configuration" summary.
+
+Values come from `aggregate.aggregate` (logged metrics averaged; throughput and speed-up are the
+logged ones, never recomputed). An STP row (the plain model measured side by side) comes first
+when ``stp_mu_lat`` was logged; it is never bolded. No plotting here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from analysis.aggregate import Setting, stp_baseline
+
+
+@dataclass(frozen=True)
+class Column:
+    """One numeric column of the table."""
+
+    metric: str  # aggregate column stem: "<metric>_mean" / "<metric>_std"
+    header_md: str
+    header_tex: str
+    best: str  # "min" or "max"
+    scale: float = 1.0  # display unit = logged value * scale
+
+
+COLUMNS: tuple[Column, ...] = (
+    Column("mu_lat", "μ_lat (ms) ↓", r"$\mu_\mathrm{lat}$ (ms) $\downarrow$", "min", 1000.0),
+    Column("mu_acc", "μ_acc (B) ↑", r"$\mu_\mathrm{acc}$ (B) $\uparrow$", "max"),
+    Column("throughput", "throughput (B/s) ↑", r"throughput (B/s) $\uparrow$", "max"),
+    Column("speedup_vs_stp", "× STP ↑", r"$\times$ STP $\uparrow$", "max"),
+)
+
+
+@dataclass
+class Table:
+    """A rendered-ready table: key columns, numeric (mean, std) per column in display units,
+    and which cells are best."""
+
+    setting: Setting
+    keys: list[str]  # e.g. ["n", "r", "circuit"] (+ "k")
+    rows: pd.DataFrame  # key columns + "<metric>" / "<metric>_std" in display units + "is_stp"
+    best: dict[str, float]  # metric -> best mean (display units) among non-STP rows
+    decimals: dict[str, int]
+
+
+def _decimals(values: np.ndarray) -> int:
+    """Decimals that give about three significant digits to the column's largest value."""
+    v = np.abs(values[np.isfinite(values)])
+    if len(v) == 0 or v.max() == 0:
+        return 2
+    return int(min(4, max(0, 2 - math.floor(math.log10(v.max())))))
+
+
+def build_table(setting: Setting, part: pd.DataFrame) -> Table:
+    """The table of one setting from its aggregated rows (output of `split_settings`)."""
+    show_k = part["lora_depth"].nunique(dropna=False) > 1
+    keys = ["n", "r", "circuit"] + (["k"] if show_k else [])
+    rows = pd.DataFrame(
+        {
+            "n": part["window"].astype(object),
+            "r": part["rank"].astype(object),
+            "circuit": part["circuit"].astype(object),
+        }
+    )
+    if show_k:
+        rows["k"] = part["lora_depth"].astype(object)
+    for col in COLUMNS:
+        mean = part.get(f"{col.metric}_mean", pd.Series(np.nan, index=part.index)).to_numpy(dtype=float)
+        std = part.get(f"{col.metric}_std", pd.Series(np.nan, index=part.index)).to_numpy(dtype=float)
+        rows[col.metric] = mean * col.scale
+        rows[f"{col.metric}_std"] = std * col.scale
+    rows["is_stp"] = False
+    rows = rows.reset_index(drop=True)
+    best = {}
+    for col in COLUMNS:
+        v = rows[col.metric].to_numpy(dtype=float)
+        if np.isfinite(v).any():
+            best[col.metric] = float(np.nanmin(v) if col.best == "min" else np.nanmax(v))
+    stp = stp_baseline(part)
+    if stp is not None:
+        lat, lat_std, thr, thr_std = stp
+        stp_row = {k: "" for k in keys}
+        stp_row["circuit"] = "STP"
+        stp_row.update(
+            mu_lat=lat * 1000.0, mu_lat_std=lat_std * 1000.0, mu_acc=0.0, mu_acc_std=np.nan,
+            throughput=thr, throughput_std=thr_std, speedup_vs_stp=1.0, speedup_vs_stp_std=np.nan,
+            is_stp=True,
+        )  # fmt: skip
+        rows = pd.concat([pd.DataFrame([stp_row]), rows], ignore_index=True)
+    decimals = {c.metric: _decimals(rows[c.metric].to_numpy(dtype=float)) for c in COLUMNS}
+    return Table(setting, keys, rows, best, decimals)
+
+
+def _cell(table: Table, i: int, metric: str, latex: bool) -> str:
+    row = table.rows.iloc[i]
+    mean, std = float(row[metric]), float(row[f"{metric}_std"])
+    if not math.isfinite(mean):
+        return "–" if not latex else "--"
+    d = table.decimals[metric]
+    pm = r" \pm " if latex else " ± "
+    text = f"{mean:.{d}f}" + (f"{pm}{std:.{d}f}" if math.isfinite(std) else "")
+    bold = not row["is_stp"] and metric in table.best and mean == table.best[metric]
+    if latex:
+        return f"$\\mathbf{{{text}}}$" if bold else f"${text}$"
+    return f"**{text}**" if bold else text
+
+
+def _key_cell(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)) or v is pd.NA:
+        return ""
+    return str(v)
+
+
+def to_markdown(table: Table) -> str:
+    """GitHub Markdown: a title line, the header, one line per configuration."""
+    headers = table.keys + [c.header_md for c in COLUMNS]
+    lines = [
+        f"**{table.setting.title()}** (mean ± std over prompt sets)",
+        "",
+        "| " + " | ".join(headers) + " |",
+        "|" + "|".join(":--" if h in table.keys else "--:" for h in headers) + "|",
+    ]
+    for i in range(len(table.rows)):
+        keys = [_key_cell(table.rows.iloc[i][k]) for k in table.keys]
+        cells = [_cell(table, i, c.metric, latex=False) for c in COLUMNS]
+        lines.append("| " + " | ".join(keys + cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _tex_escape(text: str) -> str:
+    for a, b in (("\\", r"\textbackslash{}"), ("_", r"\_"), ("%", r"\%"), ("&", r"\&"), ("#", r"\#")):
+        text = text.replace(a, b)
+    return text
+
+
+def to_latex(table: Table) -> str:
+    """A booktabs ``table`` environment (needs \\usepackage{booktabs})."""
+    headers = [f"${k}$" if k in ("n", "r", "k") else k for k in table.keys] + [c.header_tex for c in COLUMNS]
+    spec = "l" * len(table.keys) + "r" * len(COLUMNS)
+    lines = [
+        r"\begin{table}[t]",
+        r"\centering",
+        r"\small",
+        rf"\caption{{{_tex_escape(table.setting.title())}: mean $\pm$ std over prompt sets.}}",
+        rf"\begin{{tabular}}{{{spec}}}",
+        r"\toprule",
+        " & ".join(headers) + r" \\",
+        r"\midrule",
+    ]
+    for i in range(len(table.rows)):
+        keys = [_tex_escape(_key_cell(table.rows.iloc[i][k])) for k in table.keys]
+        cells = [_cell(table, i, c.metric, latex=True) for c in COLUMNS]
+        lines.append(" & ".join(keys + cells) + r" \\")
+        if table.rows.iloc[i]["is_stp"]:
+            lines.append(r"\midrule")
+    lines += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
+    return "\n".join(lines) + "\n"
+
+
+def best_configuration(setting: Setting, part: pd.DataFrame) -> str:
+    """One line naming the configuration with the highest mean logged throughput."""
+    i = int(np.nanargmax(part["throughput_mean"].to_numpy(dtype=float)))
+    row = part.iloc[i]
+    std = row["throughput_std"]
+    text = f"{row['throughput_mean']:.1f}" + (f" ± {std:.1f}" if math.isfinite(std) else "")
+    line = (
+        f"best [{setting.title()}]: {row['circuit']} n={row['window']} r={row['rank']} k={row['lora_depth']}"
+        f" — throughput {text} B/s, mu_acc {row['mu_acc_mean']:.2f}, mu_lat {row['mu_lat_mean'] * 1000:.2f} ms"
+    )
+    sp = row.get("speedup_vs_stp_mean", float("nan"))
+    if sp is not None and math.isfinite(sp):
+        line += f", ×{sp:.2f} STP"
+    return line + f" ({int(row['n_evals'])} evaluations)"

@@ -1,0 +1,160 @@
+"""Synthetic sweeps with known values, logged to an MLflow store, for the analysis tests and the
+example figure (no training, no decoding: the numbers are made up but shaped like a real sweep).
+
+`synthetic_evaluations` returns the list of evaluation records (params + metrics + histogram);
+`log_sweep` writes them as MLflow parent (trial) runs with one child per (mode, prompt_set),
+following DESIGN section 3. Tests recompute expectations from the same records.
+
+Example figure: `python tests/analysis_helpers.py /tmp/syn` then
+`python analysis/pareto.py --tracking-uri sqlite:////tmp/syn/mlflow.db --out /tmp/syn/out`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+PROMPT_SETS = ("chat", "code", "math")
+# head quality (drives mu_acc) and head cost per cycle in ms (drives mu_lat)
+_QUALITY = {"ff": 0.45, "cp": 0.62, "hmm": 0.70, "btree": 0.74}
+_COST_MS = {"ff": 0.3, "cp": 0.9, "hmm": 1.6, "btree": 1.9}
+
+
+@dataclass
+class Evaluation:
+    params: dict[str, object]
+    metrics: dict[str, float]
+    hist: list[int] | None = None
+    status: str = "FINISHED"
+    trial: str = ""  # runs with the same trial share a parent
+    extra_tags: dict[str, str] = field(default_factory=dict)
+
+
+def synthetic_evaluations(
+    backbone: str = "tiny",
+    modes: tuple[str, ...] = ("greedy",),
+    circuits: tuple[str, ...] = ("ff", "cp", "hmm", "btree"),
+    windows: tuple[int, ...] = (8, 16),
+    ranks: tuple[int, ...] = (32,),
+    lora_depths: tuple[int, ...] = (0,),
+    prompt_sets: tuple[str, ...] = PROMPT_SETS,
+    seed: int = 0,
+    with_optional: bool = True,
+) -> list[Evaluation]:
+    """Deterministic synthetic evaluations: one per (config, mode, prompt set)."""
+    rng = np.random.default_rng(seed)
+    out: list[Evaluation] = []
+    stp_lat = 0.020  # s per byte of the plain model
+    for mode in modes:
+        for c in circuits:
+            for n in windows:
+                for r in ranks if c != "ff" else (1,):
+                    for k in lora_depths:
+                        trial = f"{backbone}-{c}-n{n}-r{r}-k{k}"
+                        base_q = _QUALITY[c] + 0.04 * k - (0.02 if mode == "sample" else 0.0)
+                        base_q = min(base_q + 0.002 * (r - 32) * (c != "ff"), 0.95)
+                        for ps in prompt_sets:
+                            q = float(np.clip(base_q + rng.normal(0, 0.02), 0.05, 0.97))
+                            # acceptance at drafted positions 2..n decays geometrically
+                            acc = {i: q ** (1 + 0.15 * (i - 2)) for i in range(2, n + 1)}
+                            probs = np.array([acc[i] for i in range(2, n + 1)])
+                            # P(accept >= j) = prod_{i<=j} acc
+                            surv = np.cumprod(probs)
+                            mu_acc = float(surv.sum())
+                            lat = stp_lat * 1.05 + 1e-3 * (_COST_MS[c] * (n / 8) * (1 + 0.01 * r)) + 0.002 * k
+                            lat *= float(1 + rng.normal(0, 0.01))
+                            stp = stp_lat * float(1 + rng.normal(0, 0.01))
+                            tpc = mu_acc + 1.0
+                            thr = 0.97 * tpc / lat  # measured: not exactly tpc / mu_lat
+                            stp_thr = 0.99 / stp
+                            pmf = np.append(1 - probs[0], surv[:-1] * (1 - probs[1:]))
+                            pmf = np.append(pmf, surv[-1])  # lengths 0..n-1
+                            hist = [int(v) for v in np.round(pmf * 1000)]
+                            metrics = {
+                                "mu_lat": lat, "mu_acc": mu_acc, "tokens_per_cycle": tpc, "throughput": thr,
+                                "max_throughput": n / lat, "stp_mu_lat": stp, "stp_throughput": stp_thr,
+                                "speedup_vs_stp": thr / stp_thr, "peak_mem_bytes": 1e8 * (1 + 0.1 * n),
+                            }  # fmt: skip
+                            metrics.update({f"acc_pos_{i}": v for i, v in acc.items()})
+                            params: dict[str, object] = {
+                                "backbone": backbone, "circuit": c, "window": n, "rank": r, "lora_depth": k,
+                                "mode": mode, "extra_token": "keep",
+                                "temperature": 0.0 if mode == "greedy" else 1.0, "prompt_set": ps, "seed": 0,
+                            }  # fmt: skip
+                            if with_optional:
+                                params["hardware"] = "cpu-test"
+                                params["top_p"] = 1.0
+                            out.append(Evaluation(params, metrics, hist, trial=f"{mode}-{trial}"))
+    return out
+
+
+def frame_from_evaluations(evaluations: list[Evaluation]):
+    """The DataFrame `analysis.load` would build from these runs, without an MLflow store: params
+    go through str() as MLflow stores them. Run ids are "run<i>"."""
+    from analysis.load import SkippedRun, records_to_frame, run_record
+
+    records = []
+    for i, ev in enumerate(evaluations):
+        rec = run_record(f"run{i}", ev.trial, "0", {k: str(v) for k, v in ev.params.items()}, ev.metrics)
+        assert not isinstance(rec, SkippedRun), rec
+        records.append(rec)
+    return records_to_frame(records)
+
+
+def log_sweep(uri: str, experiment: str, evaluations: list[Evaluation]) -> dict[str, str]:
+    """Log parent runs (one per trial) and a child run per evaluation; returns child run ids by
+    index ("0", "1", ...) plus the experiment id under "experiment_id"."""
+    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
+    parents: dict[str, str] = {}
+    ids: dict[str, str] = {"experiment_id": exp_id}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, ev in enumerate(evaluations):
+            if ev.trial not in parents:
+                p = client.create_run(exp_id, run_name=ev.trial)
+                keys = ("backbone", "circuit", "window", "rank", "lora_depth")
+                client.log_batch(
+                    p.info.run_id,
+                    params=[Param(k, str(ev.params[k])) for k in keys if k in ev.params],
+                    metrics=[Metric("val_loss", 1.0, 0, 0)],
+                )
+                client.set_terminated(p.info.run_id)
+                parents[ev.trial] = p.info.run_id
+            tags = {"mlflow.parentRunId": parents[ev.trial], **ev.extra_tags}
+            name = f"{ev.trial}/{ev.params.get('mode')}/{ev.params.get('prompt_set')}"
+            run = client.create_run(exp_id, run_name=name, tags=tags)
+            rid = run.info.run_id
+            client.log_batch(
+                rid,
+                params=[Param(k, str(v)) for k, v in ev.params.items()],
+                metrics=[Metric(k, float(v), 0, 0) for k, v in ev.metrics.items()],
+                tags=[RunTag("idx", str(i))],
+            )
+            if ev.hist is not None:
+                path = Path(tmp) / "accepted_length_hist.json"
+                path.write_text(json.dumps(ev.hist))
+                client.log_artifact(rid, str(path))
+            if ev.status == "FINISHED":
+                client.set_terminated(rid)
+            elif ev.status != "RUNNING":
+                client.set_terminated(rid, status=ev.status)
+            ids[str(i)] = rid
+    return ids
+
+
+if __name__ == "__main__":
+    root = Path(sys.argv[1] if len(sys.argv) > 1 else "outputs/synthetic")
+    root.mkdir(parents=True, exist_ok=True)
+    evs = synthetic_evaluations(ranks=(8, 32), lora_depths=(0, 2))
+    uri = f"sqlite:///{root.resolve()}/mlflow.db"
+    log_sweep(uri, "synthetic", evs)
+    print(f"logged {len(evs)} evaluations to {uri} (experiment 'synthetic')")

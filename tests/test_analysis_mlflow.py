@@ -1,0 +1,255 @@
+"""MLflow -> DataFrame and the `pareto.py` CLI against a temporary sqlite store holding a small
+synthetic sweep (parent trial runs, child evaluation runs, a run missing a metric, an unfinished
+run, runs without the optional params), plus every error path of the CLI.
+
+One store for the whole module: creating a sqlite store runs MLflow's migrations (seconds)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from analysis_helpers import log_sweep, synthetic_evaluations
+
+from analysis import pareto
+from analysis.load import (
+    SUMMARY_TAG,
+    AnalysisError,
+    Filters,
+    connect,
+    load,
+    load_hists,
+    parse_hist,
+    resolve_tracking_uri,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{root}/mlflow.db"
+    ps = ("chat", "code")
+    good = synthetic_evaluations(circuits=("ff", "cp", "btree"), windows=(8,), prompt_sets=ps)
+    good += synthetic_evaluations(modes=("sample",), circuits=("cp",), windows=(8, 16), prompt_sets=ps)
+    good += synthetic_evaluations(
+        backbone="bare", circuits=("cp",), windows=(8,), prompt_sets=ps, with_optional=False
+    )
+    broken = synthetic_evaluations(circuits=("hmm",), windows=(8,), prompt_sets=("chat",))[0]
+    del broken.metrics["mu_lat"]
+    broken.trial = "broken-trial"
+    running = synthetic_evaluations(circuits=("hmm",), windows=(16,), prompt_sets=("chat",))[0]
+    running.status = "RUNNING"
+    running.trial = "running-trial"
+    ids = log_sweep(uri, "sweep", good + [broken, running])
+    only_broken = synthetic_evaluations(circuits=("cp",), windows=(8,), prompt_sets=("chat",))[0]
+    del only_broken.metrics["throughput"]
+    log_sweep(uri, "allbroken", [only_broken])
+    second = synthetic_evaluations(
+        backbone="bare", circuits=("ff",), windows=(8,), prompt_sets=("chat",), with_optional=False
+    )
+    log_sweep(uri, "second", second)
+    return {"uri": uri, "good": good, "ids": ids, "broken_id": ids[str(len(good))], "root": root}
+
+
+def test_dataframe_contents_and_types(store):
+    result, client, uri = load(store["uri"], "sweep")
+    df = result.runs
+    good = store["good"]
+    assert uri == store["uri"] and result.experiments == ["sweep"]
+    assert len(df) == len(good) == 12  # children only: parents, broken and running runs left out
+    assert (
+        str(df["window"].dtype) == "Int64"
+        and str(df["rank"].dtype) == "Int64"
+        and str(df["lora_depth"].dtype) == "Int64"
+    )
+    assert str(df["seed"].dtype) == "Int64"
+    for col in (
+        "temperature",
+        "top_p",
+        "mu_lat",
+        "mu_acc",
+        "throughput",
+        "stp_mu_lat",
+        "acc_pos_2",
+        "acc_pos_16",
+    ):
+        assert df[col].dtype == np.float64, col
+    assert df["backbone"].dtype == object and set(df["mode"]) == {"greedy", "sample"}
+    assert df["parent_run_id"].notna().all() and df["parent_run_id"].nunique() == 6  # 3 + 2 + 1 trials
+    ids = store["ids"]
+    for i, ev in enumerate(good):
+        row = df[df.run_id == ids[str(i)]].iloc[0]
+        for k in ("backbone", "circuit", "window", "rank", "lora_depth", "mode", "prompt_set", "extra_token"):
+            assert row[k] == ev.params[k], k
+        assert row["temperature"] == pytest.approx(ev.params["temperature"])
+        for k, v in ev.metrics.items():
+            assert row[k] == pytest.approx(v, rel=1e-12), k
+        if ev.params["window"] == 8:
+            assert np.isnan(row["acc_pos_16"])  # positions a run does not have stay NaN
+    bare = df[df.backbone == "bare"]
+    assert len(bare) == 2 and bare["hardware"].isna().all() and bare["top_p"].isna().all()
+    assert [s.run_id for s in result.skipped] == [store["broken_id"]]
+    assert result.skipped[0].missing == ("mu_lat",)
+    assert result.n_unfinished == 1
+
+
+def test_filters_and_no_match_message(store):
+    res, *_ = load(store["uri"], "sweep", Filters(mode=("sample",)))
+    assert len(res.runs) == 4 and set(res.runs["mode"]) == {"sample"}
+    res, *_ = load(store["uri"], "sweep", Filters(mode=("sample",), window=(16,), temperature=(1.0000001,)))
+    assert len(res.runs) == 2 and set(res.runs["window"]) == {16}
+    res, *_ = load(store["uri"], "sweep", Filters(backbone=("tiny",), lora_depth=(0,), extra_token=("keep",)))
+    assert len(res.runs) == 10
+    with pytest.raises(AnalysisError) as exc:
+        load(store["uri"], "sweep", Filters(backbone=("tiny",), window=(32,)))
+    msg = str(exc.value)
+    assert "no runs match the filters (backbone=tiny, window=32)" in msg
+    assert "12 evaluation runs before filtering -> backbone=tiny: 10 -> window=32: 0" in msg
+    with pytest.raises(ValueError, match="filter mode"):
+        Filters(mode=("beam",))
+
+
+def test_experiment_resolution_and_store_errors(store, tmp_path, monkeypatch):
+    with pytest.raises(AnalysisError, match="no MLflow experiment named .*'nope'.*allbroken, second, sweep"):
+        load(store["uri"], "nope")
+    res, client, _ = load(store["uri"], None, Filters(backbone=("bare",)))  # every experiment with runs
+    assert sorted(res.experiments) == ["allbroken", "second", "sweep"] and len(res.runs) == 3
+    exp_id = client.get_experiment_by_name("sweep").experiment_id
+    assert len(load(store["uri"], exp_id)[0].runs) == 12  # by id
+    with pytest.raises(
+        AnalysisError, match=r"no usable evaluation runs .* 1 evaluation run\(s\) were skipped"
+    ):
+        load(store["uri"], "allbroken")
+    with pytest.raises(AnalysisError, match="no MLflow database at .*missing.db"):
+        connect(f"sqlite:///{tmp_path}/missing.db")
+    assert not (tmp_path / "missing.db").exists()  # not created as a side effect
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store["uri"])
+    assert resolve_tracking_uri(None) == (store["uri"], "MLFLOW_TRACKING_URI")
+    assert resolve_tracking_uri("sqlite:///x.db")[1] == "--tracking-uri"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_tracking_uri(None)[0] == f"sqlite:///{tmp_path}/mlflow.db"
+
+
+def test_histogram_artifacts(store):
+    result, client, _ = load(store["uri"], "sweep", Filters(mode=("greedy",), backbone=("tiny",)))
+    hists, problems = load_hists(client, list(result.runs["run_id"]))
+    assert problems == [] and len(hists) == 6
+    ids, good = store["ids"], store["good"]
+    for i, ev in enumerate(good[:6]):
+        np.testing.assert_array_equal(hists[ids[str(i)]], ev.hist)
+
+
+def test_parse_hist_forms():
+    np.testing.assert_array_equal(parse_hist([3, 2, 1]), [3, 2, 1])
+    np.testing.assert_array_equal(parse_hist({"0": 3, "2": 1}), [3, 0, 1])
+    np.testing.assert_array_equal(parse_hist({"counts": [1, 1]}), [1, 1])
+    with pytest.raises(ValueError, match="accepted_length_hist.json"):
+        parse_hist({"a": 1})
+    with pytest.raises(ValueError, match="accepted_length_hist.json"):
+        parse_hist("x")
+
+
+def test_cli_writes_figures_tables_and_logs_summary(store, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = ["--tracking-uri", store["uri"], "--experiment", "sweep", "--out", str(out), "--log-to-mlflow"]
+    rc = pareto.main(args + ["--backbone", "tiny"])  # two of the three settings: figures cost seconds
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    # skipped run listed and counted on stderr
+    assert (
+        "1 evaluation run(s) skipped" in cap.err
+        and store["broken_id"] in cap.err
+        and "missing mu_lat" in cap.err
+    )
+    assert "1 unfinished run(s) ignored" in cap.err
+    names = {p.name for p in out.iterdir()}
+    slugs = ["tiny_greedy_keep_T0_p1_cpu-test", "tiny_sample_keep_T1_p1_cpu-test"]
+    assert not any(n.startswith("pareto_bare") for n in names)
+    for slug in slugs:
+        assert {f"pareto_{slug}.png", f"pareto_{slug}.pdf", f"table_{slug}.md", f"table_{slug}.tex"} <= names
+    assert "throughput_vs_window_tiny_sample_keep_T1_p1_cpu-test.png" in names  # n varies only there
+    assert "throughput_vs_window_tiny_greedy_keep_T0_p1_cpu-test.png" not in names
+    assert "accepted_length_tiny_greedy_keep_T0_p1_cpu-test.png" in names
+    assert (out / f"pareto_{slugs[0]}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / f"pareto_{slugs[0]}.pdf").read_bytes()[:5] == b"%PDF-"
+    assert {"tables.md", "tables.tex", "summary.csv"} <= names
+    # table value: the logged throughput of greedy cp, mean ± std over the two prompt sets, bold (best)
+    thr = [e.metrics["throughput"] for e in store["good"][:6] if e.params["circuit"] == "btree"]
+    md = (out / "table_tiny_greedy_keep_T0_p1_cpu-test.md").read_text()
+    assert (
+        f"**{np.mean(thr):.0f} ± {np.std(thr, ddof=1):.0f}**" in md
+        or f"**{np.mean(thr):.1f} ± {np.std(thr, ddof=1):.1f}**" in md
+    )
+    best_lines = [ln for ln in cap.out.splitlines() if ln.startswith("best [")]
+    assert len(best_lines) == 2 and any("btree n=8 r=32 k=0" in ln for ln in best_lines)
+    # the summary run: in the same experiment, tagged, with the artifacts; never read back as data
+    result, client, _ = load(store["uri"], "sweep")
+    assert len(result.runs) == 12
+    exp = client.get_experiment_by_name("sweep")
+    (summary,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`{SUMMARY_TAG}` = 'summary'")
+    assert summary.info.status == "FINISHED" and summary.data.params["n_evaluation_runs"] == "10"
+    assert summary.data.params["filter_backbone"] == "tiny"
+    figs = {Path(f.path).name for f in client.list_artifacts(summary.info.run_id, "figures")}
+    tabs = {Path(f.path).name for f in client.list_artifacts(summary.info.run_id, "tables")}
+    assert f"pareto_{slugs[0]}.png" in figs and f"pareto_{slugs[0]}.pdf" in figs
+    assert f"table_{slugs[0]}.md" in tabs and "summary.csv" in tabs
+    saved = json.loads(json.dumps(summary.data.params))
+    assert saved["n_skipped_runs"] == "1"
+
+
+def test_cli_errors_exit_1_without_traceback(store, tmp_path, capsys):
+    rc = pareto.main(
+        [
+            "--tracking-uri",
+            store["uri"],
+            "--experiment",
+            "sweep",
+            "--mode",
+            "sample",
+            "--window",
+            "32",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 1 and "no runs match the filters (mode=sample, window=32)" in err and "Traceback" not in err
+    rc = pareto.main(["--tracking-uri", f"sqlite:///{tmp_path}/none.db", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 1 and "no MLflow database" in err and "from --tracking-uri" in err
+    rc = pareto.main(["--tracking-uri", store["uri"], "--experiment", "allbroken", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 1 and "no usable evaluation runs" in err and "missing throughput" in err
+    rc = pareto.main(
+        [
+            "--tracking-uri",
+            store["uri"],
+            "--backbone",
+            "bare",
+            "--log-to-mlflow",
+            "--out",
+            str(tmp_path / "o"),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 1 and "--log-to-mlflow needs one experiment, but the runs come from 2" in err
+    assert not (tmp_path / "o").exists()  # failed before writing anything
+    with pytest.raises(SystemExit) as exc:
+        pareto.main(["--mode", "beam"])
+    assert exc.value.code == 2
+
+
+def test_script_unreachable_server_is_a_clear_error(tmp_path):
+    """`python analysis/pareto.py` from the repo root, against a port nothing listens on."""
+    proc = subprocess.run(
+        [sys.executable, "analysis/pareto.py", "--tracking-uri", "http://127.0.0.1:9", "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert "cannot reach the MLflow tracking store 'http://127.0.0.1:9' (from --tracking-uri)" in proc.stderr
+    assert "Traceback" not in proc.stderr

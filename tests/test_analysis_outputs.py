@@ -1,0 +1,315 @@
+"""Aggregation, tables and figures on a synthetic sweep with known values (no MLflow store: the
+runs DataFrame is built by the same `run_record`/`records_to_frame` the loader uses). Figures are
+checked through their matplotlib objects: scatter offsets, error bars, iso-throughput lines."""
+
+import math
+import re
+
+import numpy as np
+import pandas as pd
+import pytest
+from analysis_helpers import frame_from_evaluations, synthetic_evaluations
+
+from analysis import plots, tables
+from analysis.aggregate import aggregate, split_settings, stp_baseline
+from analysis.front import pareto_mask
+
+
+@pytest.fixture(scope="module")
+def evals():
+    return synthetic_evaluations(ranks=(8, 32), lora_depths=(0, 2))
+
+
+@pytest.fixture(scope="module")
+def runs(evals):
+    return frame_from_evaluations(evals)
+
+
+@pytest.fixture(scope="module")
+def setting_part(runs):
+    parts = split_settings(aggregate(runs))
+    assert len(parts) == 1
+    return parts[0]
+
+
+def _expected(evals, **key):
+    """Logged metric values of the evaluations of one configuration."""
+    sel = [e for e in evals if all(e.params[k] == v for k, v in key.items())]
+    assert sel
+    return sel
+
+
+def test_aggregate_is_mean_and_sample_std_of_logged_values(evals, setting_part):
+    _, part = setting_part
+    assert len(part) == 28  # ff: 2 n x 2 k; cp/hmm/btree: 2 n x 2 r x 2 k
+    row = part[
+        (part.circuit == "hmm") & (part.window == 16) & (part["rank"] == 8) & (part.lora_depth == 2)
+    ].iloc[0]
+    sel = _expected(evals, circuit="hmm", window=16, rank=8, lora_depth=2)
+    thr = np.array([e.metrics["throughput"] for e in sel])
+    assert row["n_evals"] == 3 and row["prompt_sets"] == "chat,code,math"
+    assert row["throughput_mean"] == pytest.approx(thr.mean(), rel=1e-12)
+    assert row["throughput_std"] == pytest.approx(thr.std(ddof=1), rel=1e-12)
+    # the logged throughput is used, not tokens_per_cycle / mu_lat (3 % apart in the synthetic data)
+    recomputed = np.mean([e.metrics["tokens_per_cycle"] / e.metrics["mu_lat"] for e in sel])
+    assert abs(row["throughput_mean"] - recomputed) > 0.02 * recomputed
+    assert row["acc_pos_16_mean"] == pytest.approx(np.mean([e.metrics["acc_pos_16"] for e in sel]))
+    assert sorted(row["run_ids"]) == sorted(f"run{evals.index(e)}" for e in sel)
+    # sorted by n, r, circuit (ff, cp, hmm, btree), k
+    first = part.iloc[:6][["window", "rank", "circuit", "lora_depth"]].values.tolist()
+    assert first == [
+        [8, 1, "ff", 0],
+        [8, 1, "ff", 2],
+        [8, 8, "cp", 0],
+        [8, 8, "cp", 2],
+        [8, 8, "hmm", 0],
+        [8, 8, "hmm", 2],
+    ]
+
+
+def test_split_settings_front_matches_mask(setting_part):
+    setting, part = setting_part
+    assert (setting.backbone, setting.mode, setting.extra_token, setting.hardware) == (
+        "tiny",
+        "greedy",
+        "keep",
+        "cpu-test",
+    )
+    pts = part[["mu_lat_mean", "mu_acc_mean"]].to_numpy()
+    np.testing.assert_array_equal(part["on_front"].to_numpy(), pareto_mask(pts, ("min", "max")))
+    assert 2 <= part["on_front"].sum() < len(part)
+
+
+def test_settings_split_by_mode_and_extra_token(evals):
+    more = evals + synthetic_evaluations(modes=("sample",), circuits=("cp",), windows=(8,))
+    more += synthetic_evaluations(circuits=("cp",), windows=(8,), with_optional=False)
+    parts = split_settings(aggregate(frame_from_evaluations(more)))
+    titles = sorted(s.title() for s, _ in parts)
+    # hardware/top_p absent on the third group: its own setting, not mixed with the first
+    assert titles == [
+        "tiny, greedy, extra=keep",
+        "tiny, greedy, extra=keep, cpu-test",
+        "tiny, sample, extra=keep, T=1, top-p=1, cpu-test",
+    ]
+    assert sorted(len(p) for _, p in parts) == [1, 1, 28]
+    slugs = [s.slug() for s, _ in parts]
+    assert len(set(slugs)) == 3 and all(re.fullmatch(r"[A-Za-z0-9._=-]+", s) for s in slugs)
+
+
+def test_table_values_bold_and_stp_row(evals, setting_part):
+    setting, part = setting_part
+    table = tables.build_table(setting, part)
+    assert table.keys == ["n", "r", "circuit", "k"]  # k varies, so it is a column
+    rows = table.rows
+    assert rows.iloc[0]["is_stp"] and rows.iloc[0]["circuit"] == "STP"
+    stp_lat = np.mean([e.metrics["stp_mu_lat"] for e in evals])
+    assert rows.iloc[0]["mu_lat"] == pytest.approx(stp_lat * 1000, rel=1e-3)
+    sel = _expected(evals, circuit="btree", window=8, rank=32, lora_depth=0)
+    r = rows[(rows.circuit == "btree") & (rows.n == 8) & (rows.r == 32) & (rows.k == 0)].iloc[0]
+    assert r["mu_lat"] == pytest.approx(1000 * np.mean([e.metrics["mu_lat"] for e in sel]))
+    assert r["mu_lat_std"] == pytest.approx(1000 * np.std([e.metrics["mu_lat"] for e in sel], ddof=1))
+    assert r["speedup_vs_stp"] == pytest.approx(np.mean([e.metrics["speedup_vs_stp"] for e in sel]))
+    # best = max logged throughput over configurations, bold exactly there
+    best = part.loc[part["throughput_mean"].idxmax()]
+    assert table.best["throughput"] == pytest.approx(best["throughput_mean"])
+    md = tables.to_markdown(table)
+    d = table.decimals["throughput"]
+    cell = f"**{best['throughput_mean']:.{d}f} ± {best['throughput_std']:.{d}f}**"
+    assert cell in md
+    lines = [ln for ln in md.splitlines() if ln.startswith("| ")]
+    assert len(lines) == 1 + 1 + len(part)  # header, STP, configurations
+    assert sum(ln.count("**") for ln in lines) == 2 * 4  # one bold cell per column
+    tex = tables.to_latex(table)
+    assert tex.count(r"\mathbf{") == 4 and r"\toprule" in tex and tex.count(r" \\") == len(part) + 2
+    assert f"$\\mathbf{{{best['throughput_mean']:.{d}f} \\pm {best['throughput_std']:.{d}f}}}$" in tex
+    line = tables.best_configuration(setting, part)
+    assert f"{best['circuit']} n={best['window']} r={best['rank']} k={best['lora_depth']}" in line
+    assert f"{best['throughput_mean']:.1f}" in line
+
+
+def test_table_single_prompt_set_has_no_std(evals):
+    one = [e for e in evals if e.params["prompt_set"] == "chat"]
+    setting, part = split_settings(aggregate(frame_from_evaluations(one)))[0]
+    md = tables.to_markdown(tables.build_table(setting, part))
+    assert "±" not in md.split("\n", 3)[3].replace("(mean ± std", "")
+    assert part["throughput_std"].isna().all()
+
+
+def _iso_lines(ax):
+    return [ln for ln in ax.lines if ln.get_gid() == "iso-throughput"]
+
+
+def test_pareto_figure_points_errorbars_front_stp(setting_part):
+    setting, part = setting_part
+    fig = plots.pareto_figure(setting, part)
+    ax = fig.axes[0]
+    for c in ("ff", "cp", "hmm", "btree"):
+        sub = part[part.circuit == c]
+        (sc,) = [col for col in ax.collections if col.get_gid() == f"circuit-{c}"]
+        expected = np.column_stack([sub["mu_acc_mean"], sub["mu_lat_mean"] * 1000])
+        np.testing.assert_allclose(sc.get_offsets(), expected)
+        # error bars: one vertical and one horizontal segment per point, of length 2 std
+        (eb,) = [cont for cont in ax.containers if cont.get_label() == f"_errorbar-{c}"]
+        _, _, (xbars, ybars) = eb.lines
+        xs = np.array([seg[1, 0] - seg[0, 0] for seg in xbars.get_segments()])
+        ys = np.array([seg[1, 1] - seg[0, 1] for seg in ybars.get_segments()])
+        np.testing.assert_allclose(xs, 2 * sub["mu_acc_std"], rtol=1e-9)
+        np.testing.assert_allclose(ys, 2 * sub["mu_lat_std"] * 1000, rtol=1e-9)
+    (front,) = [ln for ln in ax.lines if ln.get_gid() == "pareto-front"]
+    fp = part[part.on_front].sort_values("mu_acc_mean")
+    np.testing.assert_allclose(front.get_xdata(), fp["mu_acc_mean"])
+    np.testing.assert_allclose(front.get_ydata(), fp["mu_lat_mean"] * 1000)
+    (stp,) = [col for col in ax.collections if col.get_gid() == "stp"]
+    np.testing.assert_allclose(stp.get_offsets(), [[0.0, stp_baseline(part)[0] * 1000]])
+    # labels n/r/k: 28 points > MAX_LABELLED_POINTS, so only the front is labelled
+    labels = [t.get_text() for t in ax.texts if t.get_gid() == "point-label"]
+    assert sorted(labels) == sorted(f"{r.window}/{r.rank}/{r.lora_depth}" for r in fp.itertuples())
+    plots.plt.close(fig)
+
+
+def test_pareto_figure_iso_lines(setting_part):
+    setting, part = setting_part
+    fig = plots.pareto_figure(setting, part)
+    ax = fig.axes[0]
+    lines = _iso_lines(ax)
+    assert len(lines) >= 3
+    x0, x1 = ax.get_xlim()
+    levels = []
+    for ln in lines:
+        x, y = ln.get_xdata(), ln.get_ydata()
+        assert ln.get_linestyle() == "--"
+        assert x[0] == pytest.approx(x0) and x[-1] == pytest.approx(x1)  # spans the whole box
+        t = 1000 * (x + 1.0) / y  # extra_token=keep: tokens_per_cycle = mu_acc + 1
+        np.testing.assert_allclose(t, t[0], rtol=1e-9)  # constant throughput along the line
+        slope = np.polyfit(x, y, 1)[0]
+        assert slope == pytest.approx(1000 / t[0], rel=1e-9)
+        levels.append(t[0])
+    rates = part["tokens_per_cycle_mean"] / part["mu_lat_mean"]
+    assert min(levels) <= rates.max() and max(levels) >= rates.min()
+    assert min(levels) <= rates.min() * 1.3 and max(levels) >= rates.max() / 1.3  # spans the data
+    # every label names one of the drawn levels in bytes/s
+    texts = [t.get_text() for t in ax.texts if t.get_gid() == "iso-label"]
+    assert texts and any("(STP)" in t for t in texts)
+    for t in texts:
+        if "(STP)" in t:
+            continue
+        value = float(re.fullmatch(r"([\d.]+) B/s", t).group(1))
+        assert any(math.isclose(value, lv, rel_tol=1e-3) for lv in levels), (t, levels)
+    (stp_line,) = [ln for ln in ax.lines if ln.get_gid() == "iso-throughput-stp"]
+    stp_lat_ms = stp_baseline(part)[0] * 1000
+    assert np.interp(0.0, stp_line.get_xdata(), stp_line.get_ydata()) == pytest.approx(stp_lat_ms)
+    plots.plt.close(fig)
+
+
+def test_iso_offset_and_levels():
+    from analysis.aggregate import Setting
+
+    part = pd.DataFrame({"tokens_per_cycle_mean": [1.5, 2.5], "mu_acc_mean": [1.2, 2.0]})
+    assert plots.iso_offset(Setting("b", "greedy", "keep"), part) == 1.0
+    assert plots.iso_offset(Setting("b", "greedy", "drop"), part) == pytest.approx(0.4)
+    lv = plots.iso_levels(43.0, 141.0)
+    assert lv.min() >= 43 * 0.95 and lv.max() <= 141 * 1.05 and len(lv) >= 3
+    assert plots.format_rate(1234.0) == "1.23 kB/s" and plots.format_rate(80.0) == "80 B/s"
+
+
+def test_throughput_figures_use_the_slice(evals, setting_part):
+    setting, part = setting_part
+    fig = plots.throughput_figure(setting, part, x="window")
+    ax = fig.axes[0]
+    assert "r=32, k=0" in ax.get_title()  # ranks 8/32 tie -> largest; k 0/2 tie -> smallest
+    for c, rank in (("ff", 1), ("cp", 32), ("btree", 32)):
+        (ln,) = [ln for ln in ax.lines if ln.get_gid() == f"circuit-{c}"]
+        want = [
+            np.mean(
+                [
+                    e.metrics["throughput"]
+                    for e in _expected(evals, circuit=c, window=n, rank=rank, lora_depth=0)
+                ]
+            )
+            for n in (8, 16)
+        ]
+        np.testing.assert_allclose(ln.get_xdata(), [8, 16])
+        np.testing.assert_allclose(ln.get_ydata(), want)
+    (stp,) = [ln for ln in ax.lines if ln.get_gid() == "stp"]
+    assert stp.get_ydata()[0] == pytest.approx(stp_baseline(part)[2])
+    plots.plt.close(fig)
+    fig = plots.throughput_figure(setting, part, x="lora_depth")
+    (ln,) = [ln for ln in fig.axes[0].lines if ln.get_gid() == "circuit-hmm"]
+    want = [
+        np.mean(
+            [
+                e.metrics["throughput"]
+                for e in _expected(evals, circuit="hmm", window=16, rank=32, lora_depth=k)
+            ]
+        )
+        for k in (0, 2)
+    ]
+    np.testing.assert_allclose(ln.get_ydata(), want)
+    plots.plt.close(fig)
+    assert plots.throughput_figure(setting, part[part.window == 8], x="window") is None
+    with pytest.raises(ValueError, match="x='rank'"):
+        plots.throughput_figure(setting, part, x="rank")
+
+
+def test_acceptance_and_accepted_length_figures(evals, runs, setting_part):
+    setting, part = setting_part
+    fig = plots.acceptance_figure(setting, part)
+    ax = fig.axes[0]
+    assert {ln.get_gid() for ln in ax.lines} == {"circuit-ff", "circuit-cp", "circuit-hmm", "circuit-btree"}
+    best_bt = part[part.circuit == "btree"].sort_values("throughput_mean").iloc[-1]
+    (ln,) = [ln for ln in ax.lines if ln.get_gid() == "circuit-btree"]
+    n = int(best_bt["window"])
+    np.testing.assert_allclose(ln.get_xdata(), np.arange(2, n + 1))
+    np.testing.assert_allclose(ln.get_ydata(), [best_bt[f"acc_pos_{i}_mean"] for i in range(2, n + 1)])
+    plots.plt.close(fig)
+
+    hists = {f"run{i}": np.asarray(e.hist, float) for i, e in enumerate(evals)}
+    fig = plots.accepted_length_figure(setting, part, hists)
+    (ln,) = [ln for ln in fig.axes[0].lines if ln.get_gid() == "circuit-btree"]
+    total = sum(hists[r] for r in best_bt["run_ids"])
+    np.testing.assert_allclose(ln.get_ydata(), total / total.sum())
+    plots.plt.close(fig)
+    assert plots.accepted_length_figure(setting, part, {}) is None
+    no_acc = part.drop(columns=[c for c in part.columns if c.startswith("acc_pos_")])
+    assert plots.acceptance_figure(setting, no_acc) is None
+
+
+def _extents(fig, gid):
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    return [t.get_window_extent(r) for t in fig.axes[0].texts if t.get_gid() == gid]
+
+
+def test_pareto_labels_readable_no_overlap_inside_box(setting_part):
+    """Readability regressions: n/r/k labels do not overlap each other; iso labels stay inside."""
+    setting, part = setting_part
+    fig = plots.pareto_figure(setting, part)
+    labels = _extents(fig, "point-label")
+    for i in range(len(labels)):
+        for j in range(i + 1, len(labels)):
+            assert plots._overlap(labels[i], labels[j]) == 0, (i, j)
+    box = fig.axes[0].get_window_extent(fig.canvas.get_renderer())
+    for ext in _extents(fig, "iso-label"):
+        assert box.x0 - 1 <= ext.x0 and ext.x1 <= box.x1 + 1 and box.y0 - 1 <= ext.y0 and ext.y1 <= box.y1 + 1
+    plots.plt.close(fig)
+
+
+def test_pareto_figure_drop_mode_marks_iso_lines_approximate(evals):
+    sel = [e for e in evals if e.params["lora_depth"] == 0 and e.params["rank"] in (1, 32)]
+    runs = frame_from_evaluations(sel)
+    runs["extra_token"] = "drop"
+    runs["tokens_per_cycle"] = runs["mu_acc"] + 0.3  # mean max(s, 1): not mu_acc + 1
+    setting, part = split_settings(aggregate(runs))[0]
+    assert setting.extra_token == "drop" and plots.iso_offset(setting, part) == pytest.approx(0.3)
+    fig = plots.pareto_figure(setting, part)
+    ax = fig.axes[0]
+    texts = [t.get_text() for t in ax.texts if t.get_gid() == "iso-label"]
+    assert texts and all(t.startswith("≈") for t in texts)
+    assert not [ln for ln in ax.lines if ln.get_gid() == "iso-throughput-stp"]
+    for ln in _iso_lines(ax):
+        t = 1000 * (ln.get_xdata() + 0.3) / ln.get_ydata()
+        np.testing.assert_allclose(t, t[0], rtol=1e-9)
+    assert len([t for t in ax.texts if t.get_gid() == "point-label"]) == len(
+        part
+    )  # <= 12 points: all labelled
+    plots.plt.close(fig)
