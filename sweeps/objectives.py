@@ -115,6 +115,15 @@ def fixture_metrics(point: dict[str, Any], mode: str, extra_token: str = "keep")
     return out
 
 
+def fixture_histogram(point: dict[str, Any], mode: str, cycles: int = 100) -> list[int]:
+    """Counts of accepted lengths 0..n-1 over `cycles` cycles, consistent with fixture_metrics."""
+    m = fixture_metrics(point, mode)
+    n = point["window"]
+    surv = [1.0] + [m[f"acc_pos_{i + 2}"] for i in range(n - 1)]  # P(accepted >= i)
+    probs = [surv[i] - (surv[i + 1] if i + 1 < n else 0.0) for i in range(n)]
+    return [round(cycles * p) for p in probs]
+
+
 def _matches(point: dict[str, Any], partial: dict[str, Any]) -> bool:
     return all(point.get(k) == v for k, v in partial.items())
 
@@ -157,5 +166,5 @@ def fixture_objective(ctx: TrialContext) -> None:
             tracking.log_child_run(
                 uri, ctx.experiment_id, parent, f"{ctx.parent_run_name}/{mode}/{ps}",
                 params=params, metrics=fixture_metrics(point, mode, e.extra_token),
-                artifacts={"accepted_length_hist.json": {"fixture": True}},
+                artifacts={"accepted_length_hist.json": fixture_histogram(point, mode)},
             )
