@@ -259,7 +259,8 @@ def slurm_job_state(job_id: str) -> str | None:
 
 
 def owner_is_dead(owner: Owner | None, me: Owner, heartbeat: float | None, stale_after_s: float) -> tuple[bool, str]:
-    """Whether the worker that holds a RUNNING trial is gone (and why)."""
+    """Whether the worker that holds a RUNNING trial is gone (and why). `heartbeat`: the last sign
+    of life (heartbeat attr, else the trial's start: a just-popped trial has no owner yet)."""
     stale = heartbeat is None or time.time() - heartbeat > stale_after_s
     if owner is None:
         return stale, "no owner recorded" + (", heartbeat stale" if stale else "")
@@ -297,6 +298,8 @@ def reap(spec: SweepSpec, study, me: Owner) -> ReapResult:
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         owner = Owner.from_json(t.user_attrs.get("owner"))
         hb = t.user_attrs.get("heartbeat")
+        if hb is None and t.datetime_start is not None:
+            hb = t.datetime_start.timestamp()  # naive local time, as Optuna stores it
         dead, why = owner_is_dead(owner, me, hb, spec.stale_after_s)
         if not dead:
             ending += any(f" is {s}" in why for s in TRANSITIONAL_SLURM_STATES)
@@ -471,8 +474,12 @@ def run_one(spec: SweepSpec, study, trial_id: int, exp_id: str, me: Owner, stop:
     frozen = storage.get_trial(trial_id)
     number = frozen.number
     trial = optuna.trial.Trial(study, trial_id)
-    storage.set_trial_user_attr(frozen._trial_id, "owner", me.to_json())
-    storage.set_trial_user_attr(frozen._trial_id, "heartbeat", time.time())
+    try:
+        storage.set_trial_user_attr(frozen._trial_id, "owner", me.to_json())
+        storage.set_trial_user_attr(frozen._trial_id, "heartbeat", time.time())
+    except optuna.exceptions.UpdateFinishedTrialError:
+        log(f"trial {number} was finished by another worker before it started here; skipped")
+        return
     point = _suggest(spec, trial)
     key = grid_key(point)
     if "grid_key" not in frozen.user_attrs:
