@@ -133,7 +133,6 @@ def validate_trial_configs(spec: SweepSpec) -> int:
     if spec.objective_kind != "trial" or spec.grid is None:
         return 0
     from experiments.train import check_config
-
     from experiments.trial import train_overrides
 
     for point in spec.grid:
@@ -519,21 +518,27 @@ def run_one(spec: SweepSpec, study, trial_id: int, exp_id: str, me: Owner, stop:
         run_objective(ctx)
         values, child_ids = _read_back(spec, exp_id, parent)
         storage.set_trial_user_attr(frozen._trial_id, "mlflow_child_run_ids", child_ids)
-        for o, v in zip(spec.objectives, values):
+        for o, v in zip(spec.objectives, values, strict=True):
             storage.set_trial_user_attr(frozen._trial_id, f"value:{o.label}", v)
-        tracking.log_metrics(spec.tracking_uri, parent, {f"objective.{o.label}".replace("/", "."): v for o, v in zip(spec.objectives, values)})
+        tracking.log_metrics(spec.tracking_uri, parent, {f"objective.{o.label}".replace("/", "."): v for o, v in zip(spec.objectives, values, strict=True)})
         dup = [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.user_attrs.get("grid_key") == key]
         if spec.grid is not None and dup:
             raise RuntimeError(f"duplicate: grid point {key} completed meanwhile in trial {dup[0]}")
         tracking.terminate(spec.tracking_uri, [parent], "FINISHED")
         hb.halt.set()
         study.tell(trial, values)
-        log(f"trial {number}: {key} COMPLETE {dict(zip([o.label for o in spec.objectives], values))}")
+        log(f"trial {number}: {key} COMPLETE {dict(zip([o.label for o in spec.objectives], values, strict=True))}")
     except Preempted:
         hb.halt.set()
         raise
-    except Exception as e:  # noqa: BLE001 (any trial error: mark failed, the sweep goes on)
+    except BaseException as e:  # noqa: BLE001 (any trial error: mark failed, the sweep goes on)
         hb.halt.set()
+        if stop():
+            # anything raised after a stop request is the stop itself, e.g. Lightning's
+            # SIGTERMException (a SystemExit) at the end of the epoch our callback cut short
+            raise Preempted(f"stopped by a signal ({type(e).__name__}: {e})") from e
+        if not isinstance(e, Exception):
+            raise
         err = f"{type(e).__name__}: {e}"
         log(f"trial {number}: {key} FAILED: {err}\n{traceback.format_exc()}")
         storage.set_trial_user_attr(frozen._trial_id, "error", err[:2000])

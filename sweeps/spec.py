@@ -249,7 +249,7 @@ def _expand_grid(
     membership: dict[str, list[str]] = {}
     for sname, vals in per_slice.items():
         for combo in itertools.product(*(vals[p] for p in GRID_PARAMS)):
-            pt = _normalise_point(dict(zip(GRID_PARAMS, combo)))
+            pt = _normalise_point(dict(zip(GRID_PARAMS, combo, strict=True)))
             k = grid_key(pt)
             points.setdefault(k, pt)
             if sname not in membership.setdefault(k, []):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import tempfile
 import time
@@ -47,7 +46,7 @@ def check_tracking(uri: str, timeout: float = 5.0) -> None:
             with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 (user's URI)
                 if r.status != 200:
                     raise TrackingError(f"MLflow server {uri}: /health answered HTTP {r.status}")
-        except (urllib.error.URLError, OSError, socket.timeout) as e:
+        except (TimeoutError, urllib.error.URLError, OSError) as e:
             raise TrackingError(f"MLflow tracking server {uri} is unreachable ({e}); start it or fix mlflow.tracking_uri / MLFLOW_TRACKING_URI") from e
         return
     if parsed.scheme == "sqlite":

@@ -15,7 +15,16 @@ import pytest
 
 from sweeps import run, tracking
 from sweeps.spec import SpecError, load_spec
-from tests.sweep_helpers import REPO, by_state, check_complete_results, fixture_spec, fresh_tracking_uri, run_cli, runs, trials
+from tests.sweep_helpers import (
+    REPO,
+    by_state,
+    check_complete_results,
+    fixture_spec,
+    fresh_tracking_uri,
+    run_cli,
+    runs,
+    trials,
+)
 
 
 @pytest.fixture(scope="module")

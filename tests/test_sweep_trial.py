@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-from pathlib import Path
 import types
+from pathlib import Path
 
 import pytest
 
@@ -33,7 +33,7 @@ def _stand_in_evaluate(uri: str, exp_id: str):
     calls = []
 
     def main(argv):
-        a = dict(zip(argv[::2], argv[1::2]))
+        a = dict(zip(argv[::2], argv[1::2], strict=True))
         calls.append(a)
         head = json.loads((Path(a["--head"]) / "config.json").read_text())  # the exported head's HeadConfig
         for i in range(int(a["--sets"])):
