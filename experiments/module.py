@@ -49,6 +49,10 @@ def build_backbone(name: str, lora_depth: int, dtype: str | None = None, tiny_se
                                        **kwargs)
     from mtpc.backbones import load_backbone
 
+    if name == "default":  # pre-train the embedded model first if it is missing (file-locked)
+        from experiments.pretrain import ensure_default_model
+
+        ensure_default_model()
     return load_backbone(name, lora_depth=lora_depth, dtype=torch_dtype, **kwargs)
 
 
@@ -56,12 +60,17 @@ def backbone_num_layers(name: str) -> int | None:
     """Number of layers of backbone `name` without loading weights; None when it cannot be known offline."""
     if name == "tiny":
         return TINY_BACKBONE["num_hidden_layers"]
+    from mtpc.backbones import ALIASES, default_model_dir
+
+    name = ALIASES.get(name, name)
     if name in KNOWN_NUM_LAYERS:
         return KNOWN_NUM_LAYERS[name]
     if name == "default":
-        from experiments import pretrain
+        if not (default_model_dir() / "config.json").is_file():  # not built yet: what pretrain will build
+            from experiments.pretrain import default_config
 
-        return int(pretrain.default_num_layers())
+            return default_config().num_layers
+        name = str(default_model_dir())
     cfg = Path(name).expanduser() / "config.json"
     if cfg.exists():
         c = json.loads(cfg.read_text())
@@ -96,7 +105,9 @@ class MtpcTrainModule(L.LightningModule):
         init: head initialisation: `lm_head` (copy the STP unembedding), `mtp` (the backbone's own
             MTP heads where it has them, e.g. EvaByte; else lm_head), or `random`.
         init_noise: noise that breaks the symmetry between copied components.
-        transition_bias: diagonal bias of hmm/btree transitions at init (near identity).
+        transition_bias: diagonal bias of hmm/btree transitions at init (None: ln(r-1) + 4, near identity).
+        leaf_delta_rank: 0: a full unembedding per (position, component); k > 0: a shared
+            per-position unembedding plus rank-k deltas (paper App. G; far fewer parameters).
         backbone_dtype: torch dtype name for the backbone weights (e.g. bfloat16); None: as stored.
         backbone_kwargs: extra keyword arguments for `load_backbone` (e.g. LoRA rank).
         tiny_seed: seed of the `tiny` debug backbone.
@@ -117,7 +128,8 @@ class MtpcTrainModule(L.LightningModule):
         chunk_size: int = 256,
         init: str = "lm_head",
         init_noise: float = 1e-2,
-        transition_bias: float = 4.0,
+        transition_bias: float | None = None,
+        leaf_delta_rank: int = 0,
         backbone_dtype: str | None = None,
         backbone_kwargs: dict[str, Any] | None = None,
         tiny_seed: int = 0,
@@ -134,7 +146,8 @@ class MtpcTrainModule(L.LightningModule):
             p.requires_grad_(False)
         self.lora_params = list(self.backbone.lora_parameters()) if lora_depth > 0 else []
         cfg = HeadConfig(kind=circuit, window=window, rank=rank, vocab=self.backbone.vocab_size,
-                         hidden=self.backbone.hidden_size, lora_depth=lora_depth, backbone=backbone)
+                         hidden=self.backbone.hidden_size, lora_depth=lora_depth, backbone=backbone,
+                         leaf_delta_rank=leaf_delta_rank)
         self.head = MtpcHead(cfg)
         if init != "random":
             W = self.backbone.mtp_unembeddings() if init == "mtp" else None

@@ -1,8 +1,8 @@
 """Pre-train the embedded default backbone: a small byte-level Llama on the ShareGPT training split.
 
-`python -m experiments.pretrain [--config cpu|gpu|PATH] [--out DIR] [--force]` (= `make pretrain`)
-trains a transformers `LlamaForCausalLM` (vocab 320, `mtpc.tokenizer.ByteTokenizer`) with Lightning
-on next-byte prediction over every byte of the packed, chat-templated training conversations,
+`python -m experiments.pretrain [--config cpu|gpu|PATH] [--set KEY=VALUE] [--out DIR] [--force]`
+(= `make pretrain`) trains a transformers `LlamaForCausalLM` (vocab 320, `ByteTokenizer`) with
+Lightning on next-byte prediction over every byte of the packed, chat-templated training chats,
 stops at `max_steps` or `max_minutes` (whichever comes first; the cosine schedule follows the
 further of the two), reports held-out bits per byte, and saves with `save_pretrained`
 (safetensors, config, tokenizer files, `pretrain_metrics.json`) to
@@ -46,18 +46,18 @@ class PretrainConfig:
 
     hidden_size: int = 512
     """d, the width of e_t (DESIGN D4: d >= 512 keeps an r = 8 head near the backbone's size)."""
-    num_layers: int = 6
-    """Decoder layers (>= 5 so that LoRA depth k = 4 still leaves a shared trunk)."""
+    num_layers: int = 4
+    """Decoder layers (LoRA depth k must not exceed it)."""
     num_heads: int = 8
-    num_kv_heads: int = 8
+    num_kv_heads: int = 2
     intermediate_size: int = 1024
     max_context: int = 4096
     """max_position_embeddings of the saved model (rotary; longer than seq_len)."""
     seq_len: int = 512
-    batch_size: int = 8
+    batch_size: int = 4
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
+    warmup_steps: int = 10
     weight_decay: float = 0.1
     max_steps: int = 100_000
     max_minutes: float = 10.0
@@ -212,6 +212,19 @@ class ByteLM(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class _PrintProgress(L.Callback):
+    """One plain line every `every` steps (logs of background runs have no progress bar)."""
+
+    def __init__(self, every: int = 25):
+        self.every = every
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        step = trainer.global_step
+        if step % self.every == 0:
+            loss = float(outputs["loss"]) / math.log(2)
+            print(f"step {step}: train bits/byte {loss:.3f}, {module.progress(step):.0%} of budget", flush=True)
+
+
 @torch.no_grad()
 def heldout_bits_per_byte(model: LlamaForCausalLM, rows, batch_size: int = 8) -> dict[str, float]:
     """Bits per byte on held-out packed rows: all present targets, and assistant bytes only."""
@@ -267,6 +280,7 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path) -> dict:
         log_every_n_steps=10,
         gradient_clip_val=1.0,
         plugins=[LightningEnvironment()],  # never mistake a one-task SLURM job for a multi-process run
+        callbacks=[_PrintProgress()],
     )
     trainer.fit(module, loader)
     train_wall = time.monotonic() - (module.t0 or wall0)
@@ -312,12 +326,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default="auto", help="cpu, gpu, auto (gpu if CUDA is available) or a YAML path")
     ap.add_argument("--out", default=None, help=f"output directory (default: {default_model_dir()})")
     ap.add_argument("--force", action="store_true", help="retrain even if the output directory holds a model")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field (YAML value)")
     args = ap.parse_args(argv)
     try:
-        if args.config == "auto":
-            cfg = default_config()
-        else:
-            cfg = load_config(CONFIGS.get(args.config, args.config))
+        overrides = {}
+        for item in args.set:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+            overrides[key.strip()] = yaml.safe_load(value)
+        name = ("gpu" if torch.cuda.is_available() else "cpu") if args.config == "auto" else args.config
+        cfg = load_config(CONFIGS.get(name, name), **overrides)
     except ValueError as e:
         ap.error(str(e))
     out = Path(args.out) if args.out else default_model_dir()

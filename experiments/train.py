@@ -20,8 +20,10 @@ import json
 import os
 import re
 import resource
+import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -41,6 +43,7 @@ from experiments.module import INITS, MtpcTrainModule, backbone_num_layers
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+TRAIN_CONFIGS = ("debug", "default", "llama_byte", "evabyte")  # shipped in CONFIG_DIR (pretrain_*.yaml are not ours)
 RUN_ID_FILE = "mlflow_run_id.txt"
 PACKAGES = ("torch", "lightning", "transformers", "peft", "mlflow", "jsonargparse", "safetensors", "numpy", "mtpc")
 
@@ -80,6 +83,8 @@ class TrainResult:
     run_dir: Path
     mlflow_run_id: str | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    preempted: bool = False
+    """stopped early on SIGUSR1 after writing checkpoints/last.ckpt (nothing exported); resume with ckpt_path last"""
     model: Any = field(default=None, repr=False)
     """the trained MtpcTrainModule (backbone + head), so a caller can evaluate without reloading"""
 
@@ -218,6 +223,62 @@ def peak_memory_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+class PreemptionCheckpoint(Callback):
+    """Writes `last.ckpt` at the final max_steps step, and on SIGUSR1 (SLURM's `--signal=USR1@<secs>` before a time limit or pre-emption): write
+    `last.ckpt` after the current optimizer step and stop, so `ckpt_path="last"` resumes exactly.
+
+    Lightning's own handler is not used: under LightningEnvironment (which we pass so a one-task
+    job is not taken for a multi-process or self-requeueing one) it does not install one, and
+    SLURMEnvironment's would `scontrol requeue` the job behind the sweep's back.
+    """
+
+    def __init__(self, checkpoint: Path, signum: int = signal.SIGUSR1):
+        self.checkpoint, self.signum = Path(checkpoint), signum
+        self.requested = False
+        self.saved = False
+        self._previous: Any = None
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def on_fit_start(self, trainer: Trainer, pl_module: Any) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(self.signum, self._handler)
+
+    def on_fit_end(self, trainer: Trainer, pl_module: Any) -> None:
+        self._restore()
+
+    def on_exception(self, trainer: Trainer, pl_module: Any, exception: BaseException) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(self.signum, self._previous)
+            self._previous = None
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.fit_loop._should_accumulate():
+            return
+        if self.requested and not self.saved:
+            trainer.save_checkpoint(self.checkpoint)
+            self.saved = True
+            trainer.should_stop = True
+        elif 0 < trainer.max_steps <= trainer.global_step:
+            # the last step of a max_steps run: ModelCheckpoint may not save here (mid-epoch), but a
+            # later `--ckpt_path last --trainer.max_steps <more>` must continue from this exact state
+            trainer.save_checkpoint(self.checkpoint)
+
+
+class _LastValidation(Callback):
+    """Remembers the global step of the last completed validation pass (see _finish)."""
+
+    step: int | None = None
+
+    def on_validation_end(self, trainer: Trainer, pl_module: Any) -> None:
+        if not trainer.sanity_checking:
+            self.step = trainer.global_step
+
+
 class _Logger(MLFlowLogger):
     """MLFlowLogger that leaves a run it did not create (e.g. the sweep's trial run) open at the end."""
 
@@ -297,8 +358,11 @@ class TrainCLI(LightningCLI):
         run_dir.mkdir(parents=True, exist_ok=True)
         ckpt = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
                                every_n_train_steps=run["checkpoint_every_n_steps"] or None)
+        self.preemption = PreemptionCheckpoint(run_dir / "checkpoints" / "last.ckpt")
+        self.last_validation = _LastValidation()
         trainer_cfg = self._get(self.config_init, "trainer", default={})
-        callbacks = list(trainer_cfg.get("callbacks") or []) + [ckpt] + list(self.extra_callbacks)
+        callbacks = list(trainer_cfg.get("callbacks") or []) + [ckpt, self.preemption, self.last_validation] + list(
+            self.extra_callbacks)
         kwargs.setdefault("callbacks", callbacks)
         kwargs.setdefault("plugins", trainer_cfg.get("plugins") or [LightningEnvironment()])
         kwargs.setdefault("default_root_dir", str(run_dir))
@@ -370,10 +434,19 @@ def _final_metrics(trainer: Trainer) -> dict[str, float]:
 
 def _finish(cli: TrainCLI, started: float) -> TrainResult:
     trainer = cli.trainer
-    head_dir = _export(cli)
-    metrics = _final_metrics(trainer)
-    metrics["train_seconds"] = time.perf_counter() - started
     run = cli.resolved["run"]
+    if cli.preemption.saved:
+        return TrainResult(head_dir=Path(run["export_dir"]), metrics=_final_metrics(trainer),
+                           checkpoint_dir=Path(run["dir"]) / "checkpoints", run_dir=Path(run["dir"]),
+                           mlflow_run_id=getattr(trainer.logger, "run_id", None), config=cli.resolved,
+                           preempted=True, model=cli.model)
+    metrics = _final_metrics(trainer)
+    if cli.last_validation.step != trainer.global_step and trainer.limit_val_batches:
+        # stopped by max_steps (or mid-epoch): score the held-out set once more on the final head
+        trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
+        metrics.update(_final_metrics(trainer))
+    head_dir = _export(cli)
+    metrics["train_seconds"] = time.perf_counter() - started
     run_id = None
     logger = trainer.logger
     if isinstance(logger, MLFlowLogger):
@@ -486,6 +559,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cli.subcommand == "fit" and not cli.trainer.interrupted:
         result = _finish(cli, started)
+        if result.preempted:
+            print(f"pre-empted: checkpoint in {result.checkpoint_dir}; resume with --ckpt_path last")
+            return 3
         print(f"head exported to {result.head_dir}")
         print(json.dumps({k: round(v, 5) for k, v in result.metrics.items()}, indent=1))
     return 0

@@ -130,6 +130,14 @@ def test_lora_state_dict_round_trip():
         tiny_backbone(lora_depth=1).load_lora_state_dict(a.lora_state_dict())
 
 
+def test_half_precision_backbone_keeps_lora_in_float32():
+    bb = tiny_backbone(lora_depth=1, dtype=torch.bfloat16)
+    assert {p.dtype for p in bb.lora_parameters()} == {torch.float32}
+    randomize_lora(bb)
+    out = bb(_ids())
+    assert out.draft_hidden.dtype == torch.bfloat16 and (out.draft_hidden != out.verify_hidden).any()
+
+
 def test_facts():
     bb = tiny_backbone(lora_depth=1, max_context=64)
     assert (bb.num_layers, bb.hidden_size, bb.vocab_size, bb.max_context) == (L, 32, 16, 64)

@@ -18,7 +18,7 @@ TINY = dict(
 @pytest.mark.parametrize("name", sorted(pt.CONFIGS))
 def test_shipped_configs_validate(name):
     cfg = pt.load_config(pt.CONFIGS[name])
-    assert cfg.hidden_size >= 512 and cfg.num_layers >= 5
+    assert cfg.hidden_size >= 512 and cfg.num_layers >= 4
     assert cfg.llama_config().vocab_size == VOCAB_SIZE
 
 
@@ -35,6 +35,9 @@ def test_bad_configs(tmp_path):
         pt.load_config(path)
     with pytest.raises(ValueError, match="no such file"):
         pt.load_config(tmp_path / "nope.yaml")
+    with pytest.raises(SystemExit):  # argparse error naming the bad override
+        pt.main(["--config", "cpu", "--set", "max_minutes=-1", "--out", str(tmp_path / "m")])
+    assert pt.load_config(pt.CONFIGS["cpu"], max_minutes=30).max_minutes == 30
 
 
 def _corpus(path, n=60):

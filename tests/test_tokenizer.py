@@ -54,7 +54,7 @@ def test_chat_template_layout_and_mask():
     assert ids == expected
     assert len(mask) == len(ids)
     # exactly the assistant content bytes and each assistant turn's closing EOS
-    scored = [i for i, m in zip(ids, mask) if m]
+    scored = [i for i, m in zip(ids, mask, strict=True) if m]
     assert scored == [ord("y"), ord("o"), ord("!"), EOS_ID, 0xC3, 0xA9, EOS_ID]
     assert [j for j, m in enumerate(mask) if m] == [9, 10, 11, 12, 18, 19, 20]
 
@@ -92,3 +92,37 @@ def test_bad_messages(messages, match):
 def test_bad_ids():
     with pytest.raises(ValueError, match="outside the vocabulary"):
         ByteTokenizer().decode([1, VOCAB_SIZE])
+
+
+def _tiny_hf_tokenizer():
+    """A byte-level HF fast tokenizer with a chat template, built in-process (nothing downloaded)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    hf.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|assistant|>", "<|end|>"]})
+    hf.chat_template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    return hf
+
+
+def test_hf_chat_tokenizer_mask_and_prompt():
+    from mtpc.tokenizer import HFChatTokenizer
+
+    hf = _tiny_hf_tokenizer()
+    tok = HFChatTokenizer(hf)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "ok"}]
+    ids, mask = tok.apply_chat_template(msgs)
+    assert len(ids) == len(mask)
+    scored = [i for i, m in zip(ids, mask, strict=True) if m]
+    assert hf.decode(scored) == "yo<|end|>"  # the assistant turn and its closing marker only
+    prompt = tok.render_prompt("hi")
+    assert hf.convert_ids_to_tokens(prompt[-1]) == "<|assistant|>"
+    assert tok.decode_text(tok.encode("héllo")) == "héllo"

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from mtpc.backbones.base import BackboneAdapter, KVStore, SplitCache, SplitOutput
+from mtpc.backbones.evabyte import EvaByteAdapter, EvaByteCache
 from mtpc.paths import cache_dir
 
 ALIASES = {
@@ -28,6 +29,8 @@ MAX_BYTE_VOCAB = 512
 __all__ = [
     "ALIASES",
     "BackboneAdapter",
+    "EvaByteAdapter",
+    "EvaByteCache",
     "KVStore",
     "SplitCache",
     "SplitOutput",
@@ -92,7 +95,7 @@ def load_backbone(
     allow_non_byte: bool = False,
     attn_implementation: str | None = None,
     **lora_kw: Any,
-) -> BackboneAdapter:
+) -> BackboneAdapter | EvaByteAdapter:
     """Load a checkpoint by name or path and wrap it; see the module docstring for names.
 
     lora_kw: lora_rank, lora_alpha, lora_dropout, lora_targets (see `BackboneAdapter`).
@@ -125,5 +128,5 @@ def load_backbone(
     if device is not None:
         model.to(device)
     tokenizer = _load_tokenizer(source, trust_remote_code)
-    cls = BackboneAdapter
+    cls = EvaByteAdapter if getattr(config, "model_type", "") == "evabyte" else BackboneAdapter
     return cls.from_hf(model, lora_depth=lora_depth, name=label, tokenizer=tokenizer, **lora_kw)

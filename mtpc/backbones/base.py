@@ -289,6 +289,8 @@ def build_lora_top(clones: dict[int, nn.Module], rank: int, alpha: float | None,
     draft = inject_adapter_in_model(config, draft)
     for n, p in draft.named_parameters():
         p.requires_grad_("lora_" in n)
+        if "lora_" in n and p.dtype in (torch.float16, torch.bfloat16):
+            p.data = p.data.float()  # trainable adapters in float32 under a half-precision backbone (as peft's get_peft_model)
     return draft
 
 
