@@ -88,31 +88,49 @@ def run_trial(
     """Train + evaluate one architecture; log into the parent run (created here if not given)."""
     from mlflow.tracking import MlflowClient
 
-    from experiments import evaluate
-    from experiments.train import train_head
-
     client = MlflowClient(tracking_uri=mlflow_tracking_uri)
-    exp_name = client.get_experiment(mlflow_experiment_id).name
     if parent_run_id is None:
         parent_run_id = client.create_run(mlflow_experiment_id, run_name=parent_run_name).info.run_id
-    should_stop = should_stop or (lambda: False)
     run_dir = Path(checkpoint_dir or Path("runs") / parent_run_name)
-    ckpt = run_dir / "checkpoints" / "last.ckpt"
-    base, overrides = train_overrides(train_config, tracking_uri=mlflow_tracking_uri, experiment=exp_name)
-    # evaluate and train read MLFLOW_TRACKING_URI when given no URI: make them agree with the sweep
+    # train and evaluate read MLFLOW_TRACKING_URI when given no URI: make them agree with the
+    # sweep for the duration of the trial, then put the caller's environment back
+    previous = os.environ.get("MLFLOW_TRACKING_URI")
     os.environ["MLFLOW_TRACKING_URI"] = mlflow_tracking_uri
+    try:
+        return _train_and_evaluate(
+            train_config, eval_config, uri=mlflow_tracking_uri, exp_id=mlflow_experiment_id,
+            exp_name=client.get_experiment(mlflow_experiment_id).name, parent_run_id=parent_run_id,
+            run_dir=run_dir, should_stop=should_stop or (lambda: False), preempted_exc=preempted_exc,
+        )
+    finally:
+        if previous is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = previous
+
+
+def _train_and_evaluate(
+    train_config: dict[str, Any], eval_config: dict[str, Any], *, uri: str, exp_id: str, exp_name: str,
+    parent_run_id: str, run_dir: Path, should_stop: Callable[[], bool], preempted_exc: type[Exception],
+) -> dict[str, float]:
+    from experiments import evaluate
+    from experiments.train import train_head
+    from sweeps.tracking import child_runs, discard_children
+
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    base, overrides = train_overrides(train_config, tracking_uri=uri, experiment=exp_name)
     stopper = stop_callback(should_stop, ckpt)
     result = train_head(
         base, overrides, mlflow_run_id=parent_run_id, ckpt_path="last" if ckpt.exists() else None,
         run_dir=run_dir, export_dir=run_dir / "head", callbacks=[stopper],
     )
-    if stopper.stopped or should_stop():
+    # train_head's own SIGUSR1 handler (result.preempted) or our stop request (SIGTERM, SIGUSR1)
+    if getattr(result, "preempted", False) or stopper.stopped or should_stop():
         raise preempted_exc(f"training stopped on request; checkpoint {ckpt}")
     # children of an interrupted earlier attempt would be counted twice: drop them first
-    from sweeps.tracking import child_runs, discard_children
-
-    discard_children(mlflow_tracking_uri, mlflow_experiment_id, parent_run_id)
-    for mode in eval_config.get("modes", ["greedy", "sample"]):
+    discard_children(uri, exp_id, parent_run_id)
+    modes = eval_config.get("modes", ["greedy", "sample"])
+    for mode in modes:
         if should_stop():
             raise preempted_exc(f"stopped before evaluating mode {mode}")
         argv = evaluate_args(result.head_dir, mode, eval_config, parent_run_id, run_dir / f"eval_{mode}.json")
@@ -120,12 +138,12 @@ def run_trial(
         if rc not in (0, None):
             raise RuntimeError(f"experiments.evaluate {' '.join(argv)} exited with {rc}")
     out: dict[str, float] = {}
-    runs = child_runs(mlflow_tracking_uri, mlflow_experiment_id, parent_run_id)
+    runs = child_runs(uri, exp_id, parent_run_id)
     for key in ("mu_lat", "mu_acc", "tokens_per_cycle", "throughput", "speedup_vs_stp"):
         vals = [r.data.metrics[key] for r in runs if key in r.data.metrics]
         if vals:
             out[key] = sum(vals) / len(vals)
-        for mode in eval_config.get("modes", ["greedy", "sample"]):
+        for mode in modes:
             mv = [r.data.metrics[key] for r in runs if key in r.data.metrics and r.data.params.get("mode") == mode]
             if mv:
                 out[f"{mode}/{key}"] = sum(mv) / len(mv)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 import types
 from pathlib import Path
@@ -67,6 +68,7 @@ def test_run_trial_trains_logs_parent_and_children_and_resumes(tmp_path, store, 
 
     monkeypatch.setattr(experiments, "evaluate", fake, raising=False)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     parent = tracking.start_parent_run(uri, exp_id, "t0", params={}, tags={})
     ck = tmp_path / "ck"
     # 1) a stop request after the first batch: checkpoint written, Preempted raised, no evaluation
@@ -85,6 +87,7 @@ def test_run_trial_trains_logs_parent_and_children_and_resumes(tmp_path, store, 
     assert run.data.params["circuit"] == "cp" and run.data.params["rank"] == "2" and run.data.params["window"] == "4"
     assert any(k.startswith(("train", "val")) for k in run.data.metrics), run.data.metrics
     assert len(tracking.child_runs(uri, exp_id, parent)) == 2
+    assert "MLFLOW_TRACKING_URI" not in os.environ  # the trial put the environment back
 
 
 def test_training_configs_of_every_point_are_validated_before_submission(tmp_path):
