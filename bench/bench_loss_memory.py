@@ -5,8 +5,11 @@ chunked = `window_loss(..., chunk_size=C)`) each build the same seeded head and 
 warm-up plus `--repeats` forward+backward steps (e requires grad, as with a LoRA draft top), and
 report the median step time and the peak RSS above what the process held before the first step
 minus the gradient tensors (= peak working memory above parameters and their gradients). The
-parent compares the two runs' loss (rtol 1e-5) and gradients (rtol 1e-4, atol 1e-6 x max|grad|),
-and checks memory <= 1/4 of naive and time <= 1.3x. Results go to JSON (`--out`).
+parent compares the two runs' loss (relative error <= 1e-5) and gradients (per tensor,
+max|chunked - naive| <= 1e-4 x max|naive|: elementwise rtol is meaningless for float32 sums with
+cancellation; tests/test_losses.py checks float64 agreement to 1e-10 elementwise), and checks
+memory <= 1/4 of naive and time <= 1.3x. `--rounds` repeats naive/chunked alternately (fresh
+processes each) so that load from other jobs hits both; times are the median over all rounds. Results go to JSON (`--out`).
 
 CPU only; numbers depend on the machine and on other load (reported: cpu count, load average).
 
@@ -64,7 +67,7 @@ def worker(args: argparse.Namespace) -> None:
 
     rss_before = _rss_bytes()
     times = []
-    for step in range(1 + args.repeats):
+    for _ in range(1 + args.repeats):
         head.zero_grad(set_to_none=True)  # what optimizer.zero_grad() does by default
         e.grad = None
         t0 = time.perf_counter()
@@ -105,9 +108,14 @@ def compare(naive_path: str, chunked_path: str) -> dict:
     for name, ref in a["grads"].items():
         got = b["grads"][name]
         scale = ref.abs().max().item()
-        close = torch.allclose(got, ref, rtol=1e-4, atol=1e-6 * scale)
-        ok &= close
-        worst[name] = {"max_abs_err_over_max_abs": (got - ref).abs().max().item() / max(scale, 1e-30), "allclose": close}
+        rel = (got - ref).abs().max().item() / max(scale, 1e-30)
+        ok &= rel <= 1e-4
+        worst[name] = {
+            "max_abs_err_over_max_abs": rel,
+            "norm_rel_err": ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item(),
+            # elementwise rtol on float32 sums with cancellation is rounding-dominated; informative only
+            "elementwise_allclose_rtol1e-4_atol1e-6max": torch.allclose(got, ref, rtol=1e-4, atol=1e-6 * scale),
+        }
     return {"loss_rel_err": loss_rel, "loss_ok": loss_rel <= 1e-5, "grads_ok": bool(ok), "grads": worst}
 
 
@@ -125,14 +133,15 @@ def run_mode(mode: str, kind: str, args: argparse.Namespace, grads_path: str) ->
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None, help="JSON results file")
-    p.add_argument("--kinds", default="cp", help="comma-separated circuit kinds (default cp)")
+    p.add_argument("--kinds", default="cp,btree", help="comma-separated circuit kinds")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--window", type=int, default=16)
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--vocab", type=int, default=320)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--chunk-size", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=2, help="timed steps after one warm-up")
+    p.add_argument("--repeats", type=int, default=2, help="timed steps after one warm-up, per process")
+    p.add_argument("--rounds", type=int, default=2, help="fresh naive + chunked processes, alternating")
     p.add_argument("--worker", choices=["naive", "chunked"], help=argparse.SUPPRESS)
     p.add_argument("--kind", help=argparse.SUPPRESS)
     p.add_argument("--grads", help=argparse.SUPPRESS)
@@ -146,11 +155,21 @@ def main() -> None:
     results = []
     for kind in [k.strip() for k in args.kinds.split(",") if k.strip()]:
         with tempfile.TemporaryDirectory() as tmp:
-            runs = {}
-            for mode in ("naive", "chunked"):
-                runs[mode] = run_mode(mode, kind, args, os.path.join(tmp, f"{mode}.pt"))
-                print(f"{kind} {mode}: {runs[mode]['median_s']:.2f} s, peak above params+grads "
-                      f"{runs[mode]['peak_above_params_and_grads_bytes'] / 2**20:.0f} MiB", flush=True)
+            rounds = {"naive": [], "chunked": []}
+            for _ in range(args.rounds):
+                for mode in ("naive", "chunked"):
+                    run = run_mode(mode, kind, args, os.path.join(tmp, f"{mode}.pt"))
+                    rounds[mode].append(run)
+                    print(f"{kind} {mode}: {run['median_s']:.2f} s, peak above params+grads "
+                          f"{run['peak_above_params_and_grads_bytes'] / 2**20:.0f} MiB", flush=True)
+            runs = {
+                mode: {
+                    "median_s": statistics.median(t for r in rs for t in r["times_s"]),
+                    "peak_above_params_and_grads_bytes": max(r["peak_above_params_and_grads_bytes"] for r in rs),
+                    "rounds": rs,
+                }
+                for mode, rs in rounds.items()
+            }
             check = compare(os.path.join(tmp, "naive.pt"), os.path.join(tmp, "chunked.pt"))
         mem_ratio = runs["chunked"]["peak_above_params_and_grads_bytes"] / runs["naive"]["peak_above_params_and_grads_bytes"]
         time_ratio = runs["chunked"]["median_s"] / runs["naive"]["median_s"]
@@ -168,7 +187,7 @@ def main() -> None:
               f"(<= 1.3: {row['time_ok']}), loss ok {check['loss_ok']}, grads ok {check['grads_ok']}", flush=True)
         results.append(row)
     report = {
-        "config": {k: getattr(args, k) for k in ("seq_len", "window", "rank", "vocab", "hidden", "chunk_size", "repeats")},
+        "config": {k: getattr(args, k) for k in ("seq_len", "window", "rank", "vocab", "hidden", "chunk_size", "repeats", "rounds")},
         "machine": {
             "platform": platform.platform(),
             "cpu_count": os.cpu_count(),

@@ -5,3 +5,7 @@ MLflow live in experiments/, sweeps/ and analysis/.
 """
 
 __version__ = "0.1.0"
+
+from mtpc.speculative import MtpcModel  # noqa: E402
+
+__all__ = ["MtpcModel", "__version__"]

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mtpc.paths import cache_dir
+from mtpc.paths import cache_dir as default_cache_dir
 
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {
@@ -263,11 +263,15 @@ def _write_jsonl(path: Path, rows: Sequence[dict]) -> None:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
 
 
-def sharegpt_corpus(cache_dir_: str | os.PathLike | None = None, progress: bool = True) -> ChatCorpus:
-    """The processed ShareGPT corpus, built on first use and cached (file-locked)."""
+def sharegpt_corpus(cache_dir: str | os.PathLike | None = None, progress: bool = True) -> ChatCorpus:
+    """The processed ShareGPT corpus, built on first use and cached (file-locked).
+
+    cache_dir: the mtpc cache root (default `mtpc.paths.cache_dir()`); files go to
+    `<cache_dir>/data/sharegpt-v1/`.
+    """
     from filelock import FileLock
 
-    root = Path(cache_dir_) if cache_dir_ is not None else cache_dir() / "data"
+    root = Path(cache_dir if cache_dir is not None else default_cache_dir()) / "data"
     target = root / CORPUS_VERSION
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / f"{CORPUS_VERSION}.lock")):

@@ -180,23 +180,23 @@ class MtpcHead(nn.Module):
         if transition_bias is None:
             transition_bias = math.log(max(r - 1, 1)) + 4.0
         idx = torch.arange(n).clamp(max=W.shape[0] - 1)
-        base = W.detach()[idx].to(self._param_dtype)  # (n, v, d)
-        eye = torch.eye(r, dtype=self._param_dtype)
+        dtype, device = self._param_dtype, next(self.parameters()).device
+        base = W.detach().cpu()[idx].to(dtype)  # (n, v, d)  built on CPU (seeded noise), then moved
+        eye = torch.eye(r, dtype=dtype, device=device)
         with torch.no_grad():
             if cfg.leaf_delta_rank == 0:
                 target = base.unsqueeze(1).expand(n, r, v, d).clone()  # (n, r, v, d)
                 if noise > 0 and r > 1:
                     std = base.float().flatten(1).std(dim=1).view(n, 1, 1, 1).to(target.dtype)  # (n, 1, 1, 1)
                     target += noise * std * torch.randn(target.shape, generator=generator, dtype=target.dtype)
-                self.leaf_weight.copy_(target)
+                self.leaf_weight.copy_(target.to(device))
             else:
-                self.leaf_base.copy_(base)
+                self.leaf_base.copy_(base.to(device))
                 self.leaf_delta_out.zero_()
                 if noise > 0 and r > 1:
                     std = base.float().flatten(1).std(dim=1).view(n, 1, 1, 1).to(base.dtype)
-                    self.leaf_delta_out.copy_(
-                        noise * std * torch.randn(self.leaf_delta_out.shape, generator=generator, dtype=base.dtype)
-                    )
+                    noisy = noise * std * torch.randn(self.leaf_delta_out.shape, generator=generator, dtype=dtype)
+                    self.leaf_delta_out.copy_(noisy.to(device))
             for name in self.sum_names:
                 self.sum_weight[name].zero_()
                 bias = self.sum_bias[name]

@@ -24,12 +24,14 @@ Left out: the head itself (mtpc/heads.py), the backbone forward that produces e.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from mtpc.circuits import build_circuit
 from mtpc.heads import MtpcHead
 
 
@@ -87,21 +89,43 @@ def loss_weights(scored: Tensor, gamma: float, dtype: torch.dtype = torch.float3
     return stat, stat * discount, V.sum(dim=0)
 
 
-def window_nll(head: MtpcHead, e: Tensor, x: Tensor, leaves: Tensor | None = None) -> Tensor:
-    """-log q(x_j | x_<j, e) for every window offset: e (N, d), x (N, n) -> (N, n).
-
-    `leaves` (N, n, r, v), when given, replaces head.leaf_logits(e) (the chunked fast path
-    computes them itself so that it can take their gradient by hand).
-    """
+def window_nll(head: MtpcHead, e: Tensor, x: Tensor) -> Tensor:
+    """-log q(x_j | x_<j, e) for every window offset: e (N, d), x (N, n) -> (N, n)."""
     circuit = head.circuit
-    if leaves is None:
-        p = head(e)
-    else:
-        p = {"leaves": leaves, **head.sum_logits(e.to(leaves.dtype))}
-    q = circuit.normalize(p)
-    prefix = circuit._prefix_log_marginals(q, x)  # (N, n) log q(x_1..x_j)
+    prefix = circuit._prefix_log_marginals(circuit.normalize(head(e)), x)  # (N, n) log q(x_1..x_j)
+    return _conditional_nll(prefix)
+
+
+def _conditional_nll(prefix: Tensor) -> Tensor:
+    """prefix marginals log q(x_1..x_j) (N, n) -> -log q(x_j | x_<j) (N, n)."""
     previous = torch.nn.functional.pad(prefix[..., :-1], (1, 0), value=0.0)  # (N, n)
     return previous - prefix
+
+
+@torch.no_grad()
+def _observed_leaf_scores(head: MtpcHead, e: Tensor, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Leaf log-probabilities of the observed tokens, keeping one (c, n, r, v) buffer.
+
+    e (c, d), x (c, n) -> scores (c, n, r) = log_softmax(W e)[x], E (c, n, r, v) = exp(W e - max)
+    (written over the logits' storage), Z (c, n, r, 1) = E.sum(-1), idx (c, n, r, 1) the gather index;
+    softmax(W e) = E / Z.
+    """
+    cfg = head.config
+    c, n, r, v = e.shape[0], cfg.window, cfg.rank, cfg.vocab
+    W_flat = head.leaf_weight.detach().view(-1, cfg.hidden)  # (n r v, d)
+    L = torch.nn.functional.linear(e, W_flat).to(dtype).view(c, n, r, v)  # (c, n, r, v)
+    idx = x.view(c, n, 1, 1).expand(c, n, r, 1)  # (c, n, r, 1)
+    picked = L.gather(-1, idx).squeeze(-1)  # (c, n, r)
+    m = L.amax(-1, keepdim=True)  # (c, n, r, 1)
+    E = L.sub_(m).exp_()  # in place: exp(L - max)
+    Z = E.sum(-1, keepdim=True)  # (c, n, r, 1)
+    return picked - (m + Z.log()).squeeze(-1), E, Z, idx
+
+
+@functools.lru_cache(maxsize=32)
+def _observed_circuit(kind: str, window: int, rank: int):
+    """The same structure over a vocabulary of one: its leaves are the observed-token scores."""
+    return build_circuit(kind, window=window, rank=rank, vocab=1)
 
 
 class _ChunkedWindowLoss(torch.autograd.Function):
@@ -112,9 +136,14 @@ class _ChunkedWindowLoss(torch.autograd.Function):
     backward only scales the stored sums by grad_output (in place: one backward per forward).
     stats is not differentiable.
 
-    Fast path for a full unembedding W (leaf_delta_rank = 0): the leaf logits L = e W^T are made
-    a leaf of the chunk's graph, and W's gradient is accumulated in place (grad_W += g_L^T e),
-    so no parameter-sized temporary exists per chunk. Other parameters go through autograd.
+    Fast path for a full unembedding W (leaf_delta_rank = 0), which keeps a single
+    (c, n, r, v) buffer per chunk: prefix marginals need the leaves only at the observed tokens,
+    so the same circuit structure built over a vocabulary of one gets the (c, n, r) scores
+    log softmax(W e)[x] as its (already normalised over v) leaves and is queried at x = 0 (exact
+    for every kind: prefix marginals never sum over the leaves of later positions, they use their
+    normalisation; checked against the naive path by the tests). The leaf-logit gradient is then formed by hand in the softmax buffer,
+    g_L = g_s (onehot(x) - softmax(W e)), and W's gradient accumulated in place (grad_W += g_L^T e).
+    Other parameters (sum units; the low-rank delta option) go through autograd.
     """
 
     @staticmethod
@@ -122,42 +151,55 @@ class _ChunkedWindowLoss(torch.autograd.Function):
         need_e = ctx.needs_input_grad[2]
         need_p = ctx.needs_input_grad[6:]
         grad_e = torch.zeros_like(e) if need_e else None
-        grads = [torch.zeros_like(p) if need else None for p, need in zip(params, need_p)]
-        cfg = head.config
+        grads = [torch.zeros_like(p) if need else None for p, need in zip(params, need_p, strict=True)]
+        cfg, circuit = head.config, head.circuit
         W = getattr(head, "leaf_weight", None)
-        fast = W is not None and (need_e or any(need_p))
-        if fast:
-            W_index = next((i for i, p in enumerate(params) if p is W), None)  # None: W is frozen
-            W_flat = W.detach().view(-1, cfg.hidden)  # (n r v, d)
+        fast = W is not None
+        score_circuit = _observed_circuit(cfg.kind, cfg.window, cfg.rank) if fast else None
+        W_index = next((i for i, p in enumerate(params) if p is W), None) if fast else None  # None: W frozen
         auto = [i for i, need in enumerate(need_p) if need and not (fast and i == W_index)]
         loss = torch.zeros((), dtype=loss_w.dtype, device=e.device)
         stats = torch.zeros(x.shape[-1], dtype=loss_w.dtype, device=e.device)
+        compute = torch.float64 if head._param_dtype == torch.float64 else torch.float32
+        track = need_e or any(need_p)  # False: evaluation, no graph at all
         for start in range(0, e.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
-            with torch.enable_grad():
-                e_chunk = e[rows].detach().to(head._param_dtype).requires_grad_(need_e)
-                leaves = None
+            x_chunk = x[rows]  # (c, n)
+            e_chunk = e[rows].detach().to(head._param_dtype)  # (c, d)
+            if fast:
+                scores, E, Z, idx = _observed_leaf_scores(head, e_chunk, x_chunk, compute)  # (c,n,r), (c,n,r,v)
+            with torch.set_grad_enabled(track):
+                e_chunk.requires_grad_(need_e)
                 if fast:
-                    leaves = torch.nn.functional.linear(e_chunk.detach(), W_flat).requires_grad_(True)  # (c, n r v)
-                    leaves_view = leaves.view(-1, cfg.window, cfg.rank, cfg.vocab)  # (c, n, r, v)
-                nll = window_nll(head, e_chunk, x[rows], leaves_view if fast else None)  # (c, n)
+                    scores.requires_grad_(W_index is not None or need_e)
+                    q = {"leaves": scores.unsqueeze(-1), **circuit.normalize(head.sum_logits(e_chunk))}
+                    nll = _conditional_nll(score_circuit._prefix_log_marginals(q, torch.zeros_like(x_chunk)))
+                else:
+                    nll = window_nll(head, e_chunk, x_chunk)  # (c, n)
                 chunk_loss = (nll * loss_w[rows]).sum()
-            inputs = ([leaves] if fast else []) + ([e_chunk] if need_e else []) + [params[i] for i in auto]
+            leaf_grad = fast and scores.requires_grad
+            inputs = ([scores] if leaf_grad else []) + ([e_chunk] if need_e else []) + [params[i] for i in auto]
             if inputs:
                 got = list(torch.autograd.grad(chunk_loss, inputs, allow_unused=True))
-                g_leaves = got.pop(0) if fast else None  # (c, n r v)
+                g_scores = got.pop(0) if leaf_grad else None  # (c, n, r)
                 g_e = got.pop(0) if need_e else None  # (c, d)
-                for i, g in zip(auto, got):
+                for i, g in zip(auto, got, strict=True):
                     if g is not None:
                         grads[i] += g
-                if fast:
+                if leaf_grad:
+                    g_scores = g_scores.unsqueeze(-1)  # (c, n, r, 1)
+                    g_L = E.mul_(-g_scores / Z).scatter_add_(-1, idx, g_scores)  # in place: g_s (onehot - E / Z)
+                    g_L = g_L.view(g_L.shape[0], -1).to(head._param_dtype)  # (c, n r v)
                     if W_index is not None:
-                        grads[W_index].view(-1, cfg.hidden).addmm_(g_leaves.t(), e_chunk.detach())  # (n r v, d)
+                        grads[W_index].view(-1, cfg.hidden).addmm_(g_L.t(), e_chunk.detach())  # (n r v, d)
                     if need_e:
-                        g_e = g_leaves @ W_flat if g_e is None else g_e.addmm_(g_leaves, W_flat)  # (c, d)
-                    del g_leaves, leaves, leaves_view
+                        W_flat = W.detach().view(-1, cfg.hidden)
+                        g_e = g_L @ W_flat if g_e is None else g_e.addmm_(g_L, W_flat)  # (c, d)
+                    del g_L
                 if need_e and g_e is not None:
                     grad_e[rows] = g_e.to(grad_e.dtype)
+            if fast:
+                del E, Z, scores
             loss += chunk_loss.detach()
             stats += (nll.detach() * stat_w[rows]).sum(dim=0)
         ctx.grads = (grad_e, *grads)
@@ -234,7 +276,7 @@ def window_loss(
         else:
             with torch.no_grad():
                 loss, per_position = _ChunkedWindowLoss.forward(
-                    _NoGradCtx(len(params)), head, chunk_size, e_rows, x_rows, loss_rows, stat_rows
+                    _NoGradCtx(0), head, chunk_size, e_rows, x_rows, loss_rows, stat_rows
                 )
     total = per_position.sum()
     return WindowLossOutput(

@@ -128,7 +128,7 @@ def test_corpus_cache_builds_once_under_lock(tmp_path, monkeypatch):
         t.join()
     assert len(calls) == 1 and len(results) == 3
     assert all(r.train == results[0].train and r.heldout_prompts == results[0].heldout_prompts for r in results)
-    assert (tmp_path / "cache" / data.CORPUS_VERSION / "stats.json").is_file()
+    assert (tmp_path / "cache" / "data" / data.CORPUS_VERSION / "stats.json").is_file()
 
 
 @pytest.mark.slow

@@ -39,7 +39,7 @@ def reference(head, e, ids, score, docs, gamma):
     n, v = head.config.window, head.config.vocab
     B, S = ids.shape
     windows = torch.tensor(list(itertools.product(range(v), repeat=n)))
-    per = []
+    per, joints = [], {}
     for j in range(1, n + 1):
         total, examples = 0.0, 0
         for b in range(B):
@@ -50,11 +50,16 @@ def reference(head, e, ids, score, docs, gamma):
                     m += 1
                 if j > m or not score[b, t + j]:
                     continue
-                params = {k: p.expand(len(windows), *p.shape) for k, p in head(e[b, t]).items()}
-                joint = head.circuit.log_prob(params, windows).view((v,) * n)  # (v,)*n
+                if (b, t) not in joints:
+                    params = {k: p.expand(len(windows), *p.shape) for k, p in head(e[b, t]).items()}
+                    joints[b, t] = head.circuit.log_prob(params, windows).view((v,) * n).detach()  # (v,)*n
+                joint = joints[b, t]
                 prefix = ids[b, t + 1 : t + j + 1].tolist()
-                marg = lambda k: torch.logsumexp(joint[tuple(prefix[:k])].reshape(-1), 0) if k else 0.0
-                terms.append(-(marg(j) - marg(j - 1)).item())
+                upto_j, upto_before = (
+                    torch.logsumexp(joint[tuple(prefix[:k])].reshape(-1), 0) if k else torch.zeros((), dtype=joint.dtype)
+                    for k in (j, j - 1)
+                )
+                terms.append(-(upto_j - upto_before).item())
             if terms:
                 total += sum(terms) / len(terms)
                 examples += 1
@@ -127,18 +132,20 @@ def _grads(head, e_source, ids, score, docs, chunk_size):
     return out, grads
 
 
-@pytest.mark.parametrize("kind, delta", [("ff", 0), ("cp", 0), ("hmm", 0), ("btree", 0), ("cp", 2)])
-def test_chunked_equals_naive_loss_and_gradients(kind, delta):
-    head = make_head(kind, n=4, r=3, v=5, d=6, dtype=torch.float32, leaf_delta_rank=delta)
-    e, ids, score, docs = make_batch(v=5, d=6, dtype=torch.float32)
-    source = {"lin": torch.nn.Linear(6, 6), "e0": e}
+@pytest.mark.parametrize("kind, delta", [("ff", 0), ("cp", 0), ("hmm", 0), ("btree", 0), ("cp", 2), ("btree", 2)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_chunked_equals_naive_loss_and_gradients(kind, delta, dtype):
+    head = make_head(kind, n=4, r=3, v=5, d=6, dtype=dtype, leaf_delta_rank=delta)
+    e, ids, score, docs = make_batch(v=5, d=6, dtype=dtype)
+    source = {"lin": torch.nn.Linear(6, 6).to(dtype), "e0": e}
     ref, ref_grads = _grads(head, source, ids, score, docs, None)
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-6)
     for chunk in (1, 5, 1000):
         out, grads = _grads(head, source, ids, score, docs, chunk)
-        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
-        torch.testing.assert_close(out.per_position_nll, ref.per_position_nll, rtol=1e-5, atol=0)
+        torch.testing.assert_close(out.loss, ref.loss, **tol)
+        torch.testing.assert_close(out.per_position_nll, ref.per_position_nll, **tol)
         for name, g in ref_grads.items():
-            torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=f"{name} chunk={chunk}")
+            torch.testing.assert_close(grads[name], g, **tol, msg=lambda m, where=f"{name} chunk={chunk}": f"{where}: {m}")
         assert all(g.abs().sum() > 0 for g in grads.values())
 
 

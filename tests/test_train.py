@@ -41,6 +41,9 @@ class Recorder(Callback):
         if self.crash_at is not None and trainer.global_step == self.crash_at:
             raise InjectedCrash(f"injected crash at step {trainer.global_step}")
 
+    def on_train_start(self, trainer, pl_module):
+        self.lora_at_start = [p.detach().clone() for p in pl_module.lora_params]
+
     def on_train_epoch_end(self, trainer, pl_module):
         self.lora_at_epoch_end.append([p.detach().clone() for p in pl_module.lora_params])
 
@@ -98,10 +101,10 @@ def test_debug_fit_lowers_loss(tmp_path, kind, lora_depth):
     assert res.metrics["val_loss"] < first
     assert (res.head_dir / "config.json").exists()
     if lora_depth:  # stage 1 (epoch 0) leaves LoRA untouched, stage 2 trains it
-        init = [p.detach() for p in res.model.backbone.lora_parameters()]
-        assert len(rec.lora_at_epoch_end) == 2 and init
-        stage2_moved = any(not torch.equal(a, b) for a, b in zip(rec.lora_at_epoch_end[0], rec.lora_at_epoch_end[1]))
-        assert stage2_moved
+        start, (end0, end1) = rec.lora_at_start, rec.lora_at_epoch_end
+        assert start and len(start) == len(end0) == len(end1)
+        assert all(torch.equal(a, b) for a, b in zip(start, end0, strict=True))  # stage 1: frozen
+        assert any(not torch.equal(a, b) for a, b in zip(end0, end1, strict=True))  # stage 2: trained
     else:
         assert not (res.head_dir / "lora.safetensors").exists()
 

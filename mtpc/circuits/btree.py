@@ -26,7 +26,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .base import Circuit, Params, gather_leaf_scores, gather_rows, log_matvec, log_vecmat, with_prefix
+from .base import (
+    Circuit,
+    Params,
+    gather_leaf_scores,
+    gather_rows,
+    log_vecmat,
+    mix_leaves_fast,
+    sample_rows,
+    with_prefix,
+)
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,18 @@ class _Schedule:
             self.up_levels.append((a, b, t([kid(c) for k in up_order[a:b] for c in (nodes[k].left, nodes[k].right)])))
             a = b
         self.perm_height = t([k - 1 for k in up_order])  # internal rows in up_order
+        # when the tree is perfect (n a power of 2) height order is reverse breadth-first order, level
+        # by level: then the upward pass slices the breadth-first table and needs no permuted copy
+        # Level tables are taken with torch.split (one concatenation in backward), not by slicing per
+        # level (each slice's backward zero-fills a full-size gradient).
+        self.up_sizes = [b - a for a, b, _ in self.up_levels]  # split sizes of the height-ordered table
+        self.up_slices = None  # else: (split sizes of the breadth-first table, which chunk each level uses)
+        if self.up_levels and all(
+            sorted(up_order[a:b]) == list(range(up_order[a], up_order[a] + b - a)) for a, b, _ in self.up_levels
+        ):
+            starts = sorted(up_order[a] - 1 for a, _, _ in self.up_levels)
+            sizes = [b - a for a, b in zip(starts, starts[1:] + [m], strict=True)]
+            self.up_slices = (sizes, [starts.index(up_order[a] - 1) for a, _, _ in self.up_levels])
         self.inv_height = t([up_order.index(k) for k in range(1, len(nodes))])  # BFS row -> up_order position
         self.root_children = t([kid(nodes[0].left), kid(nodes[0].right)])
         # downward levels by depth: BFS ids lo..hi-1 = internal rows lo-1..hi-2
@@ -105,6 +126,7 @@ class _Schedule:
                 par = nodes[nodes[k].parent]
                 sibs.append(kid(par.left) if par.right == ("node", k) else 0)
             self.down_levels.append((ids[0] - 1, ids[-1], t([nodes[k].parent for k in ids]), t(sibs)))
+        self.down_sizes = [hi - lo for lo, hi, _, _ in self.down_levels]  # split sizes of the breadth-first table
         leaf_parent, leaf_sib = [0] * n, [0] * n
         for nd in nodes:
             for c in (nd.left, nd.right):
@@ -157,75 +179,104 @@ class BTreeCircuit(Circuit):
             scores = gather_leaf_scores(leaves[..., : ids.shape[-1], :, :], ids)  # (..., k, r)
         return e["root"], e["internal"], leaves, ids, scores
 
-    def _upward(self, s: _Schedule, table: Tensor, leaf_msg: Tensor, use_max: bool):
-        """table: internal rows in up_order (probs for sum, logs for max); leaf_msg (..., n, r).
+    def _upward(self, s: _Schedule, table: Tensor, leaf_msg: Tensor, use_max: bool, keep_u: bool = True):
+        """Upward pass. table: internal tables breadth-first (probs for sum, logs for max) (..., m, r, r);
+        leaf_msg (..., n, r) (leaf scores, or 0 / max-over-tokens for free leaves).
 
-        -> message buffer (..., 1 + n + m, r), U of the non-root nodes in up_order (..., m, r), U of the root.
+        -> message buffer (..., 1 + n + m, r), U of the non-root nodes in height order (..., m, r), U of the root.
         """
+        if not s.up_levels:
+            chunks = []
+        elif s.up_slices is None:
+            chunks = torch.split(table.index_select(-3, s.perm_height), s.up_sizes, dim=-3)  # height order
+        else:
+            parts = torch.split(table, s.up_slices[0], dim=-3)
+            chunks = [parts[j] for j in s.up_slices[1]]
         buf = torch.cat([leaf_msg.new_zeros(*leaf_msg.shape[:-2], 1, self.rank), leaf_msg], dim=-2)
         us = []
-        for a, b, kids in s.up_levels:
-            u = buf.index_select(-2, kids).unflatten(-2, (b - a, 2)).sum(-2)  # (..., S, r)
-            tl = table[..., a:b, :, :]  # (..., S, r, r)
-            msg = (tl + u.unsqueeze(-2)).amax(-1) if use_max else log_matvec(tl, u)
-            us.append(u)
+        for tl, (a0, b0, kids) in zip(chunks, s.up_levels, strict=True):
+            u = buf.index_select(-2, kids).unflatten(-2, (b0 - a0, 2)).sum(-2)  # (..., S, r)
+            if not use_max:
+                tl = tl.transpose(-1, -2)  # (..., S, r, r) [node state, parent state] for the row-vector matmul
+            if use_max:  # max_b T[a, b] + U(b)
+                msg = (tl + u.unsqueeze(-2)).amax(-1)
+            else:  # logsumexp_b T[a, b] + U(b)
+                msg = log_vecmat(u, tl)
+            if keep_u:
+                us.append(u)
             buf = torch.cat([buf, msg], dim=-2)
         u_root = buf.index_select(-2, s.root_children).sum(-2)  # (..., r)
+        if not keep_u:
+            return buf, None, u_root
         u_all = torch.cat(us, dim=-2) if us else leaf_msg.new_zeros(*leaf_msg.shape[:-2], 0, self.rank)
         return buf, u_all, u_root
 
     def _log_prob(self, q: Params, x: Tensor) -> Tensor:
         root, internal, _, _, scores = self._parts(q, x)
         s = self._sched(x.device)
-        _, _, u_root = self._upward(s, internal.index_select(-3, s.perm_height).exp(), scores, False)
+        _, _, u_root = self._upward(s, internal.exp(), scores, False, keep_u=False)
         return torch.logsumexp(root + u_root, dim=-1)
+
+    def _context(self, s: _Schedule, root: Tensor, probs: Tensor, scores: Tensor) -> Tensor:
+        """w (..., n, r): log q(state a of the node above leaf i, x_<i), from full leaf scores (..., n, r)."""
+        buf, _, _ = self._upward(s, probs, scores, False, keep_u=False)
+        a = root.unsqueeze(-2)  # (..., 1, r)  A(root) = log prior; A buffer indexed by node id
+        chunks = torch.split(probs, s.down_sizes, dim=-3) if s.down_sizes else []
+        for tl, (_, _, parents, sibs) in zip(chunks, s.down_levels, strict=True):
+            v = a.index_select(-2, parents) + buf.index_select(-2, sibs)  # (..., S, r) parent state & x left of it
+            a = torch.cat([a, log_vecmat(v, tl)], dim=-2)
+        return a.index_select(-2, s.leaf_parent) + buf.index_select(-2, s.leaf_sib)  # (..., n, r)
 
     def _leaf_context(self, q: Params, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         root, internal, leaves, x, scores = self._parts(q, x)
-        s = self._sched(x.device)
-        probs = internal.exp()  # (..., m, r, r) breadth-first
-        buf, _, _ = self._upward(s, probs.index_select(-3, s.perm_height), scores, False)
-        a = root.unsqueeze(-2)  # (..., 1, r)  A(root) = log prior; A buffer indexed by node id
-        for lo, hi, parents, sibs in s.down_levels:
-            v = a.index_select(-2, parents) + buf.index_select(-2, sibs)  # (..., S, r) parent state & x left of it
-            a = torch.cat([a, log_vecmat(v, probs[..., lo:hi, :, :])], dim=-2)
-        w = a.index_select(-2, s.leaf_parent) + buf.index_select(-2, s.leaf_sib)  # (..., n, r)
-        return w, leaves, x
+        return self._context(self._sched(x.device), root, internal.exp(), scores), leaves, scores
 
-    def _topdown(self, s, root, internal, u_all, u_root, leaves, noise):
-        """Choose every node state given its parent (argmax of logits + Gumbel noise; noise None =
-        greedy), then every leaf token. u_* are the upward U's (evidence below each node)."""
-
-        def pick(logits: Tensor, g: Tensor | None) -> Tensor:
-            return (logits if g is None else logits + g).argmax(-1)
-
+    def _topdown(self, s, root, internal, u_all, u_root, leaves, generator, greedy: bool) -> Tensor:
+        """Choose every node state given its parent from q(node | parent, evidence below) (Gumbel-max,
+        or argmax when greedy), then every leaf token -> (..., n). u_* are the upward U's."""
+        if greedy:
+            noise = None
+        else:
+            r, m = self.rank, internal.shape[-3]
+            u = torch.rand(*root.shape[:-1], (m + 1) * r, generator=generator, dtype=root.dtype, device=root.device)
+            noise = (-(-u.clamp_min(torch.finfo(root.dtype).tiny).log()).log()).unflatten(-1, (m + 1, r))  # Gumbel
         u_bfs = u_all.index_select(-2, s.inv_height)  # (..., m, r) breadth-first
-        z = pick(root + u_root, None if noise is None else noise["root"]).unsqueeze(-1)  # (..., 1) by node id
-        for lo, hi, parents, _ in s.down_levels:
-            rows = gather_rows(internal[..., lo:hi, :, :], z.index_select(-1, parents))  # (..., S, r)
-            g = None if noise is None else noise["internal"][..., lo:hi, :]
-            z = torch.cat([z, pick(rows + u_bfs[..., lo:hi, :], g)], dim=-1)
+        logits = root + u_root
+        z = (logits if noise is None else logits + noise[..., 0, :]).argmax(-1, keepdim=True)  # (..., 1) by node id
+        chunks = torch.split(internal, s.down_sizes, dim=-3) if s.down_sizes else []
+        for tl, (lo, hi, parents, _) in zip(chunks, s.down_levels, strict=True):
+            logits = gather_rows(tl, z.index_select(-1, parents)) + u_bfs[..., lo:hi, :]
+            if noise is not None:
+                logits = logits + noise[..., lo + 1 : hi + 1, :]
+            z = torch.cat([z, logits.argmax(-1)], dim=-1)
         rows = gather_rows(leaves, z.index_select(-1, s.leaf_parent))  # (..., n, v)
-        return pick(rows, None if noise is None else noise["leaves"])  # (..., n)
+        return rows.argmax(-1) if greedy else sample_rows(rows, generator, normalised=True)
+
+    def _evidence(self, scores: Tensor) -> Tensor:
+        k = scores.shape[-2]
+        return torch.cat([scores, scores.new_zeros(*scores.shape[:-2], self.window - k, self.rank)], dim=-2)
 
     def _sample(self, q: Params, generator: torch.Generator | None = None, prefix: Tensor | None = None) -> Tensor:
         root, internal, leaves, prefix, scores = self._parts(q, prefix)
         s = self._sched(root.device)
-        k = scores.shape[-2]
-        evidence = torch.cat([scores, scores.new_zeros(*scores.shape[:-2], self.window - k, self.rank)], dim=-2)
-        _, u_all, u_root = self._upward(s, internal.index_select(-3, s.perm_height).exp(), evidence, False)
-        batch, m = root.shape[:-1], internal.shape[-3]
-        r, n, v = self.rank, self.window, self.vocab
-        u = torch.rand(*batch, r + m * r + n * v, generator=generator, dtype=root.dtype, device=root.device)
-        g = -(-u.clamp_min(torch.finfo(root.dtype).tiny).log()).log()  # Gumbel noise for every choice
-        noise = {"root": g[..., :r], "internal": g[..., r : r + m * r].unflatten(-1, (m, r)),
-                 "leaves": g[..., r + m * r :].unflatten(-1, (n, v))}
-        return with_prefix(prefix, self._topdown(s, root, internal, u_all, u_root, leaves, noise))
+        _, u_all, u_root = self._upward(s, internal.exp(), self._evidence(scores), False)
+        return with_prefix(prefix, self._topdown(s, root, internal, u_all, u_root, leaves, generator, False))
 
     def _greedy(self, q: Params, prefix: Tensor | None = None) -> Tensor:
         root, internal, leaves, prefix, scores = self._parts(q, prefix)
         s = self._sched(root.device)
         k = scores.shape[-2]
         evidence = torch.cat([scores, leaves[..., k:, :, :].amax(-1)], dim=-2)  # (..., n, r)
-        _, u_all, u_root = self._upward(s, internal.index_select(-3, s.perm_height), evidence, True)
-        return with_prefix(prefix, self._topdown(s, root, internal, u_all, u_root, leaves, None))
+        _, u_all, u_root = self._upward(s, internal, evidence, True)
+        return with_prefix(prefix, self._topdown(s, root, internal, u_all, u_root, leaves, None, True))
+
+    def _draft(self, q, prefix, generator=None, greedy=False):
+        if greedy:
+            return super()._draft(q, prefix, generator, greedy)
+        root, internal, leaves, prefix, scores = self._parts(q, prefix)  # one set of tables for both passes
+        s = self._sched(root.device)
+        probs = internal.exp()
+        _, u_all, u_root = self._upward(s, probs, self._evidence(scores), False)
+        x = with_prefix(prefix, self._topdown(s, root, internal, u_all, u_root, leaves, generator, False))
+        w = self._context(s, root, probs, gather_leaf_scores(leaves, x))
+        return x, mix_leaves_fast(w, leaves)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Circuit, Params, gather_leaf_scores, gather_rows, gumbel_argmax, with_prefix
+from .base import Circuit, Params, gather_leaf_scores, gather_rows, gumbel_argmax, sample_rows, with_prefix
 
 
 class CPCircuit(Circuit):
@@ -35,7 +35,7 @@ class CPCircuit(Circuit):
     def _leaf_context(self, q: Params, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         mixture, leaves, x, scores = self._scores(q, x)  # scores (..., n, r)
         before = scores.cumsum(-2) - scores  # (..., n, r)  sum over positions < i
-        return mixture.unsqueeze(-2) + before, leaves, x
+        return mixture.unsqueeze(-2) + before, leaves, scores
 
     def _prefix_log_marginals(self, q: Params, x: Tensor) -> Tensor:
         mixture, _, _, scores = self._scores(q, x)
@@ -52,7 +52,7 @@ class CPCircuit(Circuit):
         post, leaves = self._posterior(q, prefix)
         z = gumbel_argmax(post, generator)  # (...)
         rows = gather_rows(leaves, z.unsqueeze(-1).expand(*z.shape, self.window))  # (..., n, v)
-        return with_prefix(prefix, gumbel_argmax(rows, generator))
+        return with_prefix(prefix, sample_rows(rows, generator, normalised=True))
 
     def _greedy(self, q: Params, prefix: Tensor | None = None) -> Tensor:
         post, leaves = self._posterior(q, prefix)

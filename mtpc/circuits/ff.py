@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Circuit, Params, gumbel_argmax, with_prefix
+from .base import Circuit, Params, gather_leaf_scores, sample_rows, with_prefix
 
 
 class FFCircuit(Circuit):
@@ -27,7 +27,7 @@ class FFCircuit(Circuit):
         batch = self._batch_shape(q, x.shape[:-1])
         leaves = q["leaves"].expand(*batch, self.window, 1, self.vocab)
         w = leaves.new_zeros(()).expand(*batch, self.window, 1)
-        return w, leaves, x.expand(*batch, self.window)
+        return w, leaves, gather_leaf_scores(leaves, x.expand(*batch, self.window))
 
     def _log_prob(self, q: Params, x: Tensor) -> Tensor:
         return self._token_scores(q, x).sum(-1)
@@ -44,7 +44,7 @@ class FFCircuit(Circuit):
 
     def _sample(self, q: Params, generator: torch.Generator | None = None, prefix: Tensor | None = None) -> Tensor:
         leaves = self._leaves(q, *(() if prefix is None else (prefix.shape[:-1],)))
-        return with_prefix(prefix, gumbel_argmax(leaves, generator))
+        return with_prefix(prefix, sample_rows(leaves, generator, normalised=True))
 
     def _greedy(self, q: Params, prefix: Tensor | None = None) -> Tensor:
         leaves = self._leaves(q, *(() if prefix is None else (prefix.shape[:-1],)))
@@ -52,5 +52,5 @@ class FFCircuit(Circuit):
 
     def _draft(self, q, prefix, generator=None, greedy=False):
         leaves = self._leaves(q, *(() if prefix is None else (prefix.shape[:-1],)))
-        x = leaves.argmax(-1) if greedy else gumbel_argmax(leaves, generator)
+        x = leaves.argmax(-1) if greedy else sample_rows(leaves, generator, normalised=True)
         return with_prefix(prefix, x), leaves

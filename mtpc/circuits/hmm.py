@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Circuit, Params, gather_leaf_scores, gather_rows, gumbel_argmax, log_vecmat, with_prefix
+from .base import Circuit, Params, gather_leaf_scores, gather_rows, log_vecmat, sample_rows, with_prefix
 
 
 class HMMCircuit(Circuit):
@@ -39,10 +39,10 @@ class HMMCircuit(Circuit):
     def _filter(self, initial: Tensor, probs: Tensor, scores: Tensor) -> list[Tensor]:
         """pred[i] = log q(z_i, x_<i) for i = 0..k (0-based), k = scores.shape[-2] <= n - 1 steps."""
         pred = [initial]
-        for i in range(scores.shape[-2]):
-            if i + 1 >= self.window:
-                break
-            pred.append(log_vecmat(pred[-1] + scores[..., i, :], probs[..., i, :, :]))
+        steps = min(scores.shape[-2], self.window - 1)
+        # unbind once: indexing step by step would zero-fill a full-size gradient per step in backward
+        for score, table in zip(scores.unbind(-2)[:steps], probs.unbind(-3)[:steps], strict=True):
+            pred.append(log_vecmat(pred[-1] + score, table))
         return pred
 
     def _log_prob(self, q: Params, x: Tensor) -> Tensor:
@@ -52,7 +52,7 @@ class HMMCircuit(Circuit):
 
     def _leaf_context(self, q: Params, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         initial, trans, leaves, x, scores = self._parts(q, x)
-        return torch.stack(self._filter(initial, trans.exp(), scores), dim=-2), leaves, x  # (..., n, r)
+        return torch.stack(self._filter(initial, trans.exp(), scores), dim=-2), leaves, scores  # (..., n, r)
 
     def _sample(self, q: Params, generator: torch.Generator | None = None, prefix: Tensor | None = None) -> Tensor:
         initial, trans, leaves, prefix, scores = self._parts(q, prefix)
@@ -70,7 +70,7 @@ class HMMCircuit(Circuit):
             row = trans[..., i - 1, :, :].gather(-2, z[-1][..., None, None].expand(*z[-1].shape, 1, r)).squeeze(-2)
             z.append((row + noise[..., i, :]).argmax(-1))
         states = torch.stack(z, dim=-1)  # (..., n - start)
-        x = gumbel_argmax(gather_rows(leaves[..., start:, :, :], states), generator)  # (..., n - start)
+        x = sample_rows(gather_rows(leaves[..., start:, :, :], states), generator, normalised=True)  # (..., n - start)
         if start > 0:
             x = torch.cat([x.new_zeros(*x.shape[:-1], start), x], dim=-1)
         return with_prefix(prefix, x)

@@ -1,0 +1,374 @@
+"""Evaluate speculative decoding: STP and MtPC heads (and an ff reference) on the same prompts, in one process.
+
+    python -m experiments.evaluate --head <dir> [--ff-head <dir>] [--prompts heldout|<jsonl>]
+        [--num-prompts 16 --sets 3 --max-new-tokens 128] --mode greedy|sample --out results.json
+        [--mlflow-parent-run <id>]
+
+Importable pieces (the sweep trial calls them): `load_prompt_sets`, `evaluate_heads` (-> a JSON-able
+dict), `summarize` (mean ± std over prompt sets) and `log_evaluation_to_mlflow` (one child run per
+(head, mode, extra_token, prompt_set) under a parent run, carrying the DESIGN section 3 params and
+metrics, the per-position acceptance as metrics `acceptance_pos_<i>` and the accepted-length
+histogram as an artifact).
+
+Metric names are those of DESIGN section 3. Per prompt set they are pooled over its prompts:
+mu_lat = cycle seconds / cycles, mu_acc = accepted drafts / cycles, tokens_per_cycle = bytes
+emitted / cycles, throughput = bytes produced by cycles / decode seconds (the prefill and its first
+byte excluded, for STP alike), per-position acceptance = accepted / tested at window position i.
+
+Leaves out: training (experiments/train.py) and plots (analysis/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from mtpc import MtpcModel
+
+MODES = ("greedy", "sample")
+EXTRA_TOKENS = ("keep", "drop")
+SUMMARY_METRICS = (
+    "mu_lat", "mu_acc", "tokens_per_cycle", "throughput", "max_throughput", "stp_mu_lat", "stp_throughput",
+    "speedup_vs_stp", "speedup_vs_ff", "peak_mem_bytes",
+)  # fmt: skip
+
+
+def hardware() -> str:
+    """A one-line description of where this ran."""
+    if torch.cuda.is_available():
+        dev = torch.cuda.get_device_name(0)
+    else:
+        dev = f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+    return f"{dev}; torch {torch.__version__}; python {platform.python_version()}"
+
+
+# --------------------------------------------------------------------------------------- prompts
+
+
+def _read_prompt_file(path: Path) -> list[str]:
+    """A .jsonl file: each line a JSON string, {"prompt": str}, or a messages record (first user turn)."""
+    prompts = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i}: not valid JSON ({e})") from None
+        if isinstance(rec, str):
+            prompts.append(rec)
+        elif isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+            prompts.append(rec["prompt"])
+        elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+            users = [m.get("content") for m in rec["messages"] if isinstance(m, dict) and m.get("role") == "user"]
+            if not users or not isinstance(users[0], str):
+                raise ValueError(f"{path}:{i}: messages record without a user turn")
+            prompts.append(users[0])
+        else:
+            raise ValueError(f"{path}:{i}: expected a JSON string, {{'prompt': str}} or {{'messages': [...]}}")
+    return prompts
+
+
+def load_prompt_sets(source: str = "heldout", num_prompts: int = 16, sets: int = 3, seed: int = 0) -> list[list[str]]:
+    """`sets` disjoint sets of `num_prompts` prompts drawn (seeded) from the held-out ShareGPT prompts or a .jsonl."""
+    if num_prompts < 1 or sets < 1:
+        raise ValueError(f"num_prompts and sets must be >= 1, got {num_prompts} and {sets}")
+    if source == "heldout":
+        from mtpc.data import sharegpt_corpus
+
+        pool = list(sharegpt_corpus(progress=False).heldout_prompts)
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ValueError(f"--prompts: {source!r} is neither 'heldout' nor an existing .jsonl file")
+        pool = _read_prompt_file(path)
+    need = num_prompts * sets
+    if len(pool) < need:
+        raise ValueError(f"--prompts {source}: {len(pool)} prompts, but sets x num_prompts = {need} are needed")
+    random.Random(seed).shuffle(pool)
+    return [pool[i * num_prompts : (i + 1) * num_prompts] for i in range(sets)]
+
+
+# -------------------------------------------------------------------------------------- evaluate
+
+
+def _pool(stats_list: list[Any], window: int) -> dict[str, Any]:
+    """Pool per-prompt GenerationStats of one prompt set into the set's metrics."""
+    cycles = sum(s.cycles for s in stats_list)
+    decode_s = sum(s.decode_s for s in stats_list)
+    tested = [sum(s.tested_at[i] for s in stats_list) for i in range(window)]
+    accepted = [sum(s.accepted_at[i] for s in stats_list) for i in range(window)]
+    hist_len = max((len(s.accepted_length_histogram) for s in stats_list), default=0)
+    hist = [sum(s.accepted_length_histogram[i] for s in stats_list if s.accepted_length_histogram) for i in range(hist_len)]
+    mu_lat = decode_s / cycles if cycles else float("nan")
+    return {
+        "mu_lat": mu_lat,
+        "mu_acc": sum(s.mu_acc * s.cycles for s in stats_list) / cycles if cycles else float("nan"),
+        "tokens_per_cycle": sum(s.tokens_per_cycle * s.cycles for s in stats_list) / cycles if cycles else float("nan"),
+        "throughput": sum(s.decode_generated for s in stats_list) / decode_s if decode_s else float("nan"),
+        "max_throughput": window / mu_lat if cycles else float("nan"),
+        "peak_mem_bytes": max(s.peak_mem_bytes for s in stats_list),
+        "cycles": cycles,
+        "generated": sum(s.generated for s in stats_list),
+        "backbone_calls": sum(s.backbone_calls for s in stats_list),
+        "prefill_s": sum(s.prefill_s for s in stats_list),
+        "per_position_acceptance": [a / t if t else None for a, t in zip(accepted, tested, strict=True)],
+        "accepted_length_histogram": hist,
+    }
+
+
+def _describe(model: MtpcModel) -> dict[str, Any]:
+    cfg = model.head.config
+    return {
+        "backbone": str(cfg.backbone or model.backbone.name),
+        "circuit": cfg.kind,
+        "window": cfg.window,
+        "rank": cfg.rank,
+        "lora_depth": cfg.lora_depth,
+    }
+
+
+def evaluate_heads(
+    models: dict[str, MtpcModel],
+    prompt_sets: list[list[str | bytes | torch.Tensor]],
+    modes: tuple[str, ...] = ("greedy",),
+    extra_tokens: tuple[str, ...] = ("keep",),
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    ban_eos: bool = True,
+    ff_name: str | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run STP and every head on every prompt set in this process; returns a JSON-able dict.
+
+    models: name -> MtpcModel (they may share a backbone); STP runs on the first one's backbone.
+    ff_name: the key of an ff head in `models`; every other run then gets `speedup_vs_ff`.
+    Prompt i of a set is sampled with seed + i for STP and every head alike.
+    """
+    if not models:
+        raise ValueError("models: need at least one head")
+    bad = [m for m in modes if m not in MODES] + [e for e in extra_tokens if e not in EXTRA_TOKENS]
+    if bad:
+        raise ValueError(f"modes must be in {MODES} and extra_tokens in {EXTRA_TOKENS}; got {bad}")
+    if ff_name is not None and ff_name not in models:
+        raise ValueError(f"ff_name={ff_name!r} is not one of the models {sorted(models)}")
+    first = next(iter(models.values()))
+    encoded = [[first.encode_prompt(p) for p in ps] for ps in prompt_sets]
+    kw = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "ban_eos": ban_eos}
+    total = len(modes) * sum(len(ps) for ps in encoded) * (1 + len(models) * len(extra_tokens))
+    bar = tqdm(total=total, desc="evaluate", disable=not progress, file=sys.stderr)
+    stp: dict[str, list[dict]] = {}
+    runs: list[dict[str, Any]] = []
+    for mode in modes:
+        stp[mode] = []
+        for set_idx, prompts in enumerate(encoded):
+            plain = []
+            for i, p in enumerate(prompts):
+                plain.append(first.generate_plain(p, mode=mode, seed=seed + i, **kw).stats)
+                bar.update()
+            st = _pool(plain, 1)
+            stp[mode].append({"prompt_set": set_idx, "mu_lat": st["mu_lat"], "throughput": st["throughput"],
+                              "generated": st["generated"], "peak_mem_bytes": st["peak_mem_bytes"]})  # fmt: skip
+            for name, model in models.items():
+                for extra in extra_tokens:
+                    outs = []
+                    for i, p in enumerate(prompts):
+                        outs.append(model.generate(p, mode=mode, seed=seed + i, extra_token=extra, **kw).stats)
+                        bar.update()
+                    metrics = _pool(outs, model.window)
+                    metrics["stp_mu_lat"] = st["mu_lat"]
+                    metrics["stp_throughput"] = st["throughput"]
+                    metrics["speedup_vs_stp"] = metrics["throughput"] / st["throughput"]
+                    runs.append({
+                        "head": name, **_describe(model), "mode": mode, "extra_token": extra,
+                        "temperature": temperature, "top_p": top_p, "prompt_set": set_idx, "seed": seed,
+                        "metrics": metrics,
+                    })  # fmt: skip
+    bar.close()
+    if ff_name is not None:
+        ref = {(r["mode"], r["extra_token"], r["prompt_set"]): r["metrics"]["throughput"] for r in runs if r["head"] == ff_name}
+        for r in runs:
+            r["metrics"]["speedup_vs_ff"] = r["metrics"]["throughput"] / ref[(r["mode"], r["extra_token"], r["prompt_set"])]
+    results = {
+        "hardware": hardware(),
+        "config": {
+            "modes": list(modes), "extra_tokens": list(extra_tokens), "sets": len(prompt_sets),
+            "num_prompts": [len(ps) for ps in prompt_sets], "ban_eos": ban_eos, "ff_head": ff_name, **kw, "seed": seed,
+        },
+        "stp": stp,
+        "runs": runs,
+    }  # fmt: skip
+    results["summary"] = summarize(results)
+    return results
+
+
+def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Mean ± std (over prompt sets) of each metric per (head, mode, extra_token)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results["runs"]:
+        groups.setdefault((r["head"], r["mode"], r["extra_token"]), []).append(r)
+    out = []
+    for (_head, mode, extra), rs in groups.items():
+        row = {k: rs[0][k] for k in ("head", "backbone", "circuit", "window", "rank", "lora_depth")}
+        row.update({"mode": mode, "extra_token": extra, "sets": len(rs)})
+        for k in SUMMARY_METRICS:
+            vals = [r["metrics"][k] for r in rs if k in r["metrics"]]
+            if vals:
+                row[k] = {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0}
+        out.append(row)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- MLflow
+
+
+def log_evaluation_to_mlflow(
+    results: dict[str, Any],
+    parent_run_id: str,
+    params: dict[str, Any] | None = None,
+    heads: list[str] | None = None,
+    tracking_uri: str | None = None,
+) -> list[str]:
+    """One child run per (head, mode, extra_token, prompt_set) under `parent_run_id`; returns their ids.
+
+    Each child carries the DESIGN section 3 params (backbone, circuit, window, rank, lora_depth, mode,
+    extra_token, temperature, prompt_set, seed, hardware, top_p) plus `params` (e.g. the trial's
+    config), the scalar metrics, `acceptance_pos_<i>` (1-based window position) and the histogram
+    as `accepted_length_histogram.json`. heads: which heads to log (default: all but the ff reference).
+    """
+    from mlflow.entities import Metric, Param
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    parent = client.get_run(parent_run_id)
+    ff = results["config"].get("ff_head")
+    if heads is None:
+        names = {r["head"] for r in results["runs"]}
+        heads = sorted(names - {ff}) if names - {ff} else sorted(names)
+    ids = []
+    for r in results["runs"]:
+        if r["head"] not in heads:
+            continue
+        p = {k: r[k] for k in ("backbone", "circuit", "window", "rank", "lora_depth", "mode", "extra_token",
+                               "temperature", "prompt_set", "seed", "top_p")}  # fmt: skip
+        p["hardware"] = results["hardware"]
+        p["max_new_tokens"] = results["config"]["max_new_tokens"]
+        for k, v in (params or {}).items():
+            p.setdefault(k, v)
+        name = f"eval-{r['head']}-{r['mode']}-{r['extra_token']}-set{r['prompt_set']}"
+        run = client.create_run(parent.info.experiment_id, run_name=name, tags={"mlflow.parentRunId": parent_run_id})
+        rid = run.info.run_id
+        m = r["metrics"]
+        scalars = {k: float(v) for k, v in m.items() if isinstance(v, (int, float)) and v == v}
+        for i, a in enumerate(m["per_position_acceptance"], 1):
+            if a is not None:
+                scalars[f"acceptance_pos_{i}"] = float(a)
+        client.log_batch(
+            rid,
+            metrics=[Metric(k, v, 0, 0) for k, v in scalars.items()],
+            params=[Param(k, str(v)[:500]) for k, v in p.items()],
+        )
+        client.log_dict(rid, {"accepted_length_histogram": m["accepted_length_histogram"],
+                              "per_position_acceptance": m["per_position_acceptance"]}, "accepted_length_histogram.json")  # fmt: skip
+        client.set_terminated(rid)
+        ids.append(rid)
+    return ids
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+
+def _choices(value: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    items = tuple(allowed) if value == "both" else tuple(v.strip() for v in value.split(","))
+    bad = [v for v in items if v not in allowed]
+    if bad:
+        raise ValueError(f"{flag}: {bad} not in {allowed} (or 'both', or a comma list)")
+    return items
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.evaluate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--head", required=True, help="head export directory (save_head)")
+    ap.add_argument("--ff-head", default=None, help="an ff head export evaluated alongside (speedup_vs_ff)")
+    ap.add_argument("--backbone", default=None, help="override the backbone recorded in the head")
+    ap.add_argument("--prompts", default="heldout", help="'heldout' (ShareGPT held-out prompts) or a .jsonl file")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--sets", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--mode", default="greedy", help="greedy, sample, both, or a comma list")
+    ap.add_argument("--extra-token", default="keep", help="keep, drop, both, or a comma list")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--allow-eos", action="store_true", help="let EOS stop generation (default: banned, equal lengths)")
+    ap.add_argument("--device", default=None, help="cpu, cuda, ... (default: where the backbone loads)")
+    ap.add_argument("--out", required=True, help="results JSON path")
+    ap.add_argument("--mlflow-parent-run", default=None, help="log one child run per (mode, prompt_set) under it")
+    ap.add_argument("--mlflow-tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI / mlflow's default")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        modes = _choices(args.mode, MODES, "--mode")
+        extras = _choices(args.extra_token, EXTRA_TOKENS, "--extra-token")
+        for flag in ("head", "ff_head"):
+            d = getattr(args, flag)
+            if d is not None and not (Path(d) / "config.json").is_file():
+                raise ValueError(f"--{flag.replace('_', '-')}: {d!r} is not a head export (no config.json)")
+        prompt_sets = load_prompt_sets(args.prompts, args.num_prompts, args.sets, args.seed)
+        load_kw = {"device": args.device} if args.device else {}
+        main_model = MtpcModel.from_pretrained(args.head, backbone=args.backbone, **load_kw)
+        models = {"head": main_model}
+        if args.ff_head:
+            ff = _load_sharing_backbone(args.ff_head, main_model)
+            if ff.head.config.kind != "ff":
+                raise ValueError(f"--ff-head: {args.ff_head} holds a {ff.head.config.kind} head, not ff")
+            models["ff"] = ff
+        results = evaluate_heads(
+            models, prompt_sets, modes, extras, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            top_p=args.top_p, seed=args.seed, ban_eos=not args.allow_eos, ff_name="ff" if args.ff_head else None,
+            progress=not args.no_progress,
+        )  # fmt: skip
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    results["config"].update({"head_dir": str(args.head), "ff_head_dir": args.ff_head, "prompts": args.prompts})
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    for row in results["summary"]:
+        m = {k: f"{row[k]['mean']:.4g}±{row[k]['std']:.2g}" for k in ("mu_acc", "tokens_per_cycle", "speedup_vs_stp") if k in row}
+        print(f"{row['head']:>5} {row['circuit']:>5} n={row['window']} {row['mode']}/{row['extra_token']}: {m}")
+    if args.mlflow_parent_run:
+        ids = log_evaluation_to_mlflow(results, args.mlflow_parent_run, tracking_uri=args.mlflow_tracking_uri)
+        print(f"logged {len(ids)} child runs under {args.mlflow_parent_run}")
+    print(f"wrote {out}")
+    return 0
+
+
+def _load_sharing_backbone(head_dir: str, main: MtpcModel) -> MtpcModel:
+    """Load a second head on the main model's backbone weights (a new adapter if its lora_depth differs)."""
+    from mtpc.heads import load_head
+
+    head, _ = load_head(head_dir)
+    bb = main.backbone
+    if head.config.lora_depth == bb.lora_depth and head.config.lora_depth == 0:
+        return MtpcModel.from_pretrained(head_dir, backbone=bb)
+    m = MtpcModel.from_pretrained(head_dir, backbone=bb.model)
+    m.backbone.tokenizer = bb.tokenizer
+    return m
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

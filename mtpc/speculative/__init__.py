@@ -1,0 +1,11 @@
+"""Exact self-speculative decoding with circuit drafts (batch 1).
+
+`acceptance.py`: the acceptance rule as pure functions; `loop.py`: the keep / drop cycles and
+the plain baseline against an `Engine` that owns the caches; `model.py`: `MtpcModel`, the
+public API, and its per-generation metrics.
+"""
+
+from mtpc.speculative.loop import DecodeConfig, plain_decode, speculative_decode
+from mtpc.speculative.model import GenerationOutput, GenerationStats, MtpcModel
+
+__all__ = ["DecodeConfig", "GenerationOutput", "GenerationStats", "MtpcModel", "plain_decode", "speculative_decode"]

@@ -1,0 +1,139 @@
+"""The acceptance rule of speculative decoding as pure functions (greedy and sampling).
+
+Holds: the target distribution p (temperature, top-p and an optional EOS ban applied to the
+verifier's logits, never to the draft), the per-position acceptance probability
+min(1, p(d) / q(d)), the distribution of the accepted length, the residual distribution
+normalise(max(0, p - q)), and the two verification functions `greedy_verify` and
+`sample_verify`. Randomness enters only through a `Chooser` (probs -> index), so tests can
+replace it by an enumerator and obtain exact output distributions (tests/test_acceptance.py).
+
+Leaves out: caches, backbone calls and the cycle bookkeeping (loop.py).
+
+Indexing used everywhere: a window of m drafted tokens `draft (m,)` is verified with
+`p (m+1, v)` target probabilities (row j is p for the position of draft[j]; row m is the bonus
+row after full acceptance) and `q (m, v)` draft conditionals (row j is q(draft[j] = . | the
+drafted prefix before it)).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+class Chooser(Protocol):
+    """Draws an index from a probability vector; the loop's only source of randomness."""
+
+    def __call__(self, probs: Tensor) -> int: ...  # probs (k,) non-negative, sums to 1
+
+
+class TorchChooser:
+    """`torch.multinomial` with an optional generator (the production chooser)."""
+
+    def __init__(self, generator: torch.Generator | None = None):
+        self.generator = generator
+
+    def __call__(self, probs: Tensor) -> int:
+        return int(torch.multinomial(probs, 1, generator=self.generator).item())
+
+
+def target_probs(
+    logits: Tensor,  # (..., v)
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    banned: int | None = None,
+) -> Tensor:  # (..., v)
+    """p = the plain sampler's distribution: ban one id, divide by temperature, keep the top-p nucleus.
+
+    The nucleus is the smallest set of most probable tokens whose mass reaches `top_p` (ties
+    broken by index order); the result is renormalised over it.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for sampling, got {temperature}; use mode='greedy'")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    logits = logits.double() if logits.dtype == torch.float64 else logits.float()
+    if banned is not None:
+        logits = logits.clone()
+        logits[..., banned] = float("-inf")
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        keep_sorted = mass_before < top_p  # the first token is always kept
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def greedy_target(logits: Tensor, banned: int | None = None) -> Tensor:  # (..., v) -> (...) int64
+    """argmax of the verifier's logits (after the optional ban): the plain greedy choice."""
+    if banned is not None:
+        logits = logits.clone()
+        logits[..., banned] = float("-inf")
+    return logits.argmax(-1)
+
+
+def acceptance_probs(p: Tensor, q: Tensor, draft: Tensor) -> Tensor:
+    """min(1, p(d_j) / q(d_j)) for each drafted token.  p, q (m, v) probs; draft (m,) -> (m,)."""
+    idx = draft.unsqueeze(-1)
+    pd = p.gather(-1, idx).squeeze(-1)
+    qd = q.gather(-1, idx).squeeze(-1)
+    # q(d) > 0 whenever d was drafted from q; the clamp only guards rows that are never reached
+    return torch.clamp(pd / qd.clamp_min(torch.finfo(qd.dtype).tiny), max=1.0)
+
+
+def acceptance_length_distribution(a: Tensor) -> Tensor:  # (m,) -> (m+1,)
+    """P(s = k) = a_1 .. a_k (1 - a_{k+1}) for k < m, and a_1 .. a_m for k = m.
+
+    Each drafted token is accepted independently with its probability a_j given the draft;
+    the accepted length s is the index of the first rejection.
+    """
+    ones = torch.ones(1, dtype=a.dtype, device=a.device)
+    survive = torch.cumprod(torch.cat([ones, a]), 0)  # (m+1,) P(first k all accepted)
+    reject_next = torch.cat([1 - a, ones])  # (m+1,)
+    return survive * reject_next
+
+
+def residual_distribution(p: Tensor, q: Tensor) -> Tensor:  # (..., v) x2 -> (..., v)
+    """normalise(max(0, p - q)): where to resample after rejecting a draft from q against p.
+
+    If p == q the residual is empty; rejection then has probability 0, so any distribution is
+    correct there — p is returned to keep the function total.
+    """
+    r = torch.clamp(p - q, min=0)
+    mass = r.sum(-1, keepdim=True)
+    return torch.where(mass > 0, r / mass.clamp_min(torch.finfo(r.dtype).tiny), p)
+
+
+def greedy_verify(draft: Tensor, target_ids: Tensor) -> tuple[int, int]:
+    """Greedy rule: accept while draft[j] == argmax p_j; the extra token is argmax p at the stop.
+
+    draft (m,), target_ids (m+1,) = argmax of each verifier row -> (s, extra token).
+    """
+    m = draft.shape[0]
+    mismatch = (draft != target_ids[:m]).to(torch.int64)  # (m,)
+    # s = index of the first mismatch, or m if none (argmax of a cumsum > 0 needs a sentinel)
+    s = int(torch.cat([mismatch, mismatch.new_ones(1)]).argmax().item())
+    return s, int(target_ids[s].item())
+
+
+def sample_verify(
+    draft: Tensor,  # (m,)
+    p: Tensor,  # (m+1, v) target probabilities
+    q: Tensor,  # (m, v) draft conditionals (probabilities) of the drafted tokens' positions
+    choose: Chooser,
+) -> tuple[int, int]:
+    """Speculative sampling: returns (s accepted drafts, extra token).
+
+    The extra token is sampled from normalise(max(0, p_s - q_s)) after a rejection at s, and
+    from p_m after full acceptance; every emitted token is then distributed as under p.
+    """
+    m = draft.shape[0]
+    a = acceptance_probs(p[:m], q, draft)
+    s = choose(acceptance_length_distribution(a))
+    extra_probs = residual_distribution(p[s], q[s]) if s < m else p[m]
+    return s, choose(extra_probs)

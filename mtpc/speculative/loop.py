@@ -1,0 +1,287 @@
+"""The decoding cycle: prefill, draft, one verifying call, accept, crop (batch 1).
+
+Holds: `plain_decode` (the single-token baseline), `speculative_decode` (extra_token "keep":
+one backbone call per cycle, exact; "drop": the paper's Algorithm 2 as written, not
+distribution-preserving when sampling), the `Engine` protocol that owns the caches
+(`BackboneEngine` wraps a backbone adapter), the circuit drafter, and per-run statistics.
+
+The keep cycle (DESIGN section 3). The caches hold bytes up to a; c = x_{a+1} is emitted but
+has no state. theta_a = head(e_a) drafts the window [c, d_2..d_n] with prefix [c]; one call
+feeds it; verifier row j is p for window position j+2, tested against row j+2 of the draft's
+conditionals; the extra token (residual after a rejection, bonus after full acceptance)
+becomes the next c; every cache is cropped to a + 1 + s.
+
+The drop cycle (Algorithm 2). The caches hold bytes up to a and the verifier row for x_{a+1}
+is known. The draft d_1..d_n is sampled from theta_a without prefix; d_1 is tested against
+that row, d_{j+1} against row j of the call; after s >= 1 acceptances the extra token is
+thrown away (caches cropped to a + s); after s = 0 the correction token is kept and fed in
+an extra call.
+
+Leaves out: the acceptance maths (acceptance.py), model loading and the public API
+(model.py), batching (batch 1 only, as the paper).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from mtpc.speculative.acceptance import (
+    Chooser,
+    greedy_target,
+    greedy_verify,
+    sample_verify,
+    target_probs,
+)
+
+MODES = ("greedy", "sample")
+EXTRA_TOKEN = ("keep", "drop")
+
+
+@dataclass
+class StepOutput:
+    """What one backbone call returns for the fed positions."""
+
+    p_logits: Tensor  # (T, v) verifier (STP) logits
+    draft_hidden: Tensor  # (T, d) input of the head (the verifier's e_t when lora_depth == 0)
+
+
+class Engine(Protocol):
+    """Owns every cache. `feed` = one backbone call that appends `ids` to all caches."""
+
+    length: int
+    calls: int
+
+    def feed(self, ids: Tensor) -> StepOutput: ...  # ids (T,)
+
+    def crop(self, length: int) -> None: ...
+
+
+class BackboneEngine:
+    """An `Engine` on a backbone adapter (trunk + verifier top + draft top, one cache object)."""
+
+    def __init__(self, backbone: Any):
+        self.backbone = backbone
+        self.cache = backbone.new_cache()
+        self.length = 0
+        self.calls = 0
+
+    def feed(self, ids: Tensor) -> StepOutput:
+        out = self.backbone(ids.unsqueeze(0), self.cache)
+        self.calls += 1
+        self.length += ids.shape[0]
+        return StepOutput(self.backbone.stp_logits(out.verify_hidden[0]), out.draft_hidden[0])
+
+    def crop(self, length: int) -> None:
+        self.cache.crop(length)
+        self.length = length
+
+
+# head_fn: draft hidden (d,) -> normalised circuit parameters for that context
+HeadFn = Callable[[Tensor], dict[str, Tensor]]
+# drafter: (params, prefix (k,) or None, greedy) -> (window (n,) int64, log conditionals (n, v))
+Drafter = Callable[[dict[str, Tensor], Tensor | None, bool], tuple[Tensor, Tensor]]
+
+
+class CircuitDrafter:
+    """Drafts a window from a circuit: the fused `_draft` if the circuit has it, else sample + conditionals."""
+
+    def __init__(self, circuit: Any, generator: torch.Generator | None = None):
+        self.circuit = circuit
+        self.generator = generator
+        self.window = circuit.window
+
+    def __call__(self, q: dict[str, Tensor], prefix: Tensor | None, greedy: bool) -> tuple[Tensor, Tensor]:
+        c = self.circuit
+        if hasattr(c, "_draft"):
+            return c._draft(q, prefix, generator=self.generator, greedy=greedy)
+        x = c._greedy(q, prefix) if greedy else c._sample(q, self.generator, prefix)  # (n,)
+        return x, c._conditionals(q, x)  # (n,), (n, v)
+
+
+@dataclass
+class DecodeConfig:
+    """Options shared by plain and speculative decoding."""
+
+    max_new_tokens: int = 256
+    mode: str = "greedy"  # greedy | sample
+    temperature: float = 1.0
+    top_p: float = 1.0
+    extra_token: str = "keep"  # keep | drop (speculative only)
+    eos_id: int | None = None  # stop after emitting it (None: never stop early)
+    ban_eos: bool = False  # give EOS probability 0 instead
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.extra_token not in EXTRA_TOKEN:
+            raise ValueError(f"extra_token must be one of {EXTRA_TOKEN}, got {self.extra_token!r}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.mode == "sample":
+            target_probs(torch.zeros(2), self.temperature, self.top_p)  # validates both
+
+    @property
+    def banned(self) -> int | None:
+        return self.eos_id if self.ban_eos else None
+
+    @property
+    def stop_id(self) -> int | None:
+        return None if self.ban_eos else self.eos_id
+
+
+@dataclass
+class DecodeStats:
+    """Per-generation counts and times. Window positions are 1-based in the docs, 0-based here."""
+
+    window: int  # n (1 for plain decoding)
+    extra_token: str  # keep | drop | plain
+    prefill_s: float = 0.0
+    cycle_s: list[float] = field(default_factory=list)  # one entry per cycle (prefill excluded)
+    accepted: list[int] = field(default_factory=list)  # s per cycle
+    emitted: list[int] = field(default_factory=list)  # bytes emitted per cycle (before truncation)
+    tested_at: list[int] = field(default_factory=list)  # (n,) tests at each window position
+    accepted_at: list[int] = field(default_factory=list)  # (n,) acceptances at each window position
+    generated: int = 0  # bytes returned, prefill byte included
+    decode_generated: int = 0  # bytes returned that came from cycles (throughput numerator)
+    backbone_calls: int = 0
+
+    def __post_init__(self):
+        if not self.tested_at:
+            self.tested_at = [0] * self.window
+            self.accepted_at = [0] * self.window
+
+    def record_cycle(self, seconds: float, s: int, emitted: int, first_tested: int, tested: int) -> None:
+        """`tested` window positions from `first_tested` (0-based) were tested; the first s passed."""
+        self.cycle_s.append(seconds)
+        self.accepted.append(s)
+        self.emitted.append(emitted)
+        for i in range(first_tested, first_tested + tested):
+            self.tested_at[i] += 1
+        for i in range(first_tested, first_tested + s):
+            self.accepted_at[i] += 1
+
+
+def _clock(sync: Callable[[], None] | None) -> float:
+    if sync is not None:
+        sync()
+    return time.perf_counter()
+
+
+def _pick(logits: Tensor, cfg: DecodeConfig, choose: Chooser) -> int:
+    """One token from verifier logits (v,), exactly as plain decoding chooses it."""
+    if cfg.mode == "greedy":
+        return int(greedy_target(logits, cfg.banned).item())
+    return choose(target_probs(logits, cfg.temperature, cfg.top_p, cfg.banned))
+
+
+def _finish(out: list[int], new: list[int], cfg: DecodeConfig) -> bool:
+    """Append `new` to `out` up to max_new_tokens and the first stop id; True when generation ends."""
+    for t in new:
+        out.append(t)
+        if len(out) >= cfg.max_new_tokens or (cfg.stop_id is not None and t == cfg.stop_id):
+            return True
+    return False
+
+
+def plain_decode(
+    engine: Engine,
+    prompt: Tensor,  # (P,)
+    cfg: DecodeConfig,
+    choose: Chooser,
+    sync: Callable[[], None] | None = None,
+) -> tuple[list[int], DecodeStats]:
+    """The single-token baseline: prefill, then one call per byte."""
+    stats = DecodeStats(window=1, extra_token="plain")
+    t0 = _clock(sync)
+    step = engine.feed(prompt)
+    c = _pick(step.p_logits[-1], cfg, choose)
+    out: list[int] = []
+    done = _finish(out, [c], cfg)
+    stats.prefill_s = _clock(sync) - t0
+    while not done:
+        t0 = _clock(sync)
+        step = engine.feed(prompt.new_tensor([c]))
+        c = _pick(step.p_logits[-1], cfg, choose)
+        done = _finish(out, [c], cfg)
+        stats.record_cycle(_clock(sync) - t0, 0, 1, 0, 0)
+    stats.generated = len(out)
+    stats.decode_generated = len(out) - 1
+    stats.backbone_calls = engine.calls
+    return out, stats
+
+
+def speculative_decode(
+    engine: Engine,
+    head_fn: HeadFn,
+    drafter: Drafter,
+    window: int,
+    prompt: Tensor,  # (P,)
+    cfg: DecodeConfig,
+    choose: Chooser,
+    sync: Callable[[], None] | None = None,
+) -> tuple[list[int], DecodeStats]:
+    """Self-speculative decoding with a circuit head; see the module docstring for the cycle."""
+    if window < 2:
+        raise ValueError(f"speculative decoding needs a window n >= 2, got {window}")
+    greedy = cfg.mode == "greedy"
+    stats = DecodeStats(window=window, extra_token=cfg.extra_token)
+    out: list[int] = []
+
+    def verify(draft: Tensor, p_logits: Tensor, log_q: Tensor) -> tuple[int, int]:
+        # draft (m,), p_logits (m+1, v), log_q (m, v)
+        if greedy:
+            return greedy_verify(draft, greedy_target(p_logits, cfg.banned))
+        p = target_probs(p_logits, cfg.temperature, cfg.top_p, cfg.banned)
+        return sample_verify(draft, p, log_q.exp().to(p.dtype), choose)
+
+    t0 = _clock(sync)
+    step = engine.feed(prompt)
+    last_p = step.p_logits[-1]  # (v,) verifier row for the next position
+    last_h = step.draft_hidden[-1]  # (d,) head input at the last byte with state
+    done = False
+    if cfg.extra_token == "keep":
+        c = _pick(last_p, cfg, choose)
+        done = _finish(out, [c], cfg)
+    stats.prefill_s = _clock(sync) - t0
+    prefill_out = len(out)
+
+    while not done:
+        t0 = _clock(sync)
+        theta = head_fn(last_h)
+        a1 = engine.length  # a + 1 bytes have state
+        if cfg.extra_token == "keep":
+            x, log_q = drafter(theta, prompt.new_tensor([c]), greedy)  # (n,), (n, v)
+            step = engine.feed(x)
+            s, extra = verify(x[1:], step.p_logits, log_q[1:])
+            engine.crop(a1 + 1 + s)
+            new = x[1 : 1 + s].tolist() + [extra]
+            last_h = step.draft_hidden[s]
+            c = extra
+            tested_from, tested = 1, min(s + 1, window - 1)
+        else:
+            x, log_q = drafter(theta, None, greedy)  # (n,), (n, v)
+            step = engine.feed(x)
+            p_logits = torch.cat([last_p.unsqueeze(0), step.p_logits])  # (n+1, v)
+            s, extra = verify(x, p_logits, log_q)
+            if s >= 1:  # Algorithm 2: keep the accepted drafts, throw the extra token away
+                engine.crop(a1 + s)
+                new = x[:s].tolist()
+                last_p, last_h = step.p_logits[s - 1], step.draft_hidden[s - 1]
+            else:  # nothing accepted: keep the correction token and pay an extra call for its state
+                engine.crop(a1)
+                new = [extra]
+                step = engine.feed(x.new_tensor([extra]))
+                last_p, last_h = step.p_logits[0], step.draft_hidden[0]
+            tested_from, tested = 0, min(s + 1, window)
+        done = _finish(out, new, cfg)
+        stats.record_cycle(_clock(sync) - t0, s, len(new), tested_from, tested)
+    stats.generated = len(out)
+    stats.decode_generated = len(out) - prefill_out
+    stats.backbone_calls = engine.calls
+    return out, stats

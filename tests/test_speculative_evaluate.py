@@ -1,0 +1,104 @@
+"""The evaluation CLI and its importable functions on a tiny byte-vocabulary Llama saved to a temp dir."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from experiments.evaluate import evaluate_heads, load_prompt_sets, log_evaluation_to_mlflow, main
+from mtpc import MtpcModel
+from mtpc.heads import save_head
+from mtpc.tokenizer import ByteTokenizer
+from tests.backbone_helpers import tiny_llama
+from tests.speculative_helpers import single_thread
+
+_one_thread = pytest.fixture(autouse=True)(single_thread)
+
+PARAMS = ("backbone", "circuit", "window", "rank", "lora_depth", "mode", "extra_token", "temperature",
+          "prompt_set", "seed", "hardware", "top_p")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    model = tiny_llama(vocab=320, hidden=16, layers=2, heads=2, kv_heads=1, dtype=torch.float32, max_context=512)
+    model.save_pretrained(root / "bb")
+    ByteTokenizer().save_pretrained(root / "bb")
+    for name, spec in {"cp": {"kind": "cp", "window": 4, "rank": 2}, "ff": {"kind": "ff", "window": 4}}.items():
+        m = MtpcModel.from_components(model, spec)
+        m.head.config.backbone = str(root / "bb")
+        save_head(root / name, m.head)
+    prompts = root / "prompts.jsonl"
+    lines = [json.dumps(f"prompt number {i}") for i in range(4)] + [
+        json.dumps({"prompt": "a dict prompt"}),
+        json.dumps({"messages": [{"role": "user", "content": "a chat"}, {"role": "assistant", "content": "x"}]}),
+    ]
+    prompts.write_text("\n".join(lines) + "\n")
+    return root
+
+
+def test_load_prompt_sets_and_errors(exported):
+    sets = load_prompt_sets(str(exported / "prompts.jsonl"), num_prompts=3, sets=2, seed=1)
+    assert [len(s) for s in sets] == [3, 3] and len(set(sets[0]) | set(sets[1])) == 6
+    assert "a chat" in sets[0] + sets[1]
+    with pytest.raises(ValueError, match="needed"):
+        load_prompt_sets(str(exported / "prompts.jsonl"), num_prompts=4, sets=2)
+    with pytest.raises(ValueError, match="--prompts"):
+        load_prompt_sets(str(exported / "missing.jsonl"))
+
+
+def test_cli_writes_json_with_every_metric(exported, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = main([
+        "--head", str(exported / "cp"), "--ff-head", str(exported / "ff"), "--prompts", str(exported / "prompts.jsonl"),
+        "--num-prompts", "2", "--sets", "2", "--max-new-tokens", "12", "--mode", "both", "--extra-token", "both",
+        "--out", str(out), "--no-progress",
+    ])  # fmt: skip
+    assert rc == 0, capsys.readouterr().err
+    res = json.loads(out.read_text())
+    assert len(res["runs"]) == 2 * 2 * 2 * 2  # heads x modes x extra x sets
+    for r in res["runs"]:
+        m = r["metrics"]
+        for k in ("mu_lat", "mu_acc", "tokens_per_cycle", "throughput", "max_throughput", "stp_mu_lat",
+                  "stp_throughput", "speedup_vs_stp", "speedup_vs_ff", "peak_mem_bytes"):  # fmt: skip
+            assert k in m and m[k] == m[k], k
+        assert len(m["per_position_acceptance"]) == 4 and sum(m["accepted_length_histogram"]) == m["cycles"]
+        assert m["generated"] == 2 * 12  # EOS banned by default: equal lengths
+        if r["head"] == "ff":
+            assert m["speedup_vs_ff"] == pytest.approx(1.0)
+    assert {(s["head"], s["mode"], s["extra_token"]) for s in res["summary"]} == {
+        (h, m, e) for h in ("head", "ff") for m in ("greedy", "sample") for e in ("keep", "drop")
+    }
+    assert set(res["summary"][0]["throughput"]) == {"mean", "std"}
+
+
+def test_cli_errors_are_clear(exported, tmp_path, capsys):
+    assert main(["--head", str(tmp_path), "--out", str(tmp_path / "r.json")]) == 2
+    assert "--head" in capsys.readouterr().err
+    args = ["--head", str(exported / "cp"), "--prompts", str(exported / "prompts.jsonl"), "--out", str(tmp_path / "r.json")]
+    assert main([*args, "--mode", "beam"]) == 2
+    assert "--mode" in capsys.readouterr().err
+    assert main([*args, "--ff-head", str(exported / "cp"), "--num-prompts", "1", "--sets", "1"]) == 2
+    assert "not ff" in capsys.readouterr().err
+
+
+def test_mlflow_children_carry_params_and_metrics(exported, tmp_path):
+    mlflow = pytest.importorskip("mlflow")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("eval-test")
+    parent = client.create_run(exp, run_name="trial").info.run_id
+    m = MtpcModel.from_pretrained(exported / "cp")
+    res = evaluate_heads({"head": m}, [["one", "two"], ["three", "four"]], ("greedy",), ("keep",),
+                         max_new_tokens=8, progress=False)  # fmt: skip
+    ids = log_evaluation_to_mlflow(res, parent, params={"trial": 7}, tracking_uri=uri)
+    assert len(ids) == 2
+    for rid in ids:
+        run = client.get_run(rid)
+        assert run.data.tags["mlflow.parentRunId"] == parent
+        assert set(PARAMS) <= set(run.data.params) and run.data.params["trial"] == "7"
+        assert run.data.params["circuit"] == "cp" and run.data.params["mode"] == "greedy"
+        assert {"mu_lat", "mu_acc", "throughput", "speedup_vs_stp", "acceptance_pos_2"} <= set(run.data.metrics)
+    assert {client.get_run(r).data.params["prompt_set"] for r in ids} == {"0", "1"}
