@@ -1,5 +1,6 @@
 """One sweep trial: train a head (`experiments.train.train_head`), evaluate it with speculative
-decoding (`experiments.evaluate`, one child run per (mode, prompt_set)), all in one MLflow parent run.
+decoding (`experiments.evaluate`'s importable functions, both modes on the same prompt sets in one
+process, one child run per (mode, prompt_set)), all in one MLflow parent run.
 
     run_trial(train_config, eval_config, *, mlflow_tracking_uri, mlflow_experiment_id, parent_run_name, ...)
 
@@ -59,18 +60,40 @@ def train_overrides(train_config: dict[str, Any], *, tracking_uri: str, experime
     return base, overrides
 
 
-def evaluate_args(head_dir: Path, mode: str, eval_config: dict[str, Any], parent_run_id: str, out: Path) -> list[str]:
-    """argv for `python -m experiments.evaluate` (the decoding issue's documented CLI)."""
-    return [
-        "--head", str(head_dir),
-        "--prompts", str(eval_config.get("prompts", "heldout")),
-        "--num-prompts", str(eval_config.get("n_prompts", 8)),
-        "--sets", str(eval_config.get("sets", 1)),
-        "--max-new-tokens", str(eval_config.get("max_new_tokens", 64)),
-        "--mode", mode,
-        "--out", str(out),
-        "--mlflow-parent-run", parent_run_id,
-    ]
+def load_for_eval(head_dir: Path, resolved: dict[str, Any]):
+    """The trained head on a freshly loaded backbone, as `MtpcModel`. The `tiny` debug backbone is
+    rebuilt from its seed (mtpc.backbones does not know it); others load by their recorded name."""
+    from mtpc import MtpcModel
+
+    m = resolved.get("model", {})
+    backbone = None
+    if m.get("backbone") == "tiny":
+        from experiments.module import build_backbone
+
+        backbone = build_backbone("tiny", m.get("lora_depth", 0), m.get("backbone_dtype"), m.get("tiny_seed", 0))
+    return MtpcModel.from_pretrained(head_dir, backbone=backbone)
+
+
+def evaluate_head(head_dir: Path, resolved: dict[str, Any], eval_config: dict[str, Any], *, parent_run_id: str,
+                  tracking_uri: str, out: Path) -> list[str]:
+    """Both decoding modes on the same prompt sets (experiments.evaluate), JSON to `out`, one child
+    run per (mode, prompt_set) under the parent; returns the child run ids."""
+    import json
+
+    from experiments.evaluate import evaluate_heads, load_prompt_sets, log_evaluation_to_mlflow
+
+    model = load_for_eval(head_dir, resolved)
+    sets = load_prompt_sets(eval_config.get("prompts", "heldout"), eval_config.get("n_prompts", 8),
+                            eval_config.get("sets", 1), eval_config.get("seed", 0))
+    results = evaluate_heads(
+        {"head": model}, sets, tuple(eval_config.get("modes", ("greedy", "sample"))),
+        (eval_config.get("extra_token", "keep"),), max_new_tokens=eval_config.get("max_new_tokens", 64),
+        temperature=eval_config.get("temperature", 1.0), top_p=eval_config.get("top_p", 1.0),
+        seed=eval_config.get("seed", 0), ban_eos=eval_config.get("ban_eos", True),
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    return log_evaluation_to_mlflow(results, parent_run_id, tracking_uri=tracking_uri)
 
 
 def run_trial(
@@ -113,7 +136,6 @@ def _train_and_evaluate(
     train_config: dict[str, Any], eval_config: dict[str, Any], *, uri: str, exp_id: str, exp_name: str,
     parent_run_id: str, run_dir: Path, should_stop: Callable[[], bool], preempted_exc: type[Exception],
 ) -> dict[str, float]:
-    from experiments import evaluate
     from experiments.train import train_head
     from sweeps.tracking import child_runs, discard_children
 
@@ -130,13 +152,8 @@ def _train_and_evaluate(
     # children of an interrupted earlier attempt would be counted twice: drop them first
     discard_children(uri, exp_id, parent_run_id)
     modes = eval_config.get("modes", ["greedy", "sample"])
-    for mode in modes:
-        if should_stop():
-            raise preempted_exc(f"stopped before evaluating mode {mode}")
-        argv = evaluate_args(result.head_dir, mode, eval_config, parent_run_id, run_dir / f"eval_{mode}.json")
-        rc = evaluate.main(argv)
-        if rc not in (0, None):
-            raise RuntimeError(f"experiments.evaluate {' '.join(argv)} exited with {rc}")
+    evaluate_head(result.head_dir, result.config, eval_config, parent_run_id=parent_run_id, tracking_uri=uri,
+                  out=run_dir / "evaluation.json")
     out: dict[str, float] = {}
     runs = child_runs(uri, exp_id, parent_run_id)
     for key in ("mu_lat", "mu_acc", "tokens_per_cycle", "throughput", "speedup_vs_stp"):
