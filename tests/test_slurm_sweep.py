@@ -177,3 +177,23 @@ def test_scancel_one_task_and_requeue_another(cluster, store, tmp_path):
     # nothing else lost: every grid point exactly one COMPLETE trial with its stored runs
     complete = check_complete_results(storage, study, store, study)
     assert sorted(t.user_attrs["grid_key"] for t in complete) == ["cp-r2-n4-k0", "cp-r4-n4-k0", "cp-r8-n4-k0"]
+
+
+def test_sbatch_real_trial_on_the_tiny_backbone(cluster, store, tmp_path):
+    """The shipped smoke spec with its real objective (train_head + experiments.evaluate) as a
+    one-task array job: one point (btree, LoRA depth 1), prompts from a small file."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in ("Hello there!", "Count to five.", "Why is the sky blue?")))
+    study = "slurm-real"
+    sets = [f"study={study}", f"output_dir={tmp_path}/out", f"mlflow.tracking_uri={store}", f"mlflow.experiment={study}",
+            f"eval.prompts={prompts}", "eval.n_prompts=2", "eval.max_new_tokens=8",
+            'space={"slices": {"one": {"circuit": ["btree"], "rank": [2], "window": [4], "lora_depth": [1]}}}']
+    job = _sbatch(cluster, tmp_path, 1, *sets)
+    _wait_done(cluster, job, 300)
+    storage = f"journal:{tmp_path / 'out' / 'optuna.journal'}"
+    ts = trials(storage, study)
+    assert [t.state.name for t in ts] == ["COMPLETE"], _logs(tmp_path)[-4000:]
+    (t,) = check_complete_results(storage, study, store, study)
+    parent = {r.info.run_id: r for r in runs(store, study)}[t.user_attrs["mlflow_parent_run_id"]]
+    assert parent.data.params["circuit"] == "btree" and parent.data.params["lora_depth"] == "1"
+    assert "peak_mem_bytes" in parent.data.metrics and parent.data.tags["slurm.job_id"] == f"{job}_0"
