@@ -607,7 +607,9 @@ def status(spec: SweepSpec) -> dict[str, Any]:
     return {"study": spec.study, "exists": True, "points": spec.n_trials, "states": counts}
 
 
-def submit(spec: SweepSpec, script: Path, dry_run: bool = False) -> list[str]:
+def submit(spec: SweepSpec, script: Path, extra: list[str] = (), dry_run: bool = False) -> list[str]:
+    """Init, then sbatch the array with the spec's resources; `extra` (e.g. --set overrides) is
+    passed on to every task's `sweeps.run` so the tasks see the same spec as this process."""
     init(spec)
     s = spec.slurm
     cmd = ["sbatch", f"--array=0-{s.tasks - 1}", f"--cpus-per-task={s.cpus_per_task}", f"--mem={s.mem}", f"--time={s.time}", f"--job-name={spec.study}"]
@@ -615,7 +617,7 @@ def submit(spec: SweepSpec, script: Path, dry_run: bool = False) -> list[str]:
         cmd.append(f"--partition={s.partition}")
     if s.gpus:
         cmd.append(f"--gpus-per-task={s.gpus}")
-    cmd += list(s.extra_args) + [str(script), str(spec.path)]
+    cmd += list(s.extra_args) + [str(script), str(spec.path), *extra]
     log("submitting: " + " ".join(cmd))
     if not dry_run:
         subprocess.run(cmd, check=True)
@@ -674,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise SpecError(f"--workers {n}: expected >= 1")
             return local_workers(a.spec, n, extra)
         if a.submit:
-            submit(spec, Path(__file__).resolve().parent.parent / "slurm" / "sweep.sh")
+            submit(spec, Path(__file__).resolve().parent.parent / "slurm" / "sweep.sh", extra)
             return 0
         if a.status:
             print(json.dumps(status(spec)))

@@ -204,3 +204,11 @@ def test_sigusr1_checkpoints_and_a_later_worker_resumes(tmp_path, tracking_uri):
     ts = trials(spec.storage, "usr1")
     assert [x.state.name for x in ts] == ["FAIL", "COMPLETE"]
     assert ts[1].user_attrs["resumed_from_step"] == step
+
+
+def test_submit_passes_the_spec_resources_and_overrides_to_sbatch(tmp_path, tracking_uri):
+    spec = load_spec(fixture_spec(tmp_path, "submit", tracking_uri=tracking_uri, slurm={"tasks": 3, "mem": "1G", "partition": "gpu"}), env={})
+    cmd = run.submit(spec, REPO / "slurm" / "sweep.sh", ["--set", "eval.sets=2"], dry_run=True)
+    assert cmd[0] == "sbatch" and "--array=0-2" in cmd and "--mem=1G" in cmd and "--partition=gpu" in cmd
+    assert cmd[-4:] == [str(REPO / "slurm" / "sweep.sh"), str(spec.path), "--set", "eval.sets=2"]
+    assert len(trials(spec.storage, "submit")) == 4  # initialised before submitting
