@@ -1,0 +1,167 @@
+"""One sweep trial: train a head (`experiments.train.train_head`), evaluate it with speculative
+decoding (`experiments.evaluate`'s importable functions, both modes on the same prompt sets in one
+process, one child run per (mode, prompt_set)), all in one MLflow parent run.
+
+    run_trial(train_config, eval_config, *, mlflow_tracking_uri, mlflow_experiment_id, parent_run_name, ...)
+
+`train_config` = {"config": <shipped name or YAML path>, <nested overrides>..., "circuit", "rank",
+"window", "lora_depth"} (the grid point's names go to `model.*`). Training checkpoints under
+`checkpoint_dir`; a re-run with the same directory resumes from `last.ckpt`. When `should_stop()`
+turns true (pre-emption), training saves a checkpoint at the next batch end and `preempted_exc` is
+raised instead of evaluating a half-trained head. Lightning gets `LightningEnvironment` from
+train_head (a one-task SLURM job is not a multi-process or self-requeueing job).
+
+Returns the objective metrics as means over the stored child runs ("<metric>" over all,
+"<mode>/<metric>" per mode). The sweep runner reads the child runs back itself as well.
+Leaves out: Optuna (sweeps/run.py) and the decoding metrics' definitions (mtpc.speculative).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+GRID_KEYS = ("circuit", "rank", "window", "lora_depth")
+
+
+def stop_callback(should_stop: Callable[[], bool], ckpt_path: Path):
+    """A Lightning callback: once `should_stop()` is true, save `ckpt_path` and end fit."""
+    from lightning.pytorch.callbacks import Callback
+
+    class StopOnRequest(Callback):
+        stopped = False
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if should_stop() and not self.stopped:
+                ckpt_path.parent.mkdir(parents=True, exist_ok=True)
+                trainer.save_checkpoint(str(ckpt_path))
+                self.stopped = True
+                trainer.should_stop = True
+
+    return StopOnRequest()
+
+
+def train_overrides(train_config: dict[str, Any], *, tracking_uri: str, experiment: str | None) -> tuple[str | dict, dict[str, Any]]:
+    """Split a sweep's train config into (base config, overrides for experiments.train.train_head)."""
+    cfg = dict(train_config)
+    base = cfg.pop("config", "debug")
+    overrides: dict[str, Any] = {}
+    for k in GRID_KEYS:
+        if k in cfg:
+            overrides[f"model.{k}"] = cfg.pop(k)
+    for k, v in cfg.items():
+        overrides[k] = v
+    overrides["run.tracking"] = True
+    overrides["run.tracking_uri"] = tracking_uri
+    if experiment:
+        overrides["run.experiment"] = experiment
+    return base, overrides
+
+
+def load_for_eval(head_dir: Path, resolved: dict[str, Any]):
+    """The trained head on a freshly loaded backbone, as `MtpcModel`. The `tiny` debug backbone is
+    rebuilt from its seed (mtpc.backbones does not know it); others load by their recorded name."""
+    from mtpc import MtpcModel
+
+    m = resolved.get("model", {})
+    backbone = None
+    if m.get("backbone") == "tiny":
+        from experiments.module import build_backbone
+
+        backbone = build_backbone("tiny", m.get("lora_depth", 0), m.get("backbone_dtype"), m.get("tiny_seed", 0))
+    return MtpcModel.from_pretrained(head_dir, backbone=backbone)
+
+
+def evaluate_head(head_dir: Path, resolved: dict[str, Any], eval_config: dict[str, Any], *, parent_run_id: str,
+                  tracking_uri: str, out: Path) -> list[str]:
+    """Both decoding modes on the same prompt sets (experiments.evaluate), JSON to `out`, one child
+    run per (mode, prompt_set) under the parent; returns the child run ids."""
+    import json
+
+    from experiments.evaluate import evaluate_heads, load_prompt_sets, log_evaluation_to_mlflow
+
+    model = load_for_eval(head_dir, resolved)
+    sets = load_prompt_sets(eval_config.get("prompts", "heldout"), eval_config.get("n_prompts", 8),
+                            eval_config.get("sets", 1), eval_config.get("seed", 0))
+    results = evaluate_heads(
+        {"head": model}, sets, tuple(eval_config.get("modes", ("greedy", "sample"))),
+        (eval_config.get("extra_token", "keep"),), max_new_tokens=eval_config.get("max_new_tokens", 64),
+        temperature=eval_config.get("temperature", 1.0), top_p=eval_config.get("top_p", 1.0),
+        seed=eval_config.get("seed", 0), ban_eos=eval_config.get("ban_eos", True),
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    return log_evaluation_to_mlflow(results, parent_run_id, tracking_uri=tracking_uri)
+
+
+def run_trial(
+    train_config: dict[str, Any],
+    eval_config: dict[str, Any],
+    *,
+    mlflow_tracking_uri: str,
+    mlflow_experiment_id: str,
+    parent_run_name: str,
+    parent_run_id: str | None = None,
+    checkpoint_dir: str | Path | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    preempted_exc: type[Exception] = KeyboardInterrupt,
+) -> dict[str, float]:
+    """Train + evaluate one architecture; log into the parent run (created here if not given)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=mlflow_tracking_uri)
+    if parent_run_id is None:
+        parent_run_id = client.create_run(mlflow_experiment_id, run_name=parent_run_name).info.run_id
+    run_dir = Path(checkpoint_dir or Path("runs") / parent_run_name)
+    # train and evaluate read MLFLOW_TRACKING_URI when given no URI: make them agree with the
+    # sweep for the duration of the trial, then put the caller's environment back
+    previous = os.environ.get("MLFLOW_TRACKING_URI")
+    os.environ["MLFLOW_TRACKING_URI"] = mlflow_tracking_uri
+    try:
+        return _train_and_evaluate(
+            train_config, eval_config, uri=mlflow_tracking_uri, exp_id=mlflow_experiment_id,
+            exp_name=client.get_experiment(mlflow_experiment_id).name, parent_run_id=parent_run_id,
+            run_dir=run_dir, should_stop=should_stop or (lambda: False), preempted_exc=preempted_exc,
+        )
+    finally:
+        if previous is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = previous
+
+
+def _train_and_evaluate(
+    train_config: dict[str, Any], eval_config: dict[str, Any], *, uri: str, exp_id: str, exp_name: str,
+    parent_run_id: str, run_dir: Path, should_stop: Callable[[], bool], preempted_exc: type[Exception],
+) -> dict[str, float]:
+    from experiments.train import train_head
+    from sweeps.tracking import child_runs, discard_children
+
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    base, overrides = train_overrides(train_config, tracking_uri=uri, experiment=exp_name)
+    stopper = stop_callback(should_stop, ckpt)
+    result = train_head(
+        base, overrides, mlflow_run_id=parent_run_id, ckpt_path="last" if ckpt.exists() else None,
+        run_dir=run_dir, export_dir=run_dir / "head", callbacks=[stopper],
+    )
+    # train_head's own SIGUSR1 handler (result.preempted) or our stop request (SIGTERM, SIGUSR1)
+    if getattr(result, "preempted", False) or stopper.stopped or should_stop():
+        raise preempted_exc(f"training stopped on request; checkpoint {ckpt}")
+    # children of an interrupted earlier attempt would be counted twice: drop them first
+    discard_children(uri, exp_id, parent_run_id)
+    modes = eval_config.get("modes", ["greedy", "sample"])
+    evaluate_head(result.head_dir, result.config, eval_config, parent_run_id=parent_run_id, tracking_uri=uri,
+                  out=run_dir / "evaluation.json")
+    out: dict[str, float] = {}
+    runs = child_runs(uri, exp_id, parent_run_id)
+    for key in ("mu_lat", "mu_acc", "tokens_per_cycle", "throughput", "speedup_vs_stp"):
+        vals = [r.data.metrics[key] for r in runs if key in r.data.metrics]
+        if vals:
+            out[key] = sum(vals) / len(vals)
+        for mode in modes:
+            mv = [r.data.metrics[key] for r in runs if key in r.data.metrics and r.data.params.get("mode") == mode]
+            if mv:
+                out[f"{mode}/{key}"] = sum(mv) / len(mv)
+    return out

@@ -1,0 +1,109 @@
+"""`make demo` (= `python -m sweeps.demo`): the whole suite once, on the 2-core CPU.
+
+1. ensure the embedded default model and its data exist (pre-trains once, ~10 min; cached under
+   `mtpc.paths.cache_dir()`),
+2. run `sweeps/smoke.yaml` locally, overridden to train on the embedded default model
+   (`train.config=default`, sized to fit the time budget),
+3. run `python analysis/pareto.py` on the results when it exists,
+4. print where the Optuna journal, the MLflow store and the figures are, and how to open the UI.
+
+Idempotent: a second run finds the model and the finished study and only redraws the analysis.
+Leaves out: anything SLURM (see `sbatch slurm/sweep.sh sweeps/smoke.yaml`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = REPO / "sweeps" / "smoke.yaml"
+# smoke.yaml's training section swapped for the embedded default model; experiments/configs/default.yaml
+# is already sized for a shared 2-core CPU (30 steps); k > 0 points train LoRA from the start
+DEMO_TRAIN = {"config": "default", "model": {"lora_start_epoch": 0}}
+
+
+def _step(msg: str, t0: float) -> None:
+    print(f"\n== [{time.time() - t0:6.0f} s] {msg}", flush=True)
+
+
+def demo_overrides(out: Path, objective: str) -> dict:
+    return {
+        "study": "mtpc-demo",
+        "objective": objective,
+        "output_dir": str(out),
+        "mlflow.experiment": "mtpc-demo",
+        "train": DEMO_TRAIN,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sweeps.demo", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="runs/demo", help="results directory (journal, MLflow store, checkpoints, figures)")
+    ap.add_argument("--workers", type=int, default=2, help="local worker processes (default 2: one per core; training uses 1 thread)")
+    ap.add_argument("--objective", choices=("trial", "fixture"), default="trial", help="fixture: skip training (plumbing check)")
+    a = ap.parse_args(argv)
+    t0 = time.time()
+    out = Path(a.out).resolve()
+
+    from sweeps import run
+    from sweeps.spec import SpecError, load_spec
+
+    try:
+        spec = load_spec(SMOKE, overrides=demo_overrides(out, a.objective))
+    except SpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.objective == "trial":
+        _step("1/4 embedded default model and data (pre-trained once, then cached)", t0)
+        from experiments.pretrain import ensure_default_model
+        from mtpc.data import sharegpt_corpus
+
+        corpus = sharegpt_corpus()
+        print(f"corpus: {len(corpus.train)} training conversations, {len(corpus.heldout_prompts)} held-out prompts")
+        print(f"model: {ensure_default_model()}")
+    _step(f"2/4 sweep {SMOKE.relative_to(REPO)} on the default model: {spec.n_trials} grid points, {a.workers} worker(s)", t0)
+    try:
+        run.init(spec)
+        if a.workers == 1:
+            rc = run.worker(spec)
+        else:
+            sets = [x for k, v in demo_overrides(out, a.objective).items() for x in ("--set", f"{k}={json.dumps(v)}")]
+            rc = run.local_workers(str(SMOKE), a.workers, sets)
+    except (SpecError, run.StorageError, run.tracking.TrackingError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    st = run.status(spec)
+    print(f"trials: {st['states']}")
+    pareto = REPO / "analysis" / "pareto.py"
+    fig_dir = out / "analysis"
+    if pareto.exists():
+        _step("3/4 analysis/pareto.py: Pareto fronts and tables", t0)
+        r = subprocess.run([sys.executable, str(pareto), "--tracking-uri", spec.tracking_uri, "--experiment", spec.experiment,
+                            "--out", str(fig_dir)], cwd=REPO)
+        if r.returncode != 0:
+            print(f"analysis/pareto.py exited with {r.returncode}", file=sys.stderr)
+            rc = rc or r.returncode
+    else:
+        _step("3/4 analysis/pareto.py not present: skipped", t0)
+    _step("4/4 where things are", t0)
+    print(f"Optuna study     : {spec.study} in {spec.storage}")
+    print(f"MLflow store     : {spec.tracking_uri} (experiment {spec.experiment})")
+    print(f"checkpoints/heads: {out / 'checkpoints' / spec.study}")
+    if pareto.exists():
+        print(f"figures, tables  : {fig_dir}")
+    print(f"open the UI      : mlflow ui --backend-store-uri {spec.tracking_uri} --host 127.0.0.1 --port 5000")
+    print("                   then browse http://127.0.0.1:5000")
+    print(f"demo took {time.time() - t0:.0f} s; exit code {rc}")
+    failed = st["states"].get("FAIL", 0)
+    if failed:
+        print(f"{failed} trial(s) failed: see their `error` in `python -m sweeps.run {SMOKE.relative_to(REPO)} --status` or the log above")
+    return rc if rc else (1 if failed else 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The real trial (experiments/trial.py) on the `tiny` backbone: train_head logs into the trial's
+parent run, experiments.evaluate logs one child per (mode, prompt_set) with the DESIGN section 3
+names; a stop request checkpoints and raises, and the re-run resumes from that checkpoint and
+completes; the sweep runner runs it end to end; every grid point's training config is validated
+before submission."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from sweeps import tracking
+from sweeps.objectives import Preempted
+from tests.sweep_helpers import fresh_tracking_uri
+
+pytest.importorskip("lightning")
+for _mod in ("experiments.train", "experiments.evaluate"):
+    if importlib.util.find_spec(_mod) is None:
+        pytest.skip(f"{_mod} not present", allow_module_level=True)
+
+TRAIN = {"config": "debug", "circuit": "cp", "rank": 2, "window": 4, "lora_depth": 0,
+         "trainer": {"max_epochs": 1}, "run": {"checkpoint_every_n_steps": 1}}
+PROMPTS = ["Hello, how are you?", "Write a haiku about bytes.", "What is 2 + 2?", "Name a colour."]
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    p = tmp_path / "prompts.jsonl"
+    p.write_text("".join(json.dumps(x) + "\n" for x in PROMPTS))
+    return str(p)
+
+
+@pytest.mark.slow
+def test_run_trial_trains_evaluates_and_resumes(tmp_path, prompts, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from experiments import trial
+
+    uri = fresh_tracking_uri(tmp_path)
+    exp_id = tracking.ensure_experiment(uri, "trial")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    ev = {"modes": ["greedy", "sample"], "prompts": prompts, "sets": 2, "n_prompts": 2, "max_new_tokens": 8}
+    parent = tracking.start_parent_run(uri, exp_id, "t0", params={}, tags={})
+    ck = tmp_path / "ck"
+    kw = {"mlflow_tracking_uri": uri, "mlflow_experiment_id": exp_id, "parent_run_name": "t0", "parent_run_id": parent,
+          "checkpoint_dir": ck, "preempted_exc": Preempted}
+    # 1) a stop request after the first batch: checkpoint written, Preempted raised, nothing evaluated
+    with pytest.raises(Preempted):
+        trial.run_trial(TRAIN, ev, should_stop=lambda: True, **kw)
+    assert (ck / "checkpoints" / "last.ckpt").is_file()
+    assert not tracking.child_runs(uri, exp_id, parent, finished_only=False)
+    # 2) the re-run resumes from it and finishes: training params/metrics on the parent, 2 x 2 children
+    out = trial.run_trial(TRAIN, ev, **kw)
+    assert out["throughput"] > 0 and 0 <= out["greedy/mu_acc"] <= 3
+    run = MlflowClient(uri).get_run(parent)
+    assert (run.data.params["circuit"], run.data.params["rank"], run.data.params["window"]) == ("cp", "2", "4")
+    assert "val_loss" in run.data.metrics or "train_loss" in run.data.metrics, run.data.metrics
+    kids = tracking.child_runs(uri, exp_id, parent)
+    assert sorted((k.data.params["mode"], k.data.params["prompt_set"]) for k in kids) == [
+        ("greedy", "0"), ("greedy", "1"), ("sample", "0"), ("sample", "1")]
+    for k in kids:
+        assert k.data.params["circuit"] == "cp" and k.data.params["extra_token"] == "keep"
+        assert {"mu_lat", "mu_acc", "tokens_per_cycle", "throughput", "max_throughput", "speedup_vs_stp"} <= set(k.data.metrics)
+    assert (ck / "evaluation.json").is_file()
+    assert "MLFLOW_TRACKING_URI" not in os.environ  # the trial put the environment back
+
+
+def test_training_configs_of_every_point_are_validated_before_submission(tmp_path):
+    from sweeps.run import validate_trial_configs
+    from sweeps.spec import SpecError, load_spec
+
+    smoke = "sweeps/smoke.yaml"
+    assert validate_trial_configs(load_spec(smoke, env={}, overrides={"output_dir": str(tmp_path)})) == 5
+    bad = load_spec(smoke, env={}, overrides={"output_dir": str(tmp_path), "train.model.lr": -1.0})
+    with pytest.raises(SpecError, match=r"smoke.yaml: key 'train' \(grid point ff-r1-n4-k0\).*model.lr"):
+        validate_trial_configs(bad)
+
+
+@pytest.mark.slow
+def test_sweep_runner_with_the_real_trial(tmp_path, prompts, monkeypatch):
+    """sweeps/smoke.yaml as shipped (tiny backbone), one hmm grid point, in-process worker."""
+    from mlflow.tracking import MlflowClient
+
+    from sweeps import run
+    from sweeps.spec import load_spec
+    from tests.sweep_helpers import REPO, check_complete_results, trials
+
+    monkeypatch.chdir(tmp_path)
+    spec = load_spec(REPO / "sweeps" / "smoke.yaml", env={}, overrides={
+        "output_dir": str(tmp_path / "out"), "eval.prompts": prompts,
+        "space.slices": {"one": {"circuit": ["hmm"], "rank": [2], "window": [4], "lora_depth": [1]}},
+    })
+    fresh_tracking_uri(tmp_path / "out")  # = the spec's default store, sqlite:///<output_dir>/mlflow.db
+    run.init(spec)
+    assert run.worker(spec) == 0
+    (t,) = trials(spec.storage, spec.study)
+    assert t.state.name == "COMPLETE", t.user_attrs.get("error")
+    check_complete_results(spec.storage, spec.study, spec.tracking_uri, spec.experiment)
+    parent = MlflowClient(spec.tracking_uri).get_run(t.user_attrs["mlflow_parent_run_id"])
+    assert parent.data.params["circuit"] == "hmm" and parent.data.params["lora_depth"] == "1"
+    assert parent.data.params["data_source"] == "debug"
+    assert parent.data.tags["mlflow.source.git.commit"] and "peak_mem_bytes" in parent.data.metrics
+    assert t.values[0] > 0  # mean throughput over the stored children
