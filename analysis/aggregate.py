@@ -65,7 +65,7 @@ class Setting:
 
 
 def metric_columns(df: pd.DataFrame) -> list[str]:
-    """The metric columns of a runs DataFrame: the named metrics plus acc_pos_<i>."""
+    """The metric columns of a runs DataFrame: the named metrics plus acceptance_pos_<i>."""
     named = [m for m in (*REQUIRED_METRICS, *OPTIONAL_METRICS) if m in df.columns]
     acc = sorted(
         (c for c in df.columns if ACC_POS_RE.match(str(c))), key=lambda c: int(ACC_POS_RE.match(c).group(1))

@@ -5,7 +5,7 @@ section 3 — each (mode, prompt_set) evaluation of a trial is a child run that 
 Parent (trial) runs, analysis summary runs and unfinished runs are left out. Params are typed
 (ints, floats, strings); optional params (``extra_token``, ``temperature``, ``seed``,
 ``hardware``, ``top_p``) and optional metrics become NaN/None when absent. Per-position
-acceptance metrics ``acc_pos_<i>`` (i = 1-based window position) become columns of their own.
+acceptance metrics ``acceptance_pos_<i>`` (i = 1-based window position) become columns of their own.
 
 Also here: resolving the tracking URI and experiment with errors a user can act on, filtering,
 and reading the accepted-length histogram artifact. No aggregation, plotting or tables.
@@ -57,11 +57,11 @@ OPTIONAL_METRICS: tuple[str, ...] = (
     "speedup_vs_ff",
     "peak_mem_bytes",
 )
-#: per-position acceptance: acc_pos_<i>, i = 1-based window position
-ACC_POS_PREFIX = "acc_pos_"
-ACC_POS_RE = re.compile(r"^acc_pos_(\d+)$")
+#: per-position acceptance: acceptance_pos_<i>, i = 1-based window position
+ACC_POS_PREFIX = "acceptance_pos_"
+ACC_POS_RE = re.compile(r"^acceptance_pos_(\d+)$")
 #: accepted-length histogram artifact of an evaluation run
-HIST_ARTIFACT = "accepted_length_hist.json"
+HIST_ARTIFACT = "accepted_length_histogram.json"
 #: tag set on the summary run that `pareto.py --log-to-mlflow` creates (never read back as data)
 SUMMARY_TAG = "mtpc.analysis"
 
@@ -263,7 +263,7 @@ def run_record(
     return row
 
 
-def _acc_pos_columns(columns) -> list[str]:
+def _acceptance_pos_columns(columns) -> list[str]:
     found = [c for c in columns if ACC_POS_RE.match(str(c))]
     return sorted(found, key=lambda c: int(ACC_POS_RE.match(c).group(1)))
 
@@ -275,7 +275,7 @@ def records_to_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
     params = list(REQUIRED_PARAMS) + list(OPTIONAL_PARAMS)
     metrics = list(REQUIRED_METRICS) + list(OPTIONAL_METRICS)
     df = pd.DataFrame.from_records(records)
-    acc = _acc_pos_columns(df.columns)
+    acc = _acceptance_pos_columns(df.columns)
     columns = base + params + metrics + acc
     df = df.reindex(columns=columns)
     for name in params:
@@ -439,9 +439,9 @@ def parse_hist(data: Any) -> np.ndarray:
     """Counts indexed by accepted length from the artifact's JSON.
 
     Accepted forms: a list of counts ``[c0, c1, ...]``; a mapping ``{"0": c0, "3": c3}``; or
-    either of those under a key ``"counts"`` / ``"hist"``. Raises ValueError otherwise."""
+    either of those under a key ``"accepted_length_histogram"`` (what experiments.evaluate writes) / ``"counts"`` / ``"hist"``. Raises ValueError otherwise."""
     if isinstance(data, Mapping):
-        for key in ("counts", "hist", "histogram"):
+        for key in ("accepted_length_histogram", "counts", "hist", "histogram"):
             if key in data:
                 return parse_hist(data[key])
         try:

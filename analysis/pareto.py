@@ -4,7 +4,7 @@ Per setting (backbone, mode, extra_token, temperature[, top_p, hardware]) it wri
   pareto_<setting>.png/.pdf            mu_acc vs mu_lat, front, iso-throughput lines, STP
   throughput_vs_window_<setting>.*     when the window varies
   throughput_vs_lora_depth_<setting>.* when the LoRA depth varies
-  acceptance_<setting>.*               per-position acceptance (acc_pos_<i> metrics), if logged
+  acceptance_<setting>.*               per-position acceptance (acceptance_pos_<i> metrics), if logged
   accepted_length_<setting>.*          accepted-length histogram artifact, if logged
   table_<setting>.md / .tex            rows (n, r, circuit[, k]), mean ± std, best in bold
 plus tables.md, tables.tex and summary.csv for all settings, and prints the best configuration

@@ -5,7 +5,7 @@
   front (mu_lat down, mu_acc up) drawn as a line with outlined points, dashed iso-throughput lines
   tokens_per_cycle / mu_lat labelled in bytes/s, and the STP baseline (x = 0: one byte per cycle).
 - `throughput_figure`: logged throughput against window n or LoRA depth k, STP as a dashed line.
-- `acceptance_figure`: per-position acceptance (acc_pos_<i>) of the fastest configurations.
+- `acceptance_figure`: per-position acceptance (acceptance_pos_<i>) of the fastest configurations.
 - `accepted_length_figure`: accepted-length distribution from the histogram artifact.
 
 Artists carry `gid`s ("circuit-<c>", "errorbar-<c>" (error-bar containers: label "_errorbar-<c>"), "pareto-front", "iso-throughput",
@@ -422,7 +422,7 @@ def acceptance_figure(
     setting: Setting, part: pd.DataFrame, top: int = 5, width: float = COLUMN_WIDTH_IN
 ) -> Figure | None:
     """Per-position acceptance rate (accepted / tested at window position i) of the
-    `representatives`; None when no acc_pos_<i> metric was logged."""
+    `representatives`; None when no acceptance_pos_<i> metric was logged."""
     cols = [c for c in part.columns if str(c).endswith("_mean") and ACC_POS_RE.match(str(c)[: -len("_mean")])]
     cols.sort(key=lambda c: int(ACC_POS_RE.match(c[: -len("_mean")]).group(1)))
     if not cols or not np.isfinite(part[cols].to_numpy(dtype=float)).any():

@@ -80,7 +80,7 @@ def synthetic_evaluations(
                                 "max_throughput": n / lat, "stp_mu_lat": stp, "stp_throughput": stp_thr,
                                 "speedup_vs_stp": thr / stp_thr, "peak_mem_bytes": 1e8 * (1 + 0.1 * n),
                             }  # fmt: skip
-                            metrics.update({f"acc_pos_{i}": v for i, v in acc.items()})
+                            metrics.update({f"acceptance_pos_{i}": v for i, v in acc.items()})
                             params: dict[str, object] = {
                                 "backbone": backbone, "circuit": c, "window": n, "rank": r, "lora_depth": k,
                                 "mode": mode, "extra_token": "keep",
@@ -140,7 +140,7 @@ def log_sweep(uri: str, experiment: str, evaluations: list[Evaluation]) -> dict[
                 tags=[RunTag("idx", str(i))],
             )
             if ev.hist is not None:
-                path = Path(tmp) / "accepted_length_hist.json"
+                path = Path(tmp) / "accepted_length_histogram.json"
                 path.write_text(json.dumps(ev.hist))
                 client.log_artifact(rid, str(path))
             if ev.status == "FINISHED":

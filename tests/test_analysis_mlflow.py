@@ -74,8 +74,8 @@ def test_dataframe_contents_and_types(store):
         "mu_acc",
         "throughput",
         "stp_mu_lat",
-        "acc_pos_2",
-        "acc_pos_16",
+        "acceptance_pos_2",
+        "acceptance_pos_16",
     ):
         assert df[col].dtype == np.float64, col
     assert df["backbone"].dtype == object and set(df["mode"]) == {"greedy", "sample"}
@@ -89,7 +89,7 @@ def test_dataframe_contents_and_types(store):
         for k, v in ev.metrics.items():
             assert row[k] == pytest.approx(v, rel=1e-12), k
         if ev.params["window"] == 8:
-            assert np.isnan(row["acc_pos_16"])  # positions a run does not have stay NaN
+            assert np.isnan(row["acceptance_pos_16"])  # positions a run does not have stay NaN
     bare = df[df.backbone == "bare"]
     assert len(bare) == 2 and bare["hardware"].isna().all() and bare["top_p"].isna().all()
     assert [s.run_id for s in result.skipped] == [store["broken_id"]]
@@ -148,9 +148,12 @@ def test_parse_hist_forms():
     np.testing.assert_array_equal(parse_hist([3, 2, 1]), [3, 2, 1])
     np.testing.assert_array_equal(parse_hist({"0": 3, "2": 1}), [3, 0, 1])
     np.testing.assert_array_equal(parse_hist({"counts": [1, 1]}), [1, 1])
-    with pytest.raises(ValueError, match="accepted_length_hist.json"):
+    # the layout experiments.evaluate.log_evaluation_to_mlflow writes
+    evaluated = {"accepted_length_histogram": [5, 0, 2], "per_position_acceptance": [None, 0.4, 0.1]}
+    np.testing.assert_array_equal(parse_hist(evaluated), [5, 0, 2])
+    with pytest.raises(ValueError, match="accepted_length_histogram.json"):
         parse_hist({"a": 1})
-    with pytest.raises(ValueError, match="accepted_length_hist.json"):
+    with pytest.raises(ValueError, match="accepted_length_histogram.json"):
         parse_hist("x")
 
 

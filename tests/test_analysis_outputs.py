@@ -53,7 +53,7 @@ def test_aggregate_is_mean_and_sample_std_of_logged_values(evals, setting_part):
     # the logged throughput is used, not tokens_per_cycle / mu_lat (3 % apart in the synthetic data)
     recomputed = np.mean([e.metrics["tokens_per_cycle"] / e.metrics["mu_lat"] for e in sel])
     assert abs(row["throughput_mean"] - recomputed) > 0.02 * recomputed
-    assert row["acc_pos_16_mean"] == pytest.approx(np.mean([e.metrics["acc_pos_16"] for e in sel]))
+    assert row["acceptance_pos_16_mean"] == pytest.approx(np.mean([e.metrics["acceptance_pos_16"] for e in sel]))
     assert sorted(row["run_ids"]) == sorted(f"run{evals.index(e)}" for e in sel)
     # sorted by n, r, circuit (ff, cp, hmm, btree), k
     first = part.iloc[:6][["window", "rank", "circuit", "lora_depth"]].values.tolist()
@@ -260,7 +260,7 @@ def test_acceptance_and_accepted_length_figures(evals, runs, setting_part):
     (ln,) = [ln for ln in ax.lines if ln.get_gid() == "circuit-btree"]
     n = int(best_bt["window"])
     np.testing.assert_allclose(ln.get_xdata(), np.arange(2, n + 1))
-    np.testing.assert_allclose(ln.get_ydata(), [best_bt[f"acc_pos_{i}_mean"] for i in range(2, n + 1)])
+    np.testing.assert_allclose(ln.get_ydata(), [best_bt[f"acceptance_pos_{i}_mean"] for i in range(2, n + 1)])
     plots.plt.close(fig)
 
     hists = {f"run{i}": np.asarray(e.hist, float) for i, e in enumerate(evals)}
@@ -270,7 +270,7 @@ def test_acceptance_and_accepted_length_figures(evals, runs, setting_part):
     np.testing.assert_allclose(ln.get_ydata(), total / total.sum())
     plots.plt.close(fig)
     assert plots.accepted_length_figure(setting, part, {}) is None
-    no_acc = part.drop(columns=[c for c in part.columns if c.startswith("acc_pos_")])
+    no_acc = part.drop(columns=[c for c in part.columns if c.startswith("acceptance_pos_")])
     assert plots.acceptance_figure(setting, no_acc) is None
 
 
