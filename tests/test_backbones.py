@@ -161,6 +161,10 @@ def test_bad_input():
         bb(torch.zeros(2, 3))
     with pytest.raises(ValueError, match="Llama-architecture"):
         BackboneAdapter.from_hf(torch.nn.Linear(2, 2))
+    flash = tiny_llama()
+    flash.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="flash_attention_2.*sdpa"):
+        BackboneAdapter.from_hf(flash)
 
 
 def test_load_backbone_from_directory(tmp_path, monkeypatch):

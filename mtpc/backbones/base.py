@@ -137,6 +137,12 @@ class BackboneAdapter(nn.Module):
             raise ValueError(f"lora_depth={lora_depth!r}: must be an int in [0, num_layers={num_layers}]")
         if lora_depth > 0 and lora_rank < 1:
             raise ValueError(f"lora_rank={lora_rank}: must be >= 1")
+        attn = str(getattr(model.config, "_attn_implementation", "") or "")
+        if "flash" in attn:
+            raise ValueError(
+                f"attn_implementation={attn!r}: the split forward passes an explicit causal mask over "
+                "[cached | new] keys, which flash-attention kernels ignore; load with 'sdpa' or 'eager'"
+            )
         self.model = model
         self.model.requires_grad_(False)
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
