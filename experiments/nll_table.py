@@ -1,6 +1,6 @@
 """Held-out per-position NLL of ff / cp / hmm / btree heads on the embedded default model.
 
-    python -m experiments.nll_table --windows 8 16 --kinds ff cp hmm btree [--steps 30] [--rank 8]
+    python -m experiments.nll_table --windows 8 16 --kinds ff cp hmm btree [--steps 200] [--rank 8] [--seed 0]
     python -m experiments.nll_table --table        # print the markdown table from the results file
 
 Each (kind, n) is one `train_head("default", ...)` run; its head is exported to
@@ -23,18 +23,18 @@ from mtpc.paths import cache_dir
 RESULTS = PROJECT_DIR / "bench" / "results" / "train_nll_default_cpu.jsonl"
 
 
-def run_one(kind: str, window: int, rank: int, steps: int, extra: dict) -> dict:
+def run_one(kind: str, window: int, rank: int, steps: int, seed: int = 0) -> dict:
     rank = 1 if kind == "ff" else rank
-    name = f"default-{kind}-n{window}-r{rank}"
+    name = f"default-{kind}-n{window}-r{rank}" + (f"-seed{seed}" if seed else "")
     over = {"model.circuit": kind, "model.window": window, "model.rank": rank, "trainer.max_steps": steps,
-            "run.name": name, **extra}
+            "run.name": name, "seed_everything": seed, "data.seed": seed}
     t = time.perf_counter()
     res = train_head("default", over, run_dir=PROJECT_DIR / "runs" / "nll" / name,
                      export_dir=cache_dir() / "heads" / name)
     m = res.metrics
     pretrain = json.loads((cache_dir() / "models" / "default" / "pretrain_metrics.json").read_text())
     row = {
-        "name": name, "circuit": kind, "window": window, "rank": rank, "steps": steps,
+        "name": name, "circuit": kind, "window": window, "rank": rank, "steps": steps, "seed": seed,
         "leaf_delta_rank": res.config["model"].get("leaf_delta_rank"),
         "train_bytes": steps * res.config["data"]["seq_len"] * res.config["data"]["batch_size"],
         "val_nll": [m[f"val_nll_{j}"] for j in range(1, window + 1)],
@@ -58,15 +58,15 @@ def table(path: Path = RESULTS) -> str:
     for r in rows:  # the last run of each (name, steps) wins
         latest[r["name"], r["steps"]] = r
     order = {"ff": 0, "cp": 1, "hmm": 2, "btree": 3}
-    rows = sorted(latest.values(), key=lambda r: (r["steps"], r["window"], order[r["circuit"]]))
-    out = ["| steps | circuit | n | r | NLL pos 1 | pos 2 | pos 4 | pos 8 | pos 16 | window NLL (nats) | bits/byte "
+    rows = sorted(latest.values(), key=lambda r: (r["steps"], r.get("seed", 0), r["window"], order[r["circuit"]]))
+    out = ["| steps | seed | circuit | n | r | NLL pos 1 | pos 2 | pos 4 | pos 8 | pos 16 | window NLL (nats) | bits/byte "
            "| STP NLL pos 1 | min |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         nll = r["val_nll"]
         pos = [f"{nll[j - 1]:.3f}" if j <= len(nll) else "" for j in (1, 2, 4, 8, 16)]
         stp = f"{r['val_stp_nll']:.3f}" if r.get("val_stp_nll") is not None else ""
-        out.append(f"| {r['steps']} | {r['circuit']} | {r['window']} | {r['rank']} | " + " | ".join(pos)
+        out.append(f"| {r['steps']} | {r.get('seed', 0)} | {r['circuit']} | {r['window']} | {r['rank']} | " + " | ".join(pos)
                    + f" | {r['val_window_nll']:.3f} | {r['val_bits_per_byte']:.3f} | {stp} | {r['seconds'] / 60:.1f} |")
     return "\n".join(out)
 
@@ -76,13 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--windows", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--kinds", nargs="+", default=["ff", "cp", "hmm", "btree"])
     ap.add_argument("--rank", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the head init and data order (name gets -seed<k>)")
     ap.add_argument("--table", action="store_true", help="only print the table from the results file")
     args = ap.parse_args(argv)
     if not args.table:
         for n in args.windows:
             for kind in args.kinds:
-                row = run_one(kind, n, args.rank, args.steps, {})
+                row = run_one(kind, n, args.rank, args.steps, args.seed)
                 print(json.dumps({k: row[k] for k in ("name", "val_window_nll", "val_bits_per_byte", "seconds")}),
                       flush=True)
     print(table())
