@@ -86,6 +86,19 @@ class SplitCache:
         self.length = length
 
 
+
+def max_context_of(config: Any) -> int:
+    """The longest sequence a model config admits (`max_position_embeddings`; unbounded if absent)."""
+    return int(getattr(config, "max_position_embeddings", 0) or 2**31 - 1)
+
+
+def special_token_id(tokenizer: Any, config: Any, name: str) -> int | None:
+    """A special id (`eos_token_id`, `bos_token_id`) from the tokenizer, else the model config;
+    the first one when a config lists several."""
+    tid = getattr(tokenizer, name, None)
+    tid = tid if tid is not None else getattr(config, name, None)
+    return tid[0] if isinstance(tid, (list, tuple)) else tid
+
 def _cache_kwarg(layer: nn.Module) -> str:
     """Name under which this transformers version's decoder layer takes its cache."""
     params = inspect.signature(layer.forward).parameters
@@ -181,18 +194,15 @@ class BackboneAdapter(nn.Module):
 
     @property
     def max_context(self) -> int:
-        return int(getattr(self.config, "max_position_embeddings", 0) or 2**31 - 1)
+        return max_context_of(self.config)
 
     @property
     def eos_token_id(self) -> int | None:
-        tid = getattr(self.tokenizer, "eos_token_id", None)
-        tid = tid if tid is not None else getattr(self.config, "eos_token_id", None)
-        return tid[0] if isinstance(tid, (list, tuple)) else tid
+        return special_token_id(self.tokenizer, self.config, "eos_token_id")
 
     @property
     def bos_token_id(self) -> int | None:
-        tid = getattr(self.tokenizer, "bos_token_id", None)
-        return tid if tid is not None else getattr(self.config, "bos_token_id", None)
+        return special_token_id(self.tokenizer, self.config, "bos_token_id")
 
     @property
     def device(self) -> torch.device:

@@ -47,6 +47,8 @@ from mtpc.backbones.base import (
     load_lora_state_dict,
     lora_named_parameters,
     lora_parameters,
+    max_context_of,
+    special_token_id,
 )
 
 
@@ -170,18 +172,15 @@ class EvaByteAdapter(nn.Module):
 
     @property
     def max_context(self) -> int:
-        return int(getattr(self.config, "max_position_embeddings", 0) or 2**31 - 1)
+        return max_context_of(self.config)
 
     @property
     def eos_token_id(self) -> int | None:
-        tid = getattr(self.tokenizer, "eos_token_id", None)
-        tid = tid if tid is not None else getattr(self.config, "eos_token_id", None)
-        return tid[0] if isinstance(tid, (list, tuple)) else tid
+        return special_token_id(self.tokenizer, self.config, "eos_token_id")
 
     @property
     def bos_token_id(self) -> int | None:
-        tid = getattr(self.tokenizer, "bos_token_id", None)
-        return tid if tid is not None else getattr(self.config, "bos_token_id", None)
+        return special_token_id(self.tokenizer, self.config, "bos_token_id")
 
     @property
     def device(self) -> torch.device:
