@@ -16,6 +16,7 @@ elsewhere; `save` writes PNG (300 dpi) + PDF.
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -169,13 +170,14 @@ def pareto_figure(setting: Setting, part: pd.DataFrame, width: float = COLUMN_WI
         _draw_iso_lines(ax, setting, part, x, y, stp_lat_ms)
         ax.set_xlabel(r"accepted bytes per cycle $\mu_\mathrm{acc}$")
         ax.set_ylabel(r"latency per cycle $\mu_\mathrm{lat}$ (ms)")
-        ax.set_title(setting.title(), pad=3)
+        ax.set_title(_wrap_title(setting.title()), pad=3)
         ax.grid(False)
         labelled = len(x) <= MAX_LABELLED_POINTS
+        n_entries = len(ax.get_legend_handles_labels()[1])
         leg = ax.legend(
-            loc="lower right",  # beyond the front (fast and accepting): empty by construction
-            frameon=True, framealpha=0.85, edgecolor="none", handletextpad=0.3,
-            borderaxespad=0.3, labelspacing=0.3, markerscale=0.9,
+            # below the axes: inside, any corner can hold points of the front (the demo's did)
+            loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=min(4, max(1, n_entries)),
+            frameon=False, handletextpad=0.3, columnspacing=0.8, labelspacing=0.3, markerscale=0.9,
             title="labels: n/r/k" if labelled else "front labels: n/r/k", title_fontsize=5.5,
         )  # fmt: skip
         # n/r/k labels (only the front when crowded), placed to avoid points and each other
@@ -187,6 +189,11 @@ def pareto_figure(setting: Setting, part: pd.DataFrame, width: float = COLUMN_WI
         front_lines = [ln for ln in ax.lines if ln.get_gid() == "pareto-front"]
         _place_labels(ax, x, y, texts, show, avoid=[leg], lines=front_lines)
     return fig
+
+
+def _wrap_title(title: str, width: int = 58) -> str:
+    """Titles carry the hardware string; wrap them so they fit a 3.3 in column."""
+    return textwrap.fill(title, width=width, break_long_words=False)
 
 
 _LABEL_OFFSETS = (  # (dx, dy) in points, horizontal alignment, vertical alignment
@@ -441,7 +448,7 @@ def acceptance_figure(
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("window position $i$")
         ax.set_ylabel("accepted / tested at position $i$")
-        ax.set_title(f"{setting.title()}\n{_rep_caption(part)}", pad=3)
+        ax.set_title(f"{_wrap_title(setting.title())}\n{_rep_caption(part)}", pad=3)
         ax.legend(loc="best", frameon=True, framealpha=0.85, edgecolor="none", labelspacing=0.3)
     return fig
 
@@ -478,7 +485,7 @@ def accepted_length_figure(
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("accepted drafted bytes per cycle")
         ax.set_ylabel("fraction of cycles")
-        ax.set_title(f"{setting.title()}\n{_rep_caption(part)}", pad=3)
+        ax.set_title(f"{_wrap_title(setting.title())}\n{_rep_caption(part)}", pad=3)
         ax.legend(loc="upper right", frameon=True, framealpha=0.85, edgecolor="none", labelspacing=0.3)
     return fig
 
