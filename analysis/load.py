@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from mtpc.metrics import ACCEPTANCE_PREFIX, EVAL_METRICS, HISTOGRAM_ARTIFACT
+
 # --- names fixed by DESIGN section 3 -------------------------------------------------------------
 
 #: params every evaluation run must carry, with their types
@@ -48,20 +50,13 @@ OPTIONAL_PARAMS: dict[str, type] = {
     "top_p": float,
 }
 #: metrics without which a run cannot be placed on the Pareto plot or in a table
-REQUIRED_METRICS: tuple[str, ...] = ("mu_lat", "mu_acc", "tokens_per_cycle", "throughput")
-OPTIONAL_METRICS: tuple[str, ...] = (
-    "max_throughput",
-    "stp_mu_lat",
-    "stp_throughput",
-    "speedup_vs_stp",
-    "speedup_vs_ff",
-    "peak_mem_bytes",
-)
+REQUIRED_METRICS: tuple[str, ...] = EVAL_METRICS[:4]  # mu_lat, mu_acc, tokens_per_cycle, throughput
+OPTIONAL_METRICS: tuple[str, ...] = EVAL_METRICS[4:]
 #: per-position acceptance: acceptance_pos_<i>, i = 1-based window position
-ACC_POS_PREFIX = "acceptance_pos_"
-ACC_POS_RE = re.compile(r"^acceptance_pos_(\d+)$")
+ACC_POS_PREFIX = ACCEPTANCE_PREFIX
+ACC_POS_RE = re.compile(rf"^{ACCEPTANCE_PREFIX}(\d+)$")
 #: accepted-length histogram artifact of an evaluation run
-HIST_ARTIFACT = "accepted_length_histogram.json"
+HIST_ARTIFACT = HISTOGRAM_ARTIFACT
 #: tag set on the summary run that `pareto.py --log-to-mlflow` creates (never read back as data)
 SUMMARY_TAG = "mtpc.analysis"
 

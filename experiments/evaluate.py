@@ -33,13 +33,11 @@ import torch
 from tqdm import tqdm
 
 from mtpc import MtpcModel
+from mtpc.metrics import ACCEPTANCE_PREFIX, EVAL_METRICS, HISTOGRAM_ARTIFACT
 
 MODES = ("greedy", "sample")
 EXTRA_TOKENS = ("keep", "drop")
-SUMMARY_METRICS = (
-    "mu_lat", "mu_acc", "tokens_per_cycle", "throughput", "max_throughput", "stp_mu_lat", "stp_throughput",
-    "speedup_vs_stp", "speedup_vs_ff", "peak_mem_bytes",
-)  # fmt: skip
+SUMMARY_METRICS = EVAL_METRICS
 
 
 def hardware() -> str:
@@ -277,14 +275,14 @@ def log_evaluation_to_mlflow(
         scalars = {k: float(v) for k, v in m.items() if isinstance(v, (int, float)) and v == v}
         for i, a in enumerate(m["per_position_acceptance"], 1):
             if a is not None:
-                scalars[f"acceptance_pos_{i}"] = float(a)
+                scalars[f"{ACCEPTANCE_PREFIX}{i}"] = float(a)
         client.log_batch(
             rid,
             metrics=[Metric(k, v, 0, 0) for k, v in scalars.items()],
             params=[Param(k, str(v)[:500]) for k, v in p.items()],
         )
         client.log_dict(rid, {"accepted_length_histogram": m["accepted_length_histogram"],
-                              "per_position_acceptance": m["per_position_acceptance"]}, "accepted_length_histogram.json")  # fmt: skip
+                              "per_position_acceptance": m["per_position_acceptance"]}, HISTOGRAM_ARTIFACT)  # fmt: skip
         client.set_terminated(rid)
         ids.append(rid)
     return ids

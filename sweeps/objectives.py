@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mtpc.metrics import ACCEPTANCE_PREFIX, HISTOGRAM_ARTIFACT
 from sweeps import tracking
 from sweeps.spec import SweepSpec
 
@@ -111,7 +112,7 @@ def fixture_metrics(point: dict[str, Any], mode: str, extra_token: str = "keep")
         "speedup_vs_stp": (tpc / mu_lat) * stp_mu_lat,
         "peak_mem_bytes": 1e6 * (1 + n * r),
     }
-    out.update({f"acceptance_pos_{i + 2}": p for i, p in enumerate(per_pos)})  # 1-based window position
+    out.update({f"{ACCEPTANCE_PREFIX}{i + 2}": p for i, p in enumerate(per_pos)})  # 1-based window position
     return out
 
 
@@ -119,7 +120,7 @@ def fixture_histogram(point: dict[str, Any], mode: str, cycles: int = 100) -> li
     """Counts of accepted lengths 0..n-1 over `cycles` cycles, consistent with fixture_metrics."""
     m = fixture_metrics(point, mode)
     n = point["window"]
-    surv = [1.0] + [m[f"acceptance_pos_{i + 2}"] for i in range(n - 1)]  # P(accepted >= i)
+    surv = [1.0] + [m[f"{ACCEPTANCE_PREFIX}{i + 2}"] for i in range(n - 1)]  # P(accepted >= i)
     probs = [surv[i] - (surv[i + 1] if i + 1 < n else 0.0) for i in range(n)]
     return [round(cycles * p) for p in probs]
 
@@ -163,11 +164,11 @@ def fixture_objective(ctx: TrialContext) -> None:
                 "seed": e.seed, "hardware": "fixture", "top_p": e.top_p,
             }
             metrics = fixture_metrics(point, mode, e.extra_token)
-            per_pos = [None] + [metrics[f"acceptance_pos_{i}"] for i in range(2, point["window"] + 1)]
+            per_pos = [None] + [metrics[f"{ACCEPTANCE_PREFIX}{i}"] for i in range(2, point["window"] + 1)]
             tracking.log_child_run(
                 uri, ctx.experiment_id, parent, f"{ctx.parent_run_name}/{mode}/{ps}",
                 params=params, metrics=metrics,
-                artifacts={"accepted_length_histogram.json": {  # the layout experiments.evaluate logs
+                artifacts={HISTOGRAM_ARTIFACT: {  # the layout experiments.evaluate logs
                     "accepted_length_histogram": fixture_histogram(point, mode),
                     "per_position_acceptance": per_pos,
                 }},

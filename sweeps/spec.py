@@ -23,6 +23,8 @@ from typing import Any
 
 import yaml
 
+from mtpc.metrics import EVAL_METRICS
+
 CIRCUITS = ("ff", "cp", "hmm", "btree")
 GRID_PARAMS = ("circuit", "rank", "window", "lora_depth")  # DESIGN section 3 names
 MODES = ("greedy", "sample")
@@ -31,18 +33,7 @@ OBJECTIVE_KINDS = ("trial", "fixture")
 DIRECTIONS = ("maximize", "minimize")
 SAMPLERS = ("tpe", "random")
 # metrics an objective may name: they are read back from the stored child runs (DESIGN section 3)
-CHILD_METRICS = (
-    "mu_lat",
-    "mu_acc",
-    "tokens_per_cycle",
-    "throughput",
-    "max_throughput",
-    "stp_mu_lat",
-    "stp_throughput",
-    "speedup_vs_stp",
-    "speedup_vs_ff",
-    "peak_mem_bytes",
-)
+CHILD_METRICS = EVAL_METRICS
 STORAGE_ENV = "MTPC_OPTUNA_STORAGE"
 TRACKING_ENV = "MLFLOW_TRACKING_URI"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
