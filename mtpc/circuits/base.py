@@ -178,6 +178,19 @@ class Circuit:
         shapes = self.param_shapes
         return {k: t.expand(*batch, *shapes[k]) for k, t in q.items()}
 
+    def _expand_with_scores(self, q: Params, ids: Tensor | None) -> tuple[Params, Tensor | None, Tensor]:
+        """q broadcast to the batch of q and ids, ids broadcast likewise, and the leaf scores of the
+        ids (..., k, r) (k = 0 when ids is None). Shared by the latent-variable circuits' passes."""
+        batch = self._batch_shape(q, *(() if ids is None else (ids.shape[:-1],)))
+        e = self._expand(q, batch)
+        leaves = e["leaves"]
+        if ids is None:
+            scores = leaves.new_zeros(*batch, 0, self.rank)
+        else:
+            ids = ids.expand(*batch, ids.shape[-1])
+            scores = gather_leaf_scores(leaves[..., : ids.shape[-1], :, :], ids)  # (..., k, r)
+        return e, ids, scores
+
     def _log_prob(self, q: Params, x: Tensor) -> Tensor:  # (...)
         raise NotImplementedError
 

@@ -169,15 +169,9 @@ class BTreeCircuit(Circuit):
         return s
 
     def _parts(self, q: Params, ids: Tensor | None):
-        batch = self._batch_shape(q, *(() if ids is None else (ids.shape[:-1],)))
-        e = self._expand(q, batch)
-        leaves = e["leaves"]
-        if ids is None:
-            scores = leaves.new_zeros(*batch, 0, self.rank)
-        else:
-            ids = ids.expand(*batch, ids.shape[-1])
-            scores = gather_leaf_scores(leaves[..., : ids.shape[-1], :, :], ids)  # (..., k, r)
-        return e["root"], e["internal"], leaves, ids, scores
+        """-> root (..., r), internal (..., m, r, r), leaves (..., n, r, v), ids, scores (..., k, r)."""
+        e, ids, scores = self._expand_with_scores(q, ids)
+        return e["root"], e["internal"], e["leaves"], ids, scores
 
     def _upward(self, s: _Schedule, table: Tensor, leaf_msg: Tensor, use_max: bool, keep_u: bool = True):
         """Upward pass. table: internal tables breadth-first (probs for sum, logs for max) (..., m, r, r);

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Circuit, Params, gather_leaf_scores, gather_rows, log_vecmat, sample_rows, with_prefix
+from .base import Circuit, Params, gather_rows, log_vecmat, sample_rows, with_prefix
 
 
 class HMMCircuit(Circuit):
@@ -26,15 +26,8 @@ class HMMCircuit(Circuit):
 
     def _parts(self, q: Params, ids: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
         """-> initial (..., r), log transitions (..., n-1, r, r), leaves (..., n, r, v), ids, scores (..., k, r)."""
-        batch = self._batch_shape(q, *(() if ids is None else (ids.shape[:-1],)))
-        e = self._expand(q, batch)
-        leaves = e["leaves"]
-        if ids is None:
-            scores = leaves.new_zeros(*batch, 0, self.rank)
-        else:
-            ids = ids.expand(*batch, ids.shape[-1])
-            scores = gather_leaf_scores(leaves[..., : ids.shape[-1], :, :], ids)  # (..., k, r)
-        return e["initial"], e["transitions"], leaves, ids, scores
+        e, ids, scores = self._expand_with_scores(q, ids)
+        return e["initial"], e["transitions"], e["leaves"], ids, scores
 
     def _filter(self, initial: Tensor, probs: Tensor, scores: Tensor) -> list[Tensor]:
         """pred[i] = log q(z_i, x_<i) for i = 0..k (0-based), k = scores.shape[-2] <= n - 1 steps."""
