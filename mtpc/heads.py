@@ -249,7 +249,7 @@ class MtpcHead(nn.Module):
 
 def save_head(directory: str | Path, head: MtpcHead, lora_state: dict[str, Tensor] | None = None) -> Path:
     """Write head.safetensors + config.json (+ lora.safetensors when `lora_state` is given)."""
-    directory = Path(directory)
+    directory = Path(directory).expanduser()
     directory.mkdir(parents=True, exist_ok=True)
     config = {"format_version": FORMAT_VERSION, **head.config.to_dict()}
     state = {name: t.detach().contiguous().cpu() for name, t in head.state_dict().items()}
@@ -271,7 +271,7 @@ def load_head(
     Every tensor is checked against the shapes the config implies before loading, so a config
     that does not match its tensors fails with a ValueError naming the tensor.
     """
-    directory = Path(directory)
+    directory = Path(directory).expanduser()
     config_path, head_path = directory / CONFIG_FILE, directory / HEAD_FILE
     for p in (config_path, head_path):
         if not p.is_file():

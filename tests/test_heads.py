@@ -228,6 +228,15 @@ def test_export_round_trip_gives_identical_outputs(tmp_path, kind):
     assert load_head(tmp_path)[1] is None
 
 
+def test_export_paths_expand_the_home_directory(tmp_path, monkeypatch):
+    # README usage: MtpcModel.from_pretrained("~/.cache/mtpc/heads/...")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    head = make_head("cp", r=2)
+    save_head("~/heads/cp", head)
+    assert (tmp_path / "heads" / "cp" / "config.json").is_file()
+    assert load_head("~/heads/cp")[0].config == head.config
+
+
 def test_export_config_not_matching_tensors_is_a_clear_error(tmp_path):
     save_head(tmp_path, make_head("cp", r=3))
     config = json.loads((tmp_path / "config.json").read_text())
