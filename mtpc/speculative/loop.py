@@ -89,7 +89,8 @@ Drafter = Callable[[dict[str, Tensor], Tensor | None, bool], tuple[Tensor, Tenso
 
 
 class CircuitDrafter:
-    """Drafts a window from a circuit: the fused `_draft` if the circuit has it, else sample + conditionals."""
+    """Drafts a window from a circuit with its fused `_draft` (the window and its conditionals in one
+    call; every Circuit has one, the base class providing the generic sample-then-conditionals)."""
 
     def __init__(self, circuit: Any, generator: torch.Generator | None = None):
         self.circuit = circuit
@@ -97,11 +98,7 @@ class CircuitDrafter:
         self.window = circuit.window
 
     def __call__(self, q: dict[str, Tensor], prefix: Tensor | None, greedy: bool) -> tuple[Tensor, Tensor]:
-        c = self.circuit
-        if hasattr(c, "_draft"):
-            return c._draft(q, prefix, generator=self.generator, greedy=greedy)
-        x = c._greedy(q, prefix) if greedy else c._sample(q, self.generator, prefix)  # (n,)
-        return x, c._conditionals(q, x)  # (n,), (n, v)
+        return self.circuit._draft(q, prefix, generator=self.generator, greedy=greedy)  # (n,), (n, v)
 
 
 @dataclass
