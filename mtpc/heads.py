@@ -104,6 +104,16 @@ class HeadConfig:
         return cls(**d)
 
 
+@dataclass
+class _DecodeWeights:
+    """decode_params' copy of the weights, valid while `key` (every parameter's device, dtype,
+    storage and version) is unchanged."""
+
+    key: tuple
+    weight: Tensor  # (d, N): [leaves W | U, A] + every sum weight R, transposed
+    bias: Tensor  # (1, N): 0 for the leaf rows, b for the sum rows
+
+
 class MtpcHead(nn.Module):
     """e_t (..., d) -> {name: unnormalised logits (..., *circuit.param_shapes[name])}."""
 
@@ -123,6 +133,7 @@ class MtpcHead(nn.Module):
             self.leaf_delta_in = nn.Parameter(torch.empty(n, r, k, d, **fk))  # A
             self.leaf_delta_out = nn.Parameter(torch.empty(n, r, v, k, **fk))  # B
         self.sum_names = tuple(name for name in shapes if name != "leaves")
+        self._decode_cache: _DecodeWeights | None = None  # decode_params' weight copy
         self.sum_weight = nn.ParameterDict(
             {name: nn.Parameter(torch.empty(*shapes[name], d, **fk)) for name in self.sum_names}
         )  # R per name
@@ -242,6 +253,93 @@ class MtpcHead(nn.Module):
             w, b = self.sum_weight[name], self.sum_bias[name]
             out[name] = F.linear(e, w.view(-1, d), b.reshape(-1)).view(*lead, *b.shape)
         return out
+
+    # --- decoding (batch 1, no autograd) ----------------------------------------------------
+
+    def decode_params(self, e: Tensor) -> dict[str, Tensor]:
+        """Normalised circuit parameters for ONE context e (d,): what `circuit.normalize(head(e))`
+        returns (the same keys, shapes (*param_shapes[name]) and dtype: float64 for a float64
+        head, else float32; equal to rounding), computed for the decoding loop.
+
+        The interface of the decoding loop: `theta = head.decode_params(e)` replaces
+        `circuit.normalize(head(e))`; then `x, log_q = circuit._draft(theta, prefix,
+        generator=g, greedy=greedy)` as before (or both at once: `head.draft`).
+
+        How: every weight that multiplies e (leaves or, for App. G leaves, the shared unembedding U
+        and the delta's A; every sum weight R) is held once more, transposed and concatenated into
+        one (d, N) matrix with the biases beside it, so that one row-vector product e (1, d) x (d, N)
+        reads every byte of them once, in the layout that reads fastest at batch 1 (2x the
+        (N, d) layout on the measured CPU). App. G leaves are then U e + B (A e): one batched
+        (1, k) x (k, v) product per component on a transposed view of B (the fastest of the
+        layouts measured) plus U e broadcast over the components; nothing of size (n r, N, v) or
+        (n, r, v, d) is formed. One log_softmax
+        normalises the leaves and one all the sum units (they share the last dim r).
+
+        The copy is built on the first call and rebuilt whenever a parameter changes (its
+        storage or its version counter, which every in-place update such as an optimiser step
+        or `load_state_dict` bumps), so it never serves stale weights; it holds the head's
+        weights but B once more. No autograd (train with `forward`); no host sync: safe inside a loop that
+        reads one value back per cycle and inside CUDA-graph capture once the copy exists.
+        """
+        d = self.config.hidden
+        if e.shape != (d,):
+            raise ValueError(f"e: decode_params takes one context of shape ({d},), got {tuple(e.shape)}")
+        dw = self._decode_weights()
+        y = torch.addmm(dw.bias, e.to(dw.weight.dtype).view(1, d), dw.weight).view(-1)  # (N,)
+        cfg = self.config
+        n, r, v, k = cfg.window, cfg.rank, cfg.vocab, cfg.leaf_delta_rank
+        shapes = self.circuit.param_shapes
+        if k == 0:
+            leaves = y[: n * r * v].view(n, r, v)
+            rest = y[n * r * v :]
+        else:
+            base = y[: n * v].view(n, 1, v)  # U e
+            h = y[n * v : n * v + n * r * k].view(n * r, 1, k)  # A e, one (1, k) row per component
+            b_t = self.leaf_delta_out.detach().view(n * r, v, k).transpose(1, 2)  # (n r, k, v) B^T, a view
+            leaves = torch.bmm(h, b_t).view(n, r, v).add_(base)  # (n, r, v)  B (A e) + U e
+            rest = y[n * v + n * r * k :]
+        dtype = torch.float64 if dw.weight.dtype == torch.float64 else torch.float32
+        out = {"leaves": leaves.to(dtype).log_softmax(-1)}
+        if self.sum_names:
+            sums = rest.to(dtype).view(-1, r).log_softmax(-1).view(-1)  # every sum unit has r children
+            offset = 0
+            for name in self.sum_names:
+                size = math.prod(shapes[name])
+                out[name] = sums[offset : offset + size].view(shapes[name])
+                offset += size
+        return out
+
+    def draft(
+        self, e: Tensor, prefix: Tensor | None, generator: torch.Generator | None = None, greedy: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """Head + draft for one context e (d,): `circuit._draft(decode_params(e), prefix, ...)`
+        -> (window x (n,) int64 (x[:k] = prefix), log q(x_i = . | x_<i) (n, v))."""
+        return self.circuit._draft(self.decode_params(e), prefix, generator=generator, greedy=greedy)
+
+    def _decode_weights(self) -> _DecodeWeights:
+        params = tuple(self.parameters())
+        key = tuple((p.device, p.dtype, p.data_ptr(), p._version) for p in params)
+        dw = self._decode_cache
+        if dw is not None and dw.key == key:
+            return dw
+        cfg = self.config
+        n, r, v, d, k = cfg.window, cfg.rank, cfg.vocab, cfg.hidden, cfg.leaf_delta_rank
+        with torch.no_grad():
+            if k == 0:
+                blocks = [self.leaf_weight.view(n * r * v, d)]
+            else:
+                blocks = [self.leaf_base.view(n * v, d), self.leaf_delta_in.view(n * r * k, d)]
+            blocks += [self.sum_weight[name].view(-1, d) for name in self.sum_names]
+            weight = torch.cat([b.detach() for b in blocks]).t().contiguous()  # (d, N)
+            bias = weight.new_zeros(1, weight.shape[1])  # (1, N): zero for the leaves, b for the sums
+            biases = [self.sum_bias[name].detach().reshape(-1) for name in self.sum_names]
+            if biases:
+                tail = torch.cat(biases)
+                bias[0, weight.shape[1] - tail.shape[0] :] = tail
+        if self.sum_names and len({self.circuit.param_shapes[name][-1] for name in self.sum_names} | {cfg.rank}) != 1:
+            raise ValueError(f"circuit {cfg.kind}: decode_params expects every sum unit to have r = {cfg.rank} children")
+        self._decode_cache = _DecodeWeights(key, weight, bias)
+        return self._decode_cache
 
 
 # --- export ---------------------------------------------------------------------------------
