@@ -61,7 +61,13 @@ class PretrainConfig:
     weight_decay: float = 0.1
     max_steps: int = 100_000
     max_minutes: float = 10.0
-    """Wall-clock budget for the optimisation steps (evaluation and saving come on top)."""
+    """Budget of *active* minutes for the optimisation steps (evaluation and saving come on top):
+    each step counts its wall time, clipped to 3x the running typical step, so a run paused with
+    SIGSTOP (to time something else on the machine) does not spend its budget while stopped."""
+    snapshot_minutes: float = 0.0
+    """Every this many active minutes save the model to `<out>.snapshot/` (0: never)."""
+    log_every: int = 25
+    """Steps between progress lines / loss-curve points."""
     train_data: str = "sharegpt"
     """'sharegpt' (the bundled corpus) or a messages-format .json/.jsonl file / datasets name."""
     heldout_data: str | None = None
@@ -80,7 +86,7 @@ class PretrainConfig:
             raise ValueError(f"{where}: {key}={getattr(self, key)!r} {why}")
 
         for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_context",
-                    "seq_len", "batch_size", "max_steps", "heldout_rows"):
+                    "seq_len", "batch_size", "max_steps", "heldout_rows", "log_every"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 bad(key, "must be a positive int")
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
@@ -95,6 +101,8 @@ class PretrainConfig:
             bad("warmup_steps", "and weight_decay must be >= 0")
         if not self.max_minutes > 0:
             bad("max_minutes", "must be > 0")
+        if self.snapshot_minutes < 0:
+            bad("snapshot_minutes", "must be >= 0 (0: no snapshots)")
         if self.accelerator not in ("cpu", "gpu", "cuda", "auto"):
             bad("accelerator", "must be one of cpu, gpu, cuda, auto")
         if self.precision not in ("32-true", "bf16-mixed", "16-mixed", "bf16-true"):
@@ -177,7 +185,9 @@ class ByteLM(L.LightningModule):
         super().__init__()
         self.cfg = cfg
         self.model = LlamaForCausalLM(cfg.llama_config())
-        self.t0: float | None = None
+        self.active_seconds = 0.0  # wall time of the steps, pauses clipped (see max_minutes)
+        self._last: float | None = None
+        self._typical: float | None = None
 
     def training_step(self, batch, batch_idx):
         input_ids, doc_ids = batch
@@ -187,12 +197,20 @@ class ByteLM(L.LightningModule):
         return loss
 
     def on_train_start(self):
-        self.t0 = time.monotonic()
+        self._last = time.monotonic()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        now = time.monotonic()
+        dt, self._last = now - self._last, now
+        counted = dt if self._typical is None else min(dt, 3 * self._typical)
+        self._typical = counted if self._typical is None else 0.9 * self._typical + 0.1 * counted
+        self.active_seconds += counted
+        if self.progress(self.trainer.global_step) >= 1.0:
+            self.trainer.should_stop = True
 
     def progress(self, step: int) -> float:
-        """Fraction of the run done: the further of step and wall-clock progress."""
-        elapsed = 0.0 if self.t0 is None else (time.monotonic() - self.t0) / 60
-        return min(1.0, max(step / self.cfg.max_steps, elapsed / self.cfg.max_minutes))
+        """Fraction of the run done: the further of step and active-time progress."""
+        return min(1.0, max(step / self.cfg.max_steps, self.active_seconds / 60 / self.cfg.max_minutes))
 
     def configure_optimizers(self):
         cfg = self.cfg
@@ -214,17 +232,42 @@ class ByteLM(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-class _PrintProgress(L.Callback):
-    """One plain line every `every` steps (logs of background runs have no progress bar)."""
+class _Progress(L.Callback):
+    """Every `every` steps: one plain line (logs of background runs have no progress bar) and a
+    loss-curve point (mean train bits/byte since the last point); snapshots every
+    `snapshot_minutes` of active time to `snapshot_dir`."""
 
-    def __init__(self, every: int = 25):
-        self.every = every
+    def __init__(self, cfg: PretrainConfig, snapshot_dir: Path | None):
+        self.cfg = cfg
+        self.snapshot_dir = snapshot_dir
+        self.curve: list[dict] = []
+        self._losses: list[float] = []
+        self._next_snapshot = cfg.snapshot_minutes * 60 if cfg.snapshot_minutes else math.inf
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         step = trainer.global_step
-        if step % self.every == 0:
-            loss = float(outputs["loss"]) / math.log(2)
-            print(f"step {step}: train bits/byte {loss:.3f}, {module.progress(step):.0%} of budget", flush=True)
+        self._losses.append(float(outputs["loss"]) / math.log(2))
+        if step % self.cfg.log_every == 0 or trainer.should_stop:
+            point = {
+                "step": step,
+                "train_bytes": step * self.cfg.batch_size * self.cfg.seq_len,
+                "train_bits_per_byte": sum(self._losses) / len(self._losses),
+                "lr": trainer.optimizers[0].param_groups[0]["lr"],
+                "active_minutes": module.active_seconds / 60,
+            }
+            self._losses = []
+            self.curve.append(point)
+            rate = point["train_bytes"] / max(module.active_seconds, 1e-9)
+            print(f"step {step}: train bits/byte {point['train_bits_per_byte']:.3f}, {rate:,.0f} bytes/s, "
+                  f"{module.progress(step):.0%} of budget", flush=True)
+        if self.snapshot_dir is not None and module.active_seconds >= self._next_snapshot:
+            self._next_snapshot += self.cfg.snapshot_minutes * 60
+            tmp = self.snapshot_dir.with_name(self.snapshot_dir.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            module.model.save_pretrained(tmp, safe_serialization=True)
+            (tmp / "snapshot.json").write_text(json.dumps({"step": step, "loss_curve": self.curve}) + "\n")
+            shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+            tmp.rename(self.snapshot_dir)
 
 
 @torch.no_grad()
@@ -269,33 +312,40 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path) -> dict:
     if len(loader) == 0:
         raise ValueError(f"train_data={cfg.train_data!r}: fewer than batch_size={cfg.batch_size} rows of {cfg.seq_len} bytes")
     module = ByteLM(cfg)
+    progress = _Progress(cfg, out_dir.with_name(out_dir.name + ".snapshot") if cfg.snapshot_minutes else None)
     trainer = L.Trainer(
         accelerator=cfg.accelerator,
         devices=1,
         precision=cfg.precision,
         max_steps=cfg.max_steps,
         max_epochs=-1,
-        max_time={"minutes": cfg.max_minutes},
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,
         log_every_n_steps=10,
         gradient_clip_val=1.0,
         plugins=[LightningEnvironment()],  # never mistake a one-task SLURM job for a multi-process run
-        callbacks=[_PrintProgress()],
+        callbacks=[progress],
+        enable_progress_bar=False,
     )
     trainer.fit(module, loader)
-    train_wall = time.monotonic() - (module.t0 or wall0)
     model = module.model.float()
     metrics = heldout_bits_per_byte(model, held_rows)
     metrics.update(
         steps=int(trainer.global_step),
         train_bytes_seen=int(trainer.global_step) * cfg.batch_size * cfg.seq_len,
-        train_minutes=train_wall / 60,
+        train_rows=len(train_rows),
+        train_documents_cut_at_row_ends=train_rows.cut_documents,
+        train_active_minutes=module.active_seconds / 60,
+        train_bytes_per_second=int(trainer.global_step) * cfg.batch_size * cfg.seq_len / max(module.active_seconds, 1e-9),
         total_minutes=(time.monotonic() - wall0) / 60,
         parameters=sum(p.numel() for p in model.parameters()),
         torch_threads=torch.get_num_threads(),
+        hardware=hardware(),
+        command=" ".join(["python", "-m", "experiments.pretrain", *sys.argv[1:]]),
+        git_sha=git_sha(),
         config=dataclasses.asdict(cfg),
+        loss_curve=progress.curve,
     )
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -305,6 +355,41 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path) -> dict:
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return metrics
+
+
+def hardware() -> dict:
+    """What the run ran on: device name, CPU model, core count, torch / transformers versions."""
+    import platform
+
+    import transformers
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "cpu_count": os.cpu_count(), "cpu": platform.processor() or platform.machine()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def git_sha() -> str | None:
+    """The checkout's commit: `git rev-parse HEAD`, else a GIT_SHA file at the repo root (copies
+    without .git, such as the device machine's, carry one), else None."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        f = root / "GIT_SHA"
+        return f.read_text().strip() if f.is_file() else None
 
 
 def default_config() -> PretrainConfig:
