@@ -73,10 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from experiments.pretrain import ensure_default_model
     from mtpc.backbones import load_backbone
 
-    ensure_default_model()
     backbone = load_backbone("default")
     prompt_sets = load_prompt_sets("heldout", args.num_prompts, args.sets, args.seed)
     report = {

@@ -49,10 +49,6 @@ def build_backbone(name: str, lora_depth: int, dtype: str | None = None, tiny_se
                                        **kwargs)
     from mtpc.backbones import load_backbone
 
-    if name == "default":  # pre-train the embedded model first if it is missing (file-locked)
-        from experiments.pretrain import ensure_default_model
-
-        ensure_default_model()
     return load_backbone(name, lora_depth=lora_depth, dtype=torch_dtype, **kwargs)
 
 
@@ -65,11 +61,7 @@ def backbone_num_layers(name: str) -> int | None:
     name = ALIASES.get(name, name)
     if name in KNOWN_NUM_LAYERS:
         return KNOWN_NUM_LAYERS[name]
-    if name == "default":
-        if not (default_model_dir() / "config.json").is_file():  # not built yet: what pretrain will build
-            from experiments.pretrain import default_config
-
-            return default_config().num_layers
+    if name == "default" or name.startswith("default@"):
         name = str(default_model_dir())
     cfg = Path(name).expanduser() / "config.json"
     if cfg.exists():

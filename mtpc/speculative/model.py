@@ -186,6 +186,9 @@ class MtpcModel:
         if cfg.window < 2:
             raise ValueError(f"head: speculative decoding needs window >= 2, got {cfg.window}")
         head.check_compatible(backbone.hidden_size, backbone.vocab_size)
+        from mtpc.backbones.shipped import check_backbone_label
+
+        check_backbone_label(cfg.backbone, getattr(backbone, "name", ""))
         if cfg.lora_depth != backbone.lora_depth:
             raise ValueError(f"head lora_depth={cfg.lora_depth} != backbone lora_depth={backbone.lora_depth}")
         self.backbone = backbone
