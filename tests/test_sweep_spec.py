@@ -73,7 +73,7 @@ def test_full_product_flag(tmp_path):
         (lambda d: d["space"]["slices"]["a"].update(depth=[1]), "space.slices.a.depth", "unknown key"),
         (lambda d: d["space"]["slices"]["a"].update(rank=[0]), "space.slices.a.rank", "out of range"),
         (lambda d: d["space"]["slices"]["a"].update(window=[1]), "space.slices.a.window", "out of range"),
-        (lambda d: d["space"]["slices"]["a"].update(circuit=["mlp"]), "space.slices.a.circuit", "not one of"),
+        (lambda d: d["space"]["slices"]["a"].update(circuit=["mlp"]), "space.slices.a.circuit", "expected one of"),
         (lambda d: d["objectives"][0].update(direction="up"), "objectives[0].direction", "not one of"),
         (lambda d: d["objectives"][0].update(metric="speed"), "objectives[0].metric", "not one of"),
         (lambda d: d.update(eval={"n_prompts": -3}), "eval.n_prompts", "out of range"),

@@ -67,6 +67,8 @@ def test_shipped_configs_parse_and_validate():
         ({"model.circuit": "mlp"}, "model.circuit"),
         ({"model.window": 1}, "model.window"),
         ({"model.rank": 0}, "model.rank"),
+        ({"model.rank": 2048}, "model.rank"),  # the head's bound (mtpc.names), not a looser one
+        ({"model.circuit": "ff"}, "model.rank"),  # debug.yaml's rank 4: ff with r != 1 is an error
         ({"model.lora_depth": 3}, "model.lora_depth"),  # the tiny backbone has 2 layers
         ({"model.backbone": "./no/such/model"}, "model.backbone"),
         ({"model.backbone": "nonsense"}, "model.backbone"),
@@ -92,7 +94,8 @@ def test_cli_bad_config_exits_2(capsys):
 @pytest.mark.parametrize("kind", ["ff", "cp", "hmm", "btree"])
 def test_debug_fit_lowers_loss(tmp_path, kind, lora_depth):
     rec = Recorder()
-    res = train_head("debug", {"model.circuit": kind, "model.lora_depth": lora_depth},
+    over = {"model.circuit": kind, "model.lora_depth": lora_depth} | ({"model.rank": 1} if kind == "ff" else {})
+    res = train_head("debug", over,
                      run_dir=tmp_path, callbacks=[rec])
     steps = sorted(rec.losses)
     first = sum(rec.losses[s] for s in steps[:3]) / 3
