@@ -183,7 +183,7 @@ def test_export_reloads_to_same_outputs(reference_run):
 
 @pytest.mark.slow  # two fresh interpreters importing Lightning: ~20 s idle, ~60 s on the loaded 2-core CPU
 def test_cli_fit_then_resume_with_ckpt_path_last(tmp_path):
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     base = [sys.executable, "-m", "experiments.train", "fit", "--config", str(CONFIG_DIR / "debug.yaml"),
             "--run.dir", str(tmp_path / "cli")]
     env = {**os.environ, "PYTHONPATH": str(root)}

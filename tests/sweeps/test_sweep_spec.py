@@ -10,7 +10,7 @@ import yaml
 
 from sweeps.spec import SpecError, grid_key, load_spec, storage_url
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "sweeps").glob("*.yaml"))
 NOENV: dict[str, str] = {}
 

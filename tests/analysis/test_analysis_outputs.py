@@ -8,11 +8,11 @@ import re
 import numpy as np
 import pandas as pd
 import pytest
-from analysis_helpers import frame_from_evaluations, synthetic_evaluations
 
 from analysis import plots, tables
 from analysis.aggregate import aggregate, split_settings, stp_baseline
 from analysis.front import pareto_mask
+from tests.analysis_helpers import frame_from_evaluations, synthetic_evaluations
 
 
 @pytest.fixture(scope="module")
