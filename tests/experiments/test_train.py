@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from experiments.train import CONFIG_DIR, TRAIN_CONFIGS, check_config, main, train_head
+from mtpc.names import CIRCUIT_KINDS
 
 SHIPPED = [CONFIG_DIR / f"{name}.yaml" for name in TRAIN_CONFIGS]
 
@@ -52,7 +53,7 @@ def test_shipped_configs_parse_and_validate():
     assert all(p.is_file() for p in SHIPPED)
     for path in SHIPPED:
         cfg = check_config(path)
-        assert cfg["model"]["circuit"] in ("ff", "cp", "hmm", "btree"), path
+        assert cfg["model"]["circuit"] in CIRCUIT_KINDS, path
         assert cfg["run"]["dir"] and cfg["run"]["export_dir"], path
     paper = check_config(CONFIG_DIR / "llama_byte.yaml")
     d, t, m = paper["data"], paper["trainer"], paper["model"]
@@ -91,7 +92,7 @@ def test_cli_bad_config_exits_2(capsys):
 
 
 @pytest.mark.parametrize("lora_depth", [0, 1])
-@pytest.mark.parametrize("kind", ["ff", "cp", "hmm", "btree"])
+@pytest.mark.parametrize("kind", CIRCUIT_KINDS)
 def test_debug_fit_lowers_loss(tmp_path, kind, lora_depth):
     rec = Recorder()
     over = {"model.circuit": kind, "model.lora_depth": lora_depth} | ({"model.rank": 1} if kind == "ff" else {})

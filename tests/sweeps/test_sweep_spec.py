@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mtpc.names import CIRCUIT_KINDS
 from sweeps.spec import SpecError, grid_key, load_spec, storage_url
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,7 +48,7 @@ def test_arch_grid_slices_follow_the_paper():
     assert {(p["circuit"], p["rank"]) for p in rq1 if p["circuit"] == "cp"} >= {("cp", r) for r in (2, 4, 8, 16, 32)}
     assert all(p["window"] == 8 and p["lora_depth"] == 0 for p in rq1)
     rq2 = [p for k, p in pts.items() if "RQ2" in spec.grid_slices[k]]
-    assert {p["circuit"] for p in rq2} == {"ff", "cp", "hmm", "btree"} and {p["window"] for p in rq2} == {8, 16}
+    assert {p["circuit"] for p in rq2} == set(CIRCUIT_KINDS) and {p["window"] for p in rq2} == {8, 16}
     rq3 = [p for k, p in pts.items() if "RQ3" in spec.grid_slices[k]]
     assert {p["lora_depth"] for p in rq3} == {0, 1, 2, 4} and {p["window"] for p in rq3} == {16}
     # a point in two slices runs once and records both
