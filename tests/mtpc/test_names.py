@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,9 @@ def test_no_vocabulary_restated_outside_names():
     for rel in _python_files(SOURCE_LAYERS + ("tests/",)):
         hits += restatements(rel, (ROOT / rel).read_text(), source=rel.startswith(SOURCE_LAYERS))
     assert not hits, "import these from mtpc.names instead:\n" + "\n".join(hits)
+
+
+def test_names_load_without_torch():
+    """The analysis and sweep specs read the vocabulary without paying for torch."""
+    code = "import sys, mtpc.names; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
