@@ -33,10 +33,15 @@ import torch
 from tqdm import tqdm
 
 from mtpc import MtpcModel
-from mtpc.metrics import ACCEPTANCE_PREFIX, EVAL_METRICS, HISTOGRAM_ARTIFACT
+from mtpc.names import (
+    ACCEPTANCE_PREFIX,
+    DECODE_MODES,
+    EVAL_METRICS,
+    EVAL_PARAMS,
+    EXTRA_TOKEN_OPTIONS,
+    HISTOGRAM_ARTIFACT,
+)
 
-MODES = ("greedy", "sample")
-EXTRA_TOKENS = ("keep", "drop")
 SUMMARY_METRICS = EVAL_METRICS
 
 
@@ -160,9 +165,9 @@ def evaluate_heads(
         models = {"head": models}
     if not models:
         raise ValueError("models: need at least one head")
-    bad = [m for m in modes if m not in MODES] + [e for e in extra_tokens if e not in EXTRA_TOKENS]
+    bad = [m for m in modes if m not in DECODE_MODES] + [e for e in extra_tokens if e not in EXTRA_TOKEN_OPTIONS]
     if bad:
-        raise ValueError(f"modes must be in {MODES} and extra_tokens in {EXTRA_TOKENS}; got {bad}")
+        raise ValueError(f"modes must be in {DECODE_MODES} and extra_tokens in {EXTRA_TOKEN_OPTIONS}; got {bad}")
     if ff_name is not None and ff_name not in models:
         raise ValueError(f"ff_name={ff_name!r} is not one of the models {sorted(models)}")
     first = next(iter(models.values()))
@@ -262,9 +267,7 @@ def log_evaluation_to_mlflow(
     for r in results["runs"]:
         if r["head"] not in heads:
             continue
-        p = {k: r[k] for k in ("backbone", "circuit", "window", "rank", "lora_depth", "mode", "extra_token",
-                               "temperature", "prompt_set", "seed", "top_p")}  # fmt: skip
-        p["hardware"] = results["hardware"]
+        p = {k: results["hardware"] if k == "hardware" else r[k] for k in EVAL_PARAMS}
         p["max_new_tokens"] = results["config"]["max_new_tokens"]
         for k, v in (params or {}).items():
             p.setdefault(k, v)
@@ -324,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
-        modes = _choices(args.mode, MODES, "--mode")
-        extras = _choices(args.extra_token, EXTRA_TOKENS, "--extra-token")
+        modes = _choices(args.mode, DECODE_MODES, "--mode")
+        extras = _choices(args.extra_token, EXTRA_TOKEN_OPTIONS, "--extra-token")
         for flag in ("head", "ff_head"):
             d = getattr(args, flag)
             if d is not None and not (Path(d) / "config.json").is_file():

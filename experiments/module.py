@@ -20,6 +20,8 @@ import lightning as L
 import numpy as np
 import torch
 
+from mtpc.names import DEFAULT_RANK, DEFAULT_WINDOW
+
 # The `tiny` debug backbone: a random Llama built in-process (seeded), vocab 320 like the byte models.
 TINY_BACKBONE = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
@@ -86,7 +88,7 @@ class MtpcTrainModule(L.LightningModule):
         backbone: `default` (the embedded model), `tiny` (debug), a local HF directory or a hub name.
         circuit: ff | cp | hmm | btree.
         window: n, bytes predicted per context position.
-        rank: r, latent states per sum unit (ff: forced to 1).
+        rank: r, latent states per sum unit (ff: must be 1; bounds and the ff rule: `mtpc.names.check_architecture`).
         lora_depth: k, the top layers the draft runs with LoRA adapters (0: none).
         lora_start_epoch: epochs of head-only training before the LoRA adapters train too.
         lr: Adam learning rate (the paper: 3e-4).
@@ -109,8 +111,8 @@ class MtpcTrainModule(L.LightningModule):
         self,
         backbone: str = "default",
         circuit: str = "cp",
-        window: int = 8,
-        rank: int = 8,
+        window: int = DEFAULT_WINDOW,
+        rank: int = DEFAULT_RANK,
         lora_depth: int = 0,
         lora_start_epoch: int = 1,
         lr: float = 3e-4,
@@ -129,8 +131,6 @@ class MtpcTrainModule(L.LightningModule):
         super().__init__()
         from mtpc.heads import HeadConfig, MtpcHead
 
-        if circuit == "ff":
-            rank = 1
         self.save_hyperparameters()
         self.strict_loading = False  # checkpoints carry head + LoRA only (see on_save_checkpoint)
         self.backbone = build_backbone(backbone, lora_depth, backbone_dtype, tiny_seed, **(backbone_kwargs or {}))
