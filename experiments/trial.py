@@ -89,7 +89,7 @@ def evaluate_head(head_dir: Path, resolved: dict[str, Any], eval_config: dict[st
         {"head": model}, sets, tuple(eval_config.get("modes", ("greedy", "sample"))),
         (eval_config.get("extra_token", "keep"),), max_new_tokens=eval_config.get("max_new_tokens", 64),
         temperature=eval_config.get("temperature", 1.0), top_p=eval_config.get("top_p", 1.0),
-        seed=eval_config.get("seed", 0), ban_eos=eval_config.get("ban_eos", True),
+        seed=eval_config.get("seed", 0), eos=("banned",) if eval_config.get("ban_eos", True) else ("allowed",),
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

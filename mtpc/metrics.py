@@ -18,7 +18,15 @@ EVAL_METRICS: tuple[str, ...] = (
     "speedup_vs_stp",
     "speedup_vs_ff",  # only when an ff head was evaluated in the same process
     "peak_mem_bytes",
+    "degenerate_fraction",  # answers whose last 128 bytes loop with a period <= 32 (mtpc/textstats.py)
+    "distinct_4gram_ratio",  # mean over answers of unique / total byte 4-grams
 )
+#: the degeneracy metrics of one evaluation (also computed for the plain model: `stp_` + name)
+DEGENERACY_METRICS: tuple[str, ...] = ("degenerate_fraction", "distinct_4gram_ratio")
+#: above this degenerate_fraction an acceptance figure is flagged as measured on looping text
+DEGENERATE_WARN_FRACTION = 0.25
+#: how EOS is treated during evaluation: banned (every method generates the same lengths) or allowed
+EOS_MODES: tuple[str, ...] = ("banned", "allowed")
 #: per-position acceptance metrics: f"{ACCEPTANCE_PREFIX}{i}", i = 1-based window position
 ACCEPTANCE_PREFIX = "acceptance_pos_"
 #: the accepted-length histogram artifact of a child run
