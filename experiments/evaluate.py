@@ -26,6 +26,7 @@ Leaves out: training (experiments/train.py) and plots (analysis/).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import platform
 import random
@@ -45,8 +46,9 @@ from mtpc.metrics import (
     EOS_MODES,
     EVAL_METRICS,
     HISTOGRAM_ARTIFACT,
+    PER_PROMPT_ARTIFACT,
 )
-from mtpc.textstats import degeneracy_metrics
+from mtpc.textstats import degeneracy_metrics, degenerate
 
 MODES = ("greedy", "sample")
 EXTRA_TOKENS = ("keep", "drop")
@@ -116,6 +118,19 @@ def _answer(model: MtpcModel, ids: torch.Tensor) -> bytes | list[int]:
     """The generated answer as bytes (special ids dropped) when the backbone has a tokenizer, else its ids."""
     tok = model.tokenizer
     return tok.decode(ids.tolist()) if tok is not None else ids.tolist()
+
+
+def _per_prompt(prompts: list[torch.Tensor], stats_list: list[Any], answers: list[bytes | list[int]],
+                set_idx: int) -> list[dict[str, Any]]:
+    """One record per prompt (same order in every run of a set, so runs pair up prompt by prompt);
+    `prompt_sha` (of the prompt's ids) lets a reader check that two runs saw the same prompt."""
+    out = []
+    for i, (p, s, a) in enumerate(zip(prompts, stats_list, answers, strict=True)):
+        sha = hashlib.sha1(",".join(map(str, p.tolist())).encode()).hexdigest()[:12]
+        out.append({"prompt_set": set_idx, "prompt": i, "prompt_sha": sha, "cycles": s.cycles,
+                    "accepted": int(round(s.mu_acc * s.cycles)), "decode_s": s.decode_s,
+                    "decode_generated": s.decode_generated, "degenerate": degenerate(a)})  # fmt: skip
+    return out
 
 
 def _pool(stats_list: list[Any], window: int, answers: list[bytes | list[int]]) -> dict[str, Any]:
@@ -210,7 +225,8 @@ def evaluate_heads(
                 st = _pool(plain, 1, answers)
                 stp[mode].append({"prompt_set": set_idx, "eos": eos_mode, "mu_lat": st["mu_lat"],
                                  "throughput": st["throughput"], "generated": st["generated"],
-                                 "peak_mem_bytes": st["peak_mem_bytes"], **{k: st[k] for k in DEGENERACY_METRICS}})  # fmt: skip
+                                 "peak_mem_bytes": st["peak_mem_bytes"], **{k: st[k] for k in DEGENERACY_METRICS},
+                                 "per_prompt": _per_prompt(prompts, plain, answers, set_idx)})  # fmt: skip
                 for name, model in models.items():
                     for extra in extra_tokens:
                         outs, answers = [], []
@@ -220,6 +236,7 @@ def evaluate_heads(
                             answers.append(_answer(model, out.ids))
                             bar.update()
                         metrics = _pool(outs, model.window, answers)
+                        per_prompt = _per_prompt(prompts, outs, answers, set_idx)
                         metrics["stp_mu_lat"] = st["mu_lat"]
                         metrics["stp_throughput"] = st["throughput"]
                         metrics["speedup_vs_stp"] = metrics["throughput"] / st["throughput"]
@@ -228,7 +245,7 @@ def evaluate_heads(
                         runs.append({
                             "head": name, **_describe(model), "mode": mode, "extra_token": extra, "eos": eos_mode,
                             "temperature": temperature, "top_p": top_p, "prompt_set": set_idx, "seed": seed,
-                            "metrics": metrics,
+                            "metrics": metrics, "per_prompt": per_prompt,
                         })  # fmt: skip
     bar.close()
     if ff_name is not None:
@@ -294,8 +311,8 @@ def log_evaluation_to_mlflow(
 
     Each child carries the DESIGN section 3 params (backbone, circuit, window, rank, lora_depth, mode,
     extra_token, eos, temperature, prompt_set, seed, hardware, top_p) plus `params` (e.g. the trial's
-    config), the scalar metrics, `acceptance_pos_<i>` (1-based window position) and the histogram
-    as `accepted_length_histogram.json`. heads: which heads to log (default: all but the ff reference).
+    config), the scalar metrics, `acceptance_pos_<i>` (1-based window position), the histogram
+    as `accepted_length_histogram.json` and the per-prompt records as `per_prompt.json`. heads: which heads to log (default: all but the ff reference).
     """
     from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
@@ -332,6 +349,8 @@ def log_evaluation_to_mlflow(
         )
         client.log_dict(rid, {"accepted_length_histogram": m["accepted_length_histogram"],
                               "per_position_acceptance": m["per_position_acceptance"]}, HISTOGRAM_ARTIFACT)  # fmt: skip
+        if r.get("per_prompt"):
+            client.log_dict(rid, {"per_prompt": r["per_prompt"]}, PER_PROMPT_ARTIFACT)
         client.set_terminated(rid)
         ids.append(rid)
     return ids

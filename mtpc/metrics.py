@@ -31,3 +31,6 @@ EOS_MODES: tuple[str, ...] = ("banned", "allowed")
 ACCEPTANCE_PREFIX = "acceptance_pos_"
 #: the accepted-length histogram artifact of a child run
 HISTOGRAM_ARTIFACT = "accepted_length_histogram.json"
+#: per-prompt records of a child run (cycles, accepted drafts, decode time, degenerate), for paired
+#: comparisons over the same prompts (analysis/bootstrap.py)
+PER_PROMPT_ARTIFACT = "per_prompt.json"

@@ -1,7 +1,7 @@
 """Degeneracy metrics in experiments/evaluate.py: every run (and STP) carries degenerate_fraction and
 distinct_4gram_ratio computed from its own answers, for greedy and sampling, EOS banned and allowed;
 greedy speculative answers equal STP's, so their degeneracy must agree; the > 0.25 warning; the
-`eos` child-run param."""
+`eos` child-run param; the per-prompt records (and their artifact) that pool back to the metrics."""
 
 from __future__ import annotations
 
@@ -54,6 +54,12 @@ def test_every_run_and_stp_carry_degeneracy_for_both_modes_and_eos(model_dir):
     assert degeneracy_metrics([ByteTokenizer().decode(out.ids.tolist())]) == {k: greedy_set1["metrics"][k] for k in DEGENERACY_METRICS}
     assert {(s["mode"], s["eos"]) for s in res["summary"]} == {(a, b) for a in ("greedy", "sample") for b in ("banned", "allowed")}
     assert set(res["summary"][0]["degenerate_fraction"]) == {"mean", "std"}
+    for r in res["runs"]:  # per-prompt records pool back to the set's metrics, prompts in the same order as STP's
+        pp, mt = r["per_prompt"], r["metrics"]
+        assert sum(x["accepted"] for x in pp) / sum(x["cycles"] for x in pp) == pytest.approx(mt["mu_acc"])
+        assert sum(x["degenerate"] for x in pp) / len(pp) == mt["degenerate_fraction"]
+        stp_pp = stp[(r["mode"], r["eos"], r["prompt_set"])]["per_prompt"]
+        assert [x["prompt_sha"] for x in pp] == [x["prompt_sha"] for x in stp_pp]
     with pytest.raises(ValueError, match="eos in"):
         evaluate_heads(m, [["one"]], eos=("sometimes",), progress=False)
 
@@ -94,3 +100,5 @@ def test_mlflow_child_runs_carry_eos_and_degeneracy(model_dir, tmp_path):
     runs = [client.get_run(r).data for r in ids]
     assert sorted(r.params["eos"] for r in runs) == ["allowed", "banned"]
     assert all({"degenerate_fraction", "distinct_4gram_ratio", "stp_degenerate_fraction"} <= set(r.metrics) for r in runs)
+    art = client.download_artifacts(ids[0], "per_prompt.json", str(tmp_path))
+    assert json.loads(open(art).read())["per_prompt"][0]["prompt"] == 0
