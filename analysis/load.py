@@ -27,7 +27,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mtpc.metrics import ACCEPTANCE_PREFIX, EVAL_METRICS, HISTOGRAM_ARTIFACT
+from mtpc.names import (
+    ACCEPTANCE_PREFIX,
+    CIRCUIT_KINDS,
+    DECODE_MODES,
+    EVAL_METRICS,
+    EXTRA_TOKEN_OPTIONS,
+    HISTOGRAM_ARTIFACT,
+)
 
 # --- names fixed by DESIGN section 3 -------------------------------------------------------------
 
@@ -60,8 +67,8 @@ HIST_ARTIFACT = HISTOGRAM_ARTIFACT
 #: tag set on the summary run that `pareto.py --log-to-mlflow` creates (never read back as data)
 SUMMARY_TAG = "mtpc.analysis"
 
-CIRCUIT_ORDER: tuple[str, ...] = ("ff", "cp", "hmm", "btree")
-MODES: tuple[str, ...] = ("greedy", "sample")
+CIRCUIT_ORDER: tuple[str, ...] = CIRCUIT_KINDS
+MODES: tuple[str, ...] = DECODE_MODES
 DEFAULT_DB = "mlflow.db"
 
 _PARENT_TAG = "mlflow.parentRunId"
@@ -346,9 +353,9 @@ class Filters:
             if bad:
                 raise ValueError(f"filter mode={bad}: expected values in {list(MODES)}")
         if self.extra_token is not None:
-            bad = [m for m in self.extra_token if m not in ("keep", "drop")]
+            bad = [m for m in self.extra_token if m not in EXTRA_TOKEN_OPTIONS]
             if bad:
-                raise ValueError(f"filter extra_token={bad}: expected 'keep' or 'drop'")
+                raise ValueError(f"filter extra_token={bad}: expected values in {list(EXTRA_TOKEN_OPTIONS)}")
         if self.circuit is not None:
             bad = [m for m in self.circuit if m not in CIRCUIT_ORDER]
             if bad:

@@ -27,7 +27,8 @@ if __package__ in (None, ""):  # run as a script: import the package from the re
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from analysis.aggregate import aggregate, split_settings  # noqa: E402
-from analysis.load import MODES, SUMMARY_TAG, AnalysisError, Filters, LoadResult, load, load_hists  # noqa: E402
+from analysis.load import SUMMARY_TAG, AnalysisError, Filters, LoadResult, load, load_hists  # noqa: E402
+from mtpc.names import CIRCUIT_KINDS, DECODE_MODES, EXTRA_TOKEN_OPTIONS  # noqa: E402
 
 DEFAULT_OUT = "outputs/analysis"
 MAX_LISTED_SKIPS = 20
@@ -47,16 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="experiment name or id (default: $MLFLOW_EXPERIMENT_NAME, else every experiment with runs)",
     )
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
-    p.add_argument("--mode", nargs="+", choices=MODES, help="keep only these decoding modes")
+    p.add_argument("--mode", nargs="+", choices=DECODE_MODES, help="keep only these decoding modes")
     p.add_argument("--backbone", nargs="+", help="keep only these backbones")
     p.add_argument(
-        "--extra-token", nargs="+", choices=("keep", "drop"), help="keep only these extra-token rules"
+        "--extra-token", nargs="+", choices=EXTRA_TOKEN_OPTIONS, help="keep only these extra-token rules"
     )
     p.add_argument("--temperature", nargs="+", type=float, help="keep only these temperatures")
     p.add_argument("--window", nargs="+", type=int, help="keep only these windows n")
     p.add_argument("--lora-depth", nargs="+", type=int, help="keep only these LoRA depths k")
     p.add_argument(
-        "--circuit", nargs="+", choices=("ff", "cp", "hmm", "btree"), help="keep only these circuits"
+        "--circuit", nargs="+", choices=CIRCUIT_KINDS, help="keep only these circuits"
     )
     p.add_argument(
         "--top", type=int, default=5, help="configurations shown in the acceptance plots (default 5)"

@@ -56,10 +56,11 @@ def worker(args: argparse.Namespace) -> None:
 
     from mtpc.heads import HeadConfig, MtpcHead
     from mtpc.losses import window_loss
+    from mtpc.names import point_rank
 
     torch.manual_seed(0)
     S, n, r, v, d = args.seq_len, args.window, args.rank, args.vocab, args.hidden
-    rank = 1 if args.kind == "ff" else r
+    rank = point_rank(args.kind, r)
     head = MtpcHead(HeadConfig(args.kind, n, rank, v, d, leaf_delta_rank=args.leaf_delta_rank))
     head.init_from_unembeddings(torch.randn(min(n, 8), v, d) * d**-0.5, noise=0.05)
     with torch.no_grad():

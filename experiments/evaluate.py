@@ -39,19 +39,20 @@ import torch
 from tqdm import tqdm
 
 from mtpc import MtpcModel
-from mtpc.metrics import (
+from mtpc.names import (
     ACCEPTANCE_PREFIX,
+    DECODE_MODES,
     DEGENERACY_METRICS,
     DEGENERATE_WARN_FRACTION,
     EOS_MODES,
     EVAL_METRICS,
+    EVAL_PARAMS,
+    EXTRA_TOKEN_OPTIONS,
     HISTOGRAM_ARTIFACT,
     PER_PROMPT_ARTIFACT,
 )
 from mtpc.textstats import degeneracy_metrics, degenerate
 
-MODES = ("greedy", "sample")
-EXTRA_TOKENS = ("keep", "drop")
 SUMMARY_METRICS = EVAL_METRICS
 
 
@@ -198,10 +199,11 @@ def evaluate_heads(
         raise ValueError("models: need at least one head")
     if isinstance(eos, str):
         eos = (eos,)
-    bad = ([m for m in modes if m not in MODES] + [e for e in extra_tokens if e not in EXTRA_TOKENS]
+    bad = ([m for m in modes if m not in DECODE_MODES] + [e for e in extra_tokens if e not in EXTRA_TOKEN_OPTIONS]
            + [e for e in eos if e not in EOS_MODES])
     if bad:
-        raise ValueError(f"modes must be in {MODES}, extra_tokens in {EXTRA_TOKENS} and eos in {EOS_MODES}; got {bad}")
+        raise ValueError(f"modes must be in {DECODE_MODES}, extra_tokens in {EXTRA_TOKEN_OPTIONS} and eos in "
+                         f"{EOS_MODES}; got {bad}")
     if ff_name is not None and ff_name not in models:
         raise ValueError(f"ff_name={ff_name!r} is not one of the models {sorted(models)}")
     first = next(iter(models.values()))
@@ -327,10 +329,7 @@ def log_evaluation_to_mlflow(
     for r in results["runs"]:
         if r["head"] not in heads:
             continue
-        p = {k: r[k] for k in ("backbone", "circuit", "window", "rank", "lora_depth", "mode", "extra_token",
-                               "temperature", "prompt_set", "seed", "top_p")}  # fmt: skip
-        p["eos"] = r.get("eos", "banned")
-        p["hardware"] = results["hardware"]
+        p = {k: results["hardware"] if k == "hardware" else r[k] for k in EVAL_PARAMS}
         p["max_new_tokens"] = results["config"]["max_new_tokens"]
         for k, v in (params or {}).items():
             p.setdefault(k, v)
@@ -393,8 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
-        modes = _choices(args.mode, MODES, "--mode")
-        extras = _choices(args.extra_token, EXTRA_TOKENS, "--extra-token")
+        modes = _choices(args.mode, DECODE_MODES, "--mode")
+        extras = _choices(args.extra_token, EXTRA_TOKEN_OPTIONS, "--extra-token")
         eos = _choices(args.eos, EOS_MODES, "--eos")
         for flag in ("head", "ff_head"):
             d = getattr(args, flag)

@@ -20,6 +20,8 @@ import lightning as L
 import numpy as np
 import torch
 
+from mtpc.names import DEFAULT_RANK, DEFAULT_WINDOW
+
 # The `tiny` debug backbone: a random Llama built in-process (seeded), vocab 320 like the byte models.
 TINY_BACKBONE = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
@@ -49,10 +51,6 @@ def build_backbone(name: str, lora_depth: int, dtype: str | None = None, tiny_se
                                        **kwargs)
     from mtpc.backbones import load_backbone
 
-    if name == "default":  # pre-train the embedded model first if it is missing (file-locked)
-        from experiments.pretrain import ensure_default_model
-
-        ensure_default_model()
     return load_backbone(name, lora_depth=lora_depth, dtype=torch_dtype, **kwargs)
 
 
@@ -65,11 +63,7 @@ def backbone_num_layers(name: str) -> int | None:
     name = ALIASES.get(name, name)
     if name in KNOWN_NUM_LAYERS:
         return KNOWN_NUM_LAYERS[name]
-    if name == "default":
-        if not (default_model_dir() / "config.json").is_file():  # not built yet: what pretrain will build
-            from experiments.pretrain import default_config
-
-            return default_config().num_layers
+    if name == "default" or name.startswith("default@"):
         name = str(default_model_dir())
     cfg = Path(name).expanduser() / "config.json"
     if cfg.exists():
@@ -94,7 +88,7 @@ class MtpcTrainModule(L.LightningModule):
         backbone: `default` (the embedded model), `tiny` (debug), a local HF directory or a hub name.
         circuit: ff | cp | hmm | btree.
         window: n, bytes predicted per context position.
-        rank: r, latent states per sum unit (ff: forced to 1).
+        rank: r, latent states per sum unit (ff: must be 1; bounds and the ff rule: `mtpc.names.check_architecture`).
         lora_depth: k, the top layers the draft runs with LoRA adapters (0: none).
         lora_start_epoch: epochs of head-only training before the LoRA adapters train too.
         lr: Adam learning rate (the paper: 3e-4).
@@ -117,8 +111,8 @@ class MtpcTrainModule(L.LightningModule):
         self,
         backbone: str = "default",
         circuit: str = "cp",
-        window: int = 8,
-        rank: int = 8,
+        window: int = DEFAULT_WINDOW,
+        rank: int = DEFAULT_RANK,
         lora_depth: int = 0,
         lora_start_epoch: int = 1,
         lr: float = 3e-4,
@@ -137,8 +131,6 @@ class MtpcTrainModule(L.LightningModule):
         super().__init__()
         from mtpc.heads import HeadConfig, MtpcHead
 
-        if circuit == "ff":
-            rank = 1
         self.save_hyperparameters()
         self.strict_loading = False  # checkpoints carry head + LoRA only (see on_save_checkpoint)
         self.backbone = build_backbone(backbone, lora_depth, backbone_dtype, tiny_seed, **(backbone_kwargs or {}))

@@ -40,6 +40,7 @@ from lightning.pytorch.plugins.environments import LightningEnvironment
 
 from experiments.datamodule import ChatDataModule, source_problem
 from experiments.module import INITS, MtpcTrainModule, backbone_num_layers
+from mtpc.names import check_architecture
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -93,12 +94,6 @@ class TrainResult:
 # validation: plain checks on the resolved config dict, before anything heavy happens
 # ---------------------------------------------------------------------------------------------------
 
-def _circuit_kinds() -> tuple[str, ...]:
-    from mtpc.circuits import CIRCUIT_KINDS
-
-    return tuple(CIRCUIT_KINDS)
-
-
 def validate_config(cfg: dict[str, Any], source: str = "<config>") -> None:
     """Raise ValueError naming the key (and `source`, the file) for the first problem found in `cfg`.
 
@@ -110,22 +105,14 @@ def validate_config(cfg: dict[str, Any], source: str = "<config>") -> None:
         raise ValueError(f"{source}: {key}: {msg}")
 
     m, d, t, r = (cfg.get(k) or {} for k in ("model", "data", "trainer", "run"))
-    kinds = _circuit_kinds()
-    if m.get("circuit") not in kinds:
-        fail("model.circuit", f"unknown circuit {m.get('circuit')!r}; expected one of {list(kinds)}")
-    n, rank, k = m.get("window"), m.get("rank"), m.get("lora_depth", 0)
-    if not isinstance(n, int) or not 2 <= n <= 64:
-        fail("model.window", f"got {n!r}; expected an integer n with 2 <= n <= 64")
-    if not isinstance(rank, int) or not 1 <= rank <= 4096:
-        fail("model.rank", f"got {rank!r}; expected an integer r with 1 <= r <= 4096")
+    n, k = m.get("window"), m.get("lora_depth", 0)
+    check_architecture(m.get("circuit"), m.get("window"), m.get("rank"), k, decoding=True, where=f"{source}: model.")
     bb = m.get("backbone")
     if not isinstance(bb, str) or not bb:
         fail("model.backbone", f"got {bb!r}; expected `default`, `tiny`, a local model directory or a hub name")
     p = Path(bb).expanduser()
     if bb.startswith((".", "/", "~")) and not (p / "config.json").exists():
         fail("model.backbone", f"no model at {str(p)!r} (expected a directory with config.json)")
-    if not isinstance(k, int) or k < 0:
-        fail("model.lora_depth", f"got {k!r}; expected an integer k >= 0")
     layers = backbone_num_layers(bb)
     if layers is None and bb not in ("default", "tiny") and "/" not in bb:
         fail("model.backbone", f"unknown backbone {bb!r}: not `default`, `tiny`, a local directory or an org/name hub id")
@@ -296,7 +283,7 @@ def training_params(cfg: dict[str, Any]) -> dict[str, Any]:
     m, d, t = cfg["model"], cfg["data"], cfg.get("trainer") or {}
     return {
         "backbone": m["backbone"], "circuit": m["circuit"], "window": m["window"],
-        "rank": 1 if m["circuit"] == "ff" else m["rank"], "lora_depth": m.get("lora_depth", 0),
+        "rank": m["rank"], "lora_depth": m.get("lora_depth", 0),
         "seed": cfg.get("seed_everything"), "lora_start_epoch": m.get("lora_start_epoch"), "lr": m.get("lr"),
         "gamma": m.get("gamma"), "init": m.get("init"), "chunk_size": m.get("chunk_size"),
         "data_source": d["source"], "seq_len": d["seq_len"], "batch_size": d.get("batch_size"),
@@ -309,8 +296,7 @@ def training_params(cfg: dict[str, Any]) -> dict[str, Any]:
 def default_run_name(cfg: dict[str, Any]) -> str:
     m = cfg["model"]
     bb = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(m["backbone"]).name)
-    rank = 1 if m["circuit"] == "ff" else m["rank"]
-    return f"{bb}-{m['circuit']}-n{m['window']}-r{rank}-k{m.get('lora_depth', 0)}"
+    return f"{bb}-{m['circuit']}-n{m['window']}-r{m['rank']}-k{m.get('lora_depth', 0)}"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-GRID_KEYS = ("circuit", "rank", "window", "lora_depth")
+from mtpc.names import DECODE_MODES, GRID_PARAMS
 
 
 def stop_callback(should_stop: Callable[[], bool], ckpt_path: Path):
@@ -48,7 +48,7 @@ def train_overrides(train_config: dict[str, Any], *, tracking_uri: str, experime
     cfg = dict(train_config)
     base = cfg.pop("config", "debug")
     overrides: dict[str, Any] = {}
-    for k in GRID_KEYS:
+    for k in GRID_PARAMS:
         if k in cfg:
             overrides[f"model.{k}"] = cfg.pop(k)
     for k, v in cfg.items():
@@ -86,7 +86,7 @@ def evaluate_head(head_dir: Path, resolved: dict[str, Any], eval_config: dict[st
     sets = load_prompt_sets(eval_config.get("prompts", "heldout"), eval_config.get("n_prompts", 8),
                             eval_config.get("sets", 1), eval_config.get("seed", 0))
     results = evaluate_heads(
-        {"head": model}, sets, tuple(eval_config.get("modes", ("greedy", "sample"))),
+        {"head": model}, sets, tuple(eval_config.get("modes", DECODE_MODES)),
         (eval_config.get("extra_token", "keep"),), max_new_tokens=eval_config.get("max_new_tokens", 64),
         temperature=eval_config.get("temperature", 1.0), top_p=eval_config.get("top_p", 1.0),
         seed=eval_config.get("seed", 0), eos=("banned",) if eval_config.get("ban_eos", True) else ("allowed",),
@@ -151,7 +151,7 @@ def _train_and_evaluate(
         raise preempted_exc(f"training stopped on request; checkpoint {ckpt}")
     # children of an interrupted earlier attempt would be counted twice: drop them first
     discard_children(uri, exp_id, parent_run_id)
-    modes = eval_config.get("modes", ["greedy", "sample"])
+    modes = eval_config.get("modes", list(DECODE_MODES))
     evaluate_head(result.head_dir, result.config, eval_config, parent_run_id=parent_run_id, tracking_uri=uri,
                   out=run_dir / "evaluation.json")
     out: dict[str, float] = {}

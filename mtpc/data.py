@@ -310,6 +310,7 @@ class PackedData:
     input_ids: torch.Tensor  # (N, S) long
     score_mask: torch.Tensor  # (N, S) bool: the byte is an assistant byte (a scored target)
     doc_ids: torch.Tensor  # (N, S) long: document index within the row, -1 on padding
+    cut_documents: int = 0  # row ends that fall inside a document (it continues as a new one)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -356,6 +357,7 @@ def pack(
     ids = np.concatenate([ids, np.full(fill, pad, dtype=np.int64)]).reshape(rows, seq_len)
     mask = np.concatenate([mask, np.zeros(fill, dtype=bool)]).reshape(rows, seq_len)
     doc = np.concatenate([doc, np.full(fill, -1, dtype=np.int64)]).reshape(rows, seq_len)
+    cut = int(((doc[1:, 0] == doc[:-1, -1]) & (doc[1:, 0] >= 0)).sum())
     # renumber documents within each row: 0, 1, 2, ... (a new id wherever the source doc changes)
     starts = np.ones_like(doc, dtype=bool)
     starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
@@ -365,4 +367,5 @@ def pack(
         input_ids=torch.from_numpy(ids),
         score_mask=torch.from_numpy(mask),
         doc_ids=torch.from_numpy(local),
+        cut_documents=cut,
     )

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mtpc.metrics import ACCEPTANCE_PREFIX, HISTOGRAM_ARTIFACT
+from mtpc.names import ACCEPTANCE_PREFIX, HISTOGRAM_ARTIFACT
 from sweeps import tracking
 from sweeps.spec import SweepSpec
 

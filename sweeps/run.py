@@ -34,9 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mtpc.names import GRID_PARAMS, point_rank
 from sweeps import tracking
 from sweeps.objectives import Preempted, TrialContext, run_objective
-from sweeps.spec import GRID_PARAMS, SpecError, SweepSpec, grid_key, load_spec
+from sweeps.spec import SpecError, SweepSpec, grid_key, load_spec
 
 EXIT_BAD_INPUT = 2
 EXIT_PREEMPTED = 75
@@ -446,8 +447,7 @@ def _suggest(spec: SweepSpec, trial) -> dict[str, Any]:
             out[p] = trial.suggest_categorical(p, d["choices"])
         else:
             out[p] = trial.suggest_int(p, d["low"], d["high"], log=d["log"])
-    if out["circuit"] == "ff":
-        out["rank"] = 1
+    out["rank"] = point_rank(out["circuit"], out["rank"])
     return out
 
 

@@ -23,12 +23,17 @@ from typing import Any
 
 import yaml
 
-from mtpc.metrics import EVAL_METRICS
+from mtpc.names import (
+    DECODE_MODES,
+    EVAL_METRICS,
+    EXTRA_TOKEN_OPTIONS,
+    GRID_PARAMS,
+    ArchitectureError,
+    check_architecture,
+    check_axis,
+    point_rank,
+)
 
-CIRCUITS = ("ff", "cp", "hmm", "btree")
-GRID_PARAMS = ("circuit", "rank", "window", "lora_depth")  # DESIGN section 3 names
-MODES = ("greedy", "sample")
-EXTRA_TOKEN = ("keep", "drop")
 OBJECTIVE_KINDS = ("trial", "fixture")
 DIRECTIONS = ("maximize", "minimize")
 SAMPLERS = ("tpe", "random")
@@ -56,7 +61,7 @@ class Objective:
 
 @dataclass(frozen=True)
 class EvalSettings:
-    modes: tuple[str, ...] = ("greedy", "sample")
+    modes: tuple[str, ...] = DECODE_MODES
     prompts: str = "heldout"  # `heldout` (the corpus' held-out prompts) or a .jsonl file
     sets: int = 1  # prompt sets per mode: one child run each (named by the evaluator)
     n_prompts: int = 8  # prompts per set
@@ -198,21 +203,23 @@ class _Ctx:
 
 
 def _check_grid_value(ctx: _Ctx, name: str, v: Any, key: str) -> Any:
-    if name == "circuit":
-        return ctx.choice(v, key, CIRCUITS)
-    if name == "rank":
-        return ctx.int_(v, key, 1, 4096)
-    if name == "window":
-        return ctx.int_(v, key, 2, 64)
-    return ctx.int_(v, key, 0, 1024)  # lora_depth
+    """One axis value, checked against `mtpc.names` (the bounds a trial's head would enforce)."""
+    try:
+        check_axis(name, v, decoding=True)
+    except ArchitectureError as e:
+        raise ctx.err(key, e.detail) from None
+    return v
 
 
-def _normalise_point(p: dict[str, Any]) -> dict[str, Any]:
-    """ff has one component whatever the requested rank: r = 1 (so ff points deduplicate)."""
-    p = dict(p)
-    if p["circuit"] == "ff":
-        p["rank"] = 1
-    return {k: p[k] for k in GRID_PARAMS}
+def _normalise_point(p: dict[str, Any], ctx: _Ctx, key: str) -> dict[str, Any]:
+    """A product point with ff's rank axis collapsed (`mtpc.names.point_rank`), checked as the head checks it."""
+    p = {k: p[k] for k in GRID_PARAMS}
+    p["rank"] = point_rank(p["circuit"], p["rank"])
+    try:
+        check_architecture(**p, decoding=True)
+    except ArchitectureError as e:
+        raise ctx.err(f"{key}.{e.key}", e.detail) from None
+    return p
 
 
 def _expand_grid(
@@ -240,7 +247,8 @@ def _expand_grid(
     membership: dict[str, list[str]] = {}
     for sname, vals in per_slice.items():
         for combo in itertools.product(*(vals[p] for p in GRID_PARAMS)):
-            pt = _normalise_point(dict(zip(GRID_PARAMS, combo, strict=True)))
+            key = "space" if full else f"space.slices.{sname}"
+            pt = _normalise_point(dict(zip(GRID_PARAMS, combo, strict=True)), ctx, key)
             k = grid_key(pt)
             points.setdefault(k, pt)
             if sname not in membership.setdefault(k, []):
@@ -379,7 +387,7 @@ def parse_spec(raw: Any, path: Path, *, env: dict[str, str]) -> SweepSpec:
             Objective(
                 metric=ctx.choice(o["metric"], f"{key}.metric", CHILD_METRICS),
                 direction=ctx.choice(o["direction"], f"{key}.direction", DIRECTIONS),
-                mode=None if o.get("mode") is None else ctx.choice(o["mode"], f"{key}.mode", MODES),
+                mode=None if o.get("mode") is None else ctx.choice(o["mode"], f"{key}.mode", DECODE_MODES),
             )
         )
     if len({o.label for o in objectives}) != len(objectives):
@@ -387,7 +395,7 @@ def parse_spec(raw: Any, path: Path, *, env: dict[str, str]) -> SweepSpec:
 
     ev = ctx.keys(raw.get("eval"), "eval", set(EvalSettings.__dataclass_fields__))
     d = EvalSettings()
-    modes = tuple(ctx.choice(m, "eval.modes", MODES) for m in ctx.list_(ev.get("modes", list(d.modes)), "eval.modes"))
+    modes = tuple(ctx.choice(m, "eval.modes", DECODE_MODES) for m in ctx.list_(ev.get("modes", list(d.modes)), "eval.modes"))
     for o in objectives:
         if o.mode is not None and o.mode not in modes:
             raise ctx.err("objectives", f"objective mode {o.mode!r} is not evaluated (eval.modes = {list(modes)})")
@@ -397,7 +405,7 @@ def parse_spec(raw: Any, path: Path, *, env: dict[str, str]) -> SweepSpec:
         sets=ctx.int_(ev.get("sets", d.sets), "eval.sets", 1, 1000),
         n_prompts=ctx.int_(ev.get("n_prompts", d.n_prompts), "eval.n_prompts", 1, 100000),
         max_new_tokens=ctx.int_(ev.get("max_new_tokens", d.max_new_tokens), "eval.max_new_tokens", 1, 1_000_000),
-        extra_token=ctx.choice(ev.get("extra_token", d.extra_token), "eval.extra_token", EXTRA_TOKEN),
+        extra_token=ctx.choice(ev.get("extra_token", d.extra_token), "eval.extra_token", EXTRA_TOKEN_OPTIONS),
         temperature=ctx.float_(ev.get("temperature", d.temperature), "eval.temperature", 1e-6, 100.0),
         top_p=ctx.float_(ev.get("top_p", d.top_p), "eval.top_p", 1e-6, 1.0),
         seed=ctx.int_(ev.get("seed", d.seed), "eval.seed", 0),

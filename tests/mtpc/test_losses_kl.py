@@ -11,9 +11,9 @@ import torch
 
 from mtpc.heads import HeadConfig, MtpcHead
 from mtpc.losses import window_loss
+from mtpc.names import CIRCUIT_KINDS
 
-KINDS = ("ff", "cp", "hmm", "btree")
-FORMS = [(kind, 0) for kind in KINDS] + [("cp", 2), ("hmm", 2), ("btree", 2)]
+FORMS = [(kind, 0) for kind in CIRCUIT_KINDS] + [("cp", 2), ("hmm", 2), ("btree", 2)]
 
 
 def make_head(kind, n=3, r=2, v=5, d=4, dtype=torch.float64, delta=0):
