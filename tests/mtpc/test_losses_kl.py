@@ -91,16 +91,16 @@ def test_matches_direct_per_window_computation_loss_stats_and_gradients(kind, de
     assert per_kl.min() > 0 and per_nll.min() > 0
     tol = dict(rtol=1e-10, atol=1e-10)
     for chunk in (None, 1, 4, 1000):
-        out, g = grads_of(head, lin, e, lambda x: window_loss(head, x, ids, score, docs, gamma=gamma, chunk_size=chunk,
-                                                             teacher_logits=teacher, kl_beta=beta, kl_temperature=temp))
+        out, g = grads_of(head, lin, e, lambda x, c=chunk: window_loss(head, x, ids, score, docs, gamma=gamma, chunk_size=c,
+                                                                      teacher_logits=teacher, kl_beta=beta, kl_temperature=temp))
         where = f"{kind} delta={delta} chunk={chunk}"
-        torch.testing.assert_close(out.loss.detach(), ref.detach(), **tol, msg=lambda m: f"{where}: {m}")
-        torch.testing.assert_close(out.per_position_kl, per_kl, **tol, msg=lambda m: f"{where}: {m}")
-        torch.testing.assert_close(out.per_position_nll, per_nll, **tol, msg=lambda m: f"{where}: {m}")
+        torch.testing.assert_close(out.loss.detach(), ref.detach(), **tol, msg=lambda m, w=where: f"{w}: {m}")
+        torch.testing.assert_close(out.per_position_kl, per_kl, **tol, msg=lambda m, w=where: f"{w}: {m}")
+        torch.testing.assert_close(out.per_position_nll, per_nll, **tol, msg=lambda m, w=where: f"{w}: {m}")
         torch.testing.assert_close(out.window_kl, per_kl.sum(), **tol)
         for name, ref_grad in ref_g.items():
             assert ref_grad.abs().sum() > 0 or name.startswith("sum") and kind == "ff"
-            torch.testing.assert_close(g[name], ref_grad, **tol, msg=lambda m, nm=name: f"{where} {nm}: {m}")
+            torch.testing.assert_close(g[name], ref_grad, **tol, msg=lambda m, nm=name, w=where: f"{w} {nm}: {m}")
 
 
 @pytest.mark.parametrize("kind, delta", [("cp", 0), ("btree", 0), ("hmm", 2)])
