@@ -269,14 +269,15 @@ def evaluate_heads(
 
 
 def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Mean ± std (over prompt sets) of each metric per (head, mode, extra_token, eos)."""
+    """Mean ± std (over prompt sets) of each metric per (head, mode, extra_token, eos, temperature)."""
     groups: dict[tuple, list[dict]] = {}
     for r in results["runs"]:
-        groups.setdefault((r["head"], r["mode"], r["extra_token"], r.get("eos", "banned")), []).append(r)
+        key = (r["head"], r["mode"], r["extra_token"], r.get("eos", "banned"), r.get("temperature"))
+        groups.setdefault(key, []).append(r)
     out = []
-    for (_head, mode, extra, eos), rs in groups.items():
+    for (_head, mode, extra, eos, temperature), rs in groups.items():
         row = {k: rs[0][k] for k in ("head", "backbone", "circuit", "window", "rank", "lora_depth")}
-        row.update({"mode": mode, "extra_token": extra, "eos": eos, "sets": len(rs)})
+        row.update({"mode": mode, "extra_token": extra, "eos": eos, "temperature": temperature, "sets": len(rs)})
         for k in SUMMARY_METRICS:
             vals = [r["metrics"][k] for r in rs if k in r["metrics"]]
             if vals:

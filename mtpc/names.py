@@ -22,6 +22,12 @@ DECODE_MODES: tuple[str, ...] = ("greedy", "sample")
 EXTRA_TOKEN_OPTIONS: tuple[str, ...] = ("keep", "drop")
 #: the axes of a sweep grid point (and the architecture params of a trial)
 GRID_PARAMS: tuple[str, ...] = ("circuit", "rank", "window", "lora_depth")
+#: training axes a grid may vary beside the architecture, with their defaults: kl_beta (weight of the
+#: distillation term, 0 = cross-entropy; training's model.kl_beta) and train_seed (the head's
+#: training seed, training's seed_everything; the evaluation `seed` is another param)
+TRAIN_AXES: dict[str, Any] = {"kl_beta": 0.0, "train_seed": 0}
+#: every axis of a sweep grid point: the architecture, then the training axes
+SWEEP_AXES: tuple[str, ...] = GRID_PARAMS + tuple(TRAIN_AXES)
 
 #: window n: a head predicts 1..MAX_WINDOW bytes; decoding drafts n - 1 bytes, so it needs n >= 2
 MIN_HEAD_WINDOW = 1
@@ -60,7 +66,15 @@ class ArchitectureError(ValueError):
 
 
 def check_axis(name: str, value: Any, *, decoding: bool = False, where: str = "") -> None:
-    """Check one GRID_PARAMS value alone (the bounds; the ff rank rule needs the circuit too)."""
+    """Check one SWEEP_AXES value alone (the bounds; the ff rank rule needs the circuit too)."""
+    if name == "kl_beta":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise ArchitectureError(where, name, f"expected a number in [0, 1] (0: cross-entropy only), got {value!r}")
+        return
+    if name == "train_seed":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ArchitectureError(where, name, f"expected an integer >= 0, got {value!r}")
+        return
     if name == "circuit":
         if value not in CIRCUIT_KINDS:
             raise ArchitectureError(where, name, f"unknown circuit kind {value!r}; expected one of {list(CIRCUIT_KINDS)}")
