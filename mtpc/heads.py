@@ -258,7 +258,8 @@ class MtpcHead(nn.Module):
 
         The interface of the decoding loop: `theta = head.decode_params(e)` replaces
         `circuit.normalize(head(e))`; then `x, log_q = circuit._draft(theta, prefix,
-        generator=g, greedy=greedy)` as before (or both at once: `head.draft`).
+        generator=g, greedy=greedy)` as before (or both at once: `head.draft`, which can also skip
+        the conditionals greedy verification does not read).
 
         How: every weight that multiplies e (leaves or, for App. G leaves, the shared unembedding U
         and the delta's A; every sum weight R) is held once more, transposed and concatenated into
@@ -273,7 +274,8 @@ class MtpcHead(nn.Module):
         The copy is built on the first call and rebuilt whenever a parameter changes (its
         storage or its version counter, which every in-place update such as an optimiser step
         or `load_state_dict` bumps), so it never serves stale weights; it holds the head's
-        weights but B once more. No autograd (train with `forward`); no host sync: safe inside a loop that
+        weights but B once more. Not seen: in-place writes through `.data` (invisible to autograd
+        too) and to a head whose parameters are inference tensors (built under inference_mode). No autograd (train with `forward`); no host sync: safe inside a loop that
         reads one value back per cycle and inside CUDA-graph capture once the copy exists.
         """
         d = self.config.hidden
@@ -305,15 +307,27 @@ class MtpcHead(nn.Module):
         return out
 
     def draft(
-        self, e: Tensor, prefix: Tensor | None, generator: torch.Generator | None = None, greedy: bool = False
-    ) -> tuple[Tensor, Tensor]:
+        self,
+        e: Tensor,
+        prefix: Tensor | None,
+        generator: torch.Generator | None = None,
+        greedy: bool = False,
+        conditionals: bool = True,
+    ) -> tuple[Tensor, Tensor | None]:
         """Head + draft for one context e (d,): `circuit._draft(decode_params(e), prefix, ...)`
-        -> (window x (n,) int64 (x[:k] = prefix), log q(x_i = . | x_<i) (n, v))."""
-        return self.circuit._draft(self.decode_params(e), prefix, generator=generator, greedy=greedy)
+        -> (window x (n,) int64 with x[:k] = prefix (k,), log q(x_i = . | x_<i) (n, v)).
+
+        prefix: the k bytes the window starts with ([c] in the keep cycle) or None (drop cycle);
+        generator: the sampling generator (unused when greedy). conditionals=False returns
+        (x, None), the same x, without the conditionals (greedy verification does not read them).
+        """
+        q = self.decode_params(e)
+        return self.circuit._draft(q, prefix, generator=generator, greedy=greedy, conditionals=conditionals)
 
     def _decode_weights(self) -> _DecodeWeights:
         params = tuple(self.parameters())
-        key = tuple((p.device, p.dtype, p.data_ptr(), p._version) for p in params)
+        # inference tensors (a head built under inference_mode) have no version counter
+        key = tuple((p.device, p.dtype, p.data_ptr(), -1 if p.is_inference() else p._version) for p in params)
         dw = self._decode_cache
         if dw is not None and dw.key == key:
             return dw

@@ -248,16 +248,25 @@ class Circuit:
         raise NotImplementedError
 
     def _draft(
-        self, q: Params, prefix: Tensor | None, generator: torch.Generator | None = None, greedy: bool = False
-    ) -> tuple[Tensor, Tensor]:
-        """Fused draft for the decoding loop: (x (..., n) int64, conditionals of x (..., n, v)).
+        self,
+        q: Params,
+        prefix: Tensor | None,
+        generator: torch.Generator | None = None,
+        greedy: bool = False,
+        conditionals: bool = True,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Fused draft for the decoding loop: (x (..., n) int64, log q(x_i = . | x_<i) (..., n, v)).
 
         x is sampled from q(. | prefix) (or is the greedy max-product window), x[..., :k] = prefix;
         no validation, no host sync. The conditionals are mixed in probability space (mix_probs).
-        Every kind overrides this generic sample-then-conditionals with a fused version that
-        forms the leaf probabilities once for both.
+        conditionals=False returns (x, None) and skips them (greedy verification only compares
+        x with the verifier's argmax; for btree and hmm that is half of the draft's work); x is
+        the same either way. Every kind overrides this generic sample-then-conditionals with a
+        fused version that forms the leaf probabilities once for both.
         """
         x = self._greedy(q, prefix) if greedy else self._sample(q, generator, prefix)
+        if not conditionals:
+            return x, None
         w, leaves, _ = self._leaf_context(q, x)
         return x, mix_probs(w, leaf_probs(leaves))
 

@@ -301,14 +301,14 @@ class BTreeCircuit(Circuit):
         _, u_all, u_root = self._upward(s, self._up_tables(s, internal), evidence, True)
         return gather_rows(leaves, self._topdown(s, root, internal, u_all, u_root, None)).argmax(-1)
 
-    def _draft(self, q, prefix, generator=None, greedy=False):
+    def _draft(self, q, prefix, generator=None, greedy=False, conditionals=True):
         # one set of level tables for every pass, one exp of the leaves for the sampled rows and the
         # mix; messages up to a constant per node (each only enters a softmax or argmax over its row)
         root, internal, leaves, prefix, scores = self._parts(q, prefix)
         s = self._sched(root.device)
-        probs = internal.exp()
-        up, down = self._up_tables(s, probs.transpose(-1, -2)), self._down_tables(s, probs)
-        p_leaves = leaf_probs(leaves)  # (..., n, r, v)
+        probs = internal.exp() if conditionals or not greedy else None
+        up = None if probs is None else self._up_tables(s, probs.transpose(-1, -2))
+        p_leaves = leaf_probs(leaves) if conditionals else None  # (..., n, r, v)
         if greedy:
             x = self._greedy_window(s, root, internal, leaves, scores)
         else:
@@ -317,7 +317,10 @@ class BTreeCircuit(Circuit):
             else:
                 _, u_all, u_root = self._upward(s, up, self._evidence(scores), False, exact=False)
             states = self._topdown(s, root, internal, u_all, u_root, self._noise(root, generator))
-            x = sample_probs(gather_rows(p_leaves, states), generator)
+            rows = gather_rows(leaves, states).exp() if p_leaves is None else gather_rows(p_leaves, states)
+            x = sample_probs(rows, generator)
         x = with_prefix(prefix, x)
-        w = self._context(s, root, up, down, gather_leaf_scores(leaves, x), exact=False)
+        if not conditionals:
+            return x, None
+        w = self._context(s, root, up, self._down_tables(s, probs), gather_leaf_scores(leaves, x), exact=False)
         return x, mix_probs(w, p_leaves)

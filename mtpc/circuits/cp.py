@@ -74,21 +74,24 @@ class CPCircuit(Circuit):
         x = gather_rows(leaves, z.unsqueeze(-1).expand(*z.shape, self.window)).argmax(-1)
         return with_prefix(prefix, x)
 
-    def _draft(self, q, prefix, generator=None, greedy=False):
+    def _draft(self, q, prefix, generator=None, greedy=False, conditionals=True):
         # one posterior over z for the window, one exp of the leaves for the sampled rows and the mix
         if prefix is None:
             prefix = torch.zeros((0,), dtype=torch.long, device=q["leaves"].device)
         mixture, leaves, prefix, scores = self._scores(q, prefix)  # scores (..., k, r)
         k, n = prefix.shape[-1], self.window
         post = mixture + scores.sum(-2) if k else mixture  # (..., r)  log q(z, prefix)
-        probs = leaf_probs(leaves)  # (..., n, r, v)
+        probs = leaf_probs(leaves) if conditionals else None  # (..., n, r, v)
         if greedy:
             z = (post + leaves[..., k:, :, :].amax(-1).sum(-2)).argmax(-1)  # (...)
             x = gather_rows(leaves, z.unsqueeze(-1).expand(*z.shape, n)).argmax(-1)
         else:
-            z = gumbel_argmax(post, generator)
-            x = sample_probs(gather_rows(probs, z.unsqueeze(-1).expand(*z.shape, n)), generator)  # (..., n)
+            z = gumbel_argmax(post, generator).unsqueeze(-1).expand(*post.shape[:-1], n)
+            rows = gather_rows(leaves, z).exp() if probs is None else gather_rows(probs, z)  # (..., n, v)
+            x = sample_probs(rows, generator)
         x = with_prefix(prefix, x)
+        if not conditionals:
+            return x, None
         s = gather_leaf_scores(leaves, x)  # (..., n, r)
         w = mixture.unsqueeze(-2) + (s.cumsum(-2) - s)  # (..., n, r)  log q(z, x_<i)
         return x, mix_probs(w, probs)

@@ -116,18 +116,21 @@ class HMMCircuit(Circuit):
             states = last
         return gather_rows(leaves, states).argmax(-1)
 
-    def _draft(self, q, prefix, generator=None, greedy=False):
+    def _draft(self, q, prefix, generator=None, greedy=False, conditionals=True):
         # one exp of the leaves for the sampled rows and the mix; the filter of x (up to a constant
         # per position: it only enters softmax(w_i)) gives the conditionals
         initial, trans, leaves, prefix, scores = self._parts(q, prefix)
-        p_leaves = leaf_probs(leaves)  # (..., n, r, v)
+        p_leaves = leaf_probs(leaves) if conditionals else None  # (..., n, r, v)
         if greedy:
             x = self._viterbi(initial, trans, leaves, scores)
         else:
             states = self._states(initial, trans, scores, generator)
             start = self.window - states.shape[-1]
-            x = _pad_front(sample_probs(gather_rows(p_leaves[..., start:, :, :], states), generator), start)
+            rows = gather_rows((leaves if p_leaves is None else p_leaves)[..., start:, :, :], states)  # (..., n - start, v)
+            x = _pad_front(sample_probs(rows.exp() if p_leaves is None else rows, generator), start)
         x = with_prefix(prefix, x)
+        if not conditionals:
+            return x, None
         w = torch.stack(self._filter(initial, trans.exp(), gather_leaf_scores(leaves, x), exact=False), dim=-2)  # (..., n, r)
         return x, mix_probs(w, p_leaves)
 

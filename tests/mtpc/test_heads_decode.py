@@ -75,6 +75,8 @@ def test_draft_equals_unfused_old_path(kind, delta, greedy, n):
             assert x.shape == (n,) and x.dtype == torch.long and cond.shape == (n, V)
             assert torch.equal(x, want), (k, x, want)
             torch.testing.assert_close(cond, c._conditionals(q, want), atol=1e-10, rtol=0)
+            x_only, none = head.draft(e, prefix, torch.Generator().manual_seed(trial), greedy, conditionals=False)
+            assert none is None and torch.equal(x_only, x)
             # what the loop called before: the fused draft on the training path's parameters
             x_old, cond_old = c._draft(q, prefix, generator=torch.Generator().manual_seed(trial), greedy=greedy)
             assert torch.equal(x_old, x)
