@@ -96,20 +96,25 @@ def sample_probs(probs: Tensor, generator: torch.Generator | None) -> Tensor:
 
 
 def gather_leaf_scores(leaves: Tensor, x: Tensor) -> Tensor:
-    """leaves (..., k, r, v), x (..., k) int -> (..., k, r): log q(x_i | state a) for every a.
-
-    Leading dims of leaves and x must already agree (expand before calling).
-    """
+    """leaves (..., m, r, v), x (..., k) int, k <= m -> (..., k, r): log q(x_i | state a) of the
+    first k positions, for every a. Leading dims of leaves and x must already agree (expand before
+    calling)."""
     r = leaves.shape[-2]
-    idx = x.unsqueeze(-1).unsqueeze(-1).expand(*x.shape, r, 1)  # (..., k, r, 1)
+    idx = x[..., None, None].expand(*x.shape, r, 1)  # (..., k, r, 1)
     return leaves.gather(-1, idx).squeeze(-1)
 
 
 def gather_rows(table: Tensor, state: Tensor) -> Tensor:
     """table (..., k, r, s), state (..., k) int -> (..., k, s) = table[..., i, state_i, :]."""
     s = table.shape[-1]
-    idx = state.unsqueeze(-1).unsqueeze(-1).expand(*state.shape, 1, s)  # (..., k, 1, s)
+    idx = state[..., None, None].expand(*state.shape, 1, s)  # (..., k, 1, s)
     return table.gather(-2, idx).squeeze(-2)
+
+
+def expand_to(t: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """t.expand(shape), or t itself when it has that shape already (one call less per tensor on
+    the batch-1 decoding path, where nothing broadcasts)."""
+    return t if t.shape == shape else t.expand(shape)
 
 
 def mix_leaves(logw: Tensor, leaves: Tensor) -> Tensor:
@@ -139,7 +144,7 @@ def with_prefix(prefix: Tensor | None, x: Tensor) -> Tensor:
     if prefix is None or prefix.shape[-1] == 0:
         return x
     k = prefix.shape[-1]
-    return torch.cat([prefix.expand(*x.shape[:-1], k), x[..., k:]], dim=-1)
+    return torch.cat([expand_to(prefix, (*x.shape[:-1], k)), x[..., k:]], dim=-1)
 
 
 # ----------------------------------------------------------------------------- the base class
@@ -209,7 +214,7 @@ class Circuit:
 
     def _expand(self, q: Mapping[str, Tensor], batch: torch.Size) -> Params:
         shapes = self.param_shapes
-        return {k: t.expand(*batch, *shapes[k]) for k, t in q.items()}
+        return {k: expand_to(t, (*batch, *shapes[k])) for k, t in q.items()}
 
     def _expand_with_scores(self, q: Params, ids: Tensor | None) -> tuple[Params, Tensor | None, Tensor]:
         """q broadcast to the batch of q and ids, ids broadcast likewise, and the leaf scores of the
@@ -220,8 +225,9 @@ class Circuit:
         if ids is None:
             scores = leaves.new_zeros(*batch, 0, self.rank)
         else:
-            ids = ids.expand(*batch, ids.shape[-1])
-            scores = gather_leaf_scores(leaves[..., : ids.shape[-1], :, :], ids)  # (..., k, r)
+            k = ids.shape[-1]
+            ids = expand_to(ids, (*batch, k))
+            scores = gather_leaf_scores(leaves, ids)  # (..., k, r)
         return e, ids, scores
 
     def _log_prob(self, q: Params, x: Tensor) -> Tensor:  # (...)

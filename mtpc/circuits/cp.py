@@ -13,6 +13,7 @@ from torch import Tensor
 from .base import (
     Circuit,
     Params,
+    expand_to,
     gather_leaf_scores,
     gather_rows,
     gumbel_argmax,
@@ -35,10 +36,11 @@ class CPCircuit(Circuit):
         """-> mixture (..., r), leaves (..., n, r, v), x (..., n), E (..., k, r) leaf scores of x."""
         batch = self._batch_shape(q, x.shape[:-1])
         n, r, v = self.window, self.rank, self.vocab
-        leaves = q["leaves"].expand(*batch, n, r, v)
+        leaves = expand_to(q["leaves"], (*batch, n, r, v))
         k = x.shape[-1]
-        x = x.expand(*batch, k)
-        return q["mixture"].expand(*batch, r), leaves, x, gather_leaf_scores(leaves[..., :k, :, :], x)
+        x = expand_to(x, (*batch, k))
+        scores = gather_leaf_scores(leaves, x)  # (..., k, r)
+        return expand_to(q["mixture"], (*batch, r)), leaves, x, scores
 
     def _log_prob(self, q: Params, x: Tensor) -> Tensor:
         mixture, _, _, scores = self._scores(q, x)
@@ -84,9 +86,9 @@ class CPCircuit(Circuit):
         probs = leaf_probs(leaves) if conditionals else None  # (..., n, r, v)
         if greedy:
             z = (post + leaves[..., k:, :, :].amax(-1).sum(-2)).argmax(-1)  # (...)
-            x = gather_rows(leaves, z.unsqueeze(-1).expand(*z.shape, n)).argmax(-1)
+            x = gather_rows(leaves, z[..., None].expand(*z.shape, n)).argmax(-1)
         else:
-            z = gumbel_argmax(post, generator).unsqueeze(-1).expand(*post.shape[:-1], n)
+            z = gumbel_argmax(post, generator)[..., None].expand(*post.shape[:-1], n)
             rows = gather_rows(leaves, z).exp() if probs is None else gather_rows(probs, z)  # (..., n, v)
             x = sample_probs(rows, generator)
         x = with_prefix(prefix, x)

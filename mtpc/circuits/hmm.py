@@ -44,22 +44,23 @@ class HMMCircuit(Circuit):
 
     def _filter(self, initial: Tensor, probs: Tensor, scores: Tensor, exact: bool = True) -> list[Tensor]:
         """pred[i] = log q(z_i, x_<i) for i = 0..k (0-based), k = scores.shape[-2] <= n - 1 steps;
-        each (..., r). exact=False: each pred[i] up to an additive constant (see log_rowvec)."""
-        pred = [initial.unsqueeze(-2)]  # rows (..., 1, r), so that each step is one row-vector product
+        each a row (..., 1, r) (torch.cat(pred, -2) stacks them). exact=False: each pred[i] up to
+        an additive constant (see log_rowvec)."""
+        pred = [initial.unsqueeze(-2)]  # rows, so that each step is one row-vector product
         steps = min(scores.shape[-2], self.window - 1)
         # unbind once: indexing step by step would zero-fill a full-size gradient per step in backward
         for score, table in zip(scores.unsqueeze(-2).unbind(-3)[:steps], probs.unbind(-3)[:steps], strict=True):
             pred.append(log_rowvec(pred[-1] + score, table, exact))
-        return [p.squeeze(-2) for p in pred]
+        return pred
 
     def _log_prob(self, q: Params, x: Tensor) -> Tensor:
         initial, trans, _, _, scores = self._parts(q, x)
         pred = self._filter(initial, trans.exp(), scores)
-        return torch.logsumexp(pred[-1] + scores[..., -1, :], dim=-1)
+        return torch.logsumexp(pred[-1].squeeze(-2) + scores[..., -1, :], dim=-1)
 
     def _leaf_context(self, q: Params, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         initial, trans, leaves, x, scores = self._parts(q, x)
-        return torch.stack(self._filter(initial, trans.exp(), scores), dim=-2), leaves, scores  # (..., n, r)
+        return torch.cat(self._filter(initial, trans.exp(), scores), dim=-2), leaves, scores  # (..., n, r)
 
     def _states(self, initial: Tensor, trans: Tensor, scores: Tensor, generator: torch.Generator | None) -> Tensor:
         """Sample the states z_start..z_n given the k prefix scores (start = max(k - 1, 0)) -> (..., n - start).
@@ -77,7 +78,7 @@ class HMMCircuit(Circuit):
         else:  # the last prefix state from the filter q(z_k | x_1..x_k)
             start = k - 1
             filt = self._filter(initial, trans[..., : k - 1, :, :].exp(), scores[..., : k - 1, :], exact=False)
-            logits = filt[-1] + scores[..., k - 1, :]  # up to a constant: only its argmax is used
+            logits = filt[-1].squeeze(-2) + scores[..., k - 1, :]  # up to a constant: only its argmax is used
         z0 = (logits + noise[..., start, :]).argmax(-1, keepdim=True)  # (..., 1)
         if start == n - 1:
             return z0
@@ -131,7 +132,7 @@ class HMMCircuit(Circuit):
         x = with_prefix(prefix, x)
         if not conditionals:
             return x, None
-        w = torch.stack(self._filter(initial, trans.exp(), gather_leaf_scores(leaves, x), exact=False), dim=-2)  # (..., n, r)
+        w = torch.cat(self._filter(initial, trans.exp(), gather_leaf_scores(leaves, x), exact=False), dim=-2)  # (..., n, r)
         return x, mix_probs(w, p_leaves)
 
 
