@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast demo bench bench-circuits bench-loss bench-decode pretrain lint clean-cache
+.PHONY: setup test test-fast demo bench bench-circuits bench-head bench-loss bench-decode pretrain lint clean-cache
 
 setup: $(VENV)/.installed
 
@@ -32,10 +32,13 @@ demo: setup
 pretrain: setup
 	$(PY) -m experiments.pretrain
 
-bench: bench-circuits bench-loss bench-decode
+bench: bench-circuits bench-head bench-loss bench-decode
 
 bench-circuits: setup
 	$(PY) bench/bench_circuits.py --out bench/results/circuits_cpu.json
+
+bench-head: setup
+	$(PY) bench/bench_head.py --out bench/results/head_cpu.json
 
 bench-loss: setup
 	$(PY) bench/bench_loss_memory.py --out bench/results/loss_memory_cpu.json

@@ -138,6 +138,14 @@ class _Schedule:
                     leaf_sib[c[1]] = kid(nd.left) if c == nd.right else 0
         self.leaf_parent, self.leaf_sib = t(leaf_parent), t(leaf_sib)
         self._down_rows = [t(list(range(lo, hi))) for lo, hi, _, _ in self.down_levels]  # internal rows per level
+        # the spine: the non-root nodes above position 0 (internal rows, bottom-up); with evidence at
+        # position 0 only, every other node's upward message is exactly 0
+        spine, node = [], nodes[0]
+        while node.left[0] == "node":
+            node = nodes[node.left[1]]
+            spine.append(node.internal_index)
+        self.spine_rows = spine[::-1]
+        self.spine_index = t(self.spine_rows)
         self._offsets: dict[int, list[Tensor]] = {}
 
     def down_offsets(self, rank: int) -> list[Tensor]:
@@ -253,15 +261,16 @@ class BTreeCircuit(Circuit):
         w = self._context(s, root, self._up_tables(s, probs.transpose(-1, -2)), self._down_tables(s, probs), scores)
         return w, leaves, scores
 
-    def _topdown(self, s, root, internal, u_all, u_root, noise: Tensor | None) -> Tensor:
+    def _topdown(self, s, root, internal, u_bfs, u_root, noise: Tensor | None) -> Tensor:
         """States of every node given its parent from q(node | parent, evidence below) (Gumbel-max
         with noise (..., m + 1, r), or argmax when None) -> the state above each leaf (..., n).
-        u_* are the upward U's.
+        u_bfs (..., m, r) / u_root (..., r): the upward U's of the non-root nodes (breadth-first)
+        and of the root.
 
         Every node's choice is formed for every parent state at once, choice[k, a] = argmax_b
         T_k[a, b] + U_k(b) + g_k(b) (one batched op over all nodes), and the levels then only look
         up choice[k, state of the parent]."""
-        logits = internal + u_all.index_select(-2, s.inv_height).unsqueeze(-2)  # (..., m, r, r)
+        logits = internal + u_bfs.unsqueeze(-2)  # (..., m, r, r)
         top = root + u_root  # (..., r)
         if noise is not None:
             logits = logits + noise[..., 1:, :].unsqueeze(-2)
@@ -287,7 +296,8 @@ class BTreeCircuit(Circuit):
         s = self._sched(root.device)
         up = self._up_tables(s, internal.exp().transpose(-1, -2))
         _, u_all, u_root = self._upward(s, up, self._evidence(scores), False)
-        states = self._topdown(s, root, internal, u_all, u_root, self._noise(root, generator))
+        u_bfs = u_all.index_select(-2, s.inv_height)
+        states = self._topdown(s, root, internal, u_bfs, u_root, self._noise(root, generator))
         return with_prefix(prefix, sample_rows(gather_rows(leaves, states), generator, normalised=True))
 
     def _greedy(self, q: Params, prefix: Tensor | None = None) -> Tensor:
@@ -299,7 +309,23 @@ class BTreeCircuit(Circuit):
         k = scores.shape[-2]
         evidence = torch.cat([scores, leaves[..., k:, :, :].amax(-1)], dim=-2)  # (..., n, r)
         _, u_all, u_root = self._upward(s, self._up_tables(s, internal), evidence, True)
-        return gather_rows(leaves, self._topdown(s, root, internal, u_all, u_root, None)).argmax(-1)
+        states = self._topdown(s, root, internal, u_all.index_select(-2, s.inv_height), u_root, None)
+        return gather_rows(leaves, states).argmax(-1)
+
+    def _spine_upward(self, s: _Schedule, probs_t: Tensor, score: Tensor) -> tuple[Tensor, Tensor]:
+        """The upward pass for evidence at position 0 only, score (..., r) its leaf scores: just the
+        chain of nodes above it (every other message is exactly 0), up to a constant per node (as
+        exact=False) -> U of the non-root nodes breadth-first (..., m, r), U of the root (..., r).
+        probs_t: the transposed probability tables breadth-first (..., m, r, r)."""
+        u, us = score.unsqueeze(-2), []  # (..., 1, r)
+        for row in s.spine_rows:
+            us.append(u)
+            u = log_rowvec(u, probs_t[..., row, :, :], exact=False)
+        m = probs_t.shape[-3]
+        u_bfs = score.new_zeros(*score.shape[:-1], m, self.rank)
+        if us:
+            u_bfs = u_bfs.index_copy(-2, s.spine_index, torch.cat(us, dim=-2))
+        return u_bfs, u.squeeze(-2)
 
     def _draft(self, q, prefix, generator=None, greedy=False, conditionals=True):
         # one set of level tables for every pass, one exp of the leaves for the sampled rows and the
@@ -312,11 +338,15 @@ class BTreeCircuit(Circuit):
         if greedy:
             x = self._greedy_window(s, root, internal, leaves, scores)
         else:
-            if scores.shape[-2] == 0:  # no evidence: every upward message is log sum_b T[a, b] = 0
-                u_all, u_root = root.new_zeros(*root.shape[:-1], internal.shape[-3], self.rank), torch.zeros_like(root)
+            k = scores.shape[-2]
+            if k == 0:  # no evidence: every upward message is log sum_b T[a, b] = 0
+                u_bfs, u_root = root.new_zeros(*root.shape[:-1], internal.shape[-3], self.rank), torch.zeros_like(root)
+            elif k == 1:  # the keep cycle's prefix [c]: only the nodes above position 0
+                u_bfs, u_root = self._spine_upward(s, probs.transpose(-1, -2), scores[..., 0, :])
             else:
                 _, u_all, u_root = self._upward(s, up, self._evidence(scores), False, exact=False)
-            states = self._topdown(s, root, internal, u_all, u_root, self._noise(root, generator))
+                u_bfs = u_all.index_select(-2, s.inv_height)
+            states = self._topdown(s, root, internal, u_bfs, u_root, self._noise(root, generator))
             rows = gather_rows(leaves, states).exp() if p_leaves is None else gather_rows(p_leaves, states)
             x = sample_probs(rows, generator)
         x = with_prefix(prefix, x)
