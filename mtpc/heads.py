@@ -250,7 +250,9 @@ class MtpcHead(nn.Module):
         `load_state_dict` bumps; writes through `.data`, invisible to autograd too, are not seen,
         nor are in-place writes to parameters that are inference tensors). Call it once per
         generation, not per cycle: the check costs tens of microseconds in a decoding loop."""
-        stamp = tuple((p.device, p.dtype, p.data_ptr(), -1 if p.is_inference() else p._version) for p in self.parameters())
+        stamp = tuple(
+            (p.device, p.dtype, p.data_ptr(), -1 if p.is_inference() else p._version) for p in self.parameters()
+        )
         if self._decoder is None or self._decoder[0] != stamp:
             self._decoder = (stamp, HeadDecoder(self))
         return self._decoder[1]
@@ -294,7 +296,8 @@ class HeadDecoder:
                 blocks, self.delta_out = [head.leaf_weight.view(n * r * v, d)], None
             else:
                 blocks = [head.leaf_base.view(n * v, d), head.leaf_delta_in.view(n * r * k, d)]
-                self.delta_out = head.leaf_delta_out.detach().view(n * r, v, k).transpose(1, 2)  # (n r, k, v) B^T, a view
+                delta_out = head.leaf_delta_out.detach()  # B (n, r, v, k)
+                self.delta_out = delta_out.view(n * r, v, k).transpose(1, 2)  # (n r, k, v) B^T, a view
             sums = [head.sum_weight[name].view(-1, d) for name in self.sum_names]
             self.weight = torch.cat([b.detach() for b in blocks + sums]).t().contiguous()  # (d, N)
             self.bias = self.weight.new_zeros(1, self.weight.shape[1])  # (1, N): 0 for the leaves, b for the sums
@@ -318,7 +321,7 @@ class HeadDecoder:
             raise ValueError(f"e: the decoder takes one context of shape ({self.hidden},), got {tuple(e.shape)}")
         if e.dtype != self.weight.dtype:
             e = e.to(self.weight.dtype)
-        y = torch.addmm(self.bias, e.view(1, -1), self.weight).view(-1)  # (N,) every e-dependent logit
+        y = torch.addmm(self.bias, e.unsqueeze(0), self.weight).view(-1)  # (N,) every e-dependent logit
         if self.delta_out is None:
             leaves, rest = y.split(self.split)
             leaves = leaves.view(self.leaf_shape)
@@ -350,7 +353,8 @@ class HeadDecoder:
         generator: the sampling generator (unused when greedy). conditionals=False returns
         (x, None), the same x, without the conditionals (greedy verification does not read them).
         """
-        return self.circuit._draft(self.params(e), prefix, generator=generator, greedy=greedy, conditionals=conditionals)
+        q = self.params(e)
+        return self.circuit._draft(q, prefix, generator=generator, greedy=greedy, conditionals=conditionals)
 
 
 # --- export ---------------------------------------------------------------------------------

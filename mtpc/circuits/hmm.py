@@ -83,7 +83,8 @@ class HMMCircuit(Circuit):
         if start == n - 1:
             return z0
         choice = (trans[..., start:, :, :] + noise[..., start + 1 :, :].unsqueeze(-2)).argmax(-1)  # (..., n-1-start, r)
-        return torch.cat([z0, compose_prefix(choice).gather(-1, z0.unsqueeze(-1).expand(*choice.shape[:-1], 1)).squeeze(-1)], dim=-1)
+        later = compose_prefix(choice).gather(-1, z0.unsqueeze(-1).expand(*choice.shape[:-1], 1)).squeeze(-1)
+        return torch.cat([z0, later], dim=-1)
 
     def _sample(self, q: Params, generator: torch.Generator | None = None, prefix: Tensor | None = None) -> Tensor:
         initial, trans, leaves, prefix, scores = self._parts(q, prefix)
@@ -127,12 +128,14 @@ class HMMCircuit(Circuit):
         else:
             states = self._states(initial, trans, scores, generator)
             start = self.window - states.shape[-1]
-            rows = gather_rows((leaves if p_leaves is None else p_leaves)[..., start:, :, :], states)  # (..., n - start, v)
+            table = leaves if p_leaves is None else p_leaves
+            rows = gather_rows(table[..., start:, :, :], states)  # (..., n - start, v)
             x = _pad_front(sample_probs(rows.exp() if p_leaves is None else rows, generator), start)
         x = with_prefix(prefix, x)
         if not conditionals:
             return x, None
-        w = torch.cat(self._filter(initial, trans.exp(), gather_leaf_scores(leaves, x), exact=False), dim=-2)  # (..., n, r)
+        pred = self._filter(initial, trans.exp(), gather_leaf_scores(leaves, x), exact=False)
+        w = torch.cat(pred, dim=-2)  # (..., n, r)
         return x, mix_probs(w, p_leaves)
 
 
