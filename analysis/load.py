@@ -4,7 +4,8 @@ One row per *evaluation* run: a run carrying the params ``mode`` and ``prompt_se
 section 3 — each (mode, prompt_set) evaluation of a trial is a child run that copies every param).
 Parent (trial) runs, analysis summary runs and unfinished runs are left out. Params are typed
 (ints, floats, strings); optional params (``extra_token``, ``temperature``, ``seed``,
-``hardware``, ``top_p``) and optional metrics become NaN/None when absent. Per-position
+``hardware``, ``top_p``, ``eos``, and the training axes ``kl_beta``, ``kl_temperature``,
+``train_seed``) and optional metrics become NaN/None when absent. Per-position
 acceptance metrics ``acceptance_pos_<i>`` (i = 1-based window position) become columns of their own.
 
 Also here: resolving the tracking URI and experiment with errors a user can act on, filtering,
@@ -55,6 +56,10 @@ OPTIONAL_PARAMS: dict[str, type] = {
     "seed": int,
     "hardware": str,
     "top_p": float,
+    "eos": str,  # banned | allowed (EOS_MODES)
+    "kl_beta": float,  # training: weight of the distillation term (0: cross-entropy only)
+    "kl_temperature": float,  # training: temperature of the teacher in the KL term
+    "train_seed": int,  # training seed of the head (the evaluation seed is `seed`)
 }
 #: metrics without which a run cannot be placed on the Pareto plot or in a table
 REQUIRED_METRICS: tuple[str, ...] = EVAL_METRICS[:4]  # mu_lat, mu_acc, tokens_per_cycle, throughput

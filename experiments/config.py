@@ -63,6 +63,10 @@ class ModelConfig:
     """loss discount per window position (null: 0.8 for n <= 8, else 0.9)"""
     chunk_size: int = 256
     """context positions per chunk of the loss (bounds peak memory)"""
+    kl_beta: float = 0.0
+    """weight of the distillation term: each target scores kl_beta KL(p_j || q_j) + (1 - kl_beta) NLL, p_j the frozen backbone's next-byte distribution (its STP logits from the same forward); 0: cross-entropy only (validation still logs the KL)"""
+    kl_temperature: float = 1.0
+    """temperature of the teacher p_j in the KL term"""
     init: str = "lm_head"
     """head initialisation: lm_head (copy the STP unembedding), mtp (the backbone's own MTP heads where it has them, e.g. EvaByte; else lm_head) or random"""
     init_noise: float = 1e-2
@@ -111,6 +115,9 @@ class ModelConfig:
             fail("model.gamma", f"got {self.gamma!r}; expected null or 0 < gamma <= 1")
         if not _integer(self.chunk_size) or self.chunk_size < 1:
             fail("model.chunk_size", f"got {self.chunk_size!r}; expected a positive integer")
+        names.check_axis("kl_beta", self.kl_beta, where=f"{fail.source}: model.")
+        if not _number(self.kl_temperature) or not 0 < self.kl_temperature < float("inf"):
+            fail("model.kl_temperature", f"got {self.kl_temperature!r}; expected a finite number > 0 (temperature of the teacher)")
         lse = self.lora_start_epoch
         if not _integer(lse) or lse < 0:
             fail("model.lora_start_epoch", f"got {lse!r}; expected an integer >= 0")
@@ -230,7 +237,7 @@ class TrainConfig:
         d, t = self.data, self.trainer
         accumulate = t.get("accumulate_grad_batches") or 1
         return {
-            **asdict(self.model), "seed": self.seed_everything,
+            **asdict(self.model), "seed": self.seed_everything, "train_seed": self.seed_everything,
             "data_source": d.source, "seq_len": d.seq_len, "batch_size": d.batch_size, "on_error": d.on_error,
             "accumulate_grad_batches": accumulate, "max_epochs": t.get("max_epochs"),
             "max_steps": t.get("max_steps"), "precision": t.get("precision"),

@@ -5,12 +5,12 @@ process, one child run per (mode, prompt_set)), all in one MLflow parent run.
     run_trial(train_config, eval_config, *, mlflow_tracking_uri, mlflow_experiment_id, parent_run_name, ...)
 
 `train_config` = {"config": <shipped name or YAML path>, <nested overrides>..., "circuit", "rank",
-"window", "lora_depth"}: `trial_config` parses the base config with the overrides and sets the grid
-point's architecture on `model` with `dataclasses.replace` (the point's values are checked once,
-by `TrainConfig.check` in train_head). Training checkpoints under `checkpoint_dir`; a re-run with
-the same directory resumes from `last.ckpt`. When `should_stop()` turns true (the sweep worker's
-SIGUSR1/SIGTERM), training saves a checkpoint at the next optimizer step and `preempted_exc` is
-raised instead of evaluating a half-trained head.
+"window", "lora_depth", "kl_beta", "train_seed"}: `trial_config` parses the base config with the
+overrides and sets the grid point on it with `dataclasses.replace` (architecture and kl_beta on
+`model`, train_seed as `seed_everything`); train_head checks the values once. Training checkpoints
+under `checkpoint_dir`; a re-run with the same directory resumes from `last.ckpt`. When
+`should_stop()` turns true (the sweep worker's SIGUSR1/SIGTERM), training saves a checkpoint at the
+next optimizer step and `preempted_exc` is raised instead of evaluating a half-trained head.
 
 Returns the objective metrics as means over the stored child runs ("<metric>" over all,
 "<mode>/<metric>" per mode). The sweep runner reads the child runs back itself as well.
@@ -30,18 +30,20 @@ from mtpc.names import DECODE_MODES, GRID_PARAMS
 
 def trial_config(train_config: dict[str, Any], *, tracking_uri: str | None = None, experiment: str | None = None,
                  run_dir: str | Path | None = None) -> Any:
-    """The trial's `TrainConfig`: the spec's base config + nested overrides, the grid point on `model`,
-    tracking into `tracking_uri` / `experiment`, the run in `run_dir` (head in `<run_dir>/head`)."""
+    """The trial's `TrainConfig`: the spec's base config + nested overrides, the grid point set with
+    `dataclasses.replace`, tracking into `tracking_uri` / `experiment`, the run in `run_dir` (head in
+    `<run_dir>/head`)."""
     from experiments.config import load_config
 
     overrides = dict(train_config)
     base = overrides.pop("config", "debug")
-    point = {k: overrides.pop(k) for k in GRID_PARAMS if k in overrides}
+    model = {k: overrides.pop(k) for k in (*GRID_PARAMS, "kl_beta") if k in overrides}
+    seed = {"seed_everything": overrides.pop("train_seed")} if "train_seed" in overrides else {}
     cfg = load_config(base, overrides)
     run = replace(cfg.run, tracking=True, tracking_uri=tracking_uri, experiment=experiment or cfg.run.experiment)
     if run_dir is not None:
         run = replace(run, dir=str(run_dir), export_dir=str(Path(run_dir) / "head"))
-    return replace(cfg, model=replace(cfg.model, **point), run=run)
+    return replace(cfg, model=replace(cfg.model, **model), run=run, **seed)
 
 
 def load_for_eval(head_dir: Path, model: Any):
@@ -58,26 +60,55 @@ def load_for_eval(head_dir: Path, model: Any):
     return MtpcModel.from_pretrained(head_dir, trust_remote_code=model.trust_remote_code, revision=model.revision)
 
 
-def evaluate_head(head_dir: Path, model_config: Any, eval_config: dict[str, Any], *, parent_run_id: str,
-                  tracking_uri: str, out: Path) -> list[str]:
-    """Both decoding modes on the same prompt sets (experiments.evaluate), JSON to `out`, one child
-    run per (mode, prompt_set) under the parent; returns the child run ids."""
+def eval_passes(modes, temperatures) -> list[tuple[str, float]]:
+    """(mode, temperature) pairs an evaluation runs: sampling at every temperature, greedy once (at
+    the first temperature, which greedy ignores)."""
+    return [(m, t) for i, t in enumerate(temperatures) for m in modes if m == "sample" or i == 0]
+
+
+def training_axes(cfg: Any) -> dict[str, Any]:
+    """The training params every child run carries (so CE and distilled heads, and training seeds,
+    can be told apart from the child alone): kl_beta, kl_temperature, train_seed. `cfg`: the TrainConfig."""
+    return {"kl_beta": float(cfg.model.kl_beta), "kl_temperature": float(cfg.model.kl_temperature),
+            "train_seed": cfg.seed_everything}
+
+
+def evaluate_head(head_dir: Path, cfg: Any, eval_config: dict[str, Any], *, parent_run_id: str,
+                  tracking_uri: str, out: Path, extra_params: dict[str, Any] | None = None) -> list[str]:
+    """The decoding modes on the same prompt sets (experiments.evaluate): sampling at every
+    temperature of `temperatures`, greedy once, each EOS treatment of `eos`; JSON to `out`, one child
+    run per (mode, temperature, eos, prompt_set) under the parent, carrying the training axes and
+    `extra_params`; returns the child run ids."""
     import json
 
-    from experiments.evaluate import evaluate_heads, load_prompt_sets, log_evaluation_to_mlflow
+    from experiments.evaluate import evaluate_heads, load_prompt_sets, log_evaluation_to_mlflow, summarize
 
-    model = load_for_eval(head_dir, model_config)
+    model = load_for_eval(head_dir, cfg.model)
     sets = load_prompt_sets(eval_config.get("prompts", "heldout"), eval_config.get("n_prompts", 8),
                             eval_config.get("sets", 1), eval_config.get("seed", 0))
-    results = evaluate_heads(
-        {"head": model}, sets, tuple(eval_config.get("modes", DECODE_MODES)),
-        (eval_config.get("extra_token", "keep"),), max_new_tokens=eval_config.get("max_new_tokens", 64),
-        temperature=eval_config.get("temperature", 1.0), top_p=eval_config.get("top_p", 1.0),
-        seed=eval_config.get("seed", 0), ban_eos=eval_config.get("ban_eos", True),
-    )
+    modes = tuple(eval_config.get("modes", DECODE_MODES))
+    temperatures = tuple(eval_config.get("temperatures", (1.0,)))
+    results = None
+    for temperature in temperatures:
+        passes = tuple(m for m, t in eval_passes(modes, temperatures) if t == temperature)
+        res = evaluate_heads(
+            {"head": model}, sets, passes, (eval_config.get("extra_token", "keep"),),
+            max_new_tokens=eval_config.get("max_new_tokens", 64), temperature=temperature,
+            top_p=eval_config.get("top_p", 1.0), seed=eval_config.get("seed", 0),
+            eos=tuple(eval_config.get("eos", ("banned",))),
+        )
+        if results is None:
+            results = res
+        else:  # one JSON for the whole evaluation: runs and STP baselines of every temperature
+            results["runs"] += res["runs"]
+            for mode, rows in res["stp"].items():
+                results["stp"].setdefault(mode, []).extend(rows)
+    results["config"]["temperatures"] = list(temperatures)
+    results["summary"] = summarize(results)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
-    return log_evaluation_to_mlflow(results, parent_run_id, tracking_uri=tracking_uri)
+    params = {**training_axes(cfg), **(extra_params or {})}
+    return log_evaluation_to_mlflow(results, parent_run_id, params=params, tracking_uri=tracking_uri)
 
 
 def run_trial(
@@ -136,7 +167,7 @@ def _train_and_evaluate(
     # children of an interrupted earlier attempt would be counted twice: drop them first
     discard_children(uri, exp_id, parent_run_id)
     modes = eval_config.get("modes", list(DECODE_MODES))
-    evaluate_head(result.head_dir, cfg.model, eval_config, parent_run_id=parent_run_id, tracking_uri=uri,
+    evaluate_head(result.head_dir, cfg, eval_config, parent_run_id=parent_run_id, tracking_uri=uri,
                   out=run_dir / "evaluation.json")
     out: dict[str, float] = {}
     runs = child_runs(uri, exp_id, parent_run_id)

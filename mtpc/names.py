@@ -22,6 +22,12 @@ DECODE_MODES: tuple[str, ...] = ("greedy", "sample")
 EXTRA_TOKEN_OPTIONS: tuple[str, ...] = ("keep", "drop")
 #: the axes of a sweep grid point (and the architecture params of a trial)
 GRID_PARAMS: tuple[str, ...] = ("circuit", "rank", "window", "lora_depth")
+#: training axes a grid may vary beside the architecture, with their defaults: kl_beta (weight of the
+#: distillation term, 0 = cross-entropy; training's model.kl_beta) and train_seed (the head's
+#: training seed, training's seed_everything; the evaluation `seed` is another param)
+TRAIN_AXES: dict[str, Any] = {"kl_beta": 0.0, "train_seed": 0}
+#: every axis of a sweep grid point: the architecture, then the training axes
+SWEEP_AXES: tuple[str, ...] = GRID_PARAMS + tuple(TRAIN_AXES)
 
 #: window n: a head predicts 1..MAX_WINDOW bytes; decoding drafts n - 1 bytes, so it needs n >= 2
 MIN_HEAD_WINDOW = 1
@@ -60,7 +66,15 @@ class ArchitectureError(ValueError):
 
 
 def check_axis(name: str, value: Any, *, decoding: bool = False, where: str = "") -> None:
-    """Check one GRID_PARAMS value alone (the bounds; the ff rank rule needs the circuit too)."""
+    """Check one SWEEP_AXES value alone (the bounds; the ff rank rule needs the circuit too)."""
+    if name == "kl_beta":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise ArchitectureError(where, name, f"expected a number in [0, 1] (0: cross-entropy only), got {value!r}")
+        return
+    if name == "train_seed":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ArchitectureError(where, name, f"expected an integer >= 0, got {value!r}")
+        return
     if name == "circuit":
         if value not in CIRCUIT_KINDS:
             raise ArchitectureError(where, name, f"unknown circuit kind {value!r}; expected one of {list(CIRCUIT_KINDS)}")
@@ -92,9 +106,12 @@ def check_architecture(
         raise ArchitectureError(where, "rank", f"ff has no latent states; expected rank 1, got {rank}")
 
 
+#: how EOS is treated during evaluation: banned (probability 0: every method generates the same
+#: lengths) or allowed (EOS stops an answer)
+EOS_MODES: tuple[str, ...] = ("banned", "allowed")
 #: params of every evaluation child run (copied from the trial, so children can be filtered alone)
 EVAL_PARAMS: tuple[str, ...] = (
-    "backbone", "circuit", "window", "rank", "lora_depth", "mode", "extra_token", "temperature",
+    "backbone", "circuit", "window", "rank", "lora_depth", "mode", "extra_token", "eos", "temperature",
     "prompt_set", "seed", "top_p", "hardware",
 )  # fmt: skip
 #: scalar metrics of one evaluation (mode, prompt set); the first four place a run on the Pareto plot
@@ -109,8 +126,17 @@ EVAL_METRICS: tuple[str, ...] = (
     "speedup_vs_stp",
     "speedup_vs_ff",  # only when an ff head was evaluated in the same process
     "peak_mem_bytes",
+    "degenerate_fraction",  # answers whose last 128 bytes loop with a period <= 32 (mtpc/textstats.py)
+    "distinct_4gram_ratio",  # mean over answers of unique / total byte 4-grams
 )
+#: the degeneracy metrics of one evaluation (also computed for the plain model: `stp_` + name)
+DEGENERACY_METRICS: tuple[str, ...] = ("degenerate_fraction", "distinct_4gram_ratio")
+#: above this degenerate_fraction an acceptance figure is flagged as measured on looping text
+DEGENERATE_WARN_FRACTION = 0.25
 #: per-position acceptance metrics: f"{ACCEPTANCE_PREFIX}{i}", i = 1-based window position
 ACCEPTANCE_PREFIX = "acceptance_pos_"
 #: the accepted-length histogram artifact of a child run
 HISTOGRAM_ARTIFACT = "accepted_length_histogram.json"
+#: per-prompt records of a child run (cycles, accepted drafts, decode time, degenerate), for paired
+#: comparisons over the same prompts (analysis/bootstrap.py)
+PER_PROMPT_ARTIFACT = "per_prompt.json"
