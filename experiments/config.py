@@ -87,7 +87,7 @@ class ModelConfig:
     """the 40-hex commit hash of a hub backbone to load (required with trust_remote_code)"""
 
     def check(self, fail: _Fail, trainer: dict[str, Any]) -> None:
-        from experiments.module import backbone_num_layers
+        from experiments.module import backbone_config_dict, backbone_num_layers
         from mtpc.backbones import check_remote_code
 
         k = self.lora_depth
@@ -103,10 +103,11 @@ class ModelConfig:
             fail("model.backbone", f"unknown backbone {bb!r}: not `default`, `tiny`, a local directory or an org/name hub id")
         if layers is not None and k > layers:
             fail("model.lora_depth", f"k = {k} exceeds the {layers} layers of backbone {bb!r}")
-        if bb != "tiny":
-            problem = check_remote_code(bb, self.trust_remote_code, self.revision)
-            if problem:
-                fail("model.trust_remote_code" if "trust_remote_code=True" in problem else "model.revision", problem)
+        if bb != "tiny":  # the library's rule, on the config.json when it is on this machine (read as JSON)
+            try:
+                check_remote_code(bb, self.trust_remote_code, self.revision, backbone_config_dict(bb, self.revision))
+            except ValueError as err:
+                fail("model.revision" if self.trust_remote_code else "model.trust_remote_code", str(err))
         if self.init not in INITS:
             fail("model.init", f"got {self.init!r}; expected one of {list(INITS)}")
         if not _number(self.lr) or not self.lr > 0:
