@@ -60,21 +60,16 @@ def _bar(factory: Any, args: tuple, kwargs: dict) -> Any:
     return factory(*args, **kwargs)
 
 
-_installed = False
-
-
 def quiet() -> None:
-    """Silence exactly the listed messages for the rest of the process (idempotent)."""
-    global _installed
-    if _installed:
-        return
-    _installed = True
+    """Silence exactly the listed messages for the rest of the process (calling it again adds nothing)."""
     by_logger: dict[str, tuple[str, ...]] = {}
     for name, start in LOG_RECORDS:
         by_logger[name] = by_logger.get(name, ()) + (start,)
     for name, starts in by_logger.items():
-        logging.getLogger(name).addFilter(_DropListed(starts))
-    for category, pattern in WARNINGS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropListed) for f in logger.filters):
+            logger.addFilter(_DropListed(starts))
+    for category, pattern in WARNINGS:  # filterwarnings replaces an identical filter rather than adding one
         warnings.filterwarnings("ignore", message=pattern, category=category)
     for key, value in ENVIRONMENT:
         os.environ.setdefault(key, value)
