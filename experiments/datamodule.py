@@ -11,7 +11,6 @@ any model code.
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 import sys
@@ -26,9 +25,6 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from experiments.config import DataConfig
-
-DATA_SOURCES = ("debug", "sharegpt")  # plus any local .json/.jsonl path or HF dataset name
-
 
 def debug_conversations(n: int = 48, seed: int = 0) -> list[dict]:
     """`n` short generated chats with learnable answers (counting, spelling, repeating); no download."""
@@ -53,22 +49,13 @@ def debug_conversations(n: int = 48, seed: int = 0) -> list[dict]:
     return convs
 
 
-def is_heldout(conv_id: str, fraction: float) -> bool:
-    """Stable split by a hash of the chat id (`mtpc.data.chat_key`: pieces of one chat stay together)."""
-    from mtpc.data import chat_key
-
-    if fraction <= 0:
-        return False
-    key = chat_key(str(conv_id)).encode()
-    return int.from_bytes(hashlib.sha1(key).digest()[:8], "big") / 2**64 < fraction
-
-
 def load_split(source: str, val_fraction: float, on_error: str = "raise") -> tuple[list[dict], list[dict], int]:
-    """(train, held-out, skipped) conversations of `source` (see DATA_SOURCES).
+    """(train, held-out, skipped) conversations of `source` (see `DataConfig.source`).
 
     `sharegpt` uses the corpus's own chat-level split (the one the default model was pre-trained
-    without); other sources are split here by `is_heldout(id, val_fraction)`. on_error: what
-    `mtpc.data.load_messages` does with a malformed record (raise, or skip and count it).
+    without); other sources are split by `mtpc.data.is_heldout(id, val_fraction)`, the hash
+    pre-training splits them with, so with val_fraction <= 0.1 no validation chat was a pre-training
+    chat. on_error: what `mtpc.data.load_messages` does with a malformed record (raise, or skip and count it).
     """
     from mtpc import data
 
@@ -91,8 +78,8 @@ def load_split(source: str, val_fraction: float, on_error: str = "raise") -> tup
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if not convs:
         raise ValueError(f"data.source = {source!r}: no conversations found")
-    train = [c for c in convs if not is_heldout(c["id"], val_fraction)]
-    val = [c for c in convs if is_heldout(c["id"], val_fraction)]
+    train = [c for c in convs if not data.is_heldout(c["id"], val_fraction)]
+    val = [c for c in convs if data.is_heldout(c["id"], val_fraction)]
     return train, val, skipped
 
 

@@ -312,3 +312,18 @@ def test_max_steps_run_continues_exactly(tmp_path, reference_run):
     train_head("debug", over, run_dir=tmp_path, callbacks=[rec], ckpt_path="last")
     assert sorted(rec.losses) == list(range(stop + 1, max(ref_losses) + 1))
     assert all(rec.losses[s] == ref_losses[s] for s in rec.losses)
+
+
+def test_head_validation_chats_are_pretraining_heldout_chats(tmp_path):
+    """One split hash for the suite: a custom JSONL split for head validation (val_fraction <= 0.1)
+    holds out a subset of what pre-training held out, whole chats on one side."""
+    from experiments.datamodule import load_split
+    from mtpc.data import chat_key, is_heldout
+
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"id": f"chat{i}_{j}", "messages": msgs}) + "\n" for i in range(300) for j in range(2)))
+    train, val, skipped = load_split(str(chats), 0.05)
+    assert skipped == 0 and 10 < len(val) < 60 and len(train) + len(val) == 600
+    assert all(is_heldout(c["id"]) for c in val)  # never a chat the default model trained on
+    assert {chat_key(c["id"]) for c in train}.isdisjoint(chat_key(c["id"]) for c in val)
