@@ -44,10 +44,10 @@ def test_quiet_drops_exactly_the_listed_messages():
             quiet()
             quiet()  # a second call adds nothing
             category, _ = WARNINGS[0]
-            warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use ...", category)
-            warnings.warn("Found 33 module(s) in eval mode at the start of training. This may ...", UserWarning)
-            warnings.warn("a warning that matters", UserWarning)
-            warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated", RuntimeWarning)  # another category
+            warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use ...", category, stacklevel=1)
+            warnings.warn("Found 33 module(s) in eval mode at the start of training. This may ...", UserWarning, stacklevel=1)
+            warnings.warn("a warning that matters", UserWarning, stacklevel=1)
+            warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated", RuntimeWarning, stacklevel=1)  # another category
             logger.info(start + "False, used: False")
             logger.info("Restoring states from the checkpoint path at last.ckpt")
     finally:
