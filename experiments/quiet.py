@@ -30,6 +30,9 @@ LOG_RECORDS: tuple[tuple[str, str], ...] = (
     ("lightning.pytorch.accelerators.cuda", "LOCAL_RANK: "),  # "LOCAL_RANK: 0 - CUDA_VISIBLE_DEVICES: [0]"
     ("mlflow.store.db.utils", "Creating initial MLflow database tables"),
     ("mlflow.store.db.utils", "Updating database tables"),
+    # a sweep's study creation: the runner logs its own "created study ..." line
+    ("optuna.storages.journal._storage", "A new study created in "),
+    ("optuna.storages._rdb.storage", "A new study created in "),
 )
 #: warnings ignored: (category, regular expression matched at the message's start)
 WARNINGS: tuple[tuple[type[Warning], str], ...] = (
