@@ -20,8 +20,30 @@ CIRCUIT_KINDS: tuple[str, ...] = ("ff", "cp", "hmm", "btree")
 DECODE_MODES: tuple[str, ...] = ("greedy", "sample")
 #: what happens to the verifier's extra token: keep (exact, one call per cycle) or drop (paper's Alg. 2)
 EXTRA_TOKEN_OPTIONS: tuple[str, ...] = ("keep", "drop")
-#: the axes of a sweep grid point (and the architecture params of a trial)
+#: the axes of a sweep grid point (and the architecture params of a trial), in grid-key order
 GRID_PARAMS: tuple[str, ...] = ("circuit", "rank", "window", "lora_depth")
+#: the tag of each axis in a grid key (`cp-r8-n16-k0`). A new sweep axis adds its name to GRID_PARAMS
+#: and a tag here; GRID_KEY_DEFAULTS may give it a value that the key leaves out, so the keys (run
+#: names, checkpoint directories) of points that do not use the axis stay what they were.
+GRID_KEY_TAGS: dict[str, str] = {"circuit": "", "rank": "r", "window": "n", "lora_depth": "k"}
+GRID_KEY_DEFAULTS: dict[str, Any] = {}
+
+
+def grid_key(point: dict[str, Any]) -> str:
+    """A short stable name for a grid point, e.g. `cp-r8-n16-k0`: checkpoint directories, the
+    parent run of a trial and the names of its evaluation runs. Values may be str (as MLflow
+    stores params) or int alike."""
+    parts = []
+    for name in GRID_PARAMS:
+        if name in GRID_KEY_DEFAULTS:
+            value = point.get(name, GRID_KEY_DEFAULTS[name])
+            if str(value) == str(GRID_KEY_DEFAULTS[name]):
+                continue
+        else:
+            value = point[name]
+        parts.append(f"{GRID_KEY_TAGS[name]}{value}")
+    return "-".join(parts)
+
 
 #: window n: a head predicts 1..MAX_WINDOW bytes; decoding drafts n - 1 bytes, so it needs n >= 2
 MIN_HEAD_WINDOW = 1
