@@ -17,7 +17,8 @@ import numpy as np
 import pandas as pd
 
 from analysis.front import pareto_front
-from analysis.load import ACC_POS_RE, CIRCUIT_ORDER, OPTIONAL_METRICS, REQUIRED_METRICS
+from analysis.load import ACC_POS_RE, OPTIONAL_METRICS, REQUIRED_METRICS
+from mtpc.names import CIRCUIT_KINDS
 
 SETTING_KEYS: tuple[str, ...] = ("backbone", "mode", "extra_token", "temperature", "top_p", "hardware")
 CONFIG_KEYS: tuple[str, ...] = ("circuit", "window", "rank", "lora_depth")
@@ -104,7 +105,7 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
         if k in out.columns:
             out[k] = out[k].astype(object).where(out[k].notna(), None)
     out["_circuit_order"] = (
-        out["circuit"].map({c: i for i, c in enumerate(CIRCUIT_ORDER)}).fillna(len(CIRCUIT_ORDER))
+        out["circuit"].map({c: i for i, c in enumerate(CIRCUIT_KINDS)}).fillna(len(CIRCUIT_KINDS))
     )
     sort_keys = [
         k for k in ("backbone", "mode", "extra_token", "temperature", "top_p", "hardware") if k in out.columns

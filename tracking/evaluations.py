@@ -71,7 +71,7 @@ def log_evaluation(
         ms = [Metric(k, v, 0, 0) for k, v in scalars.items()]
         for i in range(0, max(len(ps), len(ms)), 100):
             c.log_batch(run_id, params=ps[i : i + 100], metrics=ms[i : i + 100])
-        if histogram is not None or per_position_acceptance is not None:
+        if histogram is not None:
             c.log_dict(run_id, {"accepted_length_histogram": histogram,
                                 "per_position_acceptance": per_position_acceptance}, HISTOGRAM_ARTIFACT)  # fmt: skip
     except BaseException:
