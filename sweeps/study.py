@@ -171,12 +171,19 @@ def trial_point(t) -> dict[str, Any]:
     return {k: t.params.get(k, t.system_attrs.get("fixed_params", {}).get(k)) for k in GRID_PARAMS}
 
 
-def experiment_id(spec: SweepSpec) -> str:
-    """The sweep's MLflow experiment, which --init created; never created here."""
+def experiment_id(spec: SweepSpec, study=None) -> str:
+    """The id of the sweep's MLflow experiment, which --init created (never created here) and
+    recorded on the study; a worker that would log elsewhere (the tracking URI changed since
+    --init) is refused."""
     exp_id = tracking.experiment_id(spec.tracking_uri, spec.experiment)
     if exp_id is None:
         raise SpecError(f"{spec.path}: MLflow experiment {spec.experiment!r} not found at {spec.tracking_uri}; "
                         f"run `python -m sweeps.run {spec.path} --init` first")
+    recorded = study.user_attrs.get("mlflow_experiment_id") if study is not None else None
+    if recorded is not None and recorded != exp_id:
+        raise SpecError(f"{spec.path}: study {spec.study!r} logs to MLflow experiment id {recorded}, but {spec.experiment!r} "
+                        f"at {spec.tracking_uri} has id {exp_id}: the tracking URI changed since --init "
+                        "(MLFLOW_TRACKING_URI?); use the URI the sweep was initialised with")
     return exp_id
 
 

@@ -101,7 +101,7 @@ def worker(spec: SweepSpec, *, max_trials: int | None = None, stop: StopFlag | N
     check_signature(spec, study)
     if spec.sampler is not None:
         study.sampler = sampler(spec, salt=os.getpid())
-    exp_id = experiment_id(spec)
+    exp_id = experiment_id(spec, study)
     adopt = reap(spec, study, me).adopt
     done = 0
     ending_deadline = time.time() + ENDING_WAIT_S
