@@ -6,9 +6,11 @@ Per setting (backbone, mode, extra_token, temperature[, top_p, hardware]) it wri
   throughput_vs_lora_depth_<setting>.* when the LoRA depth varies
   acceptance_<setting>.*               per-position acceptance (acceptance_pos_<i> metrics), if logged
   accepted_length_<setting>.*          accepted-length histogram artifact, if logged
-  table_<setting>.md / .tex            rows (n, r, circuit[, k]), mean ± std, best in bold
+  table_<setting>.md / .tex            rows (n, r, circuit[, k][, β][, seed]), mean ± std, best in bold,
+                                       degenerate_fraction beside them
 plus tables.md, tables.tex and summary.csv for all settings, and prints the best configuration
-per setting. --log-to-mlflow attaches all of it to a summary run in the same experiment.
+per setting, and a warning per setting whose acceptance comes from degenerate text
+(degenerate_fraction > 0.25). --log-to-mlflow attaches all of it to a summary run in the same experiment.
 
 Errors (no match, unreachable store, ...) print one clear message and exit 1; runs missing a
 metric are listed and skipped. (A package entry point: run as a module, the package directory is
@@ -144,6 +146,9 @@ def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[
         md_all.append(md)
         tex_all.append(tex)
         best_lines.append(tables.best_configuration(setting, part))
+        warning = tables.degeneracy_warning(table)
+        if warning:
+            print(warning, file=sys.stderr)
     for name, text in (("tables.md", "\n".join(md_all)), ("tables.tex", "\n".join(tex_all))):
         (out / name).write_text(text)
         written.append(out / name)

@@ -3,10 +3,10 @@
 One row per *evaluation* run (`tracking.is_evaluation_run`: a child run of a trial carrying the
 params `mode` and `prompt_set`, written by `tracking.log_evaluation`). Parent (trial) runs,
 analysis summary runs and unfinished runs are left out. Params are typed (ints, floats, strings);
-optional params (``extra_token``, ``temperature``, ``seed``, ``hardware``, ``top_p``) and optional
-metrics become NaN/None when absent, so stores written before a param existed still load.
-Per-position acceptance metrics ``acceptance_pos_<i>`` (i = 1-based window position) become
-columns of their own.
+optional params (``extra_token``, ``temperature``, ``seed``, ``hardware``, ``top_p``, ``eos``, and
+the training axes ``kl_beta``, ``kl_temperature``, ``train_seed``) and optional metrics become
+NaN/None when absent, so stores written before a param existed still load. Per-position
+acceptance metrics ``acceptance_pos_<i>`` (i = 1-based window position) become columns of their own.
 
 `load` = the tracking-URI rule + open the store + pick the experiments + read + filter, with errors
 a user can act on. Leaves out: filters (analysis/filters.py), histogram artifacts
@@ -45,6 +45,10 @@ OPTIONAL_PARAMS: dict[str, type] = {
     "seed": int,
     "hardware": str,
     "top_p": float,
+    "eos": str,  # banned | allowed (EOS_MODES)
+    "kl_beta": float,  # training: weight of the distillation term (0: cross-entropy only)
+    "kl_temperature": float,  # training: temperature of the teacher in the KL term
+    "train_seed": int,  # training seed of the head (the evaluation seed is `seed`)
 }
 #: metrics without which a run cannot be placed on the Pareto plot or in a table
 REQUIRED_METRICS: tuple[str, ...] = EVAL_METRICS[:4]  # mu_lat, mu_acc, tokens_per_cycle, throughput

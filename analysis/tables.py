@@ -1,6 +1,8 @@
-"""Paper-style tables of one setting: rows (n, r, circuit [, k]), columns mu_lat, mu_acc,
-throughput and two speed-ups over STP, each mean ± std over prompt sets, the best value of each
-column in bold; rendered as Markdown and LaTeX. Also the one-line "best configuration" summary.
+"""Paper-style tables of one setting: rows (n, r, circuit [, k] [, β] [, seed]), columns mu_lat,
+mu_acc, throughput, two speed-ups over STP and degenerate_fraction, each mean ± std over prompt
+sets, the best value of each column in bold (not the degeneracy: it describes the text, not the
+head); rendered as Markdown and LaTeX, with a warning line when acceptance comes from degenerate
+text (degenerate_fraction > 0.25). Also the one-line "best configuration" summary.
 
 Values come from `aggregate.aggregate` (logged metrics averaged; throughput and `speedup_vs_stp`
 are the logged ones, never recomputed). An STP row comes first when ``stp_mu_lat`` was logged
@@ -24,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.aggregate import Setting, stp_baseline
+from mtpc.names import DEGENERATE_WARN_FRACTION
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class Column:
     header_tex: str
     best: str  # "min" or "max"
     scale: float = 1.0  # display unit = logged value * scale
+    highlight: bool = True  # bold the best value
 
 
 #: the derived column: mean throughput / the STP row's throughput (not a logged metric)
@@ -45,10 +49,13 @@ COLUMNS: tuple[Column, ...] = (
     Column("throughput", "throughput (B/s) ↑", r"throughput (B/s) $\uparrow$", "max"),
     Column("speedup_vs_stp", "× own STP ↑", r"$\times$ own STP $\uparrow$", "max"),
     Column(STP_ROW_RATIO, "× STP row ↑", r"$\times$ STP row $\uparrow$", "max"),
+    Column("degenerate_fraction", "degenerate", "degenerate", "min", highlight=False),
 )
 NOTE = ("× own STP: each evaluation's throughput over the STP run measured beside it, averaged; "
         "× STP row: mean throughput over the STP row's")
 NOTE_TEX = NOTE.replace("× ", r"$\times$ ")
+#: training axes shown as key columns when they vary within a setting: (aggregate column, header)
+TRAIN_KEYS: tuple[tuple[str, str], ...] = (("kl_beta", "β"), ("kl_temperature", "T_kl"), ("train_seed", "seed"))
 
 
 @dataclass
@@ -74,7 +81,8 @@ def _decimals(values: np.ndarray) -> int:
 def build_table(setting: Setting, part: pd.DataFrame) -> Table:
     """The table of one setting from its aggregated rows (output of `split_settings`)."""
     show_k = part["lora_depth"].nunique(dropna=False) > 1
-    keys = ["n", "r", "circuit"] + (["k"] if show_k else [])
+    shown = [(col, head) for col, head in TRAIN_KEYS if col in part.columns and part[col].nunique(dropna=False) > 1]
+    keys = ["n", "r", "circuit"] + (["k"] if show_k else []) + [head for _, head in shown]
     rows = pd.DataFrame(
         {
             "n": part["window"].astype(object),
@@ -84,6 +92,8 @@ def build_table(setting: Setting, part: pd.DataFrame) -> Table:
     )
     if show_k:
         rows["k"] = part["lora_depth"].astype(object)
+    for col, head in shown:
+        rows[head] = part[col].astype(object)
     stp = stp_baseline(part)
     for col in COLUMNS:
         if col.metric == STP_ROW_RATIO:
@@ -99,6 +109,8 @@ def build_table(setting: Setting, part: pd.DataFrame) -> Table:
     rows = rows.reset_index(drop=True)
     best = {}
     for col in COLUMNS:
+        if not col.highlight:
+            continue
         v = rows[col.metric].to_numpy(dtype=float)
         if np.isfinite(v).any():
             best[col.metric] = float(np.nanmin(v) if col.best == "min" else np.nanmax(v))
@@ -109,7 +121,8 @@ def build_table(setting: Setting, part: pd.DataFrame) -> Table:
         stp_row.update(
             mu_lat=lat * 1000.0, mu_lat_std=lat_std * 1000.0, mu_acc=0.0, mu_acc_std=np.nan,
             throughput=thr, throughput_std=thr_std, speedup_vs_stp=1.0, speedup_vs_stp_std=np.nan,
-            is_stp=True, **{STP_ROW_RATIO: 1.0, f"{STP_ROW_RATIO}_std": np.nan},
+            degenerate_fraction=np.nan, degenerate_fraction_std=np.nan, is_stp=True,
+            **{STP_ROW_RATIO: 1.0, f"{STP_ROW_RATIO}_std": np.nan},
         )  # fmt: skip
         rows = pd.concat([pd.DataFrame([stp_row]), rows], ignore_index=True)
     decimals = {c.metric: _decimals(rows[c.metric].to_numpy(dtype=float)) for c in COLUMNS}
@@ -136,11 +149,35 @@ def _key_cell(v) -> str:
     return str(v)
 
 
+def degenerate_rows(table: Table) -> list[str]:
+    """Labels (n=.. r=.. circuit ..) of the rows whose mean degenerate_fraction > DEGENERATE_WARN_FRACTION."""
+    out = []
+    for i in range(len(table.rows)):
+        row = table.rows.iloc[i]
+        frac = float(row["degenerate_fraction"])
+        if not row["is_stp"] and math.isfinite(frac) and frac > DEGENERATE_WARN_FRACTION:
+            out.append(" ".join(f"{k}={_key_cell(row[k])}" for k in table.keys))
+    return out
+
+
+def degeneracy_warning(table: Table) -> str | None:
+    """One line saying which rows' acceptance was measured on looping text, or None."""
+    rows = degenerate_rows(table)
+    if not rows:
+        return None
+    shown = "; ".join(rows[:6]) + (f"; ... {len(rows) - 6} more" if len(rows) > 6 else "")
+    return (f"warning [{table.setting.title()}]: degenerate_fraction > {DEGENERATE_WARN_FRACTION} in "
+            f"{len(rows)} of {int((~table.rows['is_stp']).sum())} row(s) ({shown}): their acceptance is "
+            "measured on looping text")
+
+
 def to_markdown(table: Table) -> str:
-    """GitHub Markdown: a title line, the header, one line per configuration."""
+    """GitHub Markdown: a title line, the header, one line per configuration (+ the degeneracy warning)."""
     headers = table.keys + [c.header_md for c in COLUMNS]
+    warning = degeneracy_warning(table)
     lines = [
         f"**{table.setting.title()}** (mean ± std over prompt sets; {NOTE})",
+        *(["", f"> ⚠ {warning}"] if warning else []),
         "",
         "| " + " | ".join(headers) + " |",
         "|" + "|".join(":--" if h in table.keys else "--:" for h in headers) + "|",
@@ -166,7 +203,10 @@ def to_latex(table: Table) -> str:
         r"\begin{table}[t]",
         r"\centering",
         r"\small",
-        rf"\caption{{{_tex_escape(table.setting.title())}: mean $\pm$ std over prompt sets; {NOTE_TEX}.}}",
+        rf"\caption{{{_tex_escape(table.setting.title())}: mean $\pm$ std over prompt sets; {NOTE_TEX}."
+        + (f" {_tex_escape(str(len(degenerate_rows(table))))} row(s) with degenerate fraction $>$ "
+           f"{DEGENERATE_WARN_FRACTION}: acceptance measured on looping text." if degenerate_rows(table) else "")
+        + "}",
         rf"\begin{{tabular}}{{{spec}}}",
         r"\toprule",
         " & ".join(headers) + r" \\",

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         models, sources = build_models(backbone, Path(args.heads_dir), window, args.random_rank)
         res = evaluate_heads(
             models, prompt_sets, DECODE_MODES, EXTRA_TOKEN_OPTIONS, max_new_tokens=args.max_new_tokens,
-            seed=args.seed, ban_eos=True, ff_name="ff",
+            seed=args.seed, eos=("banned",), ff_name="ff",
         )  # fmt: skip
         rows = []
         for s in res["summary"]:

@@ -96,6 +96,10 @@ class MtpcTrainModule(L.LightningModule):
         weight_decay: Adam weight decay.
         gamma: loss discount per window position (None: 0.8 for n <= 8, else 0.9).
         chunk_size: context positions per chunk of the loss (bounds peak memory).
+        kl_beta: weight of the distillation term: each target scores kl_beta KL(p_j || q_j) +
+            (1 - kl_beta) NLL, p_j the frozen backbone's next-byte distribution (its STP logits
+            from the same forward). 0: cross-entropy only (validation still logs the KL).
+        kl_temperature: temperature of the teacher p_j in the KL term.
         init: head initialisation: `lm_head` (copy the STP unembedding), `mtp` (the backbone's own
             MTP heads where it has them, e.g. EvaByte; else lm_head), or `random`.
         init_noise: noise that breaks the symmetry between copied components.
@@ -120,6 +124,8 @@ class MtpcTrainModule(L.LightningModule):
         weight_decay: float = 0.0,
         gamma: float | None = None,
         chunk_size: int = 256,
+        kl_beta: float = 0.0,
+        kl_temperature: float = 1.0,
         init: str = "lm_head",
         init_noise: float = 1e-2,
         transition_bias: float | None = None,
@@ -172,34 +178,46 @@ class MtpcTrainModule(L.LightningModule):
         return torch.optim.Adam(params, lr=h.lr, betas=tuple(h.betas), weight_decay=h.weight_decay)
 
     # -- steps ------------------------------------------------------------------------------------
-    def _loss(self, batch: tuple[torch.Tensor, ...], grad_backbone: bool):
+    def _loss(self, batch: tuple[torch.Tensor, ...], grad_backbone: bool, teacher: bool = False):
+        """The window loss; the teacher (the backbone's STP logits of the verifier top, frozen) is
+        computed when distilling or when `teacher` asks for it (validation logs the KL)."""
         from mtpc.losses import window_loss
 
         ids, score_mask, doc_ids = batch  # (B, S) each
         with torch.set_grad_enabled(grad_backbone and torch.is_grad_enabled()):
             out = self.backbone(ids)
         e = out.draft_hidden  # (B, S, d)
-        res = window_loss(self.head, e, ids, score_mask, doc_ids, gamma=self.hparams.gamma,
-                          chunk_size=self.hparams.chunk_size)
-        return res, out
+        h = self.hparams
+        logits = None
+        if h.kl_beta > 0 or teacher:
+            with torch.no_grad():
+                logits = self.backbone.stp_logits(out.verify_hidden.detach())  # (B, S, v)
+        res = window_loss(self.head, e, ids, score_mask, doc_ids, gamma=h.gamma, chunk_size=h.chunk_size,
+                          teacher_logits=logits, kl_beta=h.kl_beta, kl_temperature=h.kl_temperature)
+        return res, out, logits
 
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
-        res, _ = self._loss(batch, grad_backbone=self.lora_active())
+        res, _, _ = self._loss(batch, grad_backbone=self.lora_active())
         bs = batch[0].shape[0]
         self.log("train_loss", res.loss, prog_bar=True, batch_size=bs)
         self.log("train_window_nll", res.window_nll, batch_size=bs)
         self.log("train_bits_per_byte", res.bits_per_byte, batch_size=bs)
+        if res.window_kl is not None:
+            self.log("train_window_kl", res.window_kl, batch_size=bs)
         return res.loss
 
     def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
-        res, out = self._loss(batch, grad_backbone=False)
+        res, out, logits = self._loss(batch, grad_backbone=False, teacher=True)
         bs = batch[0].shape[0]
         self.log("val_loss", res.loss, batch_size=bs, prog_bar=True)
         self.log("val_window_nll", res.window_nll, batch_size=bs)
         self.log("val_bits_per_byte", res.bits_per_byte, batch_size=bs)
+        self.log("val_window_kl", res.window_kl, batch_size=bs)  # KL(p_T || q) summed over the window
         for j, v in enumerate(res.per_position_nll.tolist(), start=1):
             self.log(f"val_nll_{j}", v, batch_size=bs)
-        stp = stp_nll(self.backbone.stp_logits(out.verify_hidden), *batch)
+        for j, v in enumerate(res.per_position_kl.tolist(), start=1):
+            self.log(f"val_kl_{j}", v, batch_size=bs)
+        stp = stp_nll(logits, *batch)
         if stp is not None:
             self.log("val_stp_nll", stp, batch_size=bs)
 

@@ -129,6 +129,12 @@ def validate_config(cfg: dict[str, Any], source: str = "<config>") -> None:
     cs = m.get("chunk_size", 256)
     if not isinstance(cs, int) or cs < 1:
         fail("model.chunk_size", f"got {cs!r}; expected a positive integer")
+    beta = m.get("kl_beta", 0.0)
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta <= 1:
+        fail("model.kl_beta", f"got {beta!r}; expected a number in [0, 1] (weight of the distillation term; 0: CE only)")
+    kl_t = m.get("kl_temperature", 1.0)
+    if isinstance(kl_t, bool) or not isinstance(kl_t, (int, float)) or not 0 < kl_t < float("inf"):
+        fail("model.kl_temperature", f"got {kl_t!r}; expected a finite number > 0 (temperature of the teacher)")
     lse = m.get("lora_start_epoch", 1)
     if not isinstance(lse, int) or lse < 0:
         fail("model.lora_start_epoch", f"got {lse!r}; expected an integer >= 0")
@@ -286,6 +292,8 @@ def training_params(cfg: dict[str, Any]) -> dict[str, Any]:
         "rank": m["rank"], "lora_depth": m.get("lora_depth", 0),
         "seed": cfg.get("seed_everything"), "lora_start_epoch": m.get("lora_start_epoch"), "lr": m.get("lr"),
         "gamma": m.get("gamma"), "init": m.get("init"), "chunk_size": m.get("chunk_size"),
+        "kl_beta": m.get("kl_beta", 0.0), "kl_temperature": m.get("kl_temperature", 1.0),
+        "train_seed": cfg.get("seed_everything"),
         "data_source": d["source"], "seq_len": d["seq_len"], "batch_size": d.get("batch_size"),
         "accumulate_grad_batches": t.get("accumulate_grad_batches", 1), "max_epochs": t.get("max_epochs"),
         "max_steps": t.get("max_steps"), "precision": t.get("precision"),

@@ -22,25 +22,41 @@ DECODE_MODES: tuple[str, ...] = ("greedy", "sample")
 EXTRA_TOKEN_OPTIONS: tuple[str, ...] = ("keep", "drop")
 #: the axes of a sweep grid point (and the architecture params of a trial), in grid-key order
 GRID_PARAMS: tuple[str, ...] = ("circuit", "rank", "window", "lora_depth")
-#: the tag of each axis in a grid key (`cp-r8-n16-k0`). A new sweep axis adds its name to GRID_PARAMS
-#: and a tag here; GRID_KEY_DEFAULTS may give it a value that the key leaves out, so the keys (run
-#: names, checkpoint directories) of points that do not use the axis stay what they were.
-GRID_KEY_TAGS: dict[str, str] = {"circuit": "", "rank": "r", "window": "n", "lora_depth": "k"}
-GRID_KEY_DEFAULTS: dict[str, Any] = {}
+#: training axes a grid may vary beside the architecture, with their defaults: kl_beta (weight of the
+#: distillation term, 0 = cross-entropy; training's model.kl_beta) and train_seed (the head's
+#: training seed, training's seed_everything; the evaluation `seed` is another param)
+TRAIN_AXES: dict[str, Any] = {"kl_beta": 0.0, "train_seed": 0}
+#: every axis of a sweep grid point: the architecture, then the training axes (grid-key order)
+SWEEP_AXES: tuple[str, ...] = GRID_PARAMS + tuple(TRAIN_AXES)
+#: the tag of each axis in a grid key (`cp-r8-n16-k0`, `cp-r8-n16-k0-kl0.5-s1`). A new sweep axis
+#: adds its name to SWEEP_AXES (with its default in TRAIN_AXES, which a key leaves out, so the keys
+#: (run names, checkpoint directories) of points that do not use the axis stay what they were) and
+#: its tag here; that is the one place.
+GRID_KEY_TAGS: dict[str, str] = {"circuit": "", "rank": "r", "window": "n", "lora_depth": "k", "kl_beta": "kl", "train_seed": "s"}
+
+
+def _same(value: Any, default: Any) -> bool:
+    try:
+        return float(value) == float(default)
+    except (TypeError, ValueError):
+        return str(value) == str(default)
 
 
 def grid_key(point: dict[str, Any]) -> str:
-    """A short stable name for a grid point, e.g. `cp-r8-n16-k0`: checkpoint directories, the
-    parent run of a trial and the names of its evaluation runs. Values may be str (as MLflow
-    stores params) or int alike."""
+    """A short stable name for a grid point, e.g. `cp-r8-n16-k0` (`-kl0.5-s1` for kl_beta 0.5,
+    train_seed 1; axes at their TRAIN_AXES default are left out): checkpoint directories, the parent
+    run of a trial and the names of its evaluation runs. Values may be str (as MLflow stores
+    params) or numbers alike."""
     parts = []
-    for name in GRID_PARAMS:
-        if name in GRID_KEY_DEFAULTS:
-            value = point.get(name, GRID_KEY_DEFAULTS[name])
-            if str(value) == str(GRID_KEY_DEFAULTS[name]):
+    for name in SWEEP_AXES:
+        if name in TRAIN_AXES:
+            value = point.get(name, TRAIN_AXES[name])
+            if value is None or _same(value, TRAIN_AXES[name]):
                 continue
         else:
             value = point[name]
+        if isinstance(value, float) or isinstance(TRAIN_AXES.get(name), float):
+            value = f"{float(value):g}"  # 0.5 and "0.5" alike
         parts.append(f"{GRID_KEY_TAGS[name]}{value}")
     return "-".join(parts)
 
@@ -82,7 +98,15 @@ class ArchitectureError(ValueError):
 
 
 def check_axis(name: str, value: Any, *, decoding: bool = False, where: str = "") -> None:
-    """Check one GRID_PARAMS value alone (the bounds; the ff rank rule needs the circuit too)."""
+    """Check one SWEEP_AXES value alone (the bounds; the ff rank rule needs the circuit too)."""
+    if name == "kl_beta":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise ArchitectureError(where, name, f"expected a number in [0, 1] (0: cross-entropy only), got {value!r}")
+        return
+    if name == "train_seed":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ArchitectureError(where, name, f"expected an integer >= 0, got {value!r}")
+        return
     if name == "circuit":
         if value not in CIRCUIT_KINDS:
             raise ArchitectureError(where, name, f"unknown circuit kind {value!r}; expected one of {list(CIRCUIT_KINDS)}")
@@ -114,9 +138,12 @@ def check_architecture(
         raise ArchitectureError(where, "rank", f"ff has no latent states; expected rank 1, got {rank}")
 
 
+#: how EOS is treated during evaluation: banned (probability 0: every method generates the same
+#: lengths) or allowed (EOS stops an answer)
+EOS_MODES: tuple[str, ...] = ("banned", "allowed")
 #: params of every evaluation child run (copied from the trial, so children can be filtered alone)
 EVAL_PARAMS: tuple[str, ...] = (
-    "backbone", "circuit", "window", "rank", "lora_depth", "mode", "extra_token", "temperature",
+    "backbone", "circuit", "window", "rank", "lora_depth", "mode", "extra_token", "eos", "temperature",
     "prompt_set", "seed", "top_p", "hardware",
 )  # fmt: skip
 #: scalar metrics of one evaluation (mode, prompt set); the first four place a run on the Pareto plot
@@ -131,8 +158,17 @@ EVAL_METRICS: tuple[str, ...] = (
     "speedup_vs_stp",
     "speedup_vs_ff",  # only when an ff head was evaluated in the same process
     "peak_mem_bytes",
+    "degenerate_fraction",  # answers whose last 128 bytes loop with a period <= 32 (mtpc/textstats.py)
+    "distinct_4gram_ratio",  # mean over answers of unique / total byte 4-grams
 )
+#: the degeneracy metrics of one evaluation (also computed for the plain model: `stp_` + name)
+DEGENERACY_METRICS: tuple[str, ...] = ("degenerate_fraction", "distinct_4gram_ratio")
+#: above this degenerate_fraction an acceptance figure is flagged as measured on looping text
+DEGENERATE_WARN_FRACTION = 0.25
 #: per-position acceptance metrics: f"{ACCEPTANCE_PREFIX}{i}", i = 1-based window position
 ACCEPTANCE_PREFIX = "acceptance_pos_"
 #: the accepted-length histogram artifact of a child run
 HISTOGRAM_ARTIFACT = "accepted_length_histogram.json"
+#: per-prompt records of a child run (cycles, accepted drafts, decode time, degenerate), for paired
+#: comparisons over the same prompts (analysis/bootstrap.py)
+PER_PROMPT_ARTIFACT = "per_prompt.json"

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import tracking
-from mtpc.names import GRID_PARAMS, grid_key, point_rank
+from mtpc.names import SWEEP_AXES, TRAIN_AXES, grid_key, point_rank
 from sweeps.spec import STORAGE_ENV, SpecError, SweepSpec
 
 
@@ -167,8 +167,10 @@ def enqueue_retry(spec: SweepSpec, study, t, *, attempt: int) -> None:
 
 
 def trial_point(t) -> dict[str, Any]:
-    """The grid point of a trial: its params, else the fixed params it was enqueued with."""
-    return {k: t.params.get(k, t.system_attrs.get("fixed_params", {}).get(k)) for k in GRID_PARAMS}
+    """The grid point of a trial: its params, else the fixed params it was enqueued with, else the
+    training axes' defaults."""
+    fixed = t.system_attrs.get("fixed_params", {})
+    return {k: t.params.get(k, fixed.get(k, TRAIN_AXES.get(k))) for k in SWEEP_AXES}
 
 
 def experiment_id(spec: SweepSpec, study=None) -> str:
@@ -214,8 +216,8 @@ def ask_new(spec: SweepSpec, study) -> int | None:
 def suggest(spec: SweepSpec, trial) -> dict[str, Any]:
     """The trial's point: a grid trial's fixed params, or the sampler's draw."""
     if spec.grid is not None:
-        choices = {p: sorted({pt[p] for pt in spec.grid}, key=str) for p in GRID_PARAMS}
-        return {p: trial.suggest_categorical(p, choices[p]) for p in GRID_PARAMS}
+        choices = {p: sorted({pt[p] for pt in spec.grid}, key=str) for p in SWEEP_AXES}
+        return {p: trial.suggest_categorical(p, choices[p]) for p in SWEEP_AXES}
     out: dict[str, Any] = {}
     for p, d in spec.sampler.params.items():
         if "choices" in d:
@@ -223,4 +225,4 @@ def suggest(spec: SweepSpec, trial) -> dict[str, Any]:
         else:
             out[p] = trial.suggest_int(p, d["low"], d["high"], log=d["log"])
     out["rank"] = point_rank(out["circuit"], out["rank"])
-    return out
+    return {**out, **TRAIN_AXES}  # a sampler space searches the architecture; training axes stay at their defaults

@@ -2,8 +2,8 @@
 mode, a prompt set) and the reader that finds them again (the sweep runner's read-back, the analysis).
 
 An evaluation run is a FINISHED child of its trial's parent run, named for what it is:
-`cp-r8-n16-k0/sample/set1` (grid key / mode, plus `-drop` or `-T<temperature>` when not the
-default / prompt set). It carries the params `mtpc.names.EVAL_PARAMS` (plus whatever the caller
+`cp-r8-n16-k0/sample/set1` (grid key / mode, plus `-drop`, `-T<temperature>` or `-eos_allowed`
+when not the default / prompt set). It carries the params `mtpc.names.EVAL_PARAMS` (plus whatever the caller
 adds, e.g. the trial), the scalar metrics (`EVAL_METRICS`), `acceptance_pos_<i>` for every tested
 window position i (1-based) and the artifact `accepted_length_histogram.json` =
 {"accepted_length_histogram": counts by accepted length, "per_position_acceptance": [...]}.
@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from mtpc.names import ACCEPTANCE_PREFIX, EVAL_METRICS, GRID_PARAMS, HISTOGRAM_ARTIFACT, grid_key
+from mtpc.names import ACCEPTANCE_PREFIX, EOS_MODES, EVAL_METRICS, GRID_PARAMS, HISTOGRAM_ARTIFACT, grid_key
 from tracking.runs import PARENT_TAG, iter_runs, param_str
 from tracking.store import client
 
@@ -29,13 +29,17 @@ SUMMARY_TAG = "mtpc.analysis"
 
 
 def evaluation_run_name(params: dict[str, Any]) -> str:
-    """`<grid key>/<mode>[-drop][-T<t>]/set<prompt set>`, e.g. `cp-r8-n16-k0/sample/set1`."""
+    """`<grid key>/<mode>[-drop][-T<t>][-eos_allowed]/set<prompt set>`, e.g. `cp-r8-n16-k0/sample/set1`:
+    the grid key (with the training axes away from their defaults), then what the evaluation varied
+    away from its defaults (extra_token keep, temperature 1 when sampling, EOS banned)."""
     mode = str(params["mode"])
     if params.get("extra_token", "keep") not in (None, "keep"):
         mode += f"-{params['extra_token']}"
     t = params.get("temperature")
     if mode.startswith("sample") and t is not None and float(t) != 1.0:
         mode += f"-T{float(t):g}"
+    if params.get("eos", EOS_MODES[0]) not in (None, EOS_MODES[0]):
+        mode += f"-eos_{params['eos']}"
     ps = str(params["prompt_set"])
     return f"{grid_key(params)}/{mode}/{'set' + ps if ps.isdigit() else ps}"
 
@@ -48,10 +52,12 @@ def log_evaluation(
     *,
     per_position_acceptance: list[float | None] | None = None,
     histogram: list[int] | None = None,
+    artifacts: dict[str, Any] | None = None,
     experiment_id: str | None = None,
 ) -> str:
     """Store one evaluation as a FINISHED child run of `parent_run_id` (see the module docstring);
-    returns its id. Non-numeric and NaN metrics are left out. A failure while logging ends the
+    returns its id. Non-numeric and NaN metrics are left out; `artifacts` maps further JSON
+    artifact names to their content (e.g. `per_prompt.json`). A failure while logging ends the
     child FAILED and re-raises."""
     from mlflow.entities import Metric, Param
 
@@ -74,6 +80,8 @@ def log_evaluation(
         if histogram is not None:
             c.log_dict(run_id, {"accepted_length_histogram": histogram,
                                 "per_position_acceptance": per_position_acceptance}, HISTOGRAM_ARTIFACT)  # fmt: skip
+        for name, obj in (artifacts or {}).items():
+            c.log_dict(run_id, obj, name)
     except BaseException:
         c.set_terminated(run_id, "FAILED")
         raise
