@@ -16,7 +16,7 @@ from mtpc.names import HISTOGRAM_ARTIFACT
 from tests.sweep_helpers import fresh_tracking_uri
 
 PARAMS = {"backbone": "tiny", "circuit": "cp", "window": 4, "rank": 8, "lora_depth": 0, "mode": "sample",
-          "extra_token": "keep", "temperature": 1.0, "prompt_set": 1, "seed": 0, "top_p": 1.0, "hardware": "cpu"}
+          "extra_token": "keep", "eos": "banned", "temperature": 1.0, "prompt_set": 1, "seed": 0, "top_p": 1.0, "hardware": "cpu"}
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +82,9 @@ def test_the_evaluation_writer_and_reader(store, tmp_path):
     run = c.get_run(rid)
     assert run.info.run_name == "cp-r8-n4-k0/sample/set1" and run.info.status == "FINISHED"
     assert c.get_run(drop).info.run_name == "cp-r8-n4-k0/sample-drop-T0.7/set0"
+    named = {**PARAMS, "eos": "allowed", "kl_beta": 0.5, "train_seed": 1, "mode": "greedy", "temperature": 0.7}
+    assert tracking.evaluation_run_name(named) == "cp-r8-n4-k0-kl0.5-s1/greedy-eos_allowed/set1"  # greedy ignores T
+    assert tracking.evaluation_run_name({**named, "kl_beta": "0.0", "train_seed": "0"}) == "cp-r8-n4-k0/greedy-eos_allowed/set1"
     assert run.data.tags[tracking.PARENT_TAG] == parent
     assert run.data.params == {k: str(v) for k, v in PARAMS.items()}
     assert run.data.metrics == {"mu_lat": 0.01, "mu_acc": 1.5, "tokens_per_cycle": 2.5, "throughput": 250.0,
