@@ -161,17 +161,23 @@ def _writable_dir(d: Path, what: str) -> None:
         raise TrackingError(f"{what}: directory {d} is not writable ({e})") from e
 
 
-def probe_write(uri: str, experiment_id: str) -> str | None:
-    """None if the store takes a real write now (an experiment tag), else a one-line problem that
-    names the URI. Cheap enough to call before every trial."""
-    try:
-        check_tracking(uri)
-        with quick_failures():
-            client(uri).set_experiment_tag(experiment_id, PROBE_TAG, str(time.time()))
-    except Exception as e:  # noqa: BLE001 (whatever failed, the store did not take the write)
-        detail = str(e) if isinstance(e, TrackingError) else f"a write failed: {short(e)}"
-        return f"MLflow tracking store {uri} cannot be written ({detail})"
-    return None
+def probe_write(uri: str, experiment_id: str, attempts: int = 3) -> str | None:
+    """None if the store takes a real write (an experiment tag), else a one-line problem that names
+    the URI. Each attempt fails fast (no HTTP retries); a failed one is tried again after 1 s, then
+    2 s, so a busy store (a locked sqlite database behind a server under concurrent writes) is not
+    taken for a lost one. Cheap enough to call before every trial."""
+    detail = ""
+    for i in range(attempts):
+        if i:
+            time.sleep(2.0 ** (i - 1))
+        try:
+            check_tracking(uri)
+            with quick_failures():
+                client(uri).set_experiment_tag(experiment_id, PROBE_TAG, str(time.time()))
+            return None
+        except Exception as e:  # noqa: BLE001 (whatever failed, the store did not take the write)
+            detail = str(e) if isinstance(e, TrackingError) else f"a write failed: {short(e)}"
+    return f"MLflow tracking store {uri} cannot be written ({detail}; {attempts} attempts)"
 
 
 def open_for_reading(uri: str, source: str = "--tracking-uri"):
