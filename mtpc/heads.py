@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -281,7 +282,7 @@ def load_head(
     if version != FORMAT_VERSION:
         raise ValueError(f"{config_path}: format_version {version!r} is not supported; expected {FORMAT_VERSION}")
     config = HeadConfig.from_dict(raw, where=str(config_path))
-    state = load_file(str(head_path))
+    state = _read_tensors(head_path)
     head = MtpcHead(config, device="meta")
     expected = {name: tuple(t.shape) for name, t in head.state_dict().items()}
     missing = sorted(set(expected) - set(state))
@@ -302,5 +303,13 @@ def load_head(
     head = MtpcHead(config, device=device, dtype=dtype)
     head.load_state_dict(state)
     lora_path = directory / LORA_FILE
-    lora_state = load_file(str(lora_path), device=str(device) if device is not None else "cpu") if lora_path.is_file() else None
+    lora_state = _read_tensors(lora_path, device) if lora_path.is_file() else None
     return head, lora_state
+
+
+def _read_tensors(path: Path, device=None) -> dict[str, Tensor]:
+    """load_file, but a truncated or corrupt file is a one-line ValueError naming it."""
+    try:
+        return load_file(str(path), device=str(device) if device is not None else "cpu")
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{path}: not a readable safetensors file ({err}); re-export the head") from None

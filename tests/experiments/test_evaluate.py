@@ -104,3 +104,16 @@ def test_mlflow_children_carry_params_and_metrics(exported, tmp_path):
     assert sorted(client.get_run(r).info.run_name for r in ids) == ["cp-r2-n4-k0/greedy/set0", "cp-r2-n4-k0/greedy/set1"]
     hist = json.loads((Path(client.download_artifacts(ids[0], "accepted_length_histogram.json", str(tmp_path)))).read_text())
     assert sum(hist["accepted_length_histogram"]) == client.get_run(ids[0]).data.metrics["cycles"]
+
+
+def test_cli_truncated_head_is_one_line_naming_the_file(exported, tmp_path, capsys):
+    import shutil
+
+    bad = tmp_path / "cp"
+    shutil.copytree(exported / "cp", bad)
+    weights = bad / "head.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # an interrupted copy
+    rc = main(["--head", str(bad), "--prompts", str(exported / "prompts.jsonl"), "--num-prompts", "1", "--sets", "1",
+               "--out", str(tmp_path / "r.json"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and str(weights) in err, err

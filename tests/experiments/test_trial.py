@@ -1,6 +1,7 @@
 """The real trial (experiments/trial.py) on the `tiny` backbone: train_head logs into the trial's
 parent run, experiments.evaluate logs one evaluation run per (mode, prompt_set) through the one
-writer (named `<grid key>/<mode>/set<i>`, the EVAL_PARAMS / EVAL_METRICS names); a stop request checkpoints and raises, and the re-run resumes from that checkpoint and
+writer (named `<grid key>/<mode>/set<i>`, with the `mtpc.names.EVAL_PARAMS` / `EVAL_METRICS`
+names); a stop request checkpoints and raises, and the re-run resumes from that checkpoint and
 completes; the sweep runner runs it end to end; every grid point's training config is validated
 before submission."""
 
