@@ -52,4 +52,4 @@ bench-decode: setup
 	$(PY) bench/bench_decode.py --out bench/results/decode_cpu.json
 
 lint: setup
-	$(VENV)/bin/ruff check mtpc experiments sweeps analysis tests bench
+	$(VENV)/bin/ruff check mtpc tracking experiments sweeps analysis tests bench

@@ -184,7 +184,7 @@ class RunConfig:
     tracking: bool = True
     """log to MLflow"""
     tracking_uri: str | None = None
-    """MLflow tracking URI; MLFLOW_TRACKING_URI overrides it; null: sqlite in the project directory"""
+    """MLflow tracking URI; MLFLOW_TRACKING_URI overrides it; null: sqlite:///<cwd>/mlflow.db (tracking/store.py)"""
     experiment: str = "mtpc-train"
     """MLflow experiment name (created if missing)"""
     cpu_threads: int | None = None

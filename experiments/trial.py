@@ -25,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import tracking
 from mtpc.names import DECODE_MODES, GRID_PARAMS
 
 
@@ -124,15 +125,12 @@ def run_trial(
     preempted_exc: type[Exception] = KeyboardInterrupt,
 ) -> dict[str, float]:
     """Train + evaluate one architecture; log into the parent run (created here if not given)."""
-    from mlflow.tracking import MlflowClient
-
     from experiments.quiet import quiet
 
     quiet()  # a sweep worker is a command line too: only the suite's own messages
 
-    client = MlflowClient(tracking_uri=mlflow_tracking_uri)
     if parent_run_id is None:
-        parent_run_id = client.create_run(mlflow_experiment_id, run_name=parent_run_name).info.run_id
+        parent_run_id = tracking.start_parent_run(mlflow_tracking_uri, mlflow_experiment_id, parent_run_name, params={}, tags={})
     run_dir = Path(checkpoint_dir or Path("runs") / parent_run_name)
     # train and evaluate read MLFLOW_TRACKING_URI when given no URI: make them agree with the
     # sweep for the duration of the trial, then put the caller's environment back
@@ -141,7 +139,7 @@ def run_trial(
     try:
         return _train_and_evaluate(
             train_config, eval_config, uri=mlflow_tracking_uri, exp_id=mlflow_experiment_id,
-            exp_name=client.get_experiment(mlflow_experiment_id).name, parent_run_id=parent_run_id,
+            exp_name=tracking.client(mlflow_tracking_uri).get_experiment(mlflow_experiment_id).name, parent_run_id=parent_run_id,
             run_dir=run_dir, should_stop=should_stop or (lambda: False), preempted_exc=preempted_exc,
         )
     finally:
@@ -156,7 +154,6 @@ def _train_and_evaluate(
     parent_run_id: str, run_dir: Path, should_stop: Callable[[], bool], preempted_exc: type[Exception],
 ) -> dict[str, float]:
     from experiments.train import train_head
-    from sweeps.tracking import child_runs, discard_children
 
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     cfg = trial_config(train_config, tracking_uri=uri, experiment=exp_name, run_dir=run_dir)
@@ -165,12 +162,12 @@ def _train_and_evaluate(
     if result.preempted or should_stop():
         raise preempted_exc(f"training stopped on request; checkpoint {ckpt}")
     # children of an interrupted earlier attempt would be counted twice: drop them first
-    discard_children(uri, exp_id, parent_run_id)
+    tracking.discard_children(uri, exp_id, parent_run_id)
     modes = eval_config.get("modes", list(DECODE_MODES))
     evaluate_head(result.head_dir, cfg, eval_config, parent_run_id=parent_run_id, tracking_uri=uri,
                   out=run_dir / "evaluation.json")
     out: dict[str, float] = {}
-    runs = child_runs(uri, exp_id, parent_run_id)
+    runs = tracking.child_runs(uri, exp_id, parent_run_id)
     for key in ("mu_lat", "mu_acc", "tokens_per_cycle", "throughput", "speedup_vs_stp"):
         vals = [r.data.metrics[key] for r in runs if key in r.data.metrics]
         if vals:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,6 +100,10 @@ def test_mlflow_children_carry_params_and_metrics(exported, tmp_path):
         assert run.data.params["circuit"] == "cp" and run.data.params["mode"] == "greedy"
         assert {"mu_lat", "mu_acc", "throughput", "speedup_vs_stp", "acceptance_pos_2"} <= set(run.data.metrics)
     assert {client.get_run(r).data.params["prompt_set"] for r in ids} == {"0", "1"}
+    # named for what they are (they were all `eval-head-greedy-keep-set<i>`, under every trial alike)
+    assert sorted(client.get_run(r).info.run_name for r in ids) == ["cp-r2-n4-k0/greedy/set0", "cp-r2-n4-k0/greedy/set1"]
+    hist = json.loads((Path(client.download_artifacts(ids[0], "accepted_length_histogram.json", str(tmp_path)))).read_text())
+    assert sum(hist["accepted_length_histogram"]) == client.get_run(ids[0]).data.metrics["cycles"]
 
 
 def test_cli_truncated_head_is_one_line_naming_the_file(exported, tmp_path, capsys):
