@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from experiments.config import DataConfig
 
+
 def debug_conversations(n: int = 48, seed: int = 0) -> list[dict]:
     """`n` short generated chats with learnable answers (counting, spelling, repeating); no download."""
     rng = random.Random(seed)

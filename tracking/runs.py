@@ -34,8 +34,8 @@ MAX_TAG_CHARS = 5000
 
 
 def git_sha(root: Path = REPO) -> str:
-    """The checkout's commit, `-dirty` when tracked files changed; else a GIT_SHA file at the root
-    (copies without .git carry one); else "unknown"."""
+    """The checkout's commit, `-dirty` when tracked files changed; else `.device/GIT_SHA` (the
+    device machine's copy has no .git; experiments.device_prep writes it); else "unknown"."""
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
         sha = out.stdout.strip()
@@ -45,7 +45,7 @@ def git_sha(root: Path = REPO) -> str:
             return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    f = root / "GIT_SHA"
+    f = root / ".device" / "GIT_SHA"
     return f.read_text().strip() if f.is_file() else "unknown"
 
 
