@@ -5,7 +5,8 @@ Names: "default" (the embedded model pre-trained by `make pretrain`, under
 (benjamin/Llama3-2-3B-IT-Byte), a local `save_pretrained` directory, or a hub id "org/name"
 (unreachable on these machines; loaded with `trust_remote_code`). Checkpoints whose vocabulary
 exceeds 512 are refused unless `allow_non_byte=True`. The adapter classes live in `base.py`
-(Llama architecture) and `evabyte.py`.
+(Llama architecture) and `evabyte.py`; the decoding engines in `engine.py` (protocol, HF layers)
+and `llama.py` (the compact Llama forward), CUDA graph capture in `graphs.py`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Any
 import torch
 
 from mtpc.backbones.base import BackboneAdapter, KVStore, SplitCache, SplitOutput
+from mtpc.backbones.engine import ENGINE_KINDS, AdapterEngine, Engine, StepOutput, make_engine
 from mtpc.backbones.evabyte import EvaByteAdapter, EvaByteCache
+from mtpc.backbones.llama import LlamaEngine
 from mtpc.paths import cache_dir
 
 ALIASES = {
@@ -28,7 +31,12 @@ MAX_BYTE_VOCAB = 512
 
 __all__ = [
     "ALIASES",
+    "ENGINE_KINDS",
+    "AdapterEngine",
     "BackboneAdapter",
+    "Engine",
+    "LlamaEngine",
+    "StepOutput",
     "EvaByteAdapter",
     "EvaByteCache",
     "KVStore",
@@ -36,6 +44,7 @@ __all__ = [
     "SplitOutput",
     "default_model_dir",
     "load_backbone",
+    "make_engine",
 ]
 
 
@@ -62,7 +71,9 @@ def _resolve(name_or_path: str) -> tuple[str, str]:
     if Path(name).expanduser().is_dir():
         path = Path(name).expanduser()
         if not (path / "config.json").is_file():
-            raise ValueError(f"backbone {name!r}: directory has no config.json (expected a save_pretrained checkpoint)")
+            raise ValueError(
+                f"backbone {name!r}: directory has no config.json (expected a save_pretrained checkpoint)"
+            )
         return name, str(path)
     if re.fullmatch(r"[\w.\-]+/[\w.\-]+", name) and not Path(name).exists():
         return name, name
@@ -94,10 +105,13 @@ def load_backbone(
     trust_remote_code: bool = True,
     allow_non_byte: bool = False,
     attn_implementation: str | None = None,
+    engine: str = "auto",
     **lora_kw: Any,
 ) -> BackboneAdapter | EvaByteAdapter:
     """Load a checkpoint by name or path and wrap it; see the module docstring for names.
 
+    engine: the decoding path — "auto" (the compact Llama forward when it implements the model,
+    else the HF layers), "compact" (refuse otherwise) or "hf". EvaByte always takes the HF path.
     lora_kw: lora_rank, lora_alpha, lora_dropout, lora_targets (see `BackboneAdapter`).
     """
     import transformers
@@ -128,5 +142,14 @@ def load_backbone(
     if device is not None:
         model.to(device)
     tokenizer = _load_tokenizer(source, trust_remote_code)
-    cls = EvaByteAdapter if getattr(config, "model_type", "") == "evabyte" else BackboneAdapter
-    return cls.from_hf(model, lora_depth=lora_depth, name=label, tokenizer=tokenizer, **lora_kw)
+    if getattr(config, "model_type", "") == "evabyte":
+        if engine == "compact":
+            raise ValueError(
+                f"backbone {label!r}: engine='compact' implements Llama only, not EvaByte; use engine='auto' or 'hf'"
+            )
+        return EvaByteAdapter.from_hf(
+            model, lora_depth=lora_depth, name=label, tokenizer=tokenizer, **lora_kw
+        )
+    return BackboneAdapter.from_hf(
+        model, lora_depth=lora_depth, name=label, tokenizer=tokenizer, engine=engine, **lora_kw
+    )

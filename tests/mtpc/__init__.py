@@ -1,0 +1,1 @@
+"""Tests of mtpc/ (a package: modules import as tests.mtpc.<name>)."""
