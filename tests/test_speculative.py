@@ -33,18 +33,12 @@ _one_thread = pytest.fixture(autouse=True)(single_thread)
 RANK = {"ff": 1, "cp": 3, "hmm": 3, "btree": 3}
 
 
-def _peaked_backbone(lora_depth=0, vocab=6, scale=3.0, seed=0, layers=2, engine="auto"):
+def _peaked_backbone(lora_depth=0, vocab=6, scale=3.0, seed=0, layers=2, engine="auto", **cfg_kw):
     """A tiny Llama whose lm_head is scaled up: a peaked target, so drafts get accepted (and rejected)."""
     bb = tiny_backbone(
-        lora_depth=lora_depth,
-        seed=seed,
-        vocab=vocab,
-        hidden=16,
-        layers=layers,
-        heads=2,
-        kv_heads=1,
-        engine=engine,
-    )
+        lora_depth=lora_depth, seed=seed, vocab=vocab, hidden=16, layers=layers, heads=2, kv_heads=1, engine=engine,
+        **cfg_kw,
+    )  # fmt: skip
     with torch.no_grad():
         bb.model.lm_head.weight.mul_(scale)
     if lora_depth:
