@@ -271,6 +271,8 @@ class LlamaEngine:
     static: fixed-shape attention over the whole capacity (default: on CUDA). cuda_graphs:
     capture `feed` per input length T on its first use (CUDA and static only). lora:
     "lowrank" (s B (A x) beside the shared W) or "merged" (a stacked copy [W, W + s B A]).
+    compile: run the forward through torch.compile (dynamic shapes; for the CPU, where it fuses
+    the small elementwise ops between the matmuls; the first calls compile for tens of seconds).
     """
 
     def __init__(
@@ -281,6 +283,7 @@ class LlamaEngine:
         static: bool | None = None,
         cuda_graphs: bool = False,
         lora: str = "lowrank",
+        compile: bool = False,
     ):
         reason = llama_unsupported(adapter.model)
         if reason:
@@ -314,6 +317,8 @@ class LlamaEngine:
         self.capacity = 0
         self.length = 0
         self.calls = 0
+        if compile:
+            self._forward = torch.compile(self._forward, dynamic=True)
         self._graphs: dict[int, Any] = {}  # input length T -> CapturedFn
         self.graph_errors: dict[int, str] = {}
         if capacity:

@@ -230,10 +230,12 @@ class MtpcModel:
     """A frozen backbone, an MtPC head and exact self-speculative decoding (batch 1).
 
     cuda_graphs: capture step, verify and head + draft on CUDA with the compact engine
-    (None: on when the backbone is on CUDA and its engine is "compact").
+    (None: on when the backbone is on CUDA and its engine is "compact"). compile: the compact
+    engine's forward through torch.compile (worth it on the CPU for long generations; the first
+    call compiles for tens of seconds).
     """
 
-    def __init__(self, backbone: Any, head: nn.Module, cuda_graphs: bool | None = None):
+    def __init__(self, backbone: Any, head: nn.Module, cuda_graphs: bool | None = None, compile: bool = False):
         cfg = head.config
         if cfg.window < 2:
             raise ValueError(f"head: speculative decoding needs window >= 2, got {cfg.window}")
@@ -246,6 +248,7 @@ class MtpcModel:
         self.window = cfg.window
         compact_cuda = getattr(backbone, "engine", "hf") == "compact" and backbone.device.type == "cuda"
         self.cuda_graphs = compact_cuda if cuda_graphs is None else bool(cuda_graphs and compact_cuda)
+        self._engine_kw = {"compile": True} if compile and getattr(backbone, "engine", "hf") == "compact" else {}
         self._engines: dict[bool, Any] = {}  # draft top or not -> engine (caches kept between calls)
         self._gen = torch.Generator(device=backbone.device)  # re-seeded per call; captured graphs advance it
         self._graphed_draft = (
@@ -254,10 +257,14 @@ class MtpcModel:
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, head_dir: str | Path, backbone: Any = None, **load_kw: Any) -> MtpcModel:
+    def from_pretrained(
+        cls, head_dir: str | Path, backbone: Any = None, *, cuda_graphs: bool | None = None, compile: bool = False,
+        **load_kw: Any,
+    ) -> MtpcModel:  # fmt: skip
         """Load a `save_head` export; the backbone is its recorded name/path unless one is given.
 
-        load_kw go to `mtpc.backbones.load_backbone` when the backbone is loaded here.
+        load_kw go to `mtpc.backbones.load_backbone` when the backbone is loaded here (e.g.
+        engine="hf" to decode through the HF layers); cuda_graphs / compile: see the class.
         """
         from mtpc.backbones import load_backbone
         from mtpc.heads import load_head
@@ -277,10 +284,12 @@ class MtpcModel:
         elif k > 0:
             raise ValueError(f"{head_dir}: lora_depth={k} but the export has no lora.safetensors")
         head = head.to(dtype=backbone.dtype)
-        return cls(backbone, head)
+        return cls(backbone, head, cuda_graphs=cuda_graphs, compile=compile)
 
     @classmethod
-    def from_components(cls, backbone: Any, head: nn.Module | dict) -> MtpcModel:
+    def from_components(
+        cls, backbone: Any, head: nn.Module | dict, *, cuda_graphs: bool | None = None, compile: bool = False
+    ) -> MtpcModel:
         """backbone: a transformers causal LM or an adapter; head: an MtpcHead or a dict for a fresh one."""
         if isinstance(head, dict):
             lora_depth = int(head.get("lora_depth", 0))
@@ -290,7 +299,7 @@ class MtpcModel:
             backbone = _wrap_backbone(backbone, head.config.lora_depth)
         else:
             raise ValueError(f"head: expected an MtpcHead or a dict spec, got {type(head).__name__}")
-        return cls(backbone, head)
+        return cls(backbone, head, cuda_graphs=cuda_graphs, compile=compile)
 
     # -- helpers --------------------------------------------------------------------------------
     @property
