@@ -1,7 +1,9 @@
 """Group evaluation runs into settings and configurations, mean ± std over prompt sets.
 
-A *setting* is what a figure or table holds fixed: backbone, mode, extra_token, temperature,
-top_p, hardware. A *configuration* is a point in it: circuit, window n, rank r, LoRA depth k.
+A *setting* is what a figure or table holds fixed: backbone, mode, extra_token, eos, temperature,
+top_p, hardware. A *configuration* is a point in it: circuit, window n, rank r, LoRA depth k, and
+the training axes kl_beta (0: cross-entropy), kl_temperature and train_seed, so runs trained
+differently (CE vs distillation, two seeds) are never averaged together.
 Every metric is averaged as logged (the logged ``throughput`` is never recomputed); std is the
 sample std (ddof = 1) over the evaluations of a configuration, NaN when there is only one.
 Plots and tables live elsewhere.
@@ -19,8 +21,8 @@ import pandas as pd
 from analysis.front import pareto_front
 from analysis.load import ACC_POS_RE, CIRCUIT_ORDER, OPTIONAL_METRICS, REQUIRED_METRICS
 
-SETTING_KEYS: tuple[str, ...] = ("backbone", "mode", "extra_token", "temperature", "top_p", "hardware")
-CONFIG_KEYS: tuple[str, ...] = ("circuit", "window", "rank", "lora_depth")
+SETTING_KEYS: tuple[str, ...] = ("backbone", "mode", "extra_token", "eos", "temperature", "top_p", "hardware")
+CONFIG_KEYS: tuple[str, ...] = ("circuit", "window", "rank", "lora_depth", "kl_beta", "kl_temperature", "train_seed")
 
 
 def _is_missing(v) -> bool:
@@ -37,11 +39,14 @@ class Setting:
     temperature: float | None = None
     top_p: float | None = None
     hardware: str | None = None
+    eos: str | None = None
 
     def title(self) -> str:
         parts = [self.backbone, self.mode]
         if self.extra_token is not None:
             parts.append(f"extra={self.extra_token}")
+        if self.eos is not None:
+            parts.append(f"EOS {self.eos}")
         if self.temperature is not None and self.mode == "sample":
             parts.append(f"T={self.temperature:g}")
         if self.top_p is not None and self.mode == "sample":
@@ -55,6 +60,8 @@ class Setting:
         parts = [self.backbone, self.mode]
         if self.extra_token is not None:
             parts.append(self.extra_token)
+        if self.eos is not None:
+            parts.append(f"eos-{self.eos}")
         if self.temperature is not None:
             parts.append(f"T{self.temperature:g}")
         if self.top_p is not None:
@@ -96,21 +103,20 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
     )
     out = out[ordered]
     out = _attach_stp(runs, out)
-    for k in ("window", "rank", "lora_depth"):
+    for k in ("window", "rank", "lora_depth", "train_seed"):
         if k in out.columns:
             out[k] = out[k].astype("Int64")
     # groupby turns None into NaN in object keys: give None back
-    for k in ("backbone", "mode", "extra_token", "hardware", "circuit"):
+    for k in ("backbone", "mode", "extra_token", "eos", "hardware", "circuit"):
         if k in out.columns:
             out[k] = out[k].astype(object).where(out[k].notna(), None)
     out["_circuit_order"] = (
         out["circuit"].map({c: i for i, c in enumerate(CIRCUIT_ORDER)}).fillna(len(CIRCUIT_ORDER))
     )
-    sort_keys = [
-        k for k in ("backbone", "mode", "extra_token", "temperature", "top_p", "hardware") if k in out.columns
-    ]
+    sort_keys = [k for k in SETTING_KEYS if k in out.columns]
+    train_keys = [k for k in ("kl_beta", "kl_temperature", "train_seed") if k in out.columns]
     out = out.sort_values(
-        sort_keys + ["window", "rank", "_circuit_order", "lora_depth"], na_position="last", kind="stable"
+        sort_keys + ["window", "rank", "_circuit_order", "lora_depth", *train_keys], na_position="last", kind="stable"
     )
     return out.drop(columns="_circuit_order").reset_index(drop=True)
 
@@ -168,6 +174,7 @@ def _setting_of(row: pd.Series) -> Setting:
         temperature=None if temp is None else float(temp),
         top_p=None if top_p is None else float(top_p),
         hardware=get("hardware"),
+        eos=get("eos"),
     )
 
 

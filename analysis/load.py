@@ -4,7 +4,8 @@ One row per *evaluation* run: a run carrying the params ``mode`` and ``prompt_se
 section 3 — each (mode, prompt_set) evaluation of a trial is a child run that copies every param).
 Parent (trial) runs, analysis summary runs and unfinished runs are left out. Params are typed
 (ints, floats, strings); optional params (``extra_token``, ``temperature``, ``seed``,
-``hardware``, ``top_p``) and optional metrics become NaN/None when absent. Per-position
+``hardware``, ``top_p``, ``eos``, and the training axes ``kl_beta``, ``kl_temperature``,
+``train_seed``) and optional metrics become NaN/None when absent. Per-position
 acceptance metrics ``acceptance_pos_<i>`` (i = 1-based window position) become columns of their own.
 
 Also here: resolving the tracking URI and experiment with errors a user can act on, filtering,
@@ -27,7 +28,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mtpc.metrics import ACCEPTANCE_PREFIX, EVAL_METRICS, HISTOGRAM_ARTIFACT
+from mtpc.names import (
+    ACCEPTANCE_PREFIX,
+    CIRCUIT_KINDS,
+    DECODE_MODES,
+    EVAL_METRICS,
+    EXTRA_TOKEN_OPTIONS,
+    HISTOGRAM_ARTIFACT,
+)
 
 # --- names fixed by DESIGN section 3 -------------------------------------------------------------
 
@@ -48,6 +56,10 @@ OPTIONAL_PARAMS: dict[str, type] = {
     "seed": int,
     "hardware": str,
     "top_p": float,
+    "eos": str,  # banned | allowed (EOS_MODES)
+    "kl_beta": float,  # training: weight of the distillation term (0: cross-entropy only)
+    "kl_temperature": float,  # training: temperature of the teacher in the KL term
+    "train_seed": int,  # training seed of the head (the evaluation seed is `seed`)
 }
 #: metrics without which a run cannot be placed on the Pareto plot or in a table
 REQUIRED_METRICS: tuple[str, ...] = EVAL_METRICS[:4]  # mu_lat, mu_acc, tokens_per_cycle, throughput
@@ -60,8 +72,8 @@ HIST_ARTIFACT = HISTOGRAM_ARTIFACT
 #: tag set on the summary run that `pareto.py --log-to-mlflow` creates (never read back as data)
 SUMMARY_TAG = "mtpc.analysis"
 
-CIRCUIT_ORDER: tuple[str, ...] = ("ff", "cp", "hmm", "btree")
-MODES: tuple[str, ...] = ("greedy", "sample")
+CIRCUIT_ORDER: tuple[str, ...] = CIRCUIT_KINDS
+MODES: tuple[str, ...] = DECODE_MODES
 DEFAULT_DB = "mlflow.db"
 
 _PARENT_TAG = "mlflow.parentRunId"
@@ -346,9 +358,9 @@ class Filters:
             if bad:
                 raise ValueError(f"filter mode={bad}: expected values in {list(MODES)}")
         if self.extra_token is not None:
-            bad = [m for m in self.extra_token if m not in ("keep", "drop")]
+            bad = [m for m in self.extra_token if m not in EXTRA_TOKEN_OPTIONS]
             if bad:
-                raise ValueError(f"filter extra_token={bad}: expected 'keep' or 'drop'")
+                raise ValueError(f"filter extra_token={bad}: expected values in {list(EXTRA_TOKEN_OPTIONS)}")
         if self.circuit is not None:
             bad = [m for m in self.circuit if m not in CIRCUIT_ORDER]
             if bad:

@@ -6,9 +6,11 @@ Per setting (backbone, mode, extra_token, temperature[, top_p, hardware]) it wri
   throughput_vs_lora_depth_<setting>.* when the LoRA depth varies
   acceptance_<setting>.*               per-position acceptance (acceptance_pos_<i> metrics), if logged
   accepted_length_<setting>.*          accepted-length histogram artifact, if logged
-  table_<setting>.md / .tex            rows (n, r, circuit[, k]), mean ± std, best in bold
+  table_<setting>.md / .tex            rows (n, r, circuit[, k][, β][, seed]), mean ± std, best in bold,
+                                       degenerate_fraction beside them
 plus tables.md, tables.tex and summary.csv for all settings, and prints the best configuration
-per setting. --log-to-mlflow attaches all of it to a summary run in the same experiment.
+per setting, and a warning per setting whose acceptance comes from degenerate text
+(degenerate_fraction > 0.25). --log-to-mlflow attaches all of it to a summary run in the same experiment.
 
 Errors (no match, unreachable store, ...) print one clear message and exit 1; runs missing a
 metric are listed and skipped. Run as `python analysis/pareto.py` or `python -m analysis.pareto`.
@@ -27,7 +29,8 @@ if __package__ in (None, ""):  # run as a script: import the package from the re
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from analysis.aggregate import aggregate, split_settings  # noqa: E402
-from analysis.load import MODES, SUMMARY_TAG, AnalysisError, Filters, LoadResult, load, load_hists  # noqa: E402
+from analysis.load import SUMMARY_TAG, AnalysisError, Filters, LoadResult, load, load_hists  # noqa: E402
+from mtpc.names import CIRCUIT_KINDS, DECODE_MODES, EXTRA_TOKEN_OPTIONS  # noqa: E402
 
 DEFAULT_OUT = "outputs/analysis"
 MAX_LISTED_SKIPS = 20
@@ -47,16 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="experiment name or id (default: $MLFLOW_EXPERIMENT_NAME, else every experiment with runs)",
     )
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
-    p.add_argument("--mode", nargs="+", choices=MODES, help="keep only these decoding modes")
+    p.add_argument("--mode", nargs="+", choices=DECODE_MODES, help="keep only these decoding modes")
     p.add_argument("--backbone", nargs="+", help="keep only these backbones")
     p.add_argument(
-        "--extra-token", nargs="+", choices=("keep", "drop"), help="keep only these extra-token rules"
+        "--extra-token", nargs="+", choices=EXTRA_TOKEN_OPTIONS, help="keep only these extra-token rules"
     )
     p.add_argument("--temperature", nargs="+", type=float, help="keep only these temperatures")
     p.add_argument("--window", nargs="+", type=int, help="keep only these windows n")
     p.add_argument("--lora-depth", nargs="+", type=int, help="keep only these LoRA depths k")
     p.add_argument(
-        "--circuit", nargs="+", choices=("ff", "cp", "hmm", "btree"), help="keep only these circuits"
+        "--circuit", nargs="+", choices=CIRCUIT_KINDS, help="keep only these circuits"
     )
     p.add_argument(
         "--top", type=int, default=5, help="configurations shown in the acceptance plots (default 5)"
@@ -140,6 +143,9 @@ def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[
         md_all.append(md)
         tex_all.append(tex)
         best_lines.append(tables.best_configuration(setting, part))
+        warning = tables.degeneracy_warning(table)
+        if warning:
+            print(warning, file=sys.stderr)
     for name, text in (("tables.md", "\n".join(md_all)), ("tables.tex", "\n".join(tex_all))):
         (out / name).write_text(text)
         written.append(out / name)

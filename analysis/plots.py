@@ -32,6 +32,16 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from analysis.aggregate import Setting, stp_baseline  # noqa: E402
 from analysis.load import ACC_POS_RE, CIRCUIT_ORDER  # noqa: E402
+from mtpc.names import DEGENERATE_WARN_FRACTION  # noqa: E402
+
+
+def _degenerate_note(part: pd.DataFrame) -> str:
+    """' — ⚠ k/N degenerate' when k configurations have degenerate_fraction > 0.25 (acceptance on looping text)."""
+    if "degenerate_fraction_mean" not in part.columns:
+        return ""
+    frac = part["degenerate_fraction_mean"].to_numpy(dtype=float)
+    k = int((frac > DEGENERATE_WARN_FRACTION).sum())
+    return f" — ⚠ {k}/{len(part)} configs degenerate > {DEGENERATE_WARN_FRACTION:g}" if k else ""
 
 COLUMN_WIDTH_IN = 3.3
 HEIGHT_IN = 2.5
@@ -170,7 +180,7 @@ def pareto_figure(setting: Setting, part: pd.DataFrame, width: float = COLUMN_WI
         _draw_iso_lines(ax, setting, part, x, y, stp_lat_ms)
         ax.set_xlabel(r"accepted bytes per cycle $\mu_\mathrm{acc}$")
         ax.set_ylabel(r"latency per cycle $\mu_\mathrm{lat}$ (ms)")
-        ax.set_title(_wrap_title(setting.title()), pad=3)
+        ax.set_title(_wrap_title(setting.title() + _degenerate_note(part)), pad=3)
         ax.grid(False)
         labelled = len(x) <= MAX_LABELLED_POINTS
         n_entries = len(ax.get_legend_handles_labels()[1])

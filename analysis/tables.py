@@ -1,6 +1,8 @@
-"""Paper-style tables of one setting: rows (n, r, circuit [, k]), columns mu_lat, mu_acc,
-throughput and speed-up over STP, each mean ± std over prompt sets, the best value of each column
-in bold; rendered as Markdown and LaTeX. Also the one-line "best configuration" summary.
+"""Paper-style tables of one setting: rows (n, r, circuit [, k] [, β] [, seed]), columns mu_lat,
+mu_acc, throughput, speed-up over STP and degenerate_fraction, each mean ± std over prompt sets,
+the best value of each column in bold (not the degeneracy: it describes the text, not the head);
+rendered as Markdown and LaTeX, with a warning line when acceptance comes from degenerate text
+(degenerate_fraction > 0.25). Also the one-line "best configuration" summary.
 
 Values come from `aggregate.aggregate` (logged metrics averaged; throughput and speed-up are the
 logged ones, never recomputed). An STP row (the plain model measured side by side) comes first
@@ -16,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.aggregate import Setting, stp_baseline
+from mtpc.names import DEGENERATE_WARN_FRACTION
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,7 @@ class Column:
     header_tex: str
     best: str  # "min" or "max"
     scale: float = 1.0  # display unit = logged value * scale
+    highlight: bool = True  # bold the best value
 
 
 COLUMNS: tuple[Column, ...] = (
@@ -34,7 +38,10 @@ COLUMNS: tuple[Column, ...] = (
     Column("mu_acc", "μ_acc (B) ↑", r"$\mu_\mathrm{acc}$ (B) $\uparrow$", "max"),
     Column("throughput", "throughput (B/s) ↑", r"throughput (B/s) $\uparrow$", "max"),
     Column("speedup_vs_stp", "× STP ↑", r"$\times$ STP $\uparrow$", "max"),
+    Column("degenerate_fraction", "degenerate", "degenerate", "min", highlight=False),
 )
+#: training axes shown as key columns when they vary within a setting: (aggregate column, header)
+TRAIN_KEYS: tuple[tuple[str, str], ...] = (("kl_beta", "β"), ("kl_temperature", "T_kl"), ("train_seed", "seed"))
 
 
 @dataclass
@@ -60,7 +67,8 @@ def _decimals(values: np.ndarray) -> int:
 def build_table(setting: Setting, part: pd.DataFrame) -> Table:
     """The table of one setting from its aggregated rows (output of `split_settings`)."""
     show_k = part["lora_depth"].nunique(dropna=False) > 1
-    keys = ["n", "r", "circuit"] + (["k"] if show_k else [])
+    shown = [(col, head) for col, head in TRAIN_KEYS if col in part.columns and part[col].nunique(dropna=False) > 1]
+    keys = ["n", "r", "circuit"] + (["k"] if show_k else []) + [head for _, head in shown]
     rows = pd.DataFrame(
         {
             "n": part["window"].astype(object),
@@ -70,6 +78,8 @@ def build_table(setting: Setting, part: pd.DataFrame) -> Table:
     )
     if show_k:
         rows["k"] = part["lora_depth"].astype(object)
+    for col, head in shown:
+        rows[head] = part[col].astype(object)
     for col in COLUMNS:
         mean = part.get(f"{col.metric}_mean", pd.Series(np.nan, index=part.index)).to_numpy(dtype=float)
         std = part.get(f"{col.metric}_std", pd.Series(np.nan, index=part.index)).to_numpy(dtype=float)
@@ -79,6 +89,8 @@ def build_table(setting: Setting, part: pd.DataFrame) -> Table:
     rows = rows.reset_index(drop=True)
     best = {}
     for col in COLUMNS:
+        if not col.highlight:
+            continue
         v = rows[col.metric].to_numpy(dtype=float)
         if np.isfinite(v).any():
             best[col.metric] = float(np.nanmin(v) if col.best == "min" else np.nanmax(v))
@@ -90,7 +102,7 @@ def build_table(setting: Setting, part: pd.DataFrame) -> Table:
         stp_row.update(
             mu_lat=lat * 1000.0, mu_lat_std=lat_std * 1000.0, mu_acc=0.0, mu_acc_std=np.nan,
             throughput=thr, throughput_std=thr_std, speedup_vs_stp=1.0, speedup_vs_stp_std=np.nan,
-            is_stp=True,
+            degenerate_fraction=np.nan, degenerate_fraction_std=np.nan, is_stp=True,
         )  # fmt: skip
         rows = pd.concat([pd.DataFrame([stp_row]), rows], ignore_index=True)
     decimals = {c.metric: _decimals(rows[c.metric].to_numpy(dtype=float)) for c in COLUMNS}
@@ -117,11 +129,35 @@ def _key_cell(v) -> str:
     return str(v)
 
 
+def degenerate_rows(table: Table) -> list[str]:
+    """Labels (n=.. r=.. circuit ..) of the rows whose mean degenerate_fraction > DEGENERATE_WARN_FRACTION."""
+    out = []
+    for i in range(len(table.rows)):
+        row = table.rows.iloc[i]
+        frac = float(row["degenerate_fraction"])
+        if not row["is_stp"] and math.isfinite(frac) and frac > DEGENERATE_WARN_FRACTION:
+            out.append(" ".join(f"{k}={_key_cell(row[k])}" for k in table.keys))
+    return out
+
+
+def degeneracy_warning(table: Table) -> str | None:
+    """One line saying which rows' acceptance was measured on looping text, or None."""
+    rows = degenerate_rows(table)
+    if not rows:
+        return None
+    shown = "; ".join(rows[:6]) + (f"; ... {len(rows) - 6} more" if len(rows) > 6 else "")
+    return (f"warning [{table.setting.title()}]: degenerate_fraction > {DEGENERATE_WARN_FRACTION} in "
+            f"{len(rows)} of {int((~table.rows['is_stp']).sum())} row(s) ({shown}): their acceptance is "
+            "measured on looping text")
+
+
 def to_markdown(table: Table) -> str:
-    """GitHub Markdown: a title line, the header, one line per configuration."""
+    """GitHub Markdown: a title line, the header, one line per configuration (+ the degeneracy warning)."""
     headers = table.keys + [c.header_md for c in COLUMNS]
+    warning = degeneracy_warning(table)
     lines = [
         f"**{table.setting.title()}** (mean ± std over prompt sets)",
+        *(["", f"> ⚠ {warning}"] if warning else []),
         "",
         "| " + " | ".join(headers) + " |",
         "|" + "|".join(":--" if h in table.keys else "--:" for h in headers) + "|",
@@ -147,7 +183,10 @@ def to_latex(table: Table) -> str:
         r"\begin{table}[t]",
         r"\centering",
         r"\small",
-        rf"\caption{{{_tex_escape(table.setting.title())}: mean $\pm$ std over prompt sets.}}",
+        rf"\caption{{{_tex_escape(table.setting.title())}: mean $\pm$ std over prompt sets."
+        + (f" {_tex_escape(str(len(degenerate_rows(table))))} row(s) with degenerate fraction $>$ "
+           f"{DEGENERATE_WARN_FRACTION}: acceptance measured on looping text." if degenerate_rows(table) else "")
+        + "}",
         rf"\begin{{tabular}}{{{spec}}}",
         r"\toprule",
         " & ".join(headers) + r" \\",

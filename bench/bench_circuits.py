@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mtpc.circuits import CIRCUIT_KINDS, build_circuit  # noqa: E402
+from mtpc.circuits import build_circuit  # noqa: E402
+from mtpc.names import CIRCUIT_KINDS, point_rank  # noqa: E402
 
 
 def machine() -> dict:
@@ -80,7 +81,7 @@ def timed(fn, reps: int, warmup: int, min_time: float = 0.0, max_time: float = 3
 def configs(kinds, windows, ranks):
     for kind in kinds:
         for n in windows:
-            for r in [1] if kind == "ff" else ranks:
+            for r in sorted({point_rank(kind, r) for r in ranks}):
                 yield kind, n, r
 
 

@@ -45,7 +45,7 @@ import engine_timing as et  # noqa: E402  (bench/engine_timing.py)
 
 from experiments.evaluate import evaluate_heads, hardware, load_prompt_sets  # noqa: E402
 from mtpc import MtpcModel  # noqa: E402
-from mtpc.circuits import CIRCUIT_KINDS  # noqa: E402
+from mtpc.names import CIRCUIT_KINDS, DECODE_MODES, EXTRA_TOKEN_OPTIONS, point_rank  # noqa: E402
 from mtpc.paths import cache_dir  # noqa: E402
 
 SECTIONS = ("engine", "bf16", "heads")
@@ -72,7 +72,7 @@ def build_models(backbone, heads_dir: Path, window: int, rank: int) -> tuple[dic
             except ValueError as e:  # e.g. a LoRA head: the benchmark uses k = 0 only
                 print(f"skipping {path}: {e}", file=sys.stderr)
         if m is None:
-            spec = {"kind": kind, "window": window, "rank": 1 if kind == "ff" else rank, "seed": 0}
+            spec = {"kind": kind, "window": window, "rank": point_rank(kind, rank), "seed": 0}
             m = MtpcModel.from_components(backbone, spec)
             sources[kind] = "random"
         models[kind] = m
@@ -231,10 +231,8 @@ def bf16_section(args) -> dict:
 
 
 def heads_section(args) -> dict:
-    from experiments.pretrain import ensure_default_model
     from mtpc.backbones import load_backbone
 
-    ensure_default_model()
     backbone = load_backbone("default")
     prompt_sets = load_prompt_sets("heldout", args.num_prompts, args.sets, args.seed)
     out = {"backbone": "default", "windows": {},
@@ -242,8 +240,8 @@ def heads_section(args) -> dict:
     for window in (int(w) for w in args.windows.split(",")):
         models, sources = build_models(backbone, Path(args.heads_dir), window, args.random_rank)
         res = evaluate_heads(
-            models, prompt_sets, ("greedy", "sample"), ("keep", "drop"), max_new_tokens=args.max_new_tokens,
-            seed=args.seed, ban_eos=True, ff_name="ff",
+            models, prompt_sets, DECODE_MODES, EXTRA_TOKEN_OPTIONS, max_new_tokens=args.max_new_tokens,
+            seed=args.seed, eos=("banned",), ff_name="ff",
         )  # fmt: skip
         rows = []
         for s in res["summary"]:

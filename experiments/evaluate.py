@@ -1,12 +1,12 @@
 """Evaluate speculative decoding: STP and MtPC heads (and an ff reference) on the same prompts, in one process.
 
     python -m experiments.evaluate --head <dir> [--ff-head <dir>] [--prompts heldout|<jsonl>]
-        [--num-prompts 16 --sets 3 --max-new-tokens 128] --mode greedy|sample --out results.json
-        [--mlflow-parent-run <id>]
+        [--num-prompts 16 --sets 3 --max-new-tokens 128] --mode greedy|sample|both
+        [--eos banned|allowed|both] --out results.json [--mlflow-parent-run <id>]
 
 Importable pieces (the sweep trial calls them): `load_prompt_sets`, `evaluate_heads` (-> a JSON-able
 dict), `summarize` (mean ± std over prompt sets) and `log_evaluation_to_mlflow` (one child run per
-(head, mode, extra_token, prompt_set) under a parent run, carrying the DESIGN section 3 params and
+(head, mode, extra_token, eos, prompt_set) under a parent run, carrying the DESIGN section 3 params and
 metrics, the per-position acceptance as metrics `acceptance_pos_<i>` and the accepted-length
 histogram as an artifact).
 
@@ -14,6 +14,11 @@ Metric names are those of DESIGN section 3. Per prompt set they are pooled over 
 mu_lat = cycle seconds / cycles, mu_acc = accepted drafts / cycles, tokens_per_cycle = bytes
 emitted / cycles, throughput = bytes produced by cycles / decode seconds (the prefill and its first
 byte excluded, for STP alike), per-position acceptance = accepted / tested at window position i.
+Beside them, from the generated answers themselves (mtpc/textstats.py): `degenerate_fraction` (the
+share of answers whose last 128 bytes loop with a period <= 32) and `distinct_4gram_ratio`, for
+every run and for STP (`stp_degenerate_fraction`, `stp_distinct_4gram_ratio`); a warning is printed
+when acceptance comes from degenerate text (degenerate_fraction > 0.25). `eos`: "banned" (EOS gets
+probability 0, every method generates max_new_tokens bytes) or "allowed" (EOS stops an answer).
 
 Leaves out: training (experiments/train.py) and plots (analysis/).
 """
@@ -21,6 +26,7 @@ Leaves out: training (experiments/train.py) and plots (analysis/).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import platform
 import random
@@ -33,10 +39,20 @@ import torch
 from tqdm import tqdm
 
 from mtpc import MtpcModel
-from mtpc.metrics import ACCEPTANCE_PREFIX, EVAL_METRICS, HISTOGRAM_ARTIFACT
+from mtpc.names import (
+    ACCEPTANCE_PREFIX,
+    DECODE_MODES,
+    DEGENERACY_METRICS,
+    DEGENERATE_WARN_FRACTION,
+    EOS_MODES,
+    EVAL_METRICS,
+    EVAL_PARAMS,
+    EXTRA_TOKEN_OPTIONS,
+    HISTOGRAM_ARTIFACT,
+    PER_PROMPT_ARTIFACT,
+)
+from mtpc.textstats import degeneracy_metrics, degenerate
 
-MODES = ("greedy", "sample")
-EXTRA_TOKENS = ("keep", "drop")
 SUMMARY_METRICS = EVAL_METRICS
 
 
@@ -99,8 +115,27 @@ def load_prompt_sets(source: str = "heldout", num_prompts: int = 16, sets: int =
 # -------------------------------------------------------------------------------------- evaluate
 
 
-def _pool(stats_list: list[Any], window: int) -> dict[str, Any]:
-    """Pool per-prompt GenerationStats of one prompt set into the set's metrics."""
+def _answer(model: MtpcModel, ids: torch.Tensor) -> bytes | list[int]:
+    """The generated answer as bytes (special ids dropped) when the backbone has a tokenizer, else its ids."""
+    tok = model.tokenizer
+    return tok.decode(ids.tolist()) if tok is not None else ids.tolist()
+
+
+def _per_prompt(prompts: list[torch.Tensor], stats_list: list[Any], answers: list[bytes | list[int]],
+                set_idx: int) -> list[dict[str, Any]]:
+    """One record per prompt (same order in every run of a set, so runs pair up prompt by prompt);
+    `prompt_sha` (of the prompt's ids) lets a reader check that two runs saw the same prompt."""
+    out = []
+    for i, (p, s, a) in enumerate(zip(prompts, stats_list, answers, strict=True)):
+        sha = hashlib.sha1(",".join(map(str, p.tolist())).encode()).hexdigest()[:12]
+        out.append({"prompt_set": set_idx, "prompt": i, "prompt_sha": sha, "cycles": s.cycles,
+                    "accepted": int(round(s.mu_acc * s.cycles)), "decode_s": s.decode_s,
+                    "decode_generated": s.decode_generated, "degenerate": degenerate(a)})  # fmt: skip
+    return out
+
+
+def _pool(stats_list: list[Any], window: int, answers: list[bytes | list[int]]) -> dict[str, Any]:
+    """Pool per-prompt GenerationStats (and the answers) of one prompt set into the set's metrics."""
     cycles = sum(s.cycles for s in stats_list)
     decode_s = sum(s.decode_s for s in stats_list)
     tested = [sum(s.tested_at[i] for s in stats_list) for i in range(window)]
@@ -121,6 +156,7 @@ def _pool(stats_list: list[Any], window: int) -> dict[str, Any]:
         "prefill_s": sum(s.prefill_s for s in stats_list),
         "per_position_acceptance": [a / t if t else None for a, t in zip(accepted, tested, strict=True)],
         "accepted_length_histogram": hist,
+        **degeneracy_metrics(answers),
     }
 
 
@@ -145,7 +181,7 @@ def evaluate_heads(
     temperature: float = 1.0,
     top_p: float = 1.0,
     seed: int = 0,
-    ban_eos: bool = True,
+    eos: tuple[str, ...] = ("banned",),
     ff_name: str | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
@@ -154,59 +190,76 @@ def evaluate_heads(
     models: name -> MtpcModel (they may share a backbone), or one MtpcModel (named "head");
     STP runs on the first one's backbone.
     ff_name: the key of an ff head in `models`; every other run then gets `speedup_vs_ff`.
+    eos: EOS treatments to run, each of "banned" / "allowed" (every (mode, eos) pair is evaluated).
     Prompt i of a set is sampled with seed + i for STP and every head alike.
     """
     if isinstance(models, MtpcModel):
         models = {"head": models}
     if not models:
         raise ValueError("models: need at least one head")
-    bad = [m for m in modes if m not in MODES] + [e for e in extra_tokens if e not in EXTRA_TOKENS]
+    if isinstance(eos, str):
+        eos = (eos,)
+    bad = ([m for m in modes if m not in DECODE_MODES] + [e for e in extra_tokens if e not in EXTRA_TOKEN_OPTIONS]
+           + [e for e in eos if e not in EOS_MODES])
     if bad:
-        raise ValueError(f"modes must be in {MODES} and extra_tokens in {EXTRA_TOKENS}; got {bad}")
+        raise ValueError(f"modes must be in {DECODE_MODES}, extra_tokens in {EXTRA_TOKEN_OPTIONS} and eos in "
+                         f"{EOS_MODES}; got {bad}")
     if ff_name is not None and ff_name not in models:
         raise ValueError(f"ff_name={ff_name!r} is not one of the models {sorted(models)}")
     first = next(iter(models.values()))
     encoded = [[first.encode_prompt(p) for p in ps] for ps in prompt_sets]
-    kw = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "ban_eos": ban_eos}
-    total = len(modes) * sum(len(ps) for ps in encoded) * (1 + len(models) * len(extra_tokens))
+    kw = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
+    total = len(modes) * len(eos) * sum(len(ps) for ps in encoded) * (1 + len(models) * len(extra_tokens))
     bar = tqdm(total=total, desc="evaluate", disable=not progress, file=sys.stderr)
     stp: dict[str, list[dict]] = {}
     runs: list[dict[str, Any]] = []
     for mode in modes:
         stp[mode] = []
-        for set_idx, prompts in enumerate(encoded):
-            plain = []
-            for i, p in enumerate(prompts):
-                plain.append(first.generate_plain(p, mode=mode, seed=seed + i, **kw).stats)
-                bar.update()
-            st = _pool(plain, 1)
-            stp[mode].append({"prompt_set": set_idx, "mu_lat": st["mu_lat"], "throughput": st["throughput"],
-                              "generated": st["generated"], "peak_mem_bytes": st["peak_mem_bytes"]})  # fmt: skip
-            for name, model in models.items():
-                for extra in extra_tokens:
-                    outs = []
-                    for i, p in enumerate(prompts):
-                        outs.append(model.generate(p, mode=mode, seed=seed + i, extra_token=extra, **kw).stats)
-                        bar.update()
-                    metrics = _pool(outs, model.window)
-                    metrics["stp_mu_lat"] = st["mu_lat"]
-                    metrics["stp_throughput"] = st["throughput"]
-                    metrics["speedup_vs_stp"] = metrics["throughput"] / st["throughput"]
-                    runs.append({
-                        "head": name, **_describe(model), "mode": mode, "extra_token": extra,
-                        "temperature": temperature, "top_p": top_p, "prompt_set": set_idx, "seed": seed,
-                        "metrics": metrics,
-                    })  # fmt: skip
+        for eos_mode in eos:
+            ban = eos_mode == "banned"
+            for set_idx, prompts in enumerate(encoded):
+                plain, answers = [], []
+                for i, p in enumerate(prompts):
+                    out = first.generate_plain(p, mode=mode, seed=seed + i, ban_eos=ban, **kw)
+                    plain.append(out.stats)
+                    answers.append(_answer(first, out.ids))
+                    bar.update()
+                st = _pool(plain, 1, answers)
+                stp[mode].append({"prompt_set": set_idx, "eos": eos_mode, "mu_lat": st["mu_lat"],
+                                 "throughput": st["throughput"], "generated": st["generated"],
+                                 "peak_mem_bytes": st["peak_mem_bytes"], **{k: st[k] for k in DEGENERACY_METRICS},
+                                 "per_prompt": _per_prompt(prompts, plain, answers, set_idx)})  # fmt: skip
+                for name, model in models.items():
+                    for extra in extra_tokens:
+                        outs, answers = [], []
+                        for i, p in enumerate(prompts):
+                            out = model.generate(p, mode=mode, seed=seed + i, extra_token=extra, ban_eos=ban, **kw)
+                            outs.append(out.stats)
+                            answers.append(_answer(model, out.ids))
+                            bar.update()
+                        metrics = _pool(outs, model.window, answers)
+                        per_prompt = _per_prompt(prompts, outs, answers, set_idx)
+                        metrics["stp_mu_lat"] = st["mu_lat"]
+                        metrics["stp_throughput"] = st["throughput"]
+                        metrics["speedup_vs_stp"] = metrics["throughput"] / st["throughput"]
+                        for k in DEGENERACY_METRICS:
+                            metrics[f"stp_{k}"] = st[k]
+                        runs.append({
+                            "head": name, **_describe(model), "mode": mode, "extra_token": extra, "eos": eos_mode,
+                            "temperature": temperature, "top_p": top_p, "prompt_set": set_idx, "seed": seed,
+                            "metrics": metrics, "per_prompt": per_prompt,
+                        })  # fmt: skip
     bar.close()
     if ff_name is not None:
-        ref = {(r["mode"], r["extra_token"], r["prompt_set"]): r["metrics"]["throughput"] for r in runs if r["head"] == ff_name}
+        at = lambda r: (r["mode"], r["extra_token"], r["eos"], r["prompt_set"])  # noqa: E731
+        ref = {at(r): r["metrics"]["throughput"] for r in runs if r["head"] == ff_name}
         for r in runs:
-            r["metrics"]["speedup_vs_ff"] = r["metrics"]["throughput"] / ref[(r["mode"], r["extra_token"], r["prompt_set"])]
+            r["metrics"]["speedup_vs_ff"] = r["metrics"]["throughput"] / ref[at(r)]
     results = {
         "hardware": hardware(),
         "config": {
-            "modes": list(modes), "extra_tokens": list(extra_tokens), "sets": len(prompt_sets),
-            "num_prompts": [len(ps) for ps in prompt_sets], "ban_eos": ban_eos, "ff_head": ff_name, **kw, "seed": seed,
+            "modes": list(modes), "extra_tokens": list(extra_tokens), "eos": list(eos), "sets": len(prompt_sets),
+            "num_prompts": [len(ps) for ps in prompt_sets], "ff_head": ff_name, **kw, "seed": seed,
         },
         "stp": stp,
         "runs": runs,
@@ -216,20 +269,35 @@ def evaluate_heads(
 
 
 def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Mean ± std (over prompt sets) of each metric per (head, mode, extra_token)."""
+    """Mean ± std (over prompt sets) of each metric per (head, mode, extra_token, eos, temperature)."""
     groups: dict[tuple, list[dict]] = {}
     for r in results["runs"]:
-        groups.setdefault((r["head"], r["mode"], r["extra_token"]), []).append(r)
+        key = (r["head"], r["mode"], r["extra_token"], r.get("eos", "banned"), r.get("temperature"))
+        groups.setdefault(key, []).append(r)
     out = []
-    for (_head, mode, extra), rs in groups.items():
+    for (_head, mode, extra, eos, temperature), rs in groups.items():
         row = {k: rs[0][k] for k in ("head", "backbone", "circuit", "window", "rank", "lora_depth")}
-        row.update({"mode": mode, "extra_token": extra, "sets": len(rs)})
+        row.update({"mode": mode, "extra_token": extra, "eos": eos, "temperature": temperature, "sets": len(rs)})
         for k in SUMMARY_METRICS:
             vals = [r["metrics"][k] for r in rs if k in r["metrics"]]
             if vals:
                 row[k] = {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0}
         out.append(row)
     return out
+
+
+def degeneracy_warnings(summary: list[dict[str, Any]]) -> list[str]:
+    """One line per summary row whose acceptance comes from degenerate text (mean degenerate_fraction > 0.25)."""
+    lines = []
+    for row in summary:
+        frac = row.get("degenerate_fraction", {}).get("mean")
+        if frac is not None and frac == frac and frac > DEGENERATE_WARN_FRACTION:
+            lines.append(
+                f"warning: {row['head']} {row['circuit']} n={row['window']} {row['mode']}/{row['extra_token']}/eos "
+                f"{row['eos']}: degenerate_fraction {frac:.2f} > {DEGENERATE_WARN_FRACTION}: its acceptance is "
+                "measured on looping text"
+            )
+    return lines
 
 
 # ---------------------------------------------------------------------------------------- MLflow
@@ -245,9 +313,9 @@ def log_evaluation_to_mlflow(
     """One child run per (head, mode, extra_token, prompt_set) under `parent_run_id`; returns their ids.
 
     Each child carries the DESIGN section 3 params (backbone, circuit, window, rank, lora_depth, mode,
-    extra_token, temperature, prompt_set, seed, hardware, top_p) plus `params` (e.g. the trial's
-    config), the scalar metrics, `acceptance_pos_<i>` (1-based window position) and the histogram
-    as `accepted_length_histogram.json`. heads: which heads to log (default: all but the ff reference).
+    extra_token, eos, temperature, prompt_set, seed, hardware, top_p) plus `params` (e.g. the trial's
+    config), the scalar metrics, `acceptance_pos_<i>` (1-based window position), the histogram
+    as `accepted_length_histogram.json` and the per-prompt records as `per_prompt.json`. heads: which heads to log (default: all but the ff reference).
     """
     from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
@@ -262,13 +330,11 @@ def log_evaluation_to_mlflow(
     for r in results["runs"]:
         if r["head"] not in heads:
             continue
-        p = {k: r[k] for k in ("backbone", "circuit", "window", "rank", "lora_depth", "mode", "extra_token",
-                               "temperature", "prompt_set", "seed", "top_p")}  # fmt: skip
-        p["hardware"] = results["hardware"]
+        p = {k: results["hardware"] if k == "hardware" else r[k] for k in EVAL_PARAMS}
         p["max_new_tokens"] = results["config"]["max_new_tokens"]
         for k, v in (params or {}).items():
             p.setdefault(k, v)
-        name = f"eval-{r['head']}-{r['mode']}-{r['extra_token']}-set{r['prompt_set']}"
+        name = f"eval-{r['head']}-{r['mode']}-{r['extra_token']}-eos_{p['eos']}-set{r['prompt_set']}"
         run = client.create_run(parent.info.experiment_id, run_name=name, tags={"mlflow.parentRunId": parent_run_id})
         rid = run.info.run_id
         m = r["metrics"]
@@ -283,6 +349,8 @@ def log_evaluation_to_mlflow(
         )
         client.log_dict(rid, {"accepted_length_histogram": m["accepted_length_histogram"],
                               "per_position_acceptance": m["per_position_acceptance"]}, HISTOGRAM_ARTIFACT)  # fmt: skip
+        if r.get("per_prompt"):
+            client.log_dict(rid, {"per_prompt": r["per_prompt"]}, PER_PROMPT_ARTIFACT)
         client.set_terminated(rid)
         ids.append(rid)
     return ids
@@ -313,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--allow-eos", action="store_true", help="let EOS stop generation (default: banned, equal lengths)")
+    ap.add_argument("--eos", default="banned",
+                    help="banned (default: EOS gets probability 0, equal lengths), allowed (EOS stops), or both")
     ap.add_argument("--device", default=None, help="cpu, cuda, ... (default: where the backbone loads)")
     ap.add_argument("--out", required=True, help="results JSON path")
     ap.add_argument("--mlflow-parent-run", default=None, help="log one child run per (mode, prompt_set) under it")
@@ -324,8 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
-        modes = _choices(args.mode, MODES, "--mode")
-        extras = _choices(args.extra_token, EXTRA_TOKENS, "--extra-token")
+        modes = _choices(args.mode, DECODE_MODES, "--mode")
+        extras = _choices(args.extra_token, EXTRA_TOKEN_OPTIONS, "--extra-token")
+        eos = _choices(args.eos, EOS_MODES, "--eos")
         for flag in ("head", "ff_head"):
             d = getattr(args, flag)
             if d is not None and not (Path(d) / "config.json").is_file():
@@ -341,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
             models["ff"] = ff
         results = evaluate_heads(
             models, prompt_sets, modes, extras, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_p=args.top_p, seed=args.seed, ban_eos=not args.allow_eos, ff_name="ff" if args.ff_head else None,
+            top_p=args.top_p, seed=args.seed, eos=eos, ff_name="ff" if args.ff_head else None,
             progress=not args.no_progress,
         )  # fmt: skip
     except ValueError as e:
@@ -352,8 +422,11 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     for row in results["summary"]:
-        m = {k: f"{row[k]['mean']:.4g}±{row[k]['std']:.2g}" for k in ("mu_acc", "tokens_per_cycle", "speedup_vs_stp") if k in row}
-        print(f"{row['head']:>5} {row['circuit']:>5} n={row['window']} {row['mode']}/{row['extra_token']}: {m}")
+        m = {k: f"{row[k]['mean']:.4g}±{row[k]['std']:.2g}"
+             for k in ("mu_acc", "tokens_per_cycle", "speedup_vs_stp", *DEGENERACY_METRICS) if k in row}
+        print(f"{row['head']:>5} {row['circuit']:>5} n={row['window']} {row['mode']}/{row['extra_token']}/eos {row['eos']}: {m}")
+    for line in degeneracy_warnings(results["summary"]):
+        print(line, file=sys.stderr)
     if args.mlflow_parent_run:
         ids = log_evaluation_to_mlflow(results, args.mlflow_parent_run, tracking_uri=args.mlflow_tracking_uri)
         print(f"logged {len(ids)} child runs under {args.mlflow_parent_run}")

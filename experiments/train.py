@@ -40,6 +40,7 @@ from lightning.pytorch.plugins.environments import LightningEnvironment
 
 from experiments.datamodule import ChatDataModule, source_problem
 from experiments.module import INITS, MtpcTrainModule, backbone_num_layers
+from mtpc.names import check_architecture
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -93,12 +94,6 @@ class TrainResult:
 # validation: plain checks on the resolved config dict, before anything heavy happens
 # ---------------------------------------------------------------------------------------------------
 
-def _circuit_kinds() -> tuple[str, ...]:
-    from mtpc.circuits import CIRCUIT_KINDS
-
-    return tuple(CIRCUIT_KINDS)
-
-
 def validate_config(cfg: dict[str, Any], source: str = "<config>") -> None:
     """Raise ValueError naming the key (and `source`, the file) for the first problem found in `cfg`.
 
@@ -110,22 +105,14 @@ def validate_config(cfg: dict[str, Any], source: str = "<config>") -> None:
         raise ValueError(f"{source}: {key}: {msg}")
 
     m, d, t, r = (cfg.get(k) or {} for k in ("model", "data", "trainer", "run"))
-    kinds = _circuit_kinds()
-    if m.get("circuit") not in kinds:
-        fail("model.circuit", f"unknown circuit {m.get('circuit')!r}; expected one of {list(kinds)}")
-    n, rank, k = m.get("window"), m.get("rank"), m.get("lora_depth", 0)
-    if not isinstance(n, int) or not 2 <= n <= 64:
-        fail("model.window", f"got {n!r}; expected an integer n with 2 <= n <= 64")
-    if not isinstance(rank, int) or not 1 <= rank <= 4096:
-        fail("model.rank", f"got {rank!r}; expected an integer r with 1 <= r <= 4096")
+    n, k = m.get("window"), m.get("lora_depth", 0)
+    check_architecture(m.get("circuit"), m.get("window"), m.get("rank"), k, decoding=True, where=f"{source}: model.")
     bb = m.get("backbone")
     if not isinstance(bb, str) or not bb:
         fail("model.backbone", f"got {bb!r}; expected `default`, `tiny`, a local model directory or a hub name")
     p = Path(bb).expanduser()
     if bb.startswith((".", "/", "~")) and not (p / "config.json").exists():
         fail("model.backbone", f"no model at {str(p)!r} (expected a directory with config.json)")
-    if not isinstance(k, int) or k < 0:
-        fail("model.lora_depth", f"got {k!r}; expected an integer k >= 0")
     layers = backbone_num_layers(bb)
     if layers is None and bb not in ("default", "tiny") and "/" not in bb:
         fail("model.backbone", f"unknown backbone {bb!r}: not `default`, `tiny`, a local directory or an org/name hub id")
@@ -142,6 +129,12 @@ def validate_config(cfg: dict[str, Any], source: str = "<config>") -> None:
     cs = m.get("chunk_size", 256)
     if not isinstance(cs, int) or cs < 1:
         fail("model.chunk_size", f"got {cs!r}; expected a positive integer")
+    beta = m.get("kl_beta", 0.0)
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta <= 1:
+        fail("model.kl_beta", f"got {beta!r}; expected a number in [0, 1] (weight of the distillation term; 0: CE only)")
+    kl_t = m.get("kl_temperature", 1.0)
+    if isinstance(kl_t, bool) or not isinstance(kl_t, (int, float)) or not 0 < kl_t < float("inf"):
+        fail("model.kl_temperature", f"got {kl_t!r}; expected a finite number > 0 (temperature of the teacher)")
     lse = m.get("lora_start_epoch", 1)
     if not isinstance(lse, int) or lse < 0:
         fail("model.lora_start_epoch", f"got {lse!r}; expected an integer >= 0")
@@ -296,9 +289,11 @@ def training_params(cfg: dict[str, Any]) -> dict[str, Any]:
     m, d, t = cfg["model"], cfg["data"], cfg.get("trainer") or {}
     return {
         "backbone": m["backbone"], "circuit": m["circuit"], "window": m["window"],
-        "rank": 1 if m["circuit"] == "ff" else m["rank"], "lora_depth": m.get("lora_depth", 0),
+        "rank": m["rank"], "lora_depth": m.get("lora_depth", 0),
         "seed": cfg.get("seed_everything"), "lora_start_epoch": m.get("lora_start_epoch"), "lr": m.get("lr"),
         "gamma": m.get("gamma"), "init": m.get("init"), "chunk_size": m.get("chunk_size"),
+        "kl_beta": m.get("kl_beta", 0.0), "kl_temperature": m.get("kl_temperature", 1.0),
+        "train_seed": cfg.get("seed_everything"),
         "data_source": d["source"], "seq_len": d["seq_len"], "batch_size": d.get("batch_size"),
         "accumulate_grad_batches": t.get("accumulate_grad_batches", 1), "max_epochs": t.get("max_epochs"),
         "max_steps": t.get("max_steps"), "precision": t.get("precision"),
@@ -309,8 +304,7 @@ def training_params(cfg: dict[str, Any]) -> dict[str, Any]:
 def default_run_name(cfg: dict[str, Any]) -> str:
     m = cfg["model"]
     bb = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(m["backbone"]).name)
-    rank = 1 if m["circuit"] == "ff" else m["rank"]
-    return f"{bb}-{m['circuit']}-n{m['window']}-r{rank}-k{m.get('lora_depth', 0)}"
+    return f"{bb}-{m['circuit']}-n{m['window']}-r{m['rank']}-k{m.get('lora_depth', 0)}"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-GRID_KEYS = ("circuit", "rank", "window", "lora_depth")
+from mtpc.names import DECODE_MODES, GRID_PARAMS
 
 
 def stop_callback(should_stop: Callable[[], bool], ckpt_path: Path):
@@ -48,9 +48,13 @@ def train_overrides(train_config: dict[str, Any], *, tracking_uri: str, experime
     cfg = dict(train_config)
     base = cfg.pop("config", "debug")
     overrides: dict[str, Any] = {}
-    for k in GRID_KEYS:
+    for k in GRID_PARAMS:
         if k in cfg:
             overrides[f"model.{k}"] = cfg.pop(k)
+    if "kl_beta" in cfg:  # the training axes: the loss weight and the head's training seed
+        overrides["model.kl_beta"] = cfg.pop("kl_beta")
+    if "train_seed" in cfg:
+        overrides["seed_everything"] = cfg.pop("train_seed")
     for k, v in cfg.items():
         overrides[k] = v
     overrides["run.tracking"] = True
@@ -74,26 +78,56 @@ def load_for_eval(head_dir: Path, resolved: dict[str, Any]):
     return MtpcModel.from_pretrained(head_dir, backbone=backbone)
 
 
+def eval_passes(modes, temperatures) -> list[tuple[str, float]]:
+    """(mode, temperature) pairs an evaluation runs: sampling at every temperature, greedy once (at
+    the first temperature, which greedy ignores)."""
+    return [(m, t) for i, t in enumerate(temperatures) for m in modes if m == "sample" or i == 0]
+
+
+def training_axes(resolved: dict[str, Any]) -> dict[str, Any]:
+    """The training params every child run carries (so CE and distilled heads, and training seeds,
+    can be told apart from the child alone): kl_beta, kl_temperature, train_seed."""
+    m = resolved.get("model", {})
+    return {"kl_beta": float(m.get("kl_beta", 0.0)), "kl_temperature": float(m.get("kl_temperature", 1.0)),
+            "train_seed": resolved.get("seed_everything", 0)}
+
+
 def evaluate_head(head_dir: Path, resolved: dict[str, Any], eval_config: dict[str, Any], *, parent_run_id: str,
-                  tracking_uri: str, out: Path) -> list[str]:
-    """Both decoding modes on the same prompt sets (experiments.evaluate), JSON to `out`, one child
-    run per (mode, prompt_set) under the parent; returns the child run ids."""
+                  tracking_uri: str, out: Path, extra_params: dict[str, Any] | None = None) -> list[str]:
+    """The decoding modes on the same prompt sets (experiments.evaluate): sampling at every
+    temperature of `temperatures`, greedy once, each EOS treatment of `eos`; JSON to `out`, one child
+    run per (mode, temperature, eos, prompt_set) under the parent, carrying the training axes and
+    `extra_params`; returns the child run ids."""
     import json
 
-    from experiments.evaluate import evaluate_heads, load_prompt_sets, log_evaluation_to_mlflow
+    from experiments.evaluate import evaluate_heads, load_prompt_sets, log_evaluation_to_mlflow, summarize
 
     model = load_for_eval(head_dir, resolved)
     sets = load_prompt_sets(eval_config.get("prompts", "heldout"), eval_config.get("n_prompts", 8),
                             eval_config.get("sets", 1), eval_config.get("seed", 0))
-    results = evaluate_heads(
-        {"head": model}, sets, tuple(eval_config.get("modes", ("greedy", "sample"))),
-        (eval_config.get("extra_token", "keep"),), max_new_tokens=eval_config.get("max_new_tokens", 64),
-        temperature=eval_config.get("temperature", 1.0), top_p=eval_config.get("top_p", 1.0),
-        seed=eval_config.get("seed", 0), ban_eos=eval_config.get("ban_eos", True),
-    )
+    modes = tuple(eval_config.get("modes", DECODE_MODES))
+    temperatures = tuple(eval_config.get("temperatures", (1.0,)))
+    results = None
+    for temperature in temperatures:
+        passes = tuple(m for m, t in eval_passes(modes, temperatures) if t == temperature)
+        res = evaluate_heads(
+            {"head": model}, sets, passes, (eval_config.get("extra_token", "keep"),),
+            max_new_tokens=eval_config.get("max_new_tokens", 64), temperature=temperature,
+            top_p=eval_config.get("top_p", 1.0), seed=eval_config.get("seed", 0),
+            eos=tuple(eval_config.get("eos", ("banned",))),
+        )
+        if results is None:
+            results = res
+        else:  # one JSON for the whole evaluation: runs and STP baselines of every temperature
+            results["runs"] += res["runs"]
+            for mode, rows in res["stp"].items():
+                results["stp"].setdefault(mode, []).extend(rows)
+    results["config"]["temperatures"] = list(temperatures)
+    results["summary"] = summarize(results)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
-    return log_evaluation_to_mlflow(results, parent_run_id, tracking_uri=tracking_uri)
+    params = {**training_axes(resolved), **(extra_params or {})}
+    return log_evaluation_to_mlflow(results, parent_run_id, params=params, tracking_uri=tracking_uri)
 
 
 def run_trial(
@@ -151,7 +185,7 @@ def _train_and_evaluate(
         raise preempted_exc(f"training stopped on request; checkpoint {ckpt}")
     # children of an interrupted earlier attempt would be counted twice: drop them first
     discard_children(uri, exp_id, parent_run_id)
-    modes = eval_config.get("modes", ["greedy", "sample"])
+    modes = eval_config.get("modes", list(DECODE_MODES))
     evaluate_head(result.head_dir, result.config, eval_config, parent_run_id=parent_run_id, tracking_uri=uri,
                   out=run_dir / "evaluation.json")
     out: dict[str, float] = {}

@@ -2,7 +2,7 @@
 
 The package is a pure library (torch, transformers, peft, safetensors). Lightning, Optuna and
 MLflow live in experiments/, sweeps/ and analysis/. `MtpcModel` is imported on first use, so
-`mtpc.metrics` (names only) can be read by the analysis without loading torch and transformers.
+`mtpc.names` (the vocabulary: names and bounds only) can be read by the analysis without loading torch and transformers.
 """
 
 from __future__ import annotations

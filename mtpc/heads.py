@@ -28,11 +28,10 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from mtpc.circuits import CIRCUIT_KINDS, build_circuit
+from mtpc.circuits import build_circuit
+from mtpc.names import ArchitectureError, check_architecture
 
 FORMAT_VERSION = 1
-MAX_WINDOW = 64
-MAX_RANK = 1024
 HEAD_FILE = "head.safetensors"
 LORA_FILE = "lora.safetensors"
 CONFIG_FILE = "config.json"
@@ -45,9 +44,9 @@ class HeadConfig:
     kind: str
     """circuit kind: ff, cp, hmm or btree"""
     window: int
-    """n, the number of future bytes the head predicts (1..MAX_WINDOW)"""
+    """n, the number of future bytes the head predicts (bounds: `mtpc.names`)"""
     rank: int
-    """r, latent states per sum unit (ff: must be 1)"""
+    """r, latent states per sum unit (ff: must be 1; bounds: `mtpc.names`)"""
     vocab: int
     """v, must equal the backbone's vocab size"""
     hidden: int
@@ -61,14 +60,10 @@ class HeadConfig:
     plus a rank-k delta per component (paper App. G)"""
 
     def __post_init__(self) -> None:
-        if self.kind not in CIRCUIT_KINDS:
-            raise ValueError(f"kind: unknown circuit kind {self.kind!r}; expected one of {CIRCUIT_KINDS}")
-        for name, low, high in (("window", 1, MAX_WINDOW), ("rank", 1, MAX_RANK)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                raise ValueError(f"{name}: expected an integer in [{low}, {high}], got {value!r}")
-        if self.kind == "ff" and self.rank != 1:
-            raise ValueError(f"rank: an ff head has no latent states, expected rank 1, got {self.rank}")
+        try:
+            check_architecture(self.kind, self.window, self.rank)
+        except ArchitectureError as e:  # the head calls the circuit `kind`
+            raise ValueError(f"{'kind' if e.key == 'circuit' else e.key}: {e.detail}") from None
         for name, low in (("vocab", 2), ("hidden", 1), ("lora_depth", 0), ("leaf_delta_rank", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

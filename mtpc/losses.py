@@ -14,10 +14,21 @@ later target does too, so the first m present targets are scored from prefix mar
 rest never enter (exact marginalisation by the circuit). The code enforces the prefix with a
 running product, so a non-contiguous doc_ids would only drop targets, never score a wrong one.
 
+Distillation (optional, `teacher_logits` + `kl_beta`): for every window position j the full forward
+KL(p_j || q_j) over all v bytes, where p_j = softmax(teacher_logits[t + j - 1] / kl_temperature) is
+the frozen backbone's teacher-forced next-byte distribution (its STP logits from the same forward)
+and q_j = q(x_{t+j} = . | x_{t+1..t+j-1}, e_t) is the circuit's exact conditional row given the
+data prefix. Each target's term becomes beta KL + (1 - beta) (-log q(x_{t+j} | ...)), with the same
+discount, per-example normalisation, scoring mask and marginalisation as the cross-entropy (a KL
+term exists exactly where a scored target does). The teacher is not differentiated.
+
 Memory: `chunk_size` positions at a time through `_ChunkedWindowLoss`, an autograd Function that
 computes each chunk's gradients (head parameters and e) inside forward and stores only their
 sums, so nothing of size (positions x n x r x v) outlives a chunk. `chunk_size=None` is the naive
-version (everything materialised, plain autograd), kept as the reference.
+version (everything materialised, plain autograd), kept as the reference. With a teacher the
+chunked path also keeps one (c, n, r, v) buffer per chunk (plus a (c, r, v) scratch row): the
+mixture rows q_j are formed in probability space from the leaf softmax the cross-entropy already
+holds, and the KL gradient for the leaf logits is written by hand into the same buffer.
 
 Left out: the head itself (mtpc/heads.py), the backbone forward that produces e.
 """
@@ -52,6 +63,10 @@ class WindowLossOutput:
     """window_nll / n / ln 2 (detached)"""
     valid_targets: Tensor
     """(n,) number of scored targets at each window offset, summed over the batch"""
+    per_position_kl: Tensor | None = None
+    """(n,) KL(p_j || q_j) in nats, normalised like per_position_nll (detached); None without a teacher"""
+    window_kl: Tensor | None = None
+    """scalar sum_j of per_position_kl (detached); None without a teacher"""
 
 
 def window_targets(input_ids: Tensor, score_mask: Tensor, doc_ids: Tensor, window: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -102,6 +117,81 @@ def _conditional_nll(prefix: Tensor) -> Tensor:
     return previous - prefix
 
 
+# --- distillation ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Teacher:
+    """The teacher as the chunked loss reads it: p_j of every active row, gathered per chunk."""
+
+    logits: Tensor
+    """(B S, v) the backbone's STP logits, flattened, detached"""
+    index: Tensor
+    """(N, n) long: flat position of t + j - 1 for each active row's window offset j (clamped to its row)"""
+    beta: float
+    temperature: float
+
+    def log_probs(self, rows: slice, dtype: torch.dtype) -> Tensor:
+        """log p_j for the rows -> (c, n, v) in `dtype`."""
+        return torch.log_softmax(self.logits[self.index[rows]].to(dtype) / self.temperature, dim=-1)
+
+
+def teacher_index(active: Tensor, seq_len: int, window: int) -> Tensor:
+    """Flat position b S + min(t + j - 1, S - 1) of p_j for each flat position b S + t -> (N, n).
+
+    Past the row end the target is absent (weight 0); the clamp only keeps the gather in the row.
+    """
+    t = active % seq_len  # (N,)
+    offsets = torch.arange(window, device=active.device)  # (n,)  j - 1
+    return (active - t).unsqueeze(-1) + (t.unsqueeze(-1) + offsets).clamp(max=seq_len - 1)
+
+
+def _kl_rows(log_p: Tensor, log_q: Tensor) -> Tensor:
+    """KL(p || q) = sum_u p(u) (log p(u) - log q(u)) over the last dim (..., v) -> (...)."""
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+@torch.no_grad()
+def _mixture_rows(log_pi: Tensor, phi: Tensor, log_p: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A circuit's conditional rows q_j as a mixture, and what the KL's gradient needs (no autograd).
+
+    log_pi (c, n, r) = log q(s_j = a | x_<j) (the state of leaf j given the prefix), phi (c, n, r, v) the
+    leaf probabilities, log_p (c, n, v) the teacher -> pi (c, n, r), log_q (c, n, v) with
+    q_j = sum_a pi_a phi_a, ratio (c, n, v) = p / q, S (c, n, r) = sum_u p(u) pi_a phi_a(u) / q(u)
+    (the state posterior averaged over x_j ~ p; sums to 1 over a). In probability space: a mixture
+    entry below the dtype's smallest normal (~1e-38 in float32) is clamped there.
+    -d/d log pi_a of sum_u p log q is S_a; of log phi_a(u) it is pi_a phi_a(u) ratio(u).
+    """
+    pi = log_pi.exp()  # (c, n, r)
+    q = torch.matmul(pi.unsqueeze(-2), phi).squeeze(-2).clamp_min(torch.finfo(phi.dtype).tiny)  # (c, n, v)
+    ratio = log_p.exp() / q  # (c, n, v)
+    S = pi * torch.matmul(phi, ratio.unsqueeze(-1)).squeeze(-1)  # (c, n, r)
+    return pi, q.log(), ratio, S
+
+
+class _MixtureCrossEntropy(torch.autograd.Function):
+    """h = -sum_u p(u) log sum_a pi_a phi_a(u) per row, from log_pi (c, n, r), log_phi (c, n, r, v) and a
+    constant log_p (c, n, v) -> (c, n). Keeps no (c, n, r, v) tensor of its own: log_phi is the leaf
+    normaliser's output that autograd holds anyway; backward recomputes phi and turns it into the
+    gradient in place (log-space mixing would keep the (c, n, r, v) sum for its backward)."""
+
+    @staticmethod
+    def forward(ctx, log_pi, log_phi, log_p):
+        pi, log_q, ratio, S = _mixture_rows(log_pi, log_phi.exp(), log_p)
+        ctx.save_for_backward(pi, log_phi, ratio, S)
+        return -(log_p.exp() * log_q).sum(-1)
+
+    @staticmethod
+    def backward(ctx, g):  # g (c, n)
+        pi, log_phi, ratio, S = ctx.saved_tensors
+        g_phi = log_phi.exp()  # (c, n, r, v) becomes -g pi_a phi_a(u) ratio(u) in place
+        g_phi.mul_(ratio.unsqueeze(-2)).mul_((-g.unsqueeze(-1) * pi).unsqueeze(-1))
+        return -g.unsqueeze(-1) * S, g_phi, None
+
+
+# --- the chunked loss -----------------------------------------------------------------------
+
+
 @torch.no_grad()
 def _observed_leaf_scores(head: MtpcHead, e: Tensor, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Leaf log-probabilities of the observed tokens, keeping one (c, n, r, v) buffer.
@@ -129,12 +219,13 @@ def _observed_circuit(kind: str, window: int, rank: int):
 
 
 class _ChunkedWindowLoss(torch.autograd.Function):
-    """loss = sum(loss_w * nll(head(e), x)) and stats = sum_rows(stat_w * nll), in chunks.
+    """loss = sum(loss_w * ((1 - beta) nll + beta kl)) and stats = sum_rows(stat_w * nll) (and of kl),
+    in chunks of rows; without a teacher beta = 0 and kl is not computed.
 
     forward recomputes each chunk with grad enabled on a detached slice of e, takes the
     chunk's gradients for e and every trainable head parameter at once, and accumulates them;
     backward only scales the stored sums by grad_output (in place: one backward per forward).
-    stats is not differentiable.
+    The stats are not differentiable.
 
     Fast path for a full unembedding W (leaf_delta_rank = 0), which keeps a single
     (c, n, r, v) buffer per chunk: prefix marginals need the leaves only at the observed tokens,
@@ -144,12 +235,18 @@ class _ChunkedWindowLoss(torch.autograd.Function):
     normalisation; checked against the naive path by the tests). The leaf-logit gradient is then formed by hand in the softmax buffer,
     g_L = g_s (onehot(x) - softmax(W e)), and W's gradient accumulated in place (grad_W += g_L^T e).
     Other parameters (sum units; the low-rank delta option) go through autograd.
+
+    With a teacher the same vocabulary-one pass gives the leaf-state posteriors pi_j = q(s_j | x_<j);
+    the rows q_j = sum_a pi_ja phi_ja mix the softmax buffer phi, and the KL adds, per leaf logit,
+    phi_a(u) beta w (S_a - pi_a p(u) / q(u)) to the buffer's gradient (S from `_mixture_rows`), while
+    its dependence on pi reaches the scores and sum units through autograd as a surrogate term
+    -sum(beta w S log pi). The delta option uses `_MixtureCrossEntropy` inside its autograd graph.
     """
 
     @staticmethod
-    def forward(ctx, head, chunk_size, e, x, loss_w, stat_w, *params):  # e (N, d), x/w (N, n)
-        need_e = ctx.needs_input_grad[2]
-        need_p = ctx.needs_input_grad[6:]
+    def forward(ctx, head, chunk_size, teacher, e, x, loss_w, stat_w, *params):  # e (N, d), x/w (N, n)
+        need_e = ctx.needs_input_grad[3]
+        need_p = ctx.needs_input_grad[7:]
         grad_e = torch.zeros_like(e) if need_e else None
         grads = [torch.zeros_like(p) if need else None for p, need in zip(params, need_p, strict=True)]
         cfg, circuit = head.config, head.circuit
@@ -158,37 +255,73 @@ class _ChunkedWindowLoss(torch.autograd.Function):
         score_circuit = _observed_circuit(cfg.kind, cfg.window, cfg.rank) if fast else None
         W_index = next((i for i, p in enumerate(params) if p is W), None) if fast else None  # None: W frozen
         auto = [i for i, need in enumerate(need_p) if need and not (fast and i == W_index)]
+        beta = 0.0 if teacher is None else teacher.beta
         loss = torch.zeros((), dtype=loss_w.dtype, device=e.device)
         stats = torch.zeros(x.shape[-1], dtype=loss_w.dtype, device=e.device)
+        kl_stats = torch.zeros(x.shape[-1], dtype=loss_w.dtype, device=e.device)
         compute = torch.float64 if head._param_dtype == torch.float64 else torch.float32
         track = need_e or any(need_p)  # False: evaluation, no graph at all
         for start in range(0, e.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
-            x_chunk = x[rows]  # (c, n)
+            x_chunk, lw = x[rows], loss_w[rows]  # (c, n)
             e_chunk = e[rows].detach().to(head._param_dtype)  # (c, d)
+            log_p = None if teacher is None else teacher.log_probs(rows, compute)  # (c, n, v)
             if fast:
                 scores, E, Z, idx = _observed_leaf_scores(head, e_chunk, x_chunk, compute)  # (c,n,r), (c,n,r,v)
+                phi = None if teacher is None else E.div_(Z)  # in place: the leaf probabilities
+            kl = None
             with torch.set_grad_enabled(track):
                 e_chunk.requires_grad_(need_e)
                 if fast:
                     scores.requires_grad_(W_index is not None or need_e)
                     q = {"leaves": scores.unsqueeze(-1), **circuit.normalize(head.sum_logits(e_chunk))}
-                    nll = _conditional_nll(score_circuit._prefix_log_marginals(q, torch.zeros_like(x_chunk)))
-                else:
+                    zeros = torch.zeros_like(x_chunk)
+                    if teacher is None:
+                        nll = _conditional_nll(score_circuit._prefix_log_marginals(q, zeros))
+                    else:
+                        w, _, s = score_circuit._leaf_context(q, zeros)  # (c, n, r) log q(s_j, x_<j) up to a constant
+                        log_pi = w.log_softmax(-1)  # (c, n, r)  log q(s_j | x_<j)
+                        nll = -torch.logsumexp(log_pi + s, dim=-1)  # -log sum_a pi_a phi_a(x_j)
+                elif teacher is None:
                     nll = window_nll(head, e_chunk, x_chunk)  # (c, n)
-                chunk_loss = (nll * loss_w[rows]).sum()
+                else:
+                    w, leaves, s = circuit._leaf_context(circuit.normalize(head(e_chunk)), x_chunk)
+                    log_pi = w.log_softmax(-1)  # (c, n, r)
+                    nll = -torch.logsumexp(log_pi + s, dim=-1)  # (c, n)
+                    kl = _MixtureCrossEntropy.apply(log_pi, leaves, log_p) + (log_p.exp() * log_p).sum(-1)
+                chunk_loss = (nll * lw).sum() if teacher is None else (nll * lw).sum() * (1.0 - beta)
+                objective = chunk_loss
+                if kl is not None:  # delta leaves: the KL is in the graph
+                    chunk_loss = chunk_loss + beta * (kl * lw).sum()
+                    objective = chunk_loss
+                elif fast and teacher is not None:  # full leaves: KL by hand, its pi-dependence by surrogate
+                    pi, log_q, ratio, S = _mixture_rows(log_pi.detach(), phi, log_p)
+                    kl = _kl_rows(log_p, log_q)  # (c, n)
+                    w_kl = beta * lw  # (c, n)
+                    chunk_loss = chunk_loss + (kl * w_kl).sum()
+                    if log_pi.requires_grad:
+                        objective = objective - (log_pi * (w_kl.unsqueeze(-1) * S)).sum()
             leaf_grad = fast and scores.requires_grad
             inputs = ([scores] if leaf_grad else []) + ([e_chunk] if need_e else []) + [params[i] for i in auto]
             if inputs:
-                got = list(torch.autograd.grad(chunk_loss, inputs, allow_unused=True))
+                got = list(torch.autograd.grad(objective, inputs, allow_unused=True))
                 g_scores = got.pop(0) if leaf_grad else None  # (c, n, r)
                 g_e = got.pop(0) if need_e else None  # (c, d)
                 for i, g in zip(auto, got, strict=True):
                     if g is not None:
                         grads[i] += g
                 if leaf_grad:
-                    g_scores = g_scores.unsqueeze(-1)  # (c, n, r, 1)
-                    g_L = E.mul_(-g_scores / Z).scatter_add_(-1, idx, g_scores)  # in place: g_s (onehot - E / Z)
+                    if g_scores is None:
+                        g_scores = torch.zeros_like(scores)
+                    if teacher is None:
+                        g_s = g_scores.unsqueeze(-1)  # (c, n, r, 1)
+                        g_L = E.mul_(-g_s / Z).scatter_add_(-1, idx, g_s)  # in place: g_s (onehot - E / Z)
+                    else:  # in place: phi (beta w S - g_s - beta w pi ratio) + onehot g_s
+                        C = w_kl.unsqueeze(-1) * pi  # (c, n, r)
+                        A = w_kl.unsqueeze(-1) * S - g_scores  # (c, n, r)
+                        for j in range(cfg.window):  # one (c, r, v) scratch row at a time
+                            phi[:, j].mul_(torch.addcmul(A[:, j, :, None], C[:, j, :, None], ratio[:, j, None, :], value=-1.0))
+                        g_L = phi.scatter_add_(-1, idx, g_scores.unsqueeze(-1))
                     g_L = g_L.view(g_L.shape[0], -1).to(head._param_dtype)  # (c, n r v)
                     if W_index is not None:
                         grads[W_index].view(-1, cfg.hidden).addmm_(g_L.t(), e_chunk.detach())  # (n r v, d)
@@ -199,15 +332,17 @@ class _ChunkedWindowLoss(torch.autograd.Function):
                 if need_e and g_e is not None:
                     grad_e[rows] = g_e.to(grad_e.dtype)
             if fast:
-                del E, Z, scores
+                del E, Z, scores, phi
             loss += chunk_loss.detach()
             stats += (nll.detach() * stat_w[rows]).sum(dim=0)
+            if kl is not None:
+                kl_stats += (kl.detach() * stat_w[rows]).sum(dim=0)
         ctx.grads = (grad_e, *grads)
-        ctx.mark_non_differentiable(stats)
-        return loss, stats
+        ctx.mark_non_differentiable(stats, kl_stats)
+        return loss, stats, kl_stats
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_stats):
+    def backward(ctx, grad_loss, grad_stats, grad_kl_stats):
         if ctx.grads is None:
             raise RuntimeError(
                 "window_loss: backward ran twice through one chunked loss; its gradients are computed "
@@ -216,10 +351,11 @@ class _ChunkedWindowLoss(torch.autograd.Function):
         grad_e, *grads = ctx.grads
         ctx.grads = None  # hand the buffers over: autograd may adopt them as .grad without a copy
         scale = lambda g: None if g is None else g.mul_(grad_loss.to(g.dtype))
-        return (None, None, scale(grad_e), None, None, None, *[scale(g) for g in grads])
+        return (None, None, None, scale(grad_e), None, None, None, *[scale(g) for g in grads])
 
 
-def _validate(head: MtpcHead, e: Tensor, input_ids: Tensor, score_mask: Tensor, doc_ids: Tensor, gamma, chunk_size):
+def _validate(head: MtpcHead, e: Tensor, input_ids: Tensor, score_mask: Tensor, doc_ids: Tensor, gamma, chunk_size,
+              teacher_logits, kl_beta, kl_temperature):
     if not isinstance(head, MtpcHead):
         raise ValueError(f"head: expected an MtpcHead, got {type(head).__name__}")
     cfg = head.config
@@ -238,6 +374,18 @@ def _validate(head: MtpcHead, e: Tensor, input_ids: Tensor, score_mask: Tensor, 
         raise ValueError(f"gamma: expected a value in (0, 1], got {gamma}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size: expected a positive int or None (naive), got {chunk_size!r}")
+    if isinstance(kl_beta, bool) or not isinstance(kl_beta, (int, float)) or not 0.0 <= kl_beta <= 1.0:
+        raise ValueError(f"kl_beta: expected a number in [0, 1] (weight of the KL term), got {kl_beta!r}")
+    if (isinstance(kl_temperature, bool) or not isinstance(kl_temperature, (int, float))
+            or not math.isfinite(kl_temperature) or kl_temperature <= 0):
+        raise ValueError(f"kl_temperature: expected a finite number > 0, got {kl_temperature!r}")
+    if teacher_logits is None:
+        if kl_beta > 0:
+            raise ValueError(f"teacher_logits: kl_beta = {kl_beta} > 0 needs the backbone's STP logits (B, S, v)")
+    elif (not isinstance(teacher_logits, Tensor) or not teacher_logits.is_floating_point()
+          or tuple(teacher_logits.shape) != (B, S, cfg.vocab)):
+        got = f"{teacher_logits.dtype} {tuple(teacher_logits.shape)}" if isinstance(teacher_logits, Tensor) else type(teacher_logits).__name__
+        raise ValueError(f"teacher_logits: expected a floating tensor (B, S, v) = {(B, S, cfg.vocab)}, got {got}")
 
 
 def window_loss(
@@ -248,36 +396,56 @@ def window_loss(
     doc_ids: Tensor,
     gamma: float | None = None,
     chunk_size: int | None = 256,
+    teacher_logits: Tensor | None = None,
+    kl_beta: float = 0.0,
+    kl_temperature: float = 1.0,
 ) -> WindowLossOutput:
     """The discounted window loss of `head` on e (B, S, d) for the rows input_ids (B, S).
 
     score_mask (B, S) bool: the byte at that position is an assistant byte (scored as a target);
     doc_ids (B, S): packed-document index, -1 on padding (see mtpc.data.pack). Positions whose
     window has no scored target are skipped. chunk_size=None materialises all logits at once.
+    teacher_logits (B, S, v): the frozen backbone's STP logits at every position (not
+    differentiated); given, the KL statistics are computed and each target's term is
+    kl_beta KL(p_j || q_j) + (1 - kl_beta) NLL, p_j = softmax(teacher_logits[t + j - 1] / kl_temperature).
     """
     n = head.config.window
     gamma = default_gamma(n) if gamma is None else float(gamma)
-    _validate(head, e, input_ids, score_mask, doc_ids, gamma, chunk_size)
+    _validate(head, e, input_ids, score_mask, doc_ids, gamma, chunk_size, teacher_logits, kl_beta, kl_temperature)
     x, _, scored = window_targets(input_ids.long(), score_mask, doc_ids.long(), n)
     dtype = torch.float64 if next(head.parameters()).dtype == torch.float64 else torch.float32
     stat_w, loss_w, counts = loss_weights(scored, gamma, dtype)  # (B, S, n), (B, S, n), (n,)
-    d = e.shape[-1]
+    B, S, d = e.shape
     active = scored.any(dim=-1).flatten().nonzero().squeeze(-1)  # (N,) rows with something to score
     e_rows = e.reshape(-1, d)[active]  # (N, d)
     x_rows, loss_rows, stat_rows = (t.reshape(-1, n)[active] for t in (x, loss_w, stat_w))  # (N, n)
+    teacher = None
+    if teacher_logits is not None:
+        teacher = _Teacher(teacher_logits.detach().reshape(B * S, -1), teacher_index(active, S, n),
+                           float(kl_beta), float(kl_temperature))
+    per_kl = None
     if chunk_size is None:
-        nll = window_nll(head, e_rows, x_rows)  # (N, n)
-        loss = (nll * loss_rows).sum()
+        q = head.circuit.normalize(head(e_rows))
+        nll = _conditional_nll(head.circuit._prefix_log_marginals(q, x_rows))  # (N, n)
+        term = nll
+        if teacher is not None:
+            kl = _kl_rows(teacher.log_probs(slice(None), dtype), head.circuit._conditionals(q, x_rows))  # (N, n)
+            term = (1.0 - teacher.beta) * nll + teacher.beta * kl
+            per_kl = (kl.detach() * stat_rows).sum(dim=0)
+        loss = (term * loss_rows).sum()
         per_position = (nll.detach() * stat_rows).sum(dim=0)
     else:
         params = [p for p in head.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
         if torch.is_grad_enabled() and (e_rows.requires_grad or params):
-            loss, per_position = _ChunkedWindowLoss.apply(head, chunk_size, e_rows, x_rows, loss_rows, stat_rows, *params)
+            loss, per_position, per_kl = _ChunkedWindowLoss.apply(
+                head, chunk_size, teacher, e_rows, x_rows, loss_rows, stat_rows, *params
+            )
         else:
             with torch.no_grad():
-                loss, per_position = _ChunkedWindowLoss.forward(
-                    _NoGradCtx(0), head, chunk_size, e_rows, x_rows, loss_rows, stat_rows
+                loss, per_position, per_kl = _ChunkedWindowLoss.forward(
+                    _NoGradCtx(0), head, chunk_size, teacher, e_rows, x_rows, loss_rows, stat_rows
                 )
+        per_kl = None if teacher is None else per_kl
     total = per_position.sum()
     return WindowLossOutput(
         loss=loss,
@@ -285,6 +453,8 @@ def window_loss(
         window_nll=total,
         bits_per_byte=total / n / math.log(2),
         valid_targets=counts,
+        per_position_kl=per_kl,
+        window_kl=None if per_kl is None else per_kl.sum(),
     )
 
 
@@ -292,7 +462,7 @@ class _NoGradCtx:
     """Stand-in ctx to run the chunked forward for evaluation (no gradients, nothing saved)."""
 
     def __init__(self, num_params: int) -> None:
-        self.needs_input_grad = (False,) * (6 + num_params)
+        self.needs_input_grad = (False,) * (7 + num_params)
 
     def mark_non_differentiable(self, *tensors) -> None:
         pass

@@ -59,13 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if a.objective == "trial":
-        _step("1/4 embedded default model and data (pre-trained once, then cached)", t0)
-        from experiments.pretrain import ensure_default_model
+        _step("1/4 the shipped default model and the bundled data (built once, then cached)", t0)
+        from mtpc.backbones.shipped import SHIPPED_DIR, verify_shipped
         from mtpc.data import sharegpt_corpus
 
         corpus = sharegpt_corpus()
         print(f"corpus: {len(corpus.train)} training conversations, {len(corpus.heldout_prompts)} held-out prompts")
-        print(f"model: {ensure_default_model()}")
+        print(f"model: {verify_shipped()} ({SHIPPED_DIR})")
     _step(f"2/4 sweep {SMOKE.relative_to(REPO)} on the default model: {spec.n_trials} grid points, {a.workers} worker(s)", t0)
     try:
         run.init(spec)

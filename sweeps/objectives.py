@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mtpc.metrics import ACCEPTANCE_PREFIX, HISTOGRAM_ARTIFACT
+from experiments.trial import eval_passes  # light: the trial's heavy imports are inside its functions
+from mtpc.names import ACCEPTANCE_PREFIX, HISTOGRAM_ARTIFACT
 from sweeps import tracking
 from sweeps.spec import SweepSpec
 
@@ -59,10 +60,10 @@ def eval_config(spec: SweepSpec) -> dict[str, Any]:
         "n_prompts": e.n_prompts,
         "max_new_tokens": e.max_new_tokens,
         "extra_token": e.extra_token,
-        "temperature": e.temperature,
+        "temperatures": list(e.temperatures),
         "top_p": e.top_p,
         "seed": e.seed,
-        "ban_eos": e.ban_eos,
+        "eos": list(e.eos),
     }
 
 
@@ -156,20 +157,21 @@ def fixture_objective(ctx: TrialContext) -> None:
     tracking.log_metrics(uri, parent, {"resumed_from_step": start, "window_nll": 1.0 / point["rank"]})
     tracking.discard_children(uri, ctx.experiment_id, parent)
     e = spec.eval
-    for mode in e.modes:
-        for ps in range(e.sets):  # prompt sets are numbered, as experiments.evaluate does
-            params = {
-                "backbone": spec.train.get("backbone", "fixture"), **point, "mode": mode,
-                "extra_token": e.extra_token, "temperature": e.temperature, "prompt_set": ps,
-                "seed": e.seed, "hardware": "fixture", "top_p": e.top_p,
-            }
-            metrics = fixture_metrics(point, mode, e.extra_token)
-            per_pos = [None] + [metrics[f"{ACCEPTANCE_PREFIX}{i}"] for i in range(2, point["window"] + 1)]
-            tracking.log_child_run(
-                uri, ctx.experiment_id, parent, f"{ctx.parent_run_name}/{mode}/{ps}",
-                params=params, metrics=metrics,
-                artifacts={HISTOGRAM_ARTIFACT: {  # the layout experiments.evaluate logs
-                    "accepted_length_histogram": fixture_histogram(point, mode),
-                    "per_position_acceptance": per_pos,
-                }},
-            )
+    for mode, temperature in eval_passes(e.modes, e.temperatures):
+        for eos in e.eos:
+            for ps in range(e.sets):  # prompt sets are numbered, as experiments.evaluate does
+                params = {
+                    "backbone": spec.train.get("backbone", "fixture"), **point, "mode": mode,
+                    "extra_token": e.extra_token, "eos": eos, "temperature": temperature, "prompt_set": ps,
+                    "seed": e.seed, "hardware": "fixture", "top_p": e.top_p,
+                }
+                metrics = fixture_metrics(point, mode, e.extra_token)
+                per_pos = [None] + [metrics[f"{ACCEPTANCE_PREFIX}{i}"] for i in range(2, point["window"] + 1)]
+                tracking.log_child_run(
+                    uri, ctx.experiment_id, parent, f"{ctx.parent_run_name}/{mode}/T{temperature:g}/{eos}/{ps}",
+                    params=params, metrics=metrics,
+                    artifacts={HISTOGRAM_ARTIFACT: {  # the layout experiments.evaluate logs
+                        "accepted_length_histogram": fixture_histogram(point, mode),
+                        "per_position_acceptance": per_pos,
+                    }},
+                )

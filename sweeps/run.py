@@ -34,9 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mtpc.names import SWEEP_AXES, TRAIN_AXES, point_rank
 from sweeps import tracking
 from sweeps.objectives import Preempted, TrialContext, run_objective
-from sweeps.spec import GRID_PARAMS, SpecError, SweepSpec, grid_key, load_spec
+from sweeps.spec import SpecError, SweepSpec, grid_key, load_spec
 
 EXIT_BAD_INPUT = 2
 EXIT_PREEMPTED = 75
@@ -318,7 +319,8 @@ def reap(spec: SweepSpec, study, me: Owner) -> ReapResult:
         _kill_mlflow_runs(spec, t)
         attempt = int(t.user_attrs.get("attempt", 0))
         if spec.grid is not None and attempt < spec.max_retries:
-            point = {k: t.params.get(k, t.system_attrs.get("fixed_params", {}).get(k)) for k in GRID_PARAMS}
+            fixed = t.system_attrs.get("fixed_params", {})
+            point = {k: t.params.get(k, fixed.get(k, TRAIN_AXES.get(k))) for k in SWEEP_AXES}
             study.enqueue_trial(point, user_attrs=_grid_attrs(spec, point, attempt + 1, retry_of=t.number))
             log(f"reaper: re-enqueued {grid_key(point)} (attempt {attempt + 1})")
     return ReapResult(adopt, reaped, ending)
@@ -438,17 +440,16 @@ def _ask_new(spec: SweepSpec, study) -> int | None:
 
 def _suggest(spec: SweepSpec, trial) -> dict[str, Any]:
     if spec.grid is not None:
-        choices = {p: sorted({pt[p] for pt in spec.grid}, key=str) for p in GRID_PARAMS}
-        return {p: trial.suggest_categorical(p, choices[p]) for p in GRID_PARAMS}
+        choices = {p: sorted({pt[p] for pt in spec.grid}, key=str) for p in SWEEP_AXES}
+        return {p: trial.suggest_categorical(p, choices[p]) for p in SWEEP_AXES}
     out: dict[str, Any] = {}
     for p, d in spec.sampler.params.items():
         if "choices" in d:
             out[p] = trial.suggest_categorical(p, d["choices"])
         else:
             out[p] = trial.suggest_int(p, d["low"], d["high"], log=d["log"])
-    if out["circuit"] == "ff":
-        out["rank"] = 1
-    return out
+    out["rank"] = point_rank(out["circuit"], out["rank"])
+    return {**out, **TRAIN_AXES}  # a sampler space searches the architecture; training axes stay at their defaults
 
 
 class _Heartbeat(threading.Thread):

@@ -23,12 +23,20 @@ from typing import Any
 
 import yaml
 
-from mtpc.metrics import EVAL_METRICS
+from mtpc.names import (
+    DECODE_MODES,
+    EOS_MODES,
+    EVAL_METRICS,
+    EXTRA_TOKEN_OPTIONS,
+    GRID_PARAMS,
+    SWEEP_AXES,
+    TRAIN_AXES,
+    ArchitectureError,
+    check_architecture,
+    check_axis,
+    point_rank,
+)
 
-CIRCUITS = ("ff", "cp", "hmm", "btree")
-GRID_PARAMS = ("circuit", "rank", "window", "lora_depth")  # DESIGN section 3 names
-MODES = ("greedy", "sample")
-EXTRA_TOKEN = ("keep", "drop")
 OBJECTIVE_KINDS = ("trial", "fixture")
 DIRECTIONS = ("maximize", "minimize")
 SAMPLERS = ("tpe", "random")
@@ -56,16 +64,16 @@ class Objective:
 
 @dataclass(frozen=True)
 class EvalSettings:
-    modes: tuple[str, ...] = ("greedy", "sample")
+    modes: tuple[str, ...] = DECODE_MODES
     prompts: str = "heldout"  # `heldout` (the corpus' held-out prompts) or a .jsonl file
     sets: int = 1  # prompt sets per mode: one child run each (named by the evaluator)
     n_prompts: int = 8  # prompts per set
     max_new_tokens: int = 64
     extra_token: str = "keep"
-    temperature: float = 1.0
+    temperatures: tuple[float, ...] = (1.0,)  # sampling temperatures, each its own child runs (greedy runs once)
     top_p: float = 1.0
-    seed: int = 0
-    ban_eos: bool = True
+    seed: int = 0  # the evaluation's sampling seed (prompt i uses seed + i); the training seed is train_seed
+    eos: tuple[str, ...] = ("banned",)  # EOS treatments evaluated: banned (equal lengths) and/or allowed
 
 
 @dataclass(frozen=True)
@@ -135,8 +143,16 @@ class SweepSpec:
 
 
 def grid_key(point: dict[str, Any]) -> str:
-    """A short stable name for a grid point, e.g. `cp-r8-n8-k0` (checkpoints, run names)."""
-    return f"{point['circuit']}-r{point['rank']}-n{point['window']}-k{point['lora_depth']}"
+    """A short stable name for a grid point, e.g. `cp-r8-n8-k0` (checkpoints, run names); training
+    axes away from their defaults are appended: `cp-r8-n8-k0-kl0.5-s1` (kl_beta 0.5, train_seed 1)."""
+    key = f"{point['circuit']}-r{point['rank']}-n{point['window']}-k{point['lora_depth']}"
+    beta = point.get("kl_beta", TRAIN_AXES["kl_beta"])
+    seed = point.get("train_seed", TRAIN_AXES["train_seed"])
+    if beta != TRAIN_AXES["kl_beta"]:
+        key += f"-kl{beta:g}"
+    if seed != TRAIN_AXES["train_seed"]:
+        key += f"-s{seed}"
+    return key
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,21 +214,25 @@ class _Ctx:
 
 
 def _check_grid_value(ctx: _Ctx, name: str, v: Any, key: str) -> Any:
-    if name == "circuit":
-        return ctx.choice(v, key, CIRCUITS)
-    if name == "rank":
-        return ctx.int_(v, key, 1, 4096)
-    if name == "window":
-        return ctx.int_(v, key, 2, 64)
-    return ctx.int_(v, key, 0, 1024)  # lora_depth
+    """One axis value, checked against `mtpc.names` (the bounds a trial's head would enforce)."""
+    try:
+        check_axis(name, v, decoding=True)
+    except ArchitectureError as e:
+        raise ctx.err(key, e.detail) from None
+    return v
 
 
-def _normalise_point(p: dict[str, Any]) -> dict[str, Any]:
-    """ff has one component whatever the requested rank: r = 1 (so ff points deduplicate)."""
-    p = dict(p)
-    if p["circuit"] == "ff":
-        p["rank"] = 1
-    return {k: p[k] for k in GRID_PARAMS}
+def _normalise_point(p: dict[str, Any], ctx: _Ctx, key: str) -> dict[str, Any]:
+    """A product point with ff's rank axis collapsed (`mtpc.names.point_rank`), checked as the head
+    checks it; training axes default (TRAIN_AXES), kl_beta as a float (so 0 and 0.0 are one point)."""
+    p = {k: p.get(k, TRAIN_AXES.get(k)) for k in SWEEP_AXES}
+    p["rank"] = point_rank(p["circuit"], p["rank"])
+    p["kl_beta"] = float(p["kl_beta"])
+    try:
+        check_architecture(**{k: p[k] for k in GRID_PARAMS}, decoding=True)
+    except ArchitectureError as e:
+        raise ctx.err(f"{key}.{e.key}", e.detail) from None
+    return p
 
 
 def _expand_grid(
@@ -221,26 +241,29 @@ def _expand_grid(
     ctx.keys(space, "space", {"kind", "slices", "full_product"}, {"slices"})
     slices = space["slices"]
     if not isinstance(slices, dict) or not slices:
-        raise ctx.err("space.slices", "expected a non-empty mapping slice_name -> {circuit, rank, window, lora_depth}")
+        raise ctx.err("space.slices", "expected a non-empty mapping slice_name -> {circuit, rank, window, lora_depth"
+                      "[, kl_beta, train_seed]}")
     full = space.get("full_product", False)
     if not isinstance(full, bool):
         raise ctx.err("space.full_product", f"expected true/false, got {full!r}")
     per_slice: dict[str, dict[str, list]] = {}
     for name, sl in slices.items():
         key = f"space.slices.{name}"
-        ctx.keys(sl, key, set(GRID_PARAMS), set(GRID_PARAMS))
+        ctx.keys(sl, key, set(SWEEP_AXES), set(GRID_PARAMS))
         vals = {}
-        for p in GRID_PARAMS:
-            vals[p] = [_check_grid_value(ctx, p, v, f"{key}.{p}") for v in ctx.list_(sl[p], f"{key}.{p}")]
+        for p in SWEEP_AXES:
+            given = sl.get(p, TRAIN_AXES.get(p))
+            vals[p] = [_check_grid_value(ctx, p, v, f"{key}.{p}") for v in ctx.list_(given, f"{key}.{p}")]
         per_slice[str(name)] = vals
     if full:
-        union = {p: sorted({v for s in per_slice.values() for v in s[p]}, key=str) for p in GRID_PARAMS}
+        union = {p: sorted({v for s in per_slice.values() for v in s[p]}, key=str) for p in SWEEP_AXES}
         per_slice = {"full": union}
     points: dict[str, dict[str, Any]] = {}
     membership: dict[str, list[str]] = {}
     for sname, vals in per_slice.items():
-        for combo in itertools.product(*(vals[p] for p in GRID_PARAMS)):
-            pt = _normalise_point(dict(zip(GRID_PARAMS, combo, strict=True)))
+        for combo in itertools.product(*(vals[p] for p in SWEEP_AXES)):
+            key = "space" if full else f"space.slices.{sname}"
+            pt = _normalise_point(dict(zip(SWEEP_AXES, combo, strict=True)), ctx, key)
             k = grid_key(pt)
             points.setdefault(k, pt)
             if sname not in membership.setdefault(k, []):
@@ -379,7 +402,7 @@ def parse_spec(raw: Any, path: Path, *, env: dict[str, str]) -> SweepSpec:
             Objective(
                 metric=ctx.choice(o["metric"], f"{key}.metric", CHILD_METRICS),
                 direction=ctx.choice(o["direction"], f"{key}.direction", DIRECTIONS),
-                mode=None if o.get("mode") is None else ctx.choice(o["mode"], f"{key}.mode", MODES),
+                mode=None if o.get("mode") is None else ctx.choice(o["mode"], f"{key}.mode", DECODE_MODES),
             )
         )
     if len({o.label for o in objectives}) != len(objectives):
@@ -387,7 +410,7 @@ def parse_spec(raw: Any, path: Path, *, env: dict[str, str]) -> SweepSpec:
 
     ev = ctx.keys(raw.get("eval"), "eval", set(EvalSettings.__dataclass_fields__))
     d = EvalSettings()
-    modes = tuple(ctx.choice(m, "eval.modes", MODES) for m in ctx.list_(ev.get("modes", list(d.modes)), "eval.modes"))
+    modes = tuple(ctx.choice(m, "eval.modes", DECODE_MODES) for m in ctx.list_(ev.get("modes", list(d.modes)), "eval.modes"))
     for o in objectives:
         if o.mode is not None and o.mode not in modes:
             raise ctx.err("objectives", f"objective mode {o.mode!r} is not evaluated (eval.modes = {list(modes)})")
@@ -397,12 +420,17 @@ def parse_spec(raw: Any, path: Path, *, env: dict[str, str]) -> SweepSpec:
         sets=ctx.int_(ev.get("sets", d.sets), "eval.sets", 1, 1000),
         n_prompts=ctx.int_(ev.get("n_prompts", d.n_prompts), "eval.n_prompts", 1, 100000),
         max_new_tokens=ctx.int_(ev.get("max_new_tokens", d.max_new_tokens), "eval.max_new_tokens", 1, 1_000_000),
-        extra_token=ctx.choice(ev.get("extra_token", d.extra_token), "eval.extra_token", EXTRA_TOKEN),
-        temperature=ctx.float_(ev.get("temperature", d.temperature), "eval.temperature", 1e-6, 100.0),
+        extra_token=ctx.choice(ev.get("extra_token", d.extra_token), "eval.extra_token", EXTRA_TOKEN_OPTIONS),
+        temperatures=tuple(ctx.float_(t, "eval.temperatures", 1e-6, 100.0)
+                           for t in ctx.list_(ev.get("temperatures", list(d.temperatures)), "eval.temperatures")),
         top_p=ctx.float_(ev.get("top_p", d.top_p), "eval.top_p", 1e-6, 1.0),
         seed=ctx.int_(ev.get("seed", d.seed), "eval.seed", 0),
-        ban_eos=bool(ev.get("ban_eos", d.ban_eos)),
+        eos=tuple(ctx.choice(x, "eval.eos", EOS_MODES) for x in ctx.list_(ev.get("eos", list(d.eos)), "eval.eos")),
     )
+    for name in ("temperatures", "eos"):
+        values = getattr(evs, name)
+        if len(set(values)) != len(values):
+            raise ctx.err(f"eval.{name}", f"{list(values)} names a value twice")
 
     sl = ctx.keys(raw.get("slurm"), "slurm", set(SlurmSettings.__dataclass_fields__))
     ds = SlurmSettings()
@@ -419,7 +447,7 @@ def parse_spec(raw: Any, path: Path, *, env: dict[str, str]) -> SweepSpec:
     fx = ctx.keys(raw.get("fixture"), "fixture", {"steps", "step_seconds", "fail"})
     fails = []
     for i, f in enumerate(fx.get("fail", []) or []):
-        fails.append(dict(ctx.keys(f, f"fixture.fail[{i}]", set(GRID_PARAMS))))
+        fails.append(dict(ctx.keys(f, f"fixture.fail[{i}]", set(SWEEP_AXES))))
     fixture = FixtureSettings(
         steps=ctx.int_(fx.get("steps", 1), "fixture.steps", 1, 100000),
         step_seconds=ctx.float_(fx.get("step_seconds", 0.0), "fixture.step_seconds", 0.0, 3600.0),

@@ -18,12 +18,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from mtpc.names import EVAL_METRICS
+
 PARENT_TAG = "mlflow.parentRunId"
-CHILD_PARAMS = (
-    "backbone", "circuit", "window", "rank", "lora_depth", "mode", "extra_token", "temperature",
-    "prompt_set", "seed", "hardware", "top_p",
-)
-REQUIRED_CHILD_METRICS = ("mu_lat", "mu_acc", "tokens_per_cycle", "throughput", "max_throughput")
+# every child run must carry these (mu_lat, mu_acc, tokens_per_cycle, throughput, max_throughput)
+REQUIRED_CHILD_METRICS = EVAL_METRICS[:5]
 
 
 class TrackingError(RuntimeError):

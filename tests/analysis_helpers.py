@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mtpc.names import CIRCUIT_KINDS
+
 PROMPT_SETS = ("chat", "code", "math")
 # head quality (drives mu_acc) and head cost per cycle in ms (drives mu_lat)
 _QUALITY = {"ff": 0.45, "cp": 0.62, "hmm": 0.70, "btree": 0.74}
@@ -38,7 +40,7 @@ class Evaluation:
 def synthetic_evaluations(
     backbone: str = "tiny",
     modes: tuple[str, ...] = ("greedy",),
-    circuits: tuple[str, ...] = ("ff", "cp", "hmm", "btree"),
+    circuits: tuple[str, ...] = CIRCUIT_KINDS,
     windows: tuple[int, ...] = (8, 16),
     ranks: tuple[int, ...] = (32,),
     lora_depths: tuple[int, ...] = (0,),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
 import torch
 from scipy import stats
 
@@ -64,10 +63,3 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(stats.chi2.sf(stat, counts.numel() - 1))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tensors here are tiny: one intra-op thread avoids spin-waiting on a loaded 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

@@ -150,10 +150,3 @@ def markov_sequence_distribution(transition: Tensor, first: int, length: int) ->
     return out
 
 
-def single_thread():
-    """Generator for an autouse fixture: tiny-tensor ops with 2 intra-op threads on a loaded 2-core
-    machine were measured ~1000x slower (5 ms per 3x3 softmax) than with one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

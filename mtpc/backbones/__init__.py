@@ -1,7 +1,8 @@
 """Backbone adapters and `load_backbone`: resolve a name or path to a frozen, split, byte-level LM.
 
-Names: "default" (the embedded model pre-trained by `make pretrain`, under
-`mtpc.paths.cache_dir()/models/default`), "evabyte" (EvaByte/EvaByte-SFT), "llama3-byte"
+Names: "default" (the byte Llama shipped in the repository under `mtpc/default_model/`, checked
+against its SHA-256 manifest and named `default@<sha8>`; see `shipped.py`; "default@<sha8>" asks
+for that exact one), "evabyte" (EvaByte/EvaByte-SFT), "llama3-byte"
 (benjamin/Llama3-2-3B-IT-Byte), a local `save_pretrained` directory, or a hub id "org/name"
 (unreachable on these machines; loaded with `trust_remote_code`). Checkpoints whose vocabulary
 exceeds 512 are refused unless `allow_non_byte=True`. The adapter classes live in `base.py`
@@ -21,6 +22,7 @@ from mtpc.backbones.base import BackboneAdapter, KVStore, SplitCache, SplitOutpu
 from mtpc.backbones.engine import ENGINE_KINDS, AdapterEngine, Engine, StepOutput, make_engine
 from mtpc.backbones.evabyte import EvaByteAdapter, EvaByteCache
 from mtpc.backbones.llama import LlamaEngine
+from mtpc.backbones.shipped import DEFAULT, SHIPPED_DIR, check_backbone_label, verify_shipped
 from mtpc.paths import cache_dir
 
 ALIASES = {
@@ -42,15 +44,22 @@ __all__ = [
     "KVStore",
     "SplitCache",
     "SplitOutput",
+    "check_backbone_label",
     "default_model_dir",
     "load_backbone",
     "make_engine",
+    "pretrained_model_dir",
 ]
 
 
 def default_model_dir() -> Path:
-    """Where `make pretrain` saves the embedded default model."""
-    return cache_dir() / "models" / "default"
+    """The shipped default model's directory (in the package, committed to the repository)."""
+    return SHIPPED_DIR
+
+
+def pretrained_model_dir() -> Path:
+    """Where `make pretrain` saves a model it trains (load it by this path, not as "default")."""
+    return cache_dir() / "models" / "pretrained"
 
 
 def _resolve(name_or_path: str) -> tuple[str, str]:
@@ -58,14 +67,10 @@ def _resolve(name_or_path: str) -> tuple[str, str]:
     if not isinstance(name_or_path, (str, Path)) or not str(name_or_path):
         raise ValueError(f"backbone: expected a name or path, got {name_or_path!r}")
     name = str(name_or_path)
-    if name == "default":
-        path = default_model_dir()
-        if not (path / "config.json").is_file():
-            raise ValueError(
-                f"backbone 'default': no embedded model at {path}; run `make pretrain` "
-                "(python -m experiments.pretrain) once to train it"
-            )
-        return "default", str(path)
+    if name == DEFAULT or name.startswith(f"{DEFAULT}@"):
+        label = verify_shipped(SHIPPED_DIR)
+        check_backbone_label(name if "@" in name else label, label, where=f"backbone {name!r}")
+        return label, str(SHIPPED_DIR)
     if name in ALIASES:
         return name, ALIASES[name]
     if Path(name).expanduser().is_dir():
@@ -129,6 +134,8 @@ def load_backbone(
             "pass allow_non_byte=True to use it anyway"
         )
     kw: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if dtype is None and source == str(SHIPPED_DIR):
+        dtype = torch.float32  # shipped as bf16; upcast exactly (transformers 5 would keep bf16)
     if dtype is not None:
         major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
         kw["dtype" if (major, minor) >= (4, 56) else "torch_dtype"] = dtype

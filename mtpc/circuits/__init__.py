@@ -6,13 +6,13 @@
 
 from __future__ import annotations
 
+from mtpc.names import CIRCUIT_KINDS
+
 from .base import Circuit, Params
 from .btree import BTreeCircuit, BtreeNode
 from .cp import CPCircuit
 from .ff import FFCircuit
 from .hmm import HMMCircuit
-
-CIRCUIT_KINDS = ("ff", "cp", "hmm", "btree")
 
 _CLASSES: dict[str, type[Circuit]] = {"ff": FFCircuit, "cp": CPCircuit, "hmm": HMMCircuit, "btree": BTreeCircuit}
 
@@ -26,14 +26,18 @@ def _positive_int(name: str, value: object) -> int:
 
 
 def build_circuit(kind: str, window: int, rank: int, vocab: int) -> Circuit:
-    """A circuit structure; kind in CIRCUIT_KINDS, window n >= 1, rank r >= 1 (ff: r = 1), vocab v >= 1."""
+    """A circuit structure; kind in CIRCUIT_KINDS, window n >= 1, rank r >= 1 (ff: r = 1), vocab v >= 1.
+
+    No upper bounds here (a circuit is pure maths; the loss builds vocab-1 circuits of any size):
+    the head and every config check `mtpc.names.check_architecture`.
+    """
     if kind not in CIRCUIT_KINDS:
         raise ValueError(f"kind: expected one of {CIRCUIT_KINDS}, got {kind!r}")
     window = _positive_int("window", window)
     rank = _positive_int("rank", rank)
     vocab = _positive_int("vocab", vocab)
     if kind == "ff" and rank != 1:
-        raise ValueError(f"rank: ff is fully factorised and requires rank 1, got {rank}")
+        raise ValueError(f"rank: ff has no latent states; expected rank 1, got {rank}")
     return _CLASSES[kind](window, rank, vocab)
 
 

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from mtpc.backbones.engine import AdapterEngine, Engine, StepOutput
+from mtpc.names import DECODE_MODES, EXTRA_TOKEN_OPTIONS
 from mtpc.speculative.acceptance import (
     Chooser,
     as_index,
@@ -45,9 +46,6 @@ from mtpc.speculative.acceptance import (
     sample_verify,
     target_probs,
 )
-
-MODES = ("greedy", "sample")
-EXTRA_TOKEN = ("keep", "drop")
 
 __all__ = ["AdapterEngine", "CircuitDrafter", "DecodeConfig", "DecodeStats", "Engine", "StepOutput",
            "plain_decode", "speculative_decode"]  # fmt: skip
@@ -85,10 +83,10 @@ class DecodeConfig:
     ban_eos: bool = False  # give EOS probability 0 instead
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.extra_token not in EXTRA_TOKEN:
-            raise ValueError(f"extra_token must be one of {EXTRA_TOKEN}, got {self.extra_token!r}")
+        if self.mode not in DECODE_MODES:
+            raise ValueError(f"mode must be one of {DECODE_MODES}, got {self.mode!r}")
+        if self.extra_token not in EXTRA_TOKEN_OPTIONS:
+            raise ValueError(f"extra_token must be one of {EXTRA_TOKEN_OPTIONS}, got {self.extra_token!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.mode == "sample":

@@ -158,6 +158,7 @@ def _wrap_backbone(backbone: Any, lora_depth: int) -> Any:
 def _fresh_head(spec: dict, backbone: Any) -> nn.Module:
     """A random head from {"kind", "window", "rank", "lora_depth", "seed"} (seeded leaves and sums)."""
     from mtpc.heads import HeadConfig, MtpcHead
+    from mtpc.names import default_rank
 
     unknown = sorted(set(spec) - set(HEAD_DICT_KEYS))
     missing = [k for k in ("kind", "window") if k not in spec]
@@ -170,7 +171,7 @@ def _fresh_head(spec: dict, backbone: Any) -> nn.Module:
     cfg = HeadConfig(
         kind=kind,
         window=spec["window"],
-        rank=spec.get("rank", 1 if kind == "ff" else 4),
+        rank=spec.get("rank", default_rank(kind)),
         vocab=backbone.vocab_size,
         hidden=backbone.hidden_size,
         lora_depth=spec.get("lora_depth", backbone.lora_depth),
@@ -240,6 +241,9 @@ class MtpcModel:
         if cfg.window < 2:
             raise ValueError(f"head: speculative decoding needs window >= 2, got {cfg.window}")
         head.check_compatible(backbone.hidden_size, backbone.vocab_size)
+        from mtpc.backbones.shipped import check_backbone_label
+
+        check_backbone_label(cfg.backbone, getattr(backbone, "name", ""))
         if cfg.lora_depth != backbone.lora_depth:
             raise ValueError(f"head lora_depth={cfg.lora_depth} != backbone lora_depth={backbone.lora_depth}")
         self.backbone = backbone

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from mtpc.circuits import CIRCUIT_KINDS, build_circuit
-from tests.circuit_helpers import one_thread  # noqa: F401  (autouse fixture)
 
 N, R, V = 16, 128, 320  # the paper's sizes (EvaByte vocab)
 

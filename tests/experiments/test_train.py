@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from experiments.train import CONFIG_DIR, TRAIN_CONFIGS, check_config, main, train_head
+from mtpc.names import CIRCUIT_KINDS
 
 SHIPPED = [CONFIG_DIR / f"{name}.yaml" for name in TRAIN_CONFIGS]
 
@@ -52,7 +53,7 @@ def test_shipped_configs_parse_and_validate():
     assert all(p.is_file() for p in SHIPPED)
     for path in SHIPPED:
         cfg = check_config(path)
-        assert cfg["model"]["circuit"] in ("ff", "cp", "hmm", "btree"), path
+        assert cfg["model"]["circuit"] in CIRCUIT_KINDS, path
         assert cfg["run"]["dir"] and cfg["run"]["export_dir"], path
     paper = check_config(CONFIG_DIR / "llama_byte.yaml")
     d, t, m = paper["data"], paper["trainer"], paper["model"]
@@ -67,6 +68,8 @@ def test_shipped_configs_parse_and_validate():
         ({"model.circuit": "mlp"}, "model.circuit"),
         ({"model.window": 1}, "model.window"),
         ({"model.rank": 0}, "model.rank"),
+        ({"model.rank": 2048}, "model.rank"),  # the head's bound (mtpc.names), not a looser one
+        ({"model.circuit": "ff"}, "model.rank"),  # debug.yaml's rank 4: ff with r != 1 is an error
         ({"model.lora_depth": 3}, "model.lora_depth"),  # the tiny backbone has 2 layers
         ({"model.backbone": "./no/such/model"}, "model.backbone"),
         ({"model.backbone": "nonsense"}, "model.backbone"),
@@ -89,10 +92,11 @@ def test_cli_bad_config_exits_2(capsys):
 
 
 @pytest.mark.parametrize("lora_depth", [0, 1])
-@pytest.mark.parametrize("kind", ["ff", "cp", "hmm", "btree"])
+@pytest.mark.parametrize("kind", CIRCUIT_KINDS)
 def test_debug_fit_lowers_loss(tmp_path, kind, lora_depth):
     rec = Recorder()
-    res = train_head("debug", {"model.circuit": kind, "model.lora_depth": lora_depth},
+    over = {"model.circuit": kind, "model.lora_depth": lora_depth} | ({"model.rank": 1} if kind == "ff" else {})
+    res = train_head("debug", over,
                      run_dir=tmp_path, callbacks=[rec])
     steps = sorted(rec.losses)
     first = sum(rec.losses[s] for s in steps[:3]) / 3
@@ -180,7 +184,7 @@ def test_export_reloads_to_same_outputs(reference_run):
 
 @pytest.mark.slow  # two fresh interpreters importing Lightning: ~20 s idle, ~60 s on the loaded 2-core CPU
 def test_cli_fit_then_resume_with_ckpt_path_last(tmp_path):
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     base = [sys.executable, "-m", "experiments.train", "fit", "--config", str(CONFIG_DIR / "debug.yaml"),
             "--run.dir", str(tmp_path / "cli")]
     env = {**os.environ, "PYTHONPATH": str(root)}

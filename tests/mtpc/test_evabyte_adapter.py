@@ -109,7 +109,7 @@ def test_load_backbone_dispatches_to_evabyte(tmp_path):
     model = standin()
     out = tmp_path / "evabyte"
     model.save_pretrained(out)
-    src = Path(__file__).parent / "evabyte_standin"
+    src = Path(__file__).parents[1] / "evabyte_standin"
     for f in ("modeling_evabyte.py", "eva_cache.py"):
         shutil.copy(src / f, out / f)
     cfg = json.loads((out / "config.json").read_text())

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from analysis_helpers import log_sweep, synthetic_evaluations
 
 from analysis import pareto
 from analysis.load import (
@@ -24,8 +23,9 @@ from analysis.load import (
     parse_hist,
     resolve_tracking_uri,
 )
+from tests.analysis_helpers import log_sweep, synthetic_evaluations
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

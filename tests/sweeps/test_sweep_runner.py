@@ -212,3 +212,19 @@ def test_submit_passes_the_spec_resources_and_overrides_to_sbatch(tmp_path, trac
     assert cmd[0] == "sbatch" and "--array=0-2" in cmd and "--mem=1G" in cmd and "--partition=gpu" in cmd
     assert cmd[-4:] == [str(REPO / "slurm" / "sweep.sh"), str(spec.path), "--set", "eval.sets=2"]
     assert len(trials(spec.storage, "submit")) == 4  # initialised before submitting
+
+
+@pytest.mark.parametrize(
+    "slice_, key, expected",
+    [
+        ({"circuit": ["cp"], "rank": [2048], "window": [4], "lora_depth": [0]}, "space.slices.a.rank", "[1, 1024]"),
+        ({"circuit": ["cp"], "rank": [4], "window": [65], "lora_depth": [0]}, "space.slices.a.window", "[2, 64]"),
+    ],
+)
+def test_check_rejects_what_a_trial_would_reject(tmp_path, slice_, key, expected):
+    """--check applies the head's bounds (mtpc.names): it once passed rank 2048, which every trial refused."""
+    spec_path = fixture_spec(tmp_path, "toolarge", space={"kind": "grid", "slices": {"a": slice_}})
+    r = run_cli([str(spec_path), "--check"])
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"{spec_path}: key '{key}'" in r.stderr and expected in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from mtpc.heads import HeadConfig, MtpcHead, load_head, save_head
+from mtpc.names import CIRCUIT_KINDS
 
-KINDS = ("ff", "cp", "hmm", "btree")
+KINDS = CIRCUIT_KINDS
 
 
 def make_head(kind, n=4, r=3, v=7, d=5, **kw):

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from mtpc.circuits import build_circuit
-from tests.circuit_helpers import all_windows, one_thread  # noqa: F401  (autouse fixture)
+from tests.circuit_helpers import all_windows
 
 cirkit = pytest.importorskip("cirkit")  # dev extra; `make setup` installs it
 

@@ -8,11 +8,12 @@ import re
 import numpy as np
 import pandas as pd
 import pytest
-from analysis_helpers import frame_from_evaluations, synthetic_evaluations
 
 from analysis import plots, tables
 from analysis.aggregate import aggregate, split_settings, stp_baseline
 from analysis.front import pareto_mask
+from mtpc.names import CIRCUIT_KINDS
+from tests.analysis_helpers import frame_from_evaluations, synthetic_evaluations
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +144,7 @@ def test_pareto_figure_points_errorbars_front_stp(setting_part):
     setting, part = setting_part
     fig = plots.pareto_figure(setting, part)
     ax = fig.axes[0]
-    for c in ("ff", "cp", "hmm", "btree"):
+    for c in CIRCUIT_KINDS:
         sub = part[part.circuit == c]
         (sc,) = [col for col in ax.collections if col.get_gid() == f"circuit-{c}"]
         expected = np.column_stack([sub["mu_acc_mean"], sub["mu_lat_mean"] * 1000])

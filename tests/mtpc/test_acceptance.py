@@ -27,11 +27,8 @@ from tests.speculative_helpers import (
     dense_drafter,
     enumerate_outcomes,
     markov_sequence_distribution,
-    single_thread,
     total_variation,
 )
-
-_one_thread = pytest.fixture(autouse=True)(single_thread)
 
 
 def _random_probs(shape, gen, peak=1.0, zeros=False):

@@ -12,8 +12,9 @@ import torch
 
 from mtpc.heads import HeadConfig, MtpcHead
 from mtpc.losses import default_gamma, window_loss, window_targets
+from mtpc.names import CIRCUIT_KINDS
 
-KINDS = ("ff", "cp", "hmm", "btree")
+KINDS = CIRCUIT_KINDS
 
 
 def make_head(kind, n=3, r=2, v=3, d=4, dtype=torch.float64, **kw):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mtpc.circuits import CIRCUIT_KINDS, build_circuit
-from tests.circuit_helpers import one_thread, raw_logits  # noqa: F401  (autouse fixture)
+from tests.circuit_helpers import raw_logits
 
 KINDS = CIRCUIT_KINDS
 

@@ -12,9 +12,6 @@ from mtpc import MtpcModel
 from mtpc.heads import save_head
 from mtpc.tokenizer import ByteTokenizer
 from tests.backbone_helpers import tiny_llama
-from tests.speculative_helpers import single_thread
-
-_one_thread = pytest.fixture(autouse=True)(single_thread)
 
 PARAMS = ("backbone", "circuit", "window", "rank", "lora_depth", "mode", "extra_token", "temperature",
           "prompt_set", "seed", "hardware", "top_p")  # fmt: skip

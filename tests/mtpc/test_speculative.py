@@ -3,10 +3,10 @@
 Greedy output equals plain greedy for every circuit kind, k in {0, 1}, keep and drop; every
 cache equals a fresh prefill of the accepted text after each cycle; one backbone call per cycle
 (keep) is counted; the keep cycle on a real backbone and real circuits is exact by enumeration
-(tests/test_acceptance.py does the same on a Markov target). Each runs on both decoding engines
-(the compact Llama forward and the HF layers). The Monte Carlo sampling test is in
-tests/test_speculative_sampling.py; the drafted-from state, the one host read per cycle and the
-longer enumeration in tests/mtpc/test_decoding_engines.py.
+(tests/mtpc/test_acceptance.py does the same on a Markov target). Each runs on both decoding
+engines (the compact Llama forward and the HF layers). The Monte Carlo sampling test is in
+tests/mtpc/test_speculative_sampling.py; the drafted-from state, the one host read per cycle and
+the longer enumeration in tests/mtpc/test_decoding_engines.py.
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ from mtpc.speculative.loop import (
     speculative_decode,
 )
 from tests.backbone_helpers import ENGINES, cache_snapshot, randomize_lora, tiny_backbone, tiny_llama
-from tests.speculative_helpers import circuit_enum_drafter, enumerate_outcomes, single_thread, total_variation
-
-_one_thread = pytest.fixture(autouse=True)(single_thread)
+from tests.speculative_helpers import circuit_enum_drafter, enumerate_outcomes, total_variation
 
 RANK = {"ff": 1, "cp": 3, "hmm": 3, "btree": 3}
 

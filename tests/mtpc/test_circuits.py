@@ -19,7 +19,6 @@ from tests.circuit_helpers import (
     CASES,
     all_windows,
     chi_square_pvalue,
-    one_thread,  # noqa: F401  (autouse fixture)
     rank_for,
     raw_logits,
     window_index,

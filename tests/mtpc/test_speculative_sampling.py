@@ -23,10 +23,8 @@ from mtpc.backbones import make_engine
 from mtpc.circuits import CIRCUIT_KINDS
 from mtpc.speculative.loop import DecodeConfig, plain_decode
 from tests.backbone_helpers import ENGINES
-from tests.speculative_helpers import enumerate_outcomes, single_thread
-from tests.test_speculative import RANK, _peaked_backbone
-
-_one_thread = pytest.fixture(autouse=True)(single_thread)
+from tests.mtpc.test_speculative import RANK, _peaked_backbone
+from tests.speculative_helpers import enumerate_outcomes
 
 ALPHA = 1e-3
 N_RUNS = 600

@@ -1,0 +1,1 @@
+"""Tests of analysis/ (a package: modules import as tests.analysis.<name>)."""

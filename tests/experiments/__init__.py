@@ -1,0 +1,1 @@
+"""Tests of experiments/ (a package: modules import as tests.experiments.<name>)."""

@@ -1,0 +1,101 @@
+"""Degeneracy metrics in experiments/evaluate.py: every run (and STP) carries degenerate_fraction and
+distinct_4gram_ratio computed from its own answers, for greedy and sampling, EOS banned and allowed;
+greedy speculative answers equal STP's, so their degeneracy must agree; the > 0.25 warning; the
+`eos` child-run param; the per-prompt records (and their artifact) that pool back to the metrics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from experiments.evaluate import degeneracy_warnings, evaluate_heads, log_evaluation_to_mlflow, main
+from mtpc import MtpcModel
+from mtpc.heads import save_head
+from mtpc.names import DEGENERACY_METRICS
+from mtpc.textstats import degeneracy_metrics
+from mtpc.tokenizer import ByteTokenizer
+from tests.backbone_helpers import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("degeneracy")
+    bb = tiny_llama(vocab=320, hidden=16, layers=2, heads=2, kv_heads=1, dtype=torch.float32, max_context=512)
+    bb.save_pretrained(root / "bb")
+    ByteTokenizer().save_pretrained(root / "bb")
+    m = MtpcModel.from_components(bb, {"kind": "cp", "window": 4, "rank": 2})
+    m.head.config.backbone = str(root / "bb")
+    save_head(root / "cp", m.head)
+    return root
+
+
+def test_every_run_and_stp_carry_degeneracy_for_both_modes_and_eos(model_dir):
+    m = MtpcModel.from_pretrained(model_dir / "cp")
+    res = evaluate_heads(m, [["one", "two"], ["three"]], ("greedy", "sample"), ("keep",), max_new_tokens=40,
+                         eos=("banned", "allowed"), progress=False)
+    assert {(r["mode"], r["eos"]) for r in res["runs"]} == {(a, b) for a in ("greedy", "sample") for b in ("banned", "allowed")}
+    stp = {(mode, s["eos"], s["prompt_set"]): s for mode, rows in res["stp"].items() for s in rows}
+    for r in res["runs"]:
+        mt = r["metrics"]
+        for k in DEGENERACY_METRICS:
+            assert 0.0 <= mt[k] <= 1.0 and mt[f"stp_{k}"] == stp[(r["mode"], r["eos"], r["prompt_set"])][k]
+        if r["eos"] == "banned":
+            assert mt["generated"] == 40 * (2 if r["prompt_set"] == 0 else 1)
+        if r["mode"] == "greedy":  # exact: the same bytes as plain greedy decoding, so the same degeneracy
+            assert all(mt[k] == mt[f"stp_{k}"] for k in DEGENERACY_METRICS)
+    # the numbers are those of the answers: recompute one from a fresh generation
+    out = m.generate(m.encode_prompt("three"), max_new_tokens=40, mode="greedy", seed=0, ban_eos=True)
+    greedy_set1 = next(r for r in res["runs"] if (r["mode"], r["eos"], r["prompt_set"]) == ("greedy", "banned", 1))
+    assert degeneracy_metrics([ByteTokenizer().decode(out.ids.tolist())]) == {k: greedy_set1["metrics"][k] for k in DEGENERACY_METRICS}
+    assert {(s["mode"], s["eos"]) for s in res["summary"]} == {(a, b) for a in ("greedy", "sample") for b in ("banned", "allowed")}
+    assert set(res["summary"][0]["degenerate_fraction"]) == {"mean", "std"}
+    for r in res["runs"]:  # per-prompt records pool back to the set's metrics, prompts in the same order as STP's
+        pp, mt = r["per_prompt"], r["metrics"]
+        assert sum(x["accepted"] for x in pp) / sum(x["cycles"] for x in pp) == pytest.approx(mt["mu_acc"])
+        assert sum(x["degenerate"] for x in pp) / len(pp) == mt["degenerate_fraction"]
+        stp_pp = stp[(r["mode"], r["eos"], r["prompt_set"])]["per_prompt"]
+        assert [x["prompt_sha"] for x in pp] == [x["prompt_sha"] for x in stp_pp]
+    with pytest.raises(ValueError, match="eos in"):
+        evaluate_heads(m, [["one"]], eos=("sometimes",), progress=False)
+
+
+def test_warning_above_a_quarter_degenerate():
+    row = {"head": "head", "circuit": "cp", "window": 4, "mode": "greedy", "extra_token": "keep", "eos": "banned"}
+    assert degeneracy_warnings([{**row, "degenerate_fraction": {"mean": 0.25, "std": 0.0}}]) == []
+    (line,) = degeneracy_warnings([{**row, "degenerate_fraction": {"mean": 0.5, "std": 0.0}}])
+    assert "degenerate_fraction 0.50 > 0.25" in line and "greedy/keep/eos banned" in line
+    assert degeneracy_warnings([row]) == []  # not measured: nothing to say
+
+
+def test_cli_eos_both_and_warning_agrees_with_the_json(model_dir, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(f"question {i}") for i in range(2)) + "\n")
+    out = tmp_path / "r.json"
+    rc = main(["--head", str(model_dir / "cp"), "--prompts", str(prompts), "--num-prompts", "2", "--sets", "1",
+               "--max-new-tokens", "140", "--mode", "greedy", "--eos", "both", "--out", str(out), "--no-progress"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    res = json.loads(out.read_text())
+    assert res["config"]["eos"] == ["banned", "allowed"]
+    flagged = [s for s in res["summary"] if s["degenerate_fraction"]["mean"] > 0.25]
+    assert captured.err.count("measured on looping text") == len(flagged)
+    assert "degenerate_fraction" in captured.out
+    assert main(["--head", str(model_dir / "cp"), "--prompts", str(prompts), "--eos", "never", "--out", str(out)]) == 2
+    assert "--eos" in capsys.readouterr().err
+
+
+def test_mlflow_child_runs_carry_eos_and_degeneracy(model_dir, tmp_path):
+    mlflow = pytest.importorskip("mlflow")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    parent = client.create_run(client.create_experiment("deg"), run_name="trial").info.run_id
+    m = MtpcModel.from_pretrained(model_dir / "cp")
+    res = evaluate_heads(m, [["one"]], ("greedy",), ("keep",), max_new_tokens=8, eos=("banned", "allowed"), progress=False)
+    ids = log_evaluation_to_mlflow(res, parent, tracking_uri=uri)
+    runs = [client.get_run(r).data for r in ids]
+    assert sorted(r.params["eos"] for r in runs) == ["allowed", "banned"]
+    assert all({"degenerate_fraction", "distinct_4gram_ratio", "stp_degenerate_fraction"} <= set(r.metrics) for r in runs)
+    art = client.download_artifacts(ids[0], "per_prompt.json", str(tmp_path))
+    assert json.loads(open(art).read())["per_prompt"][0]["prompt"] == 0

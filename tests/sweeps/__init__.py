@@ -1,0 +1,1 @@
+"""Tests of sweeps/ (a package: modules import as tests.sweeps.<name>)."""
