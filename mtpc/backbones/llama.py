@@ -170,7 +170,12 @@ def signed_sin(sin: Tensor) -> Tensor:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """transformers' LlamaRMSNorm: normalise in float32, cast back, scale."""
+    """transformers' LlamaRMSNorm: normalise in float32, cast back, scale.
+
+    For float32 torch's fused rms_norm gives the same bits (checked in the tests); for float64 it
+    would stay in float64 and for bf16 it scales before the cast, so the HF steps are spelled out."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -400,7 +405,11 @@ class LlamaEngine:
             return torch.matmul(x, layer.merged[name].transpose(-1, -2))  # (2, T, out)
         y = F.linear(x, layer.w[name])
         lo = layer.lora.get(name)
-        if lo is not None:  # peft: result + lora_B(lora_A(x)) * scaling, on the draft row
+        if lo is None:
+            return y
+        if lo.a.dtype == y.dtype:  # draft row += scaling * B (A x), two BLAS calls
+            y[1].addmm_(F.linear(x[1], lo.a), lo.b.t(), alpha=lo.scale)
+        else:  # float32 LoRA under a half-precision backbone: peft's casts (result + lora_B(lora_A(x)) * scaling)
             y[1:] += F.linear(F.linear(x[1:].to(lo.a.dtype), lo.a), lo.b) * lo.scale
         return y
 

@@ -23,8 +23,8 @@ from mtpc.circuits import CIRCUIT_KINDS
 from mtpc.speculative.acceptance import TorchChooser
 from mtpc.speculative.loop import CircuitDrafter, DecodeConfig, plain_decode, speculative_decode
 from tests.backbone_helpers import ENGINES
-from tests.speculative_helpers import circuit_enum_drafter, enumerate_outcomes, total_variation
 from tests.mtpc.test_speculative import RANK, _peaked_backbone
+from tests.speculative_helpers import circuit_enum_drafter, enumerate_outcomes, total_variation
 
 HOST_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"}
 

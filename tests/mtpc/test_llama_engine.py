@@ -258,3 +258,17 @@ def test_load_backbone_picks_the_compact_path(tmp_path):
     assert forced.engine == "hf" and isinstance(make_engine(forced, 16), AdapterEngine)
     plain = make_engine(bb, 16, draft=False)
     assert plain.k == 0 and all(kc.shape[0] == 1 for kc, _ in plain.kv)  # verifier only: one row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_rms_norm_is_transformers_bit_for_bit(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from mtpc.backbones.llama import rms_norm
+
+    ref = LlamaRMSNorm(64, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        ref.weight.normal_()
+    for scale in (1e-3, 1.0, 30.0):
+        x = (torch.randn(2, 5, 64, dtype=torch.float64) * scale).to(dtype)
+        assert torch.equal(rms_norm(x, ref.weight, 1e-6), ref(x))
