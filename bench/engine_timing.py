@@ -156,8 +156,9 @@ def hf_generate_ids(model, prompt: torch.Tensor, new: int, eos: int) -> list[int
 def make_head(backbone, kind: str, window: int, rank: int, leaf_delta_rank: int, seed: int = 0):
     """A random MtpcHead of the backbone's dtype and device (App. G leaves when leaf_delta_rank > 0)."""
     from mtpc.heads import HeadConfig, MtpcHead
+    from mtpc.names import point_rank
 
-    cfg = HeadConfig(kind, window, 1 if kind == "ff" else rank, backbone.vocab_size, backbone.hidden_size,
+    cfg = HeadConfig(kind, window, point_rank(kind, rank), backbone.vocab_size, backbone.hidden_size,
                      lora_depth=backbone.lora_depth, leaf_delta_rank=leaf_delta_rank)  # fmt: skip
     head = MtpcHead(cfg, device=backbone.device, dtype=backbone.dtype)
     gen = torch.Generator(device=backbone.device).manual_seed(seed)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from mtpc.backbones.base import BackboneAdapter, KVStore, SplitCache, SplitOutput
-from mtpc.backbones.engine import ENGINE_KINDS, AdapterEngine, Engine, StepOutput, make_engine
+from mtpc.backbones.engine import AdapterEngine, Engine, StepOutput, make_engine
 from mtpc.backbones.evabyte import EvaByteAdapter, EvaByteCache
 from mtpc.backbones.llama import LlamaEngine
 from mtpc.backbones.shipped import DEFAULT, SHIPPED_DIR, check_backbone_label, verify_shipped
@@ -33,7 +33,6 @@ MAX_BYTE_VOCAB = 512
 
 __all__ = [
     "ALIASES",
-    "ENGINE_KINDS",
     "AdapterEngine",
     "BackboneAdapter",
     "Engine",

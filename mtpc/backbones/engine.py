@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-ENGINE_KINDS = ("auto", "compact", "hf")
+from mtpc.names import DECODE_ENGINES
 
 
 @dataclass
@@ -70,8 +70,8 @@ def resolve_engine_kind(engine: str, model: Any) -> str:
     "compact" on a model it does not implement raises ValueError naming the field."""
     from mtpc.backbones.llama import llama_unsupported
 
-    if engine not in ENGINE_KINDS:
-        raise ValueError(f"engine={engine!r}: expected one of {ENGINE_KINDS}")
+    if engine not in DECODE_ENGINES:
+        raise ValueError(f"engine={engine!r}: expected one of {DECODE_ENGINES}")
     if engine == "hf":
         return "hf"
     reason = llama_unsupported(model)

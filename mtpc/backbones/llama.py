@@ -38,9 +38,9 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from mtpc.backbones.engine import StepOutput
+from mtpc.names import DRAFT_LORA_MODES
 
-ROPE_TYPES = ("default", "llama3")
-LORA_MODES = ("lowrank", "merged")
+ROPE_TYPES = ("default", "llama3")  # the rotary variants this forward implements
 # config keys a saved LlamaConfig may carry beyond LlamaConfig().to_dict() that change nothing here
 _HARMLESS_KEYS = {
     "_name_or_path", "architectures", "torch_dtype", "dtype", "transformers_version", "rope_scaling", "rope_theta",
@@ -293,8 +293,8 @@ class LlamaEngine:
         reason = llama_unsupported(adapter.model)
         if reason:
             raise ValueError(f"compact Llama forward: {reason}; use engine='hf'")
-        if lora not in LORA_MODES:
-            raise ValueError(f"lora={lora!r}: expected one of {LORA_MODES}")
+        if lora not in DRAFT_LORA_MODES:
+            raise ValueError(f"lora={lora!r}: expected one of {DRAFT_LORA_MODES}")
         model = adapter.model
         self.args = LlamaArgs.from_config(model.config)
         self.name = getattr(adapter, "name", "")
