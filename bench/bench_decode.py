@@ -12,8 +12,10 @@ Sections (each run in this process, 1 intra-op thread; the JSON keeps sections n
   LoRA draft top, low-rank and merged), the HF-layer adapter's step, one step of Hugging Face
   `generate` (greedy, EOS suppressed), the verify pass at n = 8 / 16, head + draft per circuit,
   and the speculative cycle of a btree head n = 8, r = 8, App. G leaves, k = 0; greedy outputs of
-  HF generate, our plain decoding and our speculative decoding compared byte for byte. `--compile`
-  adds the compact engine under torch.compile.
+  HF generate, our plain decoding and our speculative decoding compared byte for byte. Times are
+  this thread's CPU time by default (`--clock cpu`: a shared core's other jobs drop out; memory
+  contention does not); generations are timed as (n bytes - 1 byte) / steps or cycles, the same
+  way for HF `generate`. `--compile` adds the compact engine under torch.compile.
 - `bf16`: the fraction of prompts whose bf16 greedy speculative output differs from the same
   engine's bf16 plain greedy output, and the mean position of the first difference.
 - `heads`: for each window n and circuit kind a trained head export when one exists
@@ -112,6 +114,7 @@ def engine_section(args) -> dict:
 
     model, label = load_engine_model(args.model)
     eos, P, new, R = _eos(model), args.context, args.new_tokens, args.rounds
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     prompt = et.random_prompts(1, P, seed=args.seed)[0]
     cap = P + new + 64
     bb0 = BackboneAdapter.from_hf(model, lora_depth=0, name=label)
@@ -130,16 +133,16 @@ def engine_section(args) -> dict:
     for e in engines.values():
         et.prefilled(e, prompt, cap)
     one, g = torch.tensor([65]), torch.Generator().manual_seed(1)
-    out: dict = {"model": label, "context": P, "new_tokens": new, "rounds": R,
+    out: dict = {"model": label, "context": P, "new_tokens": new, "rounds": R, "clock": args.clock,
                  "weight_mb": et.weight_bytes(model) / 1e6}  # fmt: skip
     with torch.inference_mode():
         steps = et.timed({"floor": et.weight_floor(model)} | {k: et.engine_call(e, one, P) for k, e in engines.items()},
-                         args.reps, R)  # fmt: skip
+                         args.reps, R, clock=clock)  # fmt: skip
         out["step_ms"] = steps["ms"]
         ver = {"step": et.engine_call(engines["compact_k0"], one, P)}
         for n in (8, 16):
             ver[f"verify_{n}"] = et.engine_call(engines["compact_k0"], torch.randint(0, 256, (n,), generator=g), P)
-        vres = et.timed(ver, args.reps, R)
+        vres = et.timed(ver, args.reps, R, clock=clock)
         out["verify_ms"] = vres["ms"]
         out["verify_over_step"] = {n: et.ratio(vres, f"verify_{n}", "step") for n in (8, 16)}
         hidden = engines["compact_k0"].feed(one).draft_hidden[-1].clone()
@@ -149,7 +152,7 @@ def engine_section(args) -> dict:
             for kind in CIRCUIT_KINDS:
                 m = MtpcModel(bb0, et.make_head(bb0, kind, n, 8, 16))
                 hd[f"{kind}_n{n}"] = et.head_draft(m, hidden, one)
-        out["head_draft_ms_r8_appG16"] = et.timed(hd, args.reps, R)["ms"]
+        out["head_draft_ms_r8_appG16"] = et.timed(hd, args.reps, R, clock=clock)["ms"]
 
     # the cycle, our plain step and one HF generate step, interleaved per round
     head = et.make_head(bb0, "btree", 8, 8, 16)
@@ -163,13 +166,23 @@ def engine_section(args) -> dict:
         rounds[f"cycle_{name}"], rounds[f"plain_step_{name}"] = [], []
     for fn in hf_fns.values():
         fn()
+    def cost(fn) -> float:  # ms of `clock` spent in fn()
+        t0 = clock()
+        fn()
+        return (clock() - t0) * 1e3
+
     with torch.inference_mode():
-        for _ in range(R):
-            t = et.timed(hf_fns, 1, 1, warmup=0)["ms"]
-            rounds["hf_generate_step"].append((t["hf_generate_long"] - t["hf_generate_1"]) / (new - 1))
+        for _ in range(R):  # each: (a generation of `new` bytes - one of 1 byte) / its cycles or steps
+            t_long, t_one = cost(hf_fns["hf_generate_long"]), cost(hf_fns["hf_generate_1"])
+            rounds["hf_generate_step"].append((t_long - t_one) / (new - 1))
             for name, m in models.items():
-                rounds[f"cycle_{name}"].append(et.cycle_ms(m, prompt, new)[0])
-                rounds[f"plain_step_{name}"].append(m.generate_plain(prompt, max_new_tokens=new, ban_eos=True).stats.mu_lat * 1e3)
+                gen: list = []
+                t_long = cost(lambda m=m, gen=gen: gen.append(m.generate(prompt, max_new_tokens=new, ban_eos=True)))
+                t_one = cost(lambda m=m: m.generate(prompt, max_new_tokens=1, ban_eos=True))
+                rounds[f"cycle_{name}"].append((t_long - t_one) / gen[0].stats.cycles)
+                t_long = cost(lambda m=m: m.generate_plain(prompt, max_new_tokens=new, ban_eos=True))
+                t_one = cost(lambda m=m: m.generate_plain(prompt, max_new_tokens=1, ban_eos=True))
+                rounds[f"plain_step_{name}"].append((t_long - t_one) / (new - 1))
     med = {k: statistics.median(v) for k, v in rounds.items()}
     per_round = lambda a, b: statistics.median(x / y for x, y in zip(rounds[a], rounds[b], strict=True))  # noqa: E731
     out["cycle_btree_n8_r8_appG16_k0_ms"] = {k: v for k, v in med.items() if k.startswith("cycle")}
@@ -271,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--identity-prompts", type=int, default=4)
     ap.add_argument("--bf16-prompts", type=int, default=20)
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                    help="engine section: this thread's CPU time (robust to other jobs on the core) or wall time")
     ap.add_argument("--compile", action="store_true", help="engine section: also the compact engine under torch.compile")
     ap.add_argument("--windows", default="8,16")
     ap.add_argument("--heads-dir", default=str(cache_dir() / "heads"))

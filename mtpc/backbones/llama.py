@@ -417,11 +417,13 @@ class LlamaEngine:
         B, T, _ = x.shape
         a = self.args
         h = rms_norm(x, layer.ln1, a.norm_eps)
-        q = (
-            self._linear(h, layer, "q_proj").view(B, T, a.n_heads, a.head_dim).transpose(1, 2)
-        )  # (B, h, T, hd)
-        k = self._linear(h, layer, "k_proj").view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
-        v = self._linear(h, layer, "v_proj").view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        q, k, v = (self._linear(h, layer, n) for n in ("q_proj", "k_proj", "v_proj"))
+        if T == 1:  # one query: (B, 1, h hd) already is the grouped layout (B, h_kv, n_rep, hd), a view
+            q = q.view(B, a.n_kv_heads, self.n_rep, a.head_dim)
+            k, v = (t.view(B, a.n_kv_heads, 1, a.head_dim) for t in (k, v))
+        else:
+            q = q.view(B, T, a.n_heads, a.head_dim).transpose(1, 2)  # (B, h, T, hd)
+            k, v = (t.view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2) for t in (k, v))  # (B, h_kv, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kc, vc = kv
         if pos is None:
@@ -432,8 +434,11 @@ class LlamaEngine:
         else:
             kc.index_copy_(2, pos, k)
             vc.index_copy_(2, pos, v)
-        y = self._attend(q, kc, vc, mask)  # (B, h, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim)
+        if T == 1:
+            y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scale)  # (B, h_kv, n_rep, hd)
+            y = y.view(B, 1, a.n_heads * a.head_dim)
+        else:
+            y = self._attend(q, kc, vc, mask).transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim)
         x = x + self._linear(y, layer, "o_proj")
         h = rms_norm(x, layer.ln2, a.norm_eps)
         g = self._linear(h, layer, "gate_proj")
