@@ -276,8 +276,8 @@ class LlamaEngine:
     static: fixed-shape attention over the whole capacity (default: on CUDA). cuda_graphs:
     capture `feed` per input length T on its first use (CUDA and static only). lora:
     "lowrank" (s B (A x) beside the shared W) or "merged" (a stacked copy [W, W + s B A]).
-    compile: run the forward through torch.compile (dynamic shapes; for the CPU, where it fuses
-    the small elementwise ops between the matmuls; the first calls compile for tens of seconds).
+    compile: run the forward through torch.compile (dynamic shapes). Off by default: on the
+    shared 2-core CPU it compiled for 60-630 s and gave no reliable gain (docs/decoding.md).
     """
 
     def __init__(
@@ -350,7 +350,6 @@ class LlamaEngine:
         ]  # fmt: skip
         self.cos, sin = rope_table(a, cap, self.device, self.dtype)  # (C, hd)
         self.sin = signed_sin(sin)
-        self.causal = torch.ones(cap, cap, dtype=torch.bool, device=self.device).tril()  # (C, C)
         self.positions = torch.arange(cap, device=self.device)
         self.capacity = cap
         self._graphs.clear()
@@ -387,10 +386,11 @@ class LlamaEngine:
         x = F.embedding(ids, self.embed).unsqueeze(0)  # (1, T, d)
         if pos is None:
             cos, sin = self.cos[start : start + T], self.sin[start : start + T]
-            mask = self.causal[start : start + T, : start + T] if T > 1 else None  # (T, S)
+            rows = self.positions[start : start + T, None]
+            mask = self.positions[None, : start + T] <= rows if T > 1 else None  # (T, S) causal
         else:
             cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)
-            mask = self.causal.index_select(0, pos)  # (T, C)
+            mask = self.positions[None, :] <= pos[:, None]  # (T, C) causal over the whole capacity
         if mask is not None and self.n_rep > 1:
             mask = mask.repeat(self.n_rep, 1)  # grouped-query rows r*T + t -> mask row t (see _attend)
         for i, layer in enumerate(self.layers):
