@@ -384,12 +384,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eos", default="banned",
                     help="banned (default: EOS gets probability 0, equal lengths), allowed (EOS stops), or both")
     ap.add_argument("--device", default=None, help="cpu, cuda, ... (default: where the backbone loads)")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="let the backbone's checkpoint run its own modelling code (a hub id also needs --revision)")
+    ap.add_argument("--revision", default=None, help="the hub commit hash of the backbone to load")
     ap.add_argument("--out", required=True, help="results JSON path")
     ap.add_argument("--mlflow-parent-run", default=None, help="log one child run per (mode, prompt_set) under it")
     ap.add_argument("--mlflow-tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI / mlflow's default")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (1 is steadier on a shared CPU)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    from experiments.quiet import quiet
+
+    quiet()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
@@ -402,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--{flag.replace('_', '-')}: {d!r} is not a head export (no config.json)")
         prompt_sets = load_prompt_sets(args.prompts, args.num_prompts, args.sets, args.seed)
         load_kw = {"device": args.device} if args.device else {}
+        if args.trust_remote_code or args.revision:
+            load_kw.update(trust_remote_code=args.trust_remote_code, revision=args.revision)
         main_model = MtpcModel.from_pretrained(args.head, backbone=args.backbone, **load_kw)
         models = {"head": main_model}
         if args.ff_head:

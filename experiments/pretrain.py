@@ -555,6 +555,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ship-rows", type=int, default=SHIP_ROWS, help="held-out rows of 2048 bytes scored when shipping")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field (YAML value)")
     args = ap.parse_args(argv)
+    from experiments.quiet import quiet
+
+    quiet()
     try:
         overrides = {}
         for item in args.set:

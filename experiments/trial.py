@@ -5,11 +5,12 @@ process, one child run per (mode, prompt_set)), all in one MLflow parent run.
     run_trial(train_config, eval_config, *, mlflow_tracking_uri, mlflow_experiment_id, parent_run_name, ...)
 
 `train_config` = {"config": <shipped name or YAML path>, <nested overrides>..., "circuit", "rank",
-"window", "lora_depth"} (the grid point's names go to `model.*`). Training checkpoints under
-`checkpoint_dir`; a re-run with the same directory resumes from `last.ckpt`. When `should_stop()`
-turns true (pre-emption), training saves a checkpoint at the next batch end and `preempted_exc` is
-raised instead of evaluating a half-trained head. Lightning gets `LightningEnvironment` from
-train_head (a one-task SLURM job is not a multi-process or self-requeueing job).
+"window", "lora_depth", "kl_beta", "train_seed"}: `trial_config` parses the base config with the
+overrides and sets the grid point on it with `dataclasses.replace` (architecture and kl_beta on
+`model`, train_seed as `seed_everything`); train_head checks the values once. Training checkpoints
+under `checkpoint_dir`; a re-run with the same directory resumes from `last.ckpt`. When
+`should_stop()` turns true (the sweep worker's SIGUSR1/SIGTERM), training saves a checkpoint at the
+next optimizer step and `preempted_exc` is raised instead of evaluating a half-trained head.
 
 Returns the objective metrics as means over the stored child runs ("<metric>" over all,
 "<mode>/<metric>" per mode). The sweep runner reads the child runs back itself as well.
@@ -20,62 +21,43 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from mtpc.names import DECODE_MODES, GRID_PARAMS
 
 
-def stop_callback(should_stop: Callable[[], bool], ckpt_path: Path):
-    """A Lightning callback: once `should_stop()` is true, save `ckpt_path` and end fit."""
-    from lightning.pytorch.callbacks import Callback
+def trial_config(train_config: dict[str, Any], *, tracking_uri: str | None = None, experiment: str | None = None,
+                 run_dir: str | Path | None = None) -> Any:
+    """The trial's `TrainConfig`: the spec's base config + nested overrides, the grid point set with
+    `dataclasses.replace`, tracking into `tracking_uri` / `experiment`, the run in `run_dir` (head in
+    `<run_dir>/head`)."""
+    from experiments.config import load_config
 
-    class StopOnRequest(Callback):
-        stopped = False
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            if should_stop() and not self.stopped:
-                ckpt_path.parent.mkdir(parents=True, exist_ok=True)
-                trainer.save_checkpoint(str(ckpt_path))
-                self.stopped = True
-                trainer.should_stop = True
-
-    return StopOnRequest()
-
-
-def train_overrides(train_config: dict[str, Any], *, tracking_uri: str, experiment: str | None) -> tuple[str | dict, dict[str, Any]]:
-    """Split a sweep's train config into (base config, overrides for experiments.train.train_head)."""
-    cfg = dict(train_config)
-    base = cfg.pop("config", "debug")
-    overrides: dict[str, Any] = {}
-    for k in GRID_PARAMS:
-        if k in cfg:
-            overrides[f"model.{k}"] = cfg.pop(k)
-    if "kl_beta" in cfg:  # the training axes: the loss weight and the head's training seed
-        overrides["model.kl_beta"] = cfg.pop("kl_beta")
-    if "train_seed" in cfg:
-        overrides["seed_everything"] = cfg.pop("train_seed")
-    for k, v in cfg.items():
-        overrides[k] = v
-    overrides["run.tracking"] = True
-    overrides["run.tracking_uri"] = tracking_uri
-    if experiment:
-        overrides["run.experiment"] = experiment
-    return base, overrides
+    overrides = dict(train_config)
+    base = overrides.pop("config", "debug")
+    model = {k: overrides.pop(k) for k in (*GRID_PARAMS, "kl_beta") if k in overrides}
+    seed = {"seed_everything": overrides.pop("train_seed")} if "train_seed" in overrides else {}
+    cfg = load_config(base, overrides)
+    run = replace(cfg.run, tracking=True, tracking_uri=tracking_uri, experiment=experiment or cfg.run.experiment)
+    if run_dir is not None:
+        run = replace(run, dir=str(run_dir), export_dir=str(Path(run_dir) / "head"))
+    return replace(cfg, model=replace(cfg.model, **model), run=run, **seed)
 
 
-def load_for_eval(head_dir: Path, resolved: dict[str, Any]):
-    """The trained head on a freshly loaded backbone, as `MtpcModel`. The `tiny` debug backbone is
-    rebuilt from its seed (mtpc.backbones does not know it); others load by their recorded name."""
+def load_for_eval(head_dir: Path, model: Any):
+    """The trained head on a freshly loaded backbone, as `MtpcModel`; `model` is the run's ModelConfig.
+    The `tiny` debug backbone is rebuilt from its seed (mtpc.backbones does not know it); others load
+    by their recorded name with the run's consent to remote code and its revision."""
     from mtpc import MtpcModel
 
-    m = resolved.get("model", {})
-    backbone = None
-    if m.get("backbone") == "tiny":
+    if model.backbone == "tiny":
         from experiments.module import build_backbone
 
-        backbone = build_backbone("tiny", m.get("lora_depth", 0), m.get("backbone_dtype"), m.get("tiny_seed", 0))
-    return MtpcModel.from_pretrained(head_dir, backbone=backbone)
+        tiny = build_backbone("tiny", model.lora_depth, model.backbone_dtype, model.tiny_seed)
+        return MtpcModel.from_pretrained(head_dir, backbone=tiny)
+    return MtpcModel.from_pretrained(head_dir, trust_remote_code=model.trust_remote_code, revision=model.revision)
 
 
 def eval_passes(modes, temperatures) -> list[tuple[str, float]]:
@@ -84,15 +66,14 @@ def eval_passes(modes, temperatures) -> list[tuple[str, float]]:
     return [(m, t) for i, t in enumerate(temperatures) for m in modes if m == "sample" or i == 0]
 
 
-def training_axes(resolved: dict[str, Any]) -> dict[str, Any]:
+def training_axes(cfg: Any) -> dict[str, Any]:
     """The training params every child run carries (so CE and distilled heads, and training seeds,
-    can be told apart from the child alone): kl_beta, kl_temperature, train_seed."""
-    m = resolved.get("model", {})
-    return {"kl_beta": float(m.get("kl_beta", 0.0)), "kl_temperature": float(m.get("kl_temperature", 1.0)),
-            "train_seed": resolved.get("seed_everything", 0)}
+    can be told apart from the child alone): kl_beta, kl_temperature, train_seed. `cfg`: the TrainConfig."""
+    return {"kl_beta": float(cfg.model.kl_beta), "kl_temperature": float(cfg.model.kl_temperature),
+            "train_seed": cfg.seed_everything}
 
 
-def evaluate_head(head_dir: Path, resolved: dict[str, Any], eval_config: dict[str, Any], *, parent_run_id: str,
+def evaluate_head(head_dir: Path, cfg: Any, eval_config: dict[str, Any], *, parent_run_id: str,
                   tracking_uri: str, out: Path, extra_params: dict[str, Any] | None = None) -> list[str]:
     """The decoding modes on the same prompt sets (experiments.evaluate): sampling at every
     temperature of `temperatures`, greedy once, each EOS treatment of `eos`; JSON to `out`, one child
@@ -102,7 +83,7 @@ def evaluate_head(head_dir: Path, resolved: dict[str, Any], eval_config: dict[st
 
     from experiments.evaluate import evaluate_heads, load_prompt_sets, log_evaluation_to_mlflow, summarize
 
-    model = load_for_eval(head_dir, resolved)
+    model = load_for_eval(head_dir, cfg.model)
     sets = load_prompt_sets(eval_config.get("prompts", "heldout"), eval_config.get("n_prompts", 8),
                             eval_config.get("sets", 1), eval_config.get("seed", 0))
     modes = tuple(eval_config.get("modes", DECODE_MODES))
@@ -126,7 +107,7 @@ def evaluate_head(head_dir: Path, resolved: dict[str, Any], eval_config: dict[st
     results["summary"] = summarize(results)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
-    params = {**training_axes(resolved), **(extra_params or {})}
+    params = {**training_axes(cfg), **(extra_params or {})}
     return log_evaluation_to_mlflow(results, parent_run_id, params=params, tracking_uri=tracking_uri)
 
 
@@ -144,6 +125,10 @@ def run_trial(
 ) -> dict[str, float]:
     """Train + evaluate one architecture; log into the parent run (created here if not given)."""
     from mlflow.tracking import MlflowClient
+
+    from experiments.quiet import quiet
+
+    quiet()  # a sweep worker is a command line too: only the suite's own messages
 
     client = MlflowClient(tracking_uri=mlflow_tracking_uri)
     if parent_run_id is None:
@@ -174,19 +159,15 @@ def _train_and_evaluate(
     from sweeps.tracking import child_runs, discard_children
 
     ckpt = run_dir / "checkpoints" / "last.ckpt"
-    base, overrides = train_overrides(train_config, tracking_uri=uri, experiment=exp_name)
-    stopper = stop_callback(should_stop, ckpt)
-    result = train_head(
-        base, overrides, mlflow_run_id=parent_run_id, ckpt_path="last" if ckpt.exists() else None,
-        run_dir=run_dir, export_dir=run_dir / "head", callbacks=[stopper],
-    )
-    # train_head's own SIGUSR1 handler (result.preempted) or our stop request (SIGTERM, SIGUSR1)
-    if getattr(result, "preempted", False) or stopper.stopped or should_stop():
+    cfg = trial_config(train_config, tracking_uri=uri, experiment=exp_name, run_dir=run_dir)
+    result = train_head(cfg, mlflow_run_id=parent_run_id, ckpt_path="last" if ckpt.exists() else None,
+                        should_stop=should_stop)
+    if result.preempted or should_stop():
         raise preempted_exc(f"training stopped on request; checkpoint {ckpt}")
     # children of an interrupted earlier attempt would be counted twice: drop them first
     discard_children(uri, exp_id, parent_run_id)
     modes = eval_config.get("modes", list(DECODE_MODES))
-    evaluate_head(result.head_dir, result.config, eval_config, parent_run_id=parent_run_id, tracking_uri=uri,
+    evaluate_head(result.head_dir, cfg, eval_config, parent_run_id=parent_run_id, tracking_uri=uri,
                   out=run_dir / "evaluation.json")
     out: dict[str, float] = {}
     runs = child_runs(uri, exp_id, parent_run_id)

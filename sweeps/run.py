@@ -134,12 +134,11 @@ def validate_trial_configs(spec: SweepSpec) -> int:
     if spec.objective_kind != "trial" or spec.grid is None:
         return 0
     from experiments.train import check_config
-    from experiments.trial import train_overrides
+    from experiments.trial import trial_config
 
     for point in spec.grid:
-        base, overrides = train_overrides({**spec.train, **point}, tracking_uri=spec.tracking_uri, experiment=spec.experiment)
         try:
-            check_config(base, overrides)
+            check_config(trial_config({**spec.train, **point}, tracking_uri=spec.tracking_uri, experiment=spec.experiment))
         except (ValueError, TypeError) as e:
             raise SpecError(f"{spec.path}: key 'train' (grid point {grid_key(point)}): {e}") from e
     return len(spec.grid)

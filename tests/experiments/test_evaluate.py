@@ -99,3 +99,16 @@ def test_mlflow_children_carry_params_and_metrics(exported, tmp_path):
         assert run.data.params["circuit"] == "cp" and run.data.params["mode"] == "greedy"
         assert {"mu_lat", "mu_acc", "throughput", "speedup_vs_stp", "acceptance_pos_2"} <= set(run.data.metrics)
     assert {client.get_run(r).data.params["prompt_set"] for r in ids} == {"0", "1"}
+
+
+def test_cli_truncated_head_is_one_line_naming_the_file(exported, tmp_path, capsys):
+    import shutil
+
+    bad = tmp_path / "cp"
+    shutil.copytree(exported / "cp", bad)
+    weights = bad / "head.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # an interrupted copy
+    rc = main(["--head", str(bad), "--prompts", str(exported / "prompts.jsonl"), "--num-prompts", "1", "--sets", "1",
+               "--out", str(tmp_path / "r.json"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and str(weights) in err, err

@@ -1,5 +1,5 @@
 """The real trial (experiments/trial.py) on the `tiny` backbone: train_head logs into the trial's
-parent run, experiments.evaluate logs one child per (mode, prompt_set) with the DESIGN section 3
+parent run, experiments.evaluate logs one child per (mode, prompt_set) with the `mtpc.names.EVAL_PARAMS`
 names; a stop request checkpoints and raises, and the re-run resumes from that checkpoint and
 completes; the sweep runner runs it end to end; every grid point's training config is validated
 before submission."""
