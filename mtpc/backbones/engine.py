@@ -81,17 +81,20 @@ def resolve_engine_kind(engine: str, model: Any) -> str:
 
 
 def verifier_only(backbone: Any) -> Any:
-    """The same weights without the draft top (an HF-layer adapter with lora_depth = 0)."""
+    """The same weights without the draft top (an adapter with lora_depth = 0), so the plain
+    baseline does not pay for it."""
     from mtpc.backbones.base import BackboneAdapter
+    from mtpc.backbones.evabyte import EvaByteAdapter
 
     if backbone.lora_depth > 0 and type(backbone) is BackboneAdapter:
         return BackboneAdapter.from_hf(
-            backbone.model,
-            lora_depth=0,
-            name=backbone.name,
-            tokenizer=backbone.tokenizer,
-            engine=backbone.engine,
+            backbone.model, lora_depth=0, name=backbone.name, tokenizer=backbone.tokenizer, engine=backbone.engine
         )
+    if backbone.lora_depth > 0 and type(backbone) is EvaByteAdapter:
+        return EvaByteAdapter.from_hf(
+            backbone.model, lora_depth=0, name=backbone.name, tokenizer=backbone.tokenizer,
+            extra_window=backbone.extra_window,
+        )  # fmt: skip
     return backbone
 
 
