@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--copy-gib", type=float, default=4.0)
     args = ap.parse_args(argv)
     if args.tiny:
+        torch.set_num_threads(1)  # tiny ops on a shared CPU: one thread is ~10x faster than two
         args.window, args.rank, args.rounds, args.reps, args.new_tokens = 4, 4, 2, 2, 12
         args.identity_prompts, args.bf16_prompts, args.copy_gib = 1, 2, 0.05
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
