@@ -20,6 +20,11 @@ CIRCUIT_KINDS: tuple[str, ...] = ("ff", "cp", "hmm", "btree")
 DECODE_MODES: tuple[str, ...] = ("greedy", "sample")
 #: what happens to the verifier's extra token: keep (exact, one call per cycle) or drop (paper's Alg. 2)
 EXTRA_TOKEN_OPTIONS: tuple[str, ...] = ("keep", "drop")
+#: the decoding engine of a backbone: auto (compact when it implements the model), compact (mtpc's own
+#: Llama forward with preallocated caches), hf (the transformers decoder layers)
+DECODE_ENGINES: tuple[str, ...] = ("auto", "compact", "hf")
+#: how the compact engine runs the LoRA draft top: lowrank (s B (A x) beside the shared W) or merged
+DRAFT_LORA_MODES: tuple[str, ...] = ("lowrank", "merged")
 #: the axes of a sweep grid point (and the architecture params of a trial), in grid-key order
 GRID_PARAMS: tuple[str, ...] = ("circuit", "rank", "window", "lora_depth")
 #: training axes a grid may vary beside the architecture, with their defaults: kl_beta (weight of the

@@ -2,8 +2,9 @@
 
 `tiny_llama` builds a stock transformers `LlamaForCausalLM` with a small vocabulary (4 symbols
 work), float64 and eager attention by default, for exactness tests. `tiny_backbone` wraps it in a
-`BackboneAdapter`; `randomize_lora` gives the draft top's LoRA non-zero B matrices so that the
-draft differs from the verifier.
+`BackboneAdapter` (decoding through the compact engine or, with engine="hf", the HF layers);
+`randomize_lora` gives the draft top's LoRA non-zero B matrices so that the draft differs from
+the verifier; `cache_snapshot` lists an engine's live keys/values for comparisons.
 """
 
 from __future__ import annotations
@@ -52,8 +53,36 @@ def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float64, **cfg_kw) -> L
     return model.to(dtype).eval()
 
 
-def tiny_backbone(lora_depth: int = 0, seed: int = 0, dtype: torch.dtype = torch.float64, lora_rank: int = 4, **cfg_kw):
-    return BackboneAdapter.from_hf(tiny_llama(seed, dtype, **cfg_kw), lora_depth=lora_depth, lora_rank=lora_rank)
+def tiny_backbone(
+    lora_depth: int = 0,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+    lora_rank: int = 4,
+    engine: str = "auto",
+    **cfg_kw,
+):
+    """engine: the decoding path ("compact": mtpc's Llama forward, "hf": the HF layers; auto = compact)."""
+    model = tiny_llama(seed, dtype, **cfg_kw)
+    return BackboneAdapter.from_hf(model, lora_depth=lora_depth, lora_rank=lora_rank, engine=engine)
+
+
+ENGINES = ("compact", "hf")  # both decoding paths, for parametrised tests
+
+
+def cache_snapshot(engine) -> dict[str, torch.Tensor]:
+    """Every live key/value of an engine, by name: (rows, h_kv, length, hd) per layer and segment."""
+    from mtpc.backbones import LlamaEngine
+
+    out = {}
+    if isinstance(engine, LlamaEngine):
+        for i, (k, v) in enumerate(engine.kv):
+            out[f"k{i}"], out[f"v{i}"] = k[:, :, : engine.length], v[:, :, : engine.length]
+        return out
+    for seg in ("trunk", "verify", "draft"):
+        store = getattr(engine.cache, seg)
+        for i in store.keys:
+            out[f"{seg}.k{i}"], out[f"{seg}.v{i}"] = store.keys[i], store.values[i]
+    return out
 
 
 def randomize_lora(bb: BackboneAdapter, seed: int = 1, scale: float = 0.3) -> None:

@@ -12,7 +12,8 @@ in its config.json, e.g. EvaByte) is refused unless `trust_remote_code=True`, an
 `revision=<40-hex commit hash>` (the commit whose code was reviewed; a branch can move). A local
 directory needs only `trust_remote_code=True`: the code is the one on disk. `check_remote_code`
 states the rule; the training config calls it too, before any weights are read. The adapter classes live in `base.py`
-(Llama architecture) and `evabyte.py`.
+(Llama architecture) and `evabyte.py`; the decoding engines in `engine.py` (protocol, HF layers)
+and `llama.py` (the compact Llama forward), CUDA graph capture in `graphs.py`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from typing import Any
 import torch
 
 from mtpc.backbones.base import BackboneAdapter, KVStore, SplitCache, SplitOutput
+from mtpc.backbones.engine import AdapterEngine, Engine, StepOutput, make_engine
 from mtpc.backbones.evabyte import EvaByteAdapter, EvaByteCache
+from mtpc.backbones.llama import LlamaEngine
 from mtpc.backbones.shipped import DEFAULT, SHIPPED_DIR, check_backbone_label, verify_shipped
 from mtpc.paths import cache_dir
 
@@ -36,7 +39,11 @@ MAX_BYTE_VOCAB = 512
 
 __all__ = [
     "ALIASES",
+    "AdapterEngine",
     "BackboneAdapter",
+    "Engine",
+    "LlamaEngine",
+    "StepOutput",
     "EvaByteAdapter",
     "EvaByteCache",
     "KVStore",
@@ -46,6 +53,7 @@ __all__ = [
     "check_remote_code",
     "default_model_dir",
     "load_backbone",
+    "make_engine",
     "pretrained_model_dir",
 ]
 
@@ -74,7 +82,9 @@ def _resolve(name_or_path: str) -> tuple[str, str]:
     if Path(name).expanduser().is_dir():
         path = Path(name).expanduser()
         if not (path / "config.json").is_file():
-            raise ValueError(f"backbone {name!r}: directory has no config.json (expected a save_pretrained checkpoint)")
+            raise ValueError(
+                f"backbone {name!r}: directory has no config.json (expected a save_pretrained checkpoint)"
+            )
         return name, str(path)
     if re.fullmatch(r"[\w.\-]+/[\w.\-]+", name) and not Path(name).exists():
         return name, name
@@ -133,10 +143,13 @@ def load_backbone(
     revision: str | None = None,
     allow_non_byte: bool = False,
     attn_implementation: str | None = None,
+    engine: str = "auto",
     **lora_kw: Any,
 ) -> BackboneAdapter | EvaByteAdapter:
     """Load a checkpoint by name or path and wrap it; see the module docstring for names.
 
+    engine: the decoding path — "auto" (the compact Llama forward when it implements the model,
+    else the HF layers), "compact" (refuse otherwise) or "hf". EvaByte always takes the HF path.
     trust_remote_code / revision: see the module docstring (`check_remote_code`); revision pins a hub commit.
     lora_kw: lora_rank, lora_alpha, lora_dropout, lora_targets (see `BackboneAdapter`).
     """
@@ -177,5 +190,12 @@ def load_backbone(
     if device is not None:
         model.to(device)
     tokenizer = _load_tokenizer(source, trust_remote_code, revision)
-    cls = EvaByteAdapter if getattr(config, "model_type", "") == "evabyte" else BackboneAdapter
-    return cls.from_hf(model, lora_depth=lora_depth, name=label, tokenizer=tokenizer, **lora_kw)
+    if getattr(config, "model_type", "") == "evabyte":
+        if engine == "compact":
+            raise ValueError(
+                f"backbone {label!r}: engine='compact' implements Llama only, not EvaByte; use engine='auto' or 'hf'"
+            )
+        return EvaByteAdapter.from_hf(model, lora_depth=lora_depth, name=label, tokenizer=tokenizer, **lora_kw)
+    return BackboneAdapter.from_hf(
+        model, lora_depth=lora_depth, name=label, tokenizer=tokenizer, engine=engine, **lora_kw
+    )

@@ -13,6 +13,10 @@ the weights); peft injects LoRA into the clones only (`layers_to_transform`), so
 the same trunk output in one call, each with its own KV cache. With k = 0 the draft reads the
 verifier's hidden state. The backbone is frozen; only the LoRA parameters train.
 
+Decoding does not run through `forward` when the compact Llama forward implements the model
+(`engine == "compact"`, see llama.py and engine.py): this module then holds the weights and the
+LoRA (and trains it); the HF-layer path stays for other architectures and `engine="hf"`.
+
 Caches are plain per-segment key/value stores (`KVStore`, duck-typed as the `Cache.update` that
 transformers' attention calls), grouped in `SplitCache` so that `crop` rolls back all three
 segments together. Rotary positions are `cache.length + arange(T)`; batch rows share one length
@@ -136,6 +140,7 @@ class BackboneAdapter(nn.Module):
         lora_alpha: float | None = None,
         lora_dropout: float = 0.0,
         lora_targets: Sequence[str] = LORA_TARGETS,
+        engine: str = "auto",
     ):
         super().__init__()
         inner = getattr(model, "model", None)
@@ -156,6 +161,9 @@ class BackboneAdapter(nn.Module):
                 f"attn_implementation={attn!r}: the split forward passes an explicit causal mask over "
                 "[cached | new] keys, which flash-attention kernels ignore; load with 'sdpa' or 'eager'"
             )
+        from mtpc.backbones.engine import resolve_engine_kind
+
+        self.engine = resolve_engine_kind(engine, model)  # the decoding engine: "compact" or "hf"
         self.model = model
         self.model.requires_grad_(False)
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__

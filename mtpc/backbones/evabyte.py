@@ -112,6 +112,7 @@ class EvaByteAdapter(nn.Module):
             raise ValueError(f"lora_depth={lora_depth!r}: must be an int in [0, num_layers={L}]")
         self.model = model
         self.model.requires_grad_(False)
+        self.engine = "hf"  # decoding through its own layers (mtpc.backbones.engine.AdapterEngine)
         self.name = name or getattr(cfg, "_name_or_path", "") or "evabyte"
         self.tokenizer = tokenizer
         self.lora_depth, self.num_layers, self.lora_rank = lora_depth, L, lora_rank if lora_depth else 0

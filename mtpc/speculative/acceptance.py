@@ -6,6 +6,8 @@ min(1, p(d) / q(d)), the distribution of the accepted length, the residual distr
 normalise(max(0, p - q)), and the two verification functions `greedy_verify` and
 `sample_verify`. Randomness enters only through a `Chooser` (probs -> index), so tests can
 replace it by an enumerator and obtain exact output distributions (tests/test_acceptance.py).
+Everything stays on the tensors' device: with `TorchChooser` the verification reads nothing
+back to the host (the decoding loop reads the accepted count once per cycle).
 
 Leaves out: caches, backbone calls and the cycle bookkeeping (loop.py).
 
@@ -24,19 +26,27 @@ from torch import Tensor
 
 
 class Chooser(Protocol):
-    """Draws an index from a probability vector; the loop's only source of randomness."""
+    """Draws an index from a probability vector; the loop's only source of randomness.
 
-    def __call__(self, probs: Tensor) -> int: ...  # probs (k,) non-negative, sums to 1
+    May return a Python int (test enumerators) or a 0-d int64 tensor on the probabilities'
+    device (`TorchChooser`: nothing is read back to the host)."""
+
+    def __call__(self, probs: Tensor) -> int | Tensor: ...  # probs (k,) non-negative, sums to 1
 
 
 class TorchChooser:
-    """`torch.multinomial` with an optional generator (the production chooser)."""
+    """`torch.multinomial` with an optional generator (the production chooser); a 0-d device tensor."""
 
     def __init__(self, generator: torch.Generator | None = None):
         self.generator = generator
 
-    def __call__(self, probs: Tensor) -> int:
-        return int(torch.multinomial(probs, 1, generator=self.generator).item())
+    def __call__(self, probs: Tensor) -> Tensor:
+        return torch.multinomial(probs, 1, generator=self.generator)[0]
+
+
+def as_index(i: int | Tensor, device: torch.device) -> Tensor:
+    """An index from a Chooser (int or 0-d tensor) as a (1,) int64 tensor on `device`, without a host read."""
+    return torch.as_tensor(i, dtype=torch.long, device=device).view(1)
 
 
 def target_probs(
@@ -109,16 +119,17 @@ def residual_distribution(p: Tensor, q: Tensor) -> Tensor:  # (..., v) x2 -> (..
     return torch.where(mass > 0, r / mass.clamp_min(torch.finfo(r.dtype).tiny), p)
 
 
-def greedy_verify(draft: Tensor, target_ids: Tensor) -> tuple[int, int]:
+def greedy_verify(draft: Tensor, target_ids: Tensor) -> tuple[Tensor, Tensor]:
     """Greedy rule: accept while draft[j] == argmax p_j; the extra token is argmax p at the stop.
 
-    draft (m,), target_ids (m+1,) = argmax of each verifier row -> (s, extra token).
+    draft (m,), target_ids (m+1,) = argmax of each verifier row -> (s, extra token), 0-d tensors
+    on the device (nothing is read back).
     """
     m = draft.shape[0]
     mismatch = (draft != target_ids[:m]).to(torch.int64)  # (m,)
     # s = index of the first mismatch, or m if none (argmax of a cumsum > 0 needs a sentinel)
-    s = int(torch.cat([mismatch, mismatch.new_ones(1)]).argmax().item())
-    return s, int(target_ids[s].item())
+    s = torch.cat([mismatch, mismatch.new_ones(1)]).argmax()
+    return s, target_ids.gather(0, s.view(1))[0]
 
 
 def sample_verify(
@@ -126,14 +137,16 @@ def sample_verify(
     p: Tensor,  # (m+1, v) target probabilities
     q: Tensor,  # (m, v) draft conditionals (probabilities) of the drafted tokens' positions
     choose: Chooser,
-) -> tuple[int, int]:
-    """Speculative sampling: returns (s accepted drafts, extra token).
+) -> tuple[int | Tensor, int | Tensor]:
+    """Speculative sampling: returns (s accepted drafts, extra token), as `choose` returns them.
 
     The extra token is sampled from normalise(max(0, p_s - q_s)) after a rejection at s, and
-    from p_m after full acceptance; every emitted token is then distributed as under p.
+    from p_m after full acceptance (q's row m is taken as zero, so the residual there is p_m);
+    every emitted token is then distributed as under p. No host read when `choose` returns tensors.
     """
     m = draft.shape[0]
     a = acceptance_probs(p[:m], q, draft)
     s = choose(acceptance_length_distribution(a))
-    extra_probs = residual_distribution(p[s], q[s]) if s < m else p[m]
-    return s, choose(extra_probs)
+    at = as_index(s, p.device)
+    q_s = torch.cat([q, q.new_zeros(1, q.shape[-1])]).index_select(0, at)  # (1, v); zeros at s = m
+    return s, choose(residual_distribution(p.index_select(0, at), q_s)[0])

@@ -2,8 +2,13 @@
 
 Holds: `plain_decode` (the single-token baseline), `speculative_decode` (extra_token "keep":
 one backbone call per cycle, exact; "drop": the paper's Algorithm 2 as written, not
-distribution-preserving when sampling), the `Engine` protocol that owns the caches
-(`BackboneEngine` wraps a backbone adapter), the circuit drafter, and per-run statistics.
+distribution-preserving when sampling), the circuit drafter, and per-run statistics. The
+`Engine` protocol that owns the caches lives in mtpc/backbones/engine.py (re-exported here).
+
+One host read per cycle: draft, verify and accept run on the device; the cycle reads back one
+small tensor [s, extra, drafted bytes] (`.tolist()`), from which the host learns how far to crop
+and what was emitted. Fixed shapes per window (n bytes fed per verify, 1 per plain step) let
+the engine capture its calls as CUDA graphs.
 
 The keep cycle (DESIGN section 3). The caches hold bytes up to a; c = x_{a+1} is emitted but
 has no state. theta_a = head(e_a) drafts the window [c, d_2..d_n] with prefix [c]; one call
@@ -26,58 +31,24 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from mtpc.backbones.engine import AdapterEngine, Engine, StepOutput
 from mtpc.names import DECODE_MODES, EXTRA_TOKEN_OPTIONS
 from mtpc.speculative.acceptance import (
     Chooser,
+    as_index,
     greedy_target,
     greedy_verify,
     sample_verify,
     target_probs,
 )
 
-
-@dataclass
-class StepOutput:
-    """What one backbone call returns for the fed positions."""
-
-    p_logits: Tensor  # (T, v) verifier (STP) logits
-    draft_hidden: Tensor  # (T, d) input of the head (the verifier's e_t when lora_depth == 0)
-
-
-class Engine(Protocol):
-    """Owns every cache. `feed` = one backbone call that appends `ids` to all caches."""
-
-    length: int
-    calls: int
-
-    def feed(self, ids: Tensor) -> StepOutput: ...  # ids (T,)
-
-    def crop(self, length: int) -> None: ...
-
-
-class BackboneEngine:
-    """An `Engine` on a backbone adapter (trunk + verifier top + draft top, one cache object)."""
-
-    def __init__(self, backbone: Any):
-        self.backbone = backbone
-        self.cache = backbone.new_cache()
-        self.length = 0
-        self.calls = 0
-
-    def feed(self, ids: Tensor) -> StepOutput:
-        out = self.backbone(ids.unsqueeze(0), self.cache)
-        self.calls += 1
-        self.length += ids.shape[0]
-        return StepOutput(self.backbone.stp_logits(out.verify_hidden[0]), out.draft_hidden[0])
-
-    def crop(self, length: int) -> None:
-        self.cache.crop(length)
-        self.length = length
+__all__ = ["AdapterEngine", "CircuitDrafter", "DecodeConfig", "DecodeStats", "Engine", "StepOutput",
+           "plain_decode", "speculative_decode"]  # fmt: skip
 
 
 # head_fn: draft hidden (d,) -> normalised circuit parameters for that context
@@ -168,10 +139,10 @@ def _clock(sync: Callable[[], None] | None) -> float:
     return time.perf_counter()
 
 
-def _pick(logits: Tensor, cfg: DecodeConfig, choose: Chooser) -> int:
-    """One token from verifier logits (v,), exactly as plain decoding chooses it."""
+def _pick(logits: Tensor, cfg: DecodeConfig, choose: Chooser) -> int | Tensor:
+    """One token from verifier logits (v,), exactly as plain decoding chooses it (on the device)."""
     if cfg.mode == "greedy":
-        return int(greedy_target(logits, cfg.banned).item())
+        return greedy_target(logits, cfg.banned)
     return choose(target_probs(logits, cfg.temperature, cfg.top_p, cfg.banned))
 
 
@@ -191,19 +162,19 @@ def plain_decode(
     choose: Chooser,
     sync: Callable[[], None] | None = None,
 ) -> tuple[list[int], DecodeStats]:
-    """The single-token baseline: prefill, then one call per byte."""
+    """The single-token baseline: prefill, then one call per byte (one host read per byte)."""
     stats = DecodeStats(window=1, extra_token="plain")
     t0 = _clock(sync)
     step = engine.feed(prompt)
-    c = _pick(step.p_logits[-1], cfg, choose)
+    c = as_index(_pick(step.p_logits[-1], cfg, choose), prompt.device)  # (1,)
     out: list[int] = []
-    done = _finish(out, [c], cfg)
+    done = _finish(out, c.tolist(), cfg)
     stats.prefill_s = _clock(sync) - t0
     while not done:
         t0 = _clock(sync)
-        step = engine.feed(prompt.new_tensor([c]))
-        c = _pick(step.p_logits[-1], cfg, choose)
-        done = _finish(out, [c], cfg)
+        step = engine.feed(c)
+        c = as_index(_pick(step.p_logits[-1], cfg, choose), prompt.device)
+        done = _finish(out, c.tolist(), cfg)  # the step's one host read
         stats.record_cycle(_clock(sync) - t0, 0, 1, 0, 0)
     stats.generated = len(out)
     stats.decode_generated = len(out) - 1
@@ -221,28 +192,36 @@ def speculative_decode(
     choose: Chooser,
     sync: Callable[[], None] | None = None,
 ) -> tuple[list[int], DecodeStats]:
-    """Self-speculative decoding with a circuit head; see the module docstring for the cycle."""
+    """Self-speculative decoding with a circuit head; see the module docstring for the cycle.
+
+    Draft, verify and accept stay on the device; each cycle reads back one small tensor
+    [s, extra, drafts] (the accepted count and the bytes it emits), nothing else.
+    """
     if window < 2:
         raise ValueError(f"speculative decoding needs a window n >= 2, got {window}")
     greedy = cfg.mode == "greedy"
     stats = DecodeStats(window=window, extra_token=cfg.extra_token)
     out: list[int] = []
+    dev = prompt.device
 
-    def verify(draft: Tensor, p_logits: Tensor, log_q: Tensor) -> tuple[int, int]:
-        # draft (m,), p_logits (m+1, v), log_q (m, v)
+    def verify(draft: Tensor, p_logits: Tensor, log_q: Tensor) -> tuple[list[int], Tensor]:
+        """draft (m,), p_logits (m+1, v), log_q (m, v) -> ([s, extra, *draft] on the host, extra (1,) on the device)."""
         if greedy:
-            return greedy_verify(draft, greedy_target(p_logits, cfg.banned))
-        p = target_probs(p_logits, cfg.temperature, cfg.top_p, cfg.banned)
-        return sample_verify(draft, p, log_q.exp().to(p.dtype), choose)
+            s, extra = greedy_verify(draft, greedy_target(p_logits, cfg.banned))
+        else:
+            p = target_probs(p_logits, cfg.temperature, cfg.top_p, cfg.banned)
+            s, extra = sample_verify(draft, p, log_q.exp().to(p.dtype), choose)
+        extra = as_index(extra, dev)
+        return torch.cat([as_index(s, dev), extra, draft]).tolist(), extra  # the cycle's one host read
 
     t0 = _clock(sync)
     step = engine.feed(prompt)
-    last_p = step.p_logits[-1]  # (v,) verifier row for the next position
+    last_p = step.p_logits[-1].clone()  # (v,) verifier row for the next position (kept across feeds)
     last_h = step.draft_hidden[-1]  # (d,) head input at the last byte with state
     done = False
     if cfg.extra_token == "keep":
-        c = _pick(last_p, cfg, choose)
-        done = _finish(out, [c], cfg)
+        c = as_index(_pick(last_p, cfg, choose), dev)  # (1,)
+        done = _finish(out, c.tolist(), cfg)
     stats.prefill_s = _clock(sync) - t0
     prefill_out = len(out)
 
@@ -251,28 +230,29 @@ def speculative_decode(
         theta = head_fn(last_h)
         a1 = engine.length  # a + 1 bytes have state
         if cfg.extra_token == "keep":
-            x, log_q = drafter(theta, prompt.new_tensor([c]), greedy)  # (n,), (n, v)
+            x, log_q = drafter(theta, c, greedy)  # (n,), (n, v)
             step = engine.feed(x)
-            s, extra = verify(x[1:], step.p_logits, log_q[1:])
+            got, c = verify(x[1:], step.p_logits, log_q[1:])
+            s, extra = got[0], got[1]
             engine.crop(a1 + 1 + s)
-            new = x[1 : 1 + s].tolist() + [extra]
+            new = got[2 : 2 + s] + [extra]
             last_h = step.draft_hidden[s]
-            c = extra
             tested_from, tested = 1, min(s + 1, window - 1)
         else:
             x, log_q = drafter(theta, None, greedy)  # (n,), (n, v)
             step = engine.feed(x)
             p_logits = torch.cat([last_p.unsqueeze(0), step.p_logits])  # (n+1, v)
-            s, extra = verify(x, p_logits, log_q)
+            got, extra_t = verify(x, p_logits, log_q)
+            s, extra = got[0], got[1]
             if s >= 1:  # Algorithm 2: keep the accepted drafts, throw the extra token away
                 engine.crop(a1 + s)
-                new = x[:s].tolist()
-                last_p, last_h = step.p_logits[s - 1], step.draft_hidden[s - 1]
+                new = got[2 : 2 + s]
+                last_p, last_h = step.p_logits[s - 1].clone(), step.draft_hidden[s - 1]
             else:  # nothing accepted: keep the correction token and pay an extra call for its state
                 engine.crop(a1)
                 new = [extra]
-                step = engine.feed(x.new_tensor([extra]))
-                last_p, last_h = step.p_logits[0], step.draft_hidden[0]
+                step = engine.feed(extra_t)
+                last_p, last_h = step.p_logits[0].clone(), step.draft_hidden[0]
             tested_from, tested = 0, min(s + 1, window)
         done = _finish(out, new, cfg)
         stats.record_cycle(_clock(sync) - t0, s, len(new), tested_from, tested)

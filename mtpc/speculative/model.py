@@ -12,9 +12,15 @@ Prompts: a 1-D LongTensor of ids is used as is; `bytes` are encoded raw by the b
 tokenizer (no special ids); a `str` is rendered as a one-turn chat ending in the assistant marker
 (`tokenizer.render_prompt`), so the model answers it. str/bytes need a tokenizer.
 
+Engines: each model keeps one engine for speculative decoding and one (verifier only) for the
+plain baseline (`mtpc.backbones.make_engine`: the compact Llama forward with preallocated caches
+when the backbone's `engine` is "compact", else the HF layers), reset per generation to the
+prompt + max_new_tokens + window positions it needs. On CUDA with the compact engine,
+`cuda_graphs` (default on) captures the 1-byte step, the n-byte verify and head + draft
+(`GraphedDraft`) as CUDA graphs on first use — unverified here (no GPU).
+
 Leaves out: the cycle itself (loop.py) and the acceptance maths (acceptance.py); batching
-(batch 1 only, as the paper); CUDA graphs and static caches (the adapter's dynamic KV caches are
-used as they are).
+(batch 1 only, as the paper).
 """
 
 from __future__ import annotations
@@ -27,9 +33,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mtpc.backbones.engine import make_engine
 from mtpc.speculative.acceptance import TorchChooser
 from mtpc.speculative.loop import (
-    BackboneEngine,
     CircuitDrafter,
     DecodeConfig,
     DecodeStats,
@@ -100,7 +106,9 @@ class GenerationStats:
             window=st.window,
             extra_token=st.extra_token,
             mode=mode,
-            per_position_acceptance=[a / t if t else None for a, t in zip(st.accepted_at, st.tested_at, strict=True)],
+            per_position_acceptance=[
+                a / t if t else None for a, t in zip(st.accepted_at, st.tested_at, strict=True)
+            ],
             tested_at=list(st.tested_at),
             accepted_at=list(st.accepted_at),
             accepted_length_histogram=hist if st.extra_token != "plain" else [],
@@ -179,10 +187,56 @@ def _fresh_head(spec: dict, backbone: Any) -> nn.Module:
     return head
 
 
-class MtpcModel:
-    """A frozen backbone, an MtPC head and exact self-speculative decoding (batch 1)."""
+class GraphedDraft:
+    """head + draft captured as one CUDA graph per (greedy, prefix) case (CUDA only).
 
-    def __init__(self, backbone: Any, head: nn.Module):
+    Plugs into the loop as its head_fn (`head`: passes the hidden state through) and drafter
+    (`__call__`: replays head_fn + circuit._draft on it). A capture that fails (an op that reads
+    the host, say) falls back to running eagerly; `errors` records why.
+    """
+
+    def __init__(self, head_fn: Any, circuit: Any, generator: torch.Generator | None):
+        self.head_fn, self.circuit, self.generator = head_fn, circuit, generator
+        self.graphs: dict[tuple[bool, bool], Any] = {}
+        self.errors: dict[tuple[bool, bool], str] = {}
+
+    def head(self, hidden: Tensor) -> dict[str, Tensor]:
+        return {"hidden": hidden}
+
+    def _eager(self, hidden: Tensor, prefix: Tensor | None, greedy: bool):
+        return self.circuit._draft(self.head_fn(hidden), prefix, generator=self.generator, greedy=greedy)
+
+    def __call__(
+        self, theta: dict[str, Tensor], prefix: Tensor | None, greedy: bool
+    ) -> tuple[Tensor, Tensor]:
+        from mtpc.backbones.graphs import CapturedFn
+
+        key, hidden = (greedy, prefix is None), theta["hidden"]
+        args = (hidden,) if prefix is None else (hidden, prefix)
+        if key not in self.graphs and key not in self.errors:
+            try:
+                self.graphs[key] = CapturedFn(
+                    lambda h, *pre: self._eager(h, pre[0] if pre else None, greedy),
+                    args,
+                    generator=None if greedy else self.generator,
+                )
+            except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly, say why
+                self.errors[key] = f"{type(e).__name__}: {e}"
+        if key in self.graphs:
+            return self.graphs[key](*args)
+        return self._eager(hidden, prefix, greedy)
+
+
+class MtpcModel:
+    """A frozen backbone, an MtPC head and exact self-speculative decoding (batch 1).
+
+    cuda_graphs: capture step, verify and head + draft on CUDA with the compact engine
+    (None: on when the backbone is on CUDA and its engine is "compact"). compile: the compact
+    engine's forward through torch.compile (worth it on the CPU for long generations; the first
+    call compiles for tens of seconds).
+    """
+
+    def __init__(self, backbone: Any, head: nn.Module, cuda_graphs: bool | None = None, compile: bool = False):
         cfg = head.config
         if cfg.window < 2:
             raise ValueError(f"head: speculative decoding needs window >= 2, got {cfg.window}")
@@ -196,14 +250,25 @@ class MtpcModel:
         self.head = head.to(device=backbone.device).eval()
         self.circuit = head.circuit
         self.window = cfg.window
-        self._plain_backbone = self._verifier_only(backbone)
+        compact_cuda = getattr(backbone, "engine", "hf") == "compact" and backbone.device.type == "cuda"
+        self.cuda_graphs = compact_cuda if cuda_graphs is None else bool(cuda_graphs and compact_cuda)
+        self._engine_kw = {"compile": True} if compile and getattr(backbone, "engine", "hf") == "compact" else {}
+        self._engines: dict[bool, Any] = {}  # draft top or not -> engine (caches kept between calls)
+        self._gen = torch.Generator(device=backbone.device)  # re-seeded per call; captured graphs advance it
+        self._graphed_draft = (
+            GraphedDraft(self._head_fn, self.circuit, self._gen) if self.cuda_graphs else None
+        )
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, head_dir: str | Path, backbone: Any = None, **load_kw: Any) -> MtpcModel:
+    def from_pretrained(
+        cls, head_dir: str | Path, backbone: Any = None, *, cuda_graphs: bool | None = None, compile: bool = False,
+        **load_kw: Any,
+    ) -> MtpcModel:  # fmt: skip
         """Load a `save_head` export; the backbone is its recorded name/path unless one is given.
 
-        load_kw go to `mtpc.backbones.load_backbone` when the backbone is loaded here.
+        load_kw go to `mtpc.backbones.load_backbone` when the backbone is loaded here (e.g.
+        engine="hf" to decode through the HF layers); cuda_graphs / compile: see the class.
         """
         from mtpc.backbones import load_backbone
         from mtpc.heads import load_head
@@ -223,10 +288,12 @@ class MtpcModel:
         elif k > 0:
             raise ValueError(f"{head_dir}: lora_depth={k} but the export has no lora.safetensors")
         head = head.to(dtype=backbone.dtype)
-        return cls(backbone, head)
+        return cls(backbone, head, cuda_graphs=cuda_graphs, compile=compile)
 
     @classmethod
-    def from_components(cls, backbone: Any, head: nn.Module | dict) -> MtpcModel:
+    def from_components(
+        cls, backbone: Any, head: nn.Module | dict, *, cuda_graphs: bool | None = None, compile: bool = False
+    ) -> MtpcModel:
         """backbone: a transformers causal LM or an adapter; head: an MtpcHead or a dict for a fresh one."""
         if isinstance(head, dict):
             lora_depth = int(head.get("lora_depth", 0))
@@ -236,19 +303,7 @@ class MtpcModel:
             backbone = _wrap_backbone(backbone, head.config.lora_depth)
         else:
             raise ValueError(f"head: expected an MtpcHead or a dict spec, got {type(head).__name__}")
-        return cls(backbone, head)
-
-    @staticmethod
-    def _verifier_only(backbone: Any) -> Any:
-        """The same weights without the draft top, so the plain baseline does not pay for it."""
-        from mtpc.backbones import BackboneAdapter, EvaByteAdapter
-
-        if backbone.lora_depth > 0 and type(backbone) is BackboneAdapter:
-            return BackboneAdapter.from_hf(backbone.model, lora_depth=0, name=backbone.name, tokenizer=backbone.tokenizer)
-        if backbone.lora_depth > 0 and type(backbone) is EvaByteAdapter:
-            return EvaByteAdapter.from_hf(backbone.model, lora_depth=0, name=backbone.name, tokenizer=backbone.tokenizer,
-                                          extra_window=backbone.extra_window)
-        return backbone
+        return cls(backbone, head, cuda_graphs=cuda_graphs, compile=compile)
 
     # -- helpers --------------------------------------------------------------------------------
     @property
@@ -263,7 +318,9 @@ class MtpcModel:
         """ids as given; bytes raw; str as a one-turn chat (see the module docstring)."""
         if isinstance(prompt, Tensor):
             if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.numel() == 0:
-                raise ValueError(f"prompt: expected a non-empty 1-D integer tensor, got {prompt.dtype} {tuple(prompt.shape)}")
+                raise ValueError(
+                    f"prompt: expected a non-empty 1-D integer tensor, got {prompt.dtype} {tuple(prompt.shape)}"
+                )
             if int(prompt.min()) < 0 or int(prompt.max()) >= self.backbone.vocab_size:
                 raise ValueError(f"prompt: ids must lie in [0, {self.backbone.vocab_size})")
             return prompt.to(device=self.device, dtype=torch.long)
@@ -294,7 +351,7 @@ class MtpcModel:
         return torch.cuda.synchronize if self.device.type == "cuda" else None
 
     def _generator(self, seed: int | None) -> torch.Generator:
-        gen = torch.Generator(device=self.device)
+        gen = self._gen
         if seed is None:
             gen.seed()
         else:
@@ -309,6 +366,16 @@ class MtpcModel:
 
     def _head_fn(self, hidden: Tensor) -> dict[str, Tensor]:
         return self.circuit.normalize(self.head(hidden))
+
+    def engine(self, draft: bool = True, capacity: int = 0) -> Any:
+        """This model's engine (draft top or verifier only), reset to hold `capacity` positions."""
+        eng = self._engines.get(draft)
+        if eng is None:
+            eng = self._engines[draft] = make_engine(
+                self.backbone, capacity, draft=draft, cuda_graphs=self.cuda_graphs
+            )
+        eng.reset(capacity)
+        return eng
 
     # -- generation -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -327,14 +394,23 @@ class MtpcModel:
         (greedy: identical) for extra_token="keep"; "drop" is the paper's Algorithm 2 (biased when sampling)."""
         ids = self.encode_prompt(prompt)
         cfg = self._config(
-            ids, self.window, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature,
-            top_p=top_p, extra_token=extra_token, ban_eos=ban_eos,
+            ids,
+            self.window,
+            max_new_tokens=max_new_tokens,
+            mode=mode,
+            temperature=temperature,
+            top_p=top_p,
+            extra_token=extra_token,
+            ban_eos=ban_eos,
         )
         gen = self._generator(seed)
         _peak_mem_reset(self.device)
+        engine = self.engine(True, ids.shape[0] + cfg.max_new_tokens + self.window)
+        head_fn, drafter = self._head_fn, CircuitDrafter(self.circuit, gen)
+        if self._graphed_draft is not None:
+            head_fn, drafter = self._graphed_draft.head, self._graphed_draft
         out, st = speculative_decode(
-            BackboneEngine(self.backbone), self._head_fn, CircuitDrafter(self.circuit, gen), self.window,
-            ids, cfg, TorchChooser(gen), self._sync(),
+            engine, head_fn, drafter, self.window, ids, cfg, TorchChooser(gen), self._sync()
         )
         return self._output(out, st, mode)
 
@@ -353,10 +429,17 @@ class MtpcModel:
         """The plain single-token baseline on the same backbone (verifier only), one call per byte."""
         ids = self.encode_prompt(prompt)
         cfg = self._config(
-            ids, 1, max_new_tokens=max_new_tokens, mode=mode, temperature=temperature, top_p=top_p,
-            extra_token=extra_token, ban_eos=ban_eos,
+            ids,
+            1,
+            max_new_tokens=max_new_tokens,
+            mode=mode,
+            temperature=temperature,
+            top_p=top_p,
+            extra_token=extra_token,
+            ban_eos=ban_eos,
         )
         gen = self._generator(seed)
         _peak_mem_reset(self.device)
-        out, st = plain_decode(BackboneEngine(self._plain_backbone), ids, cfg, TorchChooser(gen), self._sync())
+        engine = self.engine(False, ids.shape[0] + cfg.max_new_tokens + 1)
+        out, st = plain_decode(engine, ids, cfg, TorchChooser(gen), self._sync())
         return self._output(out, st, mode)

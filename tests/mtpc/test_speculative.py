@@ -3,8 +3,10 @@
 Greedy output equals plain greedy for every circuit kind, k in {0, 1}, keep and drop; every
 cache equals a fresh prefill of the accepted text after each cycle; one backbone call per cycle
 (keep) is counted; the keep cycle on a real backbone and real circuits is exact by enumeration
-(tests/mtpc/test_acceptance.py does the same on a Markov target). The Monte Carlo sampling test
-is in tests/mtpc/test_speculative_sampling.py.
+(tests/mtpc/test_acceptance.py does the same on a Markov target). Each runs on both decoding
+engines (the compact Llama forward and the HF layers). The Monte Carlo sampling test is in
+tests/mtpc/test_speculative_sampling.py; the drafted-from state, the one host read per cycle and
+the longer enumeration in tests/mtpc/test_decoding_engines.py.
 """
 
 from __future__ import annotations
@@ -13,25 +15,28 @@ import pytest
 import torch
 
 from mtpc import MtpcModel
+from mtpc.backbones import LlamaEngine, make_engine
 from mtpc.circuits import CIRCUIT_KINDS
 from mtpc.heads import HeadConfig, MtpcHead, save_head
 from mtpc.speculative.acceptance import TorchChooser
 from mtpc.speculative.loop import (
-    BackboneEngine,
     CircuitDrafter,
     DecodeConfig,
     plain_decode,
     speculative_decode,
 )
-from tests.backbone_helpers import randomize_lora, tiny_backbone, tiny_llama
+from tests.backbone_helpers import ENGINES, cache_snapshot, randomize_lora, tiny_backbone, tiny_llama
 from tests.speculative_helpers import circuit_enum_drafter, enumerate_outcomes, total_variation
 
 RANK = {"ff": 1, "cp": 3, "hmm": 3, "btree": 3}
 
 
-def _peaked_backbone(lora_depth=0, vocab=6, scale=3.0, seed=0, layers=2):
+def _peaked_backbone(lora_depth=0, vocab=6, scale=3.0, seed=0, layers=2, engine="auto", **cfg_kw):
     """A tiny Llama whose lm_head is scaled up: a peaked target, so drafts get accepted (and rejected)."""
-    bb = tiny_backbone(lora_depth=lora_depth, seed=seed, vocab=vocab, hidden=16, layers=layers, heads=2, kv_heads=1)
+    bb = tiny_backbone(
+        lora_depth=lora_depth, seed=seed, vocab=vocab, hidden=16, layers=layers, heads=2, kv_heads=1, engine=engine,
+        **cfg_kw,
+    )  # fmt: skip
     with torch.no_grad():
         bb.model.lm_head.weight.mul_(scale)
     if lora_depth:
@@ -41,7 +46,10 @@ def _peaked_backbone(lora_depth=0, vocab=6, scale=3.0, seed=0, layers=2):
 
 def _prompts(vocab, count, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g) for _ in range(count)]
+    return [
+        torch.randint(0, vocab, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g)
+        for _ in range(count)
+    ]
 
 
 def _heads(bb, window, seed=0):
@@ -57,9 +65,10 @@ def _heads(bb, window, seed=0):
     return out
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("lora_depth", [0, 1])
-def test_greedy_equals_plain_greedy(lora_depth):
-    bb = _peaked_backbone(lora_depth)
+def test_greedy_equals_plain_greedy(lora_depth, engine):
+    bb = _peaked_backbone(lora_depth, engine=engine)
     hist = {2: torch.zeros(3, dtype=torch.long), 4: torch.zeros(5, dtype=torch.long)}
     for window in (2, 4):
         models = _heads(bb, window)
@@ -76,48 +85,62 @@ def test_greedy_equals_plain_greedy(lora_depth):
     assert hist[4][0] > 0 and hist[4][1:3].sum() > 0 and hist[2][1] > 0, hist
 
 
-class _CheckingEngine(BackboneEngine):
-    """Before every call after the prefill, compares every cache with a fresh prefill of the tokens it holds."""
+class _CheckingEngine:
+    """Wraps an engine; before every call after the prefill, compares every cache with a fresh prefill
+    of the tokens it holds (a fresh engine of the same kind)."""
 
-    def __init__(self, backbone):
-        super().__init__(backbone)
+    def __init__(self, backbone, capacity):
+        self.backbone, self.capacity = backbone, capacity
+        self.inner = make_engine(backbone, capacity)
         self.tokens: list[int] = []
         self.checks = 0
 
+    @property
+    def length(self):
+        return self.inner.length
+
+    @property
+    def calls(self):
+        return self.inner.calls
+
     def feed(self, ids):
         if self.tokens:
-            fresh = self.backbone.new_cache()
-            self.backbone(torch.tensor([self.tokens]), fresh)
-            for seg in ("trunk", "verify", "draft"):
-                ours, ref = getattr(self.cache, seg), getattr(fresh, seg)
-                assert sorted(ours.keys) == sorted(ref.keys)
-                for layer in ref.keys:
-                    # 1e-6, not 1e-15: transformers' eager attention takes its softmax in float32
-                    # even for float64 models; a wrong crop or position shows up as O(1)
-                    torch.testing.assert_close(ours.keys[layer], ref.keys[layer], atol=1e-6, rtol=0)
-                    torch.testing.assert_close(ours.values[layer], ref.values[layer], atol=1e-6, rtol=0)
-            assert self.cache.length == len(self.tokens) == self.length
+            fresh = make_engine(self.backbone, self.capacity)
+            fresh.feed(torch.tensor(self.tokens))
+            ours, ref = cache_snapshot(self.inner), cache_snapshot(fresh)
+            assert sorted(ours) == sorted(ref) and ref
+            # HF layers: 1e-6, not 1e-15: transformers' eager attention takes its softmax in float32
+            # even for float64 models; a wrong crop or position shows up as O(1)
+            atol = 1e-10 if isinstance(self.inner, LlamaEngine) else 1e-6
+            for name in ref:
+                torch.testing.assert_close(ours[name], ref[name], atol=atol, rtol=0)
+            assert self.inner.length == len(self.tokens)
             self.checks += 1
         self.tokens += ids.tolist()
-        return super().feed(ids)
+        return self.inner.feed(ids)
 
     def crop(self, length):
-        super().crop(length)
+        self.inner.crop(length)
         self.tokens = self.tokens[:length]
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("lora_depth", [0, 1])
 @pytest.mark.parametrize("extra_token", ["keep", "drop"])
 @pytest.mark.parametrize("kind", CIRCUIT_KINDS)
-def test_caches_equal_fresh_prefill_after_every_cycle(kind, extra_token, lora_depth):
-    bb = _peaked_backbone(lora_depth, scale=1.5)
-    m = MtpcModel.from_components(bb, {"kind": kind, "window": 4, "rank": RANK[kind], "lora_depth": lora_depth})
+def test_caches_equal_fresh_prefill_after_every_cycle(kind, extra_token, lora_depth, engine):
+    bb = _peaked_backbone(lora_depth, scale=1.5, engine=engine)
+    m = MtpcModel.from_components(
+        bb, {"kind": kind, "window": 4, "rank": RANK[kind], "lora_depth": lora_depth}
+    )
     cfg = DecodeConfig(max_new_tokens=16, mode="sample", extra_token=extra_token, eos_id=1, ban_eos=True)
     prompt = torch.tensor([2, 3, 0])
     gen = torch.Generator().manual_seed(3)
-    engine = _CheckingEngine(bb)
+    engine = _CheckingEngine(bb, len(prompt) + 16 + 4)
     with torch.inference_mode():
-        out, st = speculative_decode(engine, m._head_fn, CircuitDrafter(m.circuit, gen), 4, prompt, cfg, TorchChooser(gen))
+        out, st = speculative_decode(
+            engine, m._head_fn, CircuitDrafter(m.circuit, gen), 4, prompt, cfg, TorchChooser(gen)
+        )
     assert len(out) == 16 and engine.checks >= len(st.cycle_s) > 1
     # the state holds the prompt and the emitted bytes: all but the last (keep: c has no state yet)
     held = engine.tokens[: len(prompt) + len(out) - (1 if extra_token == "keep" else 0)]
@@ -125,16 +148,37 @@ def test_caches_equal_fresh_prefill_after_every_cycle(kind, extra_token, lora_de
     assert held[len(prompt) :] == out[: len(held) - len(prompt)]
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("lora_depth", [0, 1])
-def test_one_backbone_call_per_cycle(lora_depth):
-    bb = _peaked_backbone(lora_depth, scale=1.5)
+def test_one_backbone_call_per_cycle(lora_depth, engine, monkeypatch):
+    bb = _peaked_backbone(lora_depth, scale=1.5, engine=engine)
     calls = []
-    bb.model.model.layers[0].register_forward_hook(lambda *a: calls.append(1))  # the trunk runs once per call
+    if engine == "hf":
+        bb.model.model.layers[0].register_forward_hook(
+            lambda *a: calls.append(1)
+        )  # the trunk runs once per call
+    else:
+        block = LlamaEngine._block
+
+        def counting(self, x, layer, *args):
+            calls.extend([1] if layer is self.layers[0] else [])
+            return block(self, x, layer, *args)
+
+        monkeypatch.setattr(LlamaEngine, "_block", counting)
     for kind in CIRCUIT_KINDS:
-        m = MtpcModel.from_components(bb, {"kind": kind, "window": 4, "rank": RANK[kind], "lora_depth": lora_depth})
+        m = MtpcModel.from_components(
+            bb, {"kind": kind, "window": 4, "rank": RANK[kind], "lora_depth": lora_depth}
+        )
         for extra in ("keep", "drop"):
             calls.clear()
-            out = m.generate(torch.tensor([2, 3]), max_new_tokens=30, mode="sample", seed=0, extra_token=extra, ban_eos=True)
+            out = m.generate(
+                torch.tensor([2, 3]),
+                max_new_tokens=30,
+                mode="sample",
+                seed=0,
+                extra_token=extra,
+                ban_eos=True,
+            )
             st = out.stats
             zero_cycles = st.accepted_length_histogram[0]
             expected = 1 + st.cycles + (zero_cycles if extra == "drop" else 0)  # drop pays for s = 0
@@ -145,11 +189,13 @@ def test_one_backbone_call_per_cycle(lora_depth):
 
 
 def _enum_program(m, prompt, T, extra_token="keep"):
-    cfg = DecodeConfig(max_new_tokens=T, mode="sample", extra_token="keep" if extra_token == "plain" else extra_token)
+    cfg = DecodeConfig(
+        max_new_tokens=T, mode="sample", extra_token="keep" if extra_token == "plain" else extra_token
+    )
 
     def program(choose):
         with torch.inference_mode():
-            engine = BackboneEngine(m.backbone)
+            engine = make_engine(m.backbone, len(prompt) + T + m.window, draft=extra_token != "plain")
             if extra_token == "plain":
                 out, _ = plain_decode(engine, prompt, cfg, choose)
             else:
@@ -161,12 +207,13 @@ def _enum_program(m, prompt, T, extra_token="keep"):
     return program
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize(
     "kind,lora_depth,window", [("cp", 0, 3), ("btree", 1, 3), ("hmm", 0, 2), ("ff", 1, 2), ("btree", 0, 2)]
 )
-def test_keep_is_exact_by_enumeration_on_a_real_backbone(kind, lora_depth, window):
+def test_keep_is_exact_by_enumeration_on_a_real_backbone(kind, lora_depth, window, engine):
     """Every random path of prefill + one keep cycle (T = 2 bytes, v = 4) against plain sampling."""
-    bb = _peaked_backbone(lora_depth, vocab=4, scale=3.0)
+    bb = _peaked_backbone(lora_depth, vocab=4, scale=3.0, engine=engine)
     prompt = torch.tensor([2, 0, 3])
     spec = {"kind": kind, "window": window, "rank": RANK[kind], "lora_depth": lora_depth, "seed": 1}
     m = MtpcModel.from_components(bb, spec)
@@ -206,7 +253,9 @@ def test_from_pretrained_and_byte_prompts(tmp_path):
     model = tiny_llama(vocab=320, hidden=16, layers=2, heads=2, kv_heads=1)
     model.save_pretrained(tmp_path / "bb")
     ByteTokenizer().save_pretrained(tmp_path / "bb")
-    m = MtpcModel.from_components(model, {"kind": "btree", "window": 4, "rank": 2, "lora_depth": 1, "seed": 3})
+    m = MtpcModel.from_components(
+        model, {"kind": "btree", "window": 4, "rank": 2, "lora_depth": 1, "seed": 3}
+    )
     randomize_lora(m.backbone)
     m.head.config.backbone = str(tmp_path / "bb")
     save_head(tmp_path / "head", m.head, lora_state=m.backbone.lora_state_dict())
@@ -229,7 +278,9 @@ def test_stats_names_and_ranges():
     bb = _peaked_backbone(vocab=4)
     m = MtpcModel.from_components(bb, {"kind": "hmm", "window": 4, "rank": 2})
     for extra, top in (("keep", 3), ("drop", 4)):
-        st = m.generate(torch.tensor([0, 2]), max_new_tokens=40, mode="sample", seed=1, extra_token=extra, ban_eos=True).stats
+        st = m.generate(
+            torch.tensor([0, 2]), max_new_tokens=40, mode="sample", seed=1, extra_token=extra, ban_eos=True
+        ).stats
         assert 0 <= st.mu_acc <= top and st.mu_lat > 0 and st.throughput > 0
         assert st.max_throughput == pytest.approx(4 / st.mu_lat)
         assert sum(st.accepted_length_histogram) == st.cycles and len(st.per_position_acceptance) == 4
@@ -252,12 +303,13 @@ def _trained_head_dirs(limit=4):
     return dirs[:limit]
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.skipif(not _trained_head_dirs(), reason="no trained head exported under cache_dir()/heads yet")
-def test_greedy_with_trained_heads_equals_plain_greedy_float32():
+def test_greedy_with_trained_heads_equals_plain_greedy_float32(engine):
     """The embedded default model (float32) with whatever trained heads exist: byte-identical greedy output."""
     from mtpc.backbones import load_backbone
 
-    bb = load_backbone("default")
+    bb = load_backbone("default", engine=engine)
     prompts = ["How do I sort a list in Python?", "Write a haiku about the sea."]
     accepted = 0
     for d in _trained_head_dirs():

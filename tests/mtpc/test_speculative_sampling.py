@@ -1,6 +1,6 @@
 """Monte Carlo check of speculative sampling through the public API (real circuit `_draft` sampler).
 
-Setting: a tiny float64 Llama (4 symbols, EOS banned: 3 live ones) with a moderately peaked
+Setting (on both decoding engines): a tiny float64 Llama (4 symbols, EOS banned: 3 live ones) with a moderately peaked
 target (lm_head x2) and random heads of every kind made confident (leaf weights x10), so they
 are peaked and mismatched. For each head, N seeded `generate(mode="sample")` runs give the
 empirical distribution of the first T = 3 bytes; the exact plain distribution comes from
@@ -19,8 +19,10 @@ import pytest
 import torch
 
 from mtpc import MtpcModel
+from mtpc.backbones import make_engine
 from mtpc.circuits import CIRCUIT_KINDS
-from mtpc.speculative.loop import BackboneEngine, DecodeConfig, plain_decode
+from mtpc.speculative.loop import DecodeConfig, plain_decode
+from tests.backbone_helpers import ENGINES
 from tests.mtpc.test_speculative import RANK, _peaked_backbone
 from tests.speculative_helpers import enumerate_outcomes
 
@@ -35,7 +37,7 @@ def _exact_plain(bb) -> dict:
 
     def program(choose):
         with torch.inference_mode():
-            return tuple(plain_decode(BackboneEngine(bb), PROMPT, cfg, choose)[0])
+            return tuple(plain_decode(make_engine(bb, len(PROMPT) + T, draft=False), PROMPT, cfg, choose)[0])
 
     return enumerate_outcomes(program)
 
@@ -58,14 +60,18 @@ def chi_square_pvalue(counts: collections.Counter, exact: dict, n: int) -> float
 
 def _sampled_counts(m, extra_token) -> collections.Counter:
     return collections.Counter(
-        tuple(m.generate(PROMPT, max_new_tokens=T, mode="sample", seed=i, extra_token=extra_token, ban_eos=True).ids.tolist())
+        tuple(
+            m.generate(
+                PROMPT, max_new_tokens=T, mode="sample", seed=i, extra_token=extra_token, ban_eos=True
+            ).ids.tolist()
+        )
         for i in range(N_RUNS)
     )
 
 
-@pytest.fixture(scope="module")
-def setting():
-    bb = _peaked_backbone(0, vocab=4, scale=2.0)
+@pytest.fixture(scope="module", params=ENGINES)
+def setting(request):
+    bb = _peaked_backbone(0, vocab=4, scale=2.0, engine=request.param)
     models = {}
     for kind in CIRCUIT_KINDS:
         m = MtpcModel.from_components(bb, {"kind": kind, "window": 3, "rank": RANK[kind], "seed": 1})

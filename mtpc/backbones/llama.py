@@ -1,0 +1,474 @@
+"""Compact Llama forward for decoding: preallocated KV caches, the 1-byte step and the n-byte verify.
+
+`LlamaEngine` runs a transformers Llama (`LlamaForCausalLM`: the embedded default byte Llama,
+Llama-3.2 with `llama3` RoPE scaling) wrapped in a `BackboneAdapter` with its own small forward
+in the style of gpt-fast's model.py, reading the HF parameters and the adapter's peft LoRA
+matrices as they are (views: nothing is copied unless `lora="merged"`):
+
+    embed -> layers[0, L-k)                         trunk, one batch row
+          -> layers[L-k, L) on rows [verify, draft] both tops in one pass: one weight read;
+             + s * B (A x) on the draft row only    (LoRA as low-rank matmuls beside W)
+          -> norm -> lm_head on the verify row      p logits; the draft row is the head's input
+
+Caches: per layer, keys and values of shape (rows, h_kv, C, hd) (rows = 1 in the trunk, 2 in
+the top), written in place at positions [length, length + T); `crop(length)` only sets the
+length. `static=True` attends over the whole capacity C with one causal-mask row per position
+and writes with `index_copy_` at a position tensor: fixed shapes for a given T, what a CUDA graph
+captures (`cuda_graphs=True` captures the 1-byte step and the n-byte verify on first use). The
+default slices the caches to the live length (views) and skips the mask for one query.
+
+Numerics follow transformers' Llama: RMSNorm in float32 then cast, cos/sin from float32
+frequencies cast to the model dtype, sdpa with scale head_dim**-0.5, peft's LoRA dtype rules;
+float64 outputs agree with the HF (sdpa) forward to ~1e-13 (tests/mtpc/test_llama_engine.py).
+
+`llama_unsupported(model)` names the first thing this forward does not implement (another model
+class, biases, an activation other than silu, RoPE types other than default / llama3, config
+fields it does not know, LoRA variants); `load_backbone` then keeps the HF-layer path. Leaves out:
+training (the HF adapter trains the LoRA), batches of several sequences, EvaByte.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from mtpc.backbones.engine import StepOutput
+from mtpc.names import DRAFT_LORA_MODES
+
+ROPE_TYPES = ("default", "llama3")  # the rotary variants this forward implements
+# config keys a saved LlamaConfig may carry beyond LlamaConfig().to_dict() that change nothing here
+_HARMLESS_KEYS = {
+    "_name_or_path", "architectures", "torch_dtype", "dtype", "transformers_version", "rope_scaling", "rope_theta",
+    "_attn_implementation", "_attn_implementation_autoset", "attn_implementation", "use_cache", "pretraining_tp",
+    "attention_dropout", "initializer_range", "tie_word_embeddings", "pad_token_id", "bos_token_id", "eos_token_id",
+}  # fmt: skip
+
+
+@dataclass
+class LlamaArgs:
+    """The shape and numerics of a Llama, read from a transformers config (`from_config`)."""
+
+    vocab: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate: int
+    norm_eps: float
+    rope_theta: float
+    max_context: int
+    rope_type: str = "default"
+    rope_factor: float = 1.0  # llama3 scaling
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max: int = 8192
+
+    @classmethod
+    def from_config(cls, config: Any) -> LlamaArgs:
+        """Raises ValueError naming the first config field the compact forward does not implement."""
+        reason = config_unsupported(config)
+        if reason:
+            raise ValueError(f"compact Llama forward: {reason}")
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        args = cls(
+            vocab=config.vocab_size, dim=config.hidden_size, n_layers=config.num_hidden_layers,
+            n_heads=config.num_attention_heads, n_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+            head_dim=head_dim, intermediate=config.intermediate_size, norm_eps=config.rms_norm_eps,
+            rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+            max_context=int(config.max_position_embeddings), rope_type=rope.get("rope_type", "default"),
+        )  # fmt: skip
+        if args.rope_type == "llama3":
+            args.rope_factor = float(rope["factor"])
+            args.rope_low_freq_factor = float(rope["low_freq_factor"])
+            args.rope_high_freq_factor = float(rope["high_freq_factor"])
+            args.rope_original_max = int(rope["original_max_position_embeddings"])
+        return args
+
+
+def config_unsupported(config: Any) -> str | None:
+    """Why the compact forward cannot run this config (one line), or None."""
+    from transformers import LlamaConfig
+
+    if getattr(config, "model_type", None) != "llama":
+        return f"model_type={getattr(config, 'model_type', None)!r} is not 'llama'"
+    checks = (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False))
+    for key, want in checks:
+        if getattr(config, key, want) != want:
+            return f"config field {key}={getattr(config, key)!r} is not implemented (expected {want!r})"
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") not in ROPE_TYPES:
+        return f"config field rope_parameters.rope_type={rope.get('rope_type')!r} is not implemented (expected one of {ROPE_TYPES})"
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        return f"config field rope_parameters.partial_rotary_factor={rope['partial_rotary_factor']!r} is not implemented (expected 1.0)"
+    known_rope = {
+        "rope_type",
+        "rope_theta",
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    }
+    extra_rope = sorted(set(rope) - known_rope)
+    if extra_rope:
+        return f"config field(s) rope_parameters.{extra_rope} are not implemented"
+    known = set(LlamaConfig().to_dict()) | _HARMLESS_KEYS
+    extra = sorted(k for k in config.to_dict() if k not in known)
+    if extra:
+        return f"config field(s) {extra} are not implemented by the compact forward"
+    return None
+
+
+def llama_unsupported(model: Any) -> str | None:
+    """Why `model` (an HF causal LM) cannot take the compact path (one line), or None."""
+    cls = type(model)
+    if cls.__name__ != "LlamaForCausalLM" or not cls.__module__.startswith("transformers."):
+        return f"model class {cls.__module__}.{cls.__name__} is not transformers' LlamaForCausalLM"
+    return config_unsupported(model.config)
+
+
+# ------------------------------------------------------------------------------------ numerics
+
+
+def rope_inv_freq(args: LlamaArgs) -> Tensor:
+    """Inverse frequencies (head_dim / 2,) float32, default or llama3-scaled (as transformers)."""
+    dim = args.head_dim
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
+    if args.rope_type == "default":
+        return inv
+    # llama3: keep high frequencies, divide low ones by `factor`, interpolate smoothly between
+    low_wavelen = args.rope_original_max / args.rope_low_freq_factor
+    high_wavelen = args.rope_original_max / args.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / args.rope_factor, inv)
+    smooth = (args.rope_original_max / wavelen - args.rope_low_freq_factor) / (
+        args.rope_high_freq_factor - args.rope_low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / args.rope_factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_table(args: LlamaArgs, length: int, device, dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin (length, head_dim) for positions 0..length-1, in float32 then cast (as transformers)."""
+    inv = rope_inv_freq(args).to(device)
+    freqs = torch.arange(length, device=device)[:, None].float() * inv[None, :]  # (length, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def signed_sin(sin: Tensor) -> Tensor:
+    """[-sin_1, sin_2]: with it, rotate_half(x) * sin == x.roll(hd / 2) * signed_sin (bit for bit)."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """transformers' LlamaRMSNorm: normalise in float32, cast back, scale.
+
+    For float32 torch's fused rms_norm gives the same bits (checked in the tests); for float64 it
+    would stay in float64 and for bf16 it scales before the cast, so the HF steps are spelled out."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, ssin: Tensor) -> Tensor:
+    """x (B, h, T, hd), cos / signed_sin (T, hd): HF's rotate-half layout, x cos + rotate_half(x) sin."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * ssin
+
+
+# ------------------------------------------------------------------------------------ weights
+
+
+@dataclass
+class _Lora:
+    a: Tensor  # (r, in) lora_A weight (a view of the peft parameter)
+    b: Tensor  # (out, r)
+    scale: float
+
+
+@dataclass
+class _Layer:
+    """Views of one decoder layer's weights; `lora` (draft row) and `merged` only in the top."""
+
+    ln1: Tensor
+    ln2: Tensor
+    w: dict[str, Tensor]  # q k v o gate up down: (out, in) views of the HF parameters
+    lora: dict[str, _Lora]
+    merged: dict[str, Tensor]  # name -> (2, out, in) [W, W + s B A] (lora="merged" only)
+
+
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _peft_lora(module: Any) -> _Lora | None:
+    """The LoRA of a peft-wrapped Linear (None for a plain Linear); refuses variants (DoRA, ...)."""
+    if not hasattr(module, "lora_A"):
+        return None
+    names = [n for n in module.active_adapters if n in module.lora_A]
+    if len(names) != 1 or getattr(module, "lora_variant", {}) or getattr(module, "merged", False):
+        raise ValueError(
+            f"compact Llama forward: LoRA module {type(module).__name__} has adapters {names} / a variant; expected one plain LoRA"
+        )
+    n = names[0]
+    return _Lora(module.lora_A[n].weight.detach(), module.lora_B[n].weight.detach(), float(module.scaling[n]))
+
+
+def _base_weight(module: Any) -> Tensor:
+    return getattr(module, "base_layer", module).weight.detach()
+
+
+def _layer(hf_layer: Any, draft_layer: Any | None, lora_mode: str) -> _Layer:
+    attn, mlp = hf_layer.self_attn, hf_layer.mlp
+    w = {n: getattr(attn, n).weight.detach() for n in _ATTN} | {
+        n: getattr(mlp, n).weight.detach() for n in _MLP
+    }
+    lora: dict[str, _Lora] = {}
+    if draft_layer is not None:
+        for n in _ATTN + _MLP:
+            mod = getattr(draft_layer.self_attn if n in _ATTN else draft_layer.mlp, n)
+            if _base_weight(mod).data_ptr() != w[n].data_ptr():
+                raise ValueError(
+                    f"compact Llama forward: the draft top's {n} does not share the verifier's weight"
+                )
+            lo = _peft_lora(mod)
+            if lo is not None:
+                lora[n] = lo
+    merged = {}
+    if lora_mode == "merged" and draft_layer is not None:
+        for n, wt in w.items():
+            if n in lora:  # W + s B A, formed in the wider of the two dtypes (as peft's merge)
+                lo, dt = lora[n], torch.promote_types(wt.dtype, lora[n].a.dtype)
+                merged[n] = torch.stack([wt, (wt.to(dt) + lo.b.to(dt) @ lo.a.to(dt) * lo.scale).to(wt.dtype)])
+            else:
+                merged[n] = torch.stack([wt, wt])  # a copy: the draft top's merged weights
+    return _Layer(
+        hf_layer.input_layernorm.weight.detach(),
+        hf_layer.post_attention_layernorm.weight.detach(),
+        w,
+        lora,
+        merged,
+    )
+
+
+# ------------------------------------------------------------------------------------ engine
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+class LlamaEngine:
+    """An `Engine` (see engine.py) on the compact Llama forward; one sequence, batch rows = tops.
+
+    adapter: a `BackboneAdapter` over a transformers LlamaForCausalLM (its draft top, if any,
+    supplies the LoRA). draft: run the draft top (False: verifier only, for plain decoding).
+    static: fixed-shape attention over the whole capacity (default: on CUDA). cuda_graphs:
+    capture `feed` per input length T on its first use (CUDA and static only). lora:
+    "lowrank" (s B (A x) beside the shared W) or "merged" (a stacked copy [W, W + s B A]).
+    compile: run the forward through torch.compile (dynamic shapes). Off by default: on the
+    shared 2-core CPU it compiled for 60-630 s and gave no reliable gain (docs/decoding.md).
+    """
+
+    def __init__(
+        self,
+        adapter: Any,
+        capacity: int = 0,
+        draft: bool = True,
+        static: bool | None = None,
+        cuda_graphs: bool = False,
+        lora: str = "lowrank",
+        compile: bool = False,
+    ):
+        reason = llama_unsupported(adapter.model)
+        if reason:
+            raise ValueError(f"compact Llama forward: {reason}; use engine='hf'")
+        if lora not in DRAFT_LORA_MODES:
+            raise ValueError(f"lora={lora!r}: expected one of {DRAFT_LORA_MODES}")
+        model = adapter.model
+        self.args = LlamaArgs.from_config(model.config)
+        self.name = getattr(adapter, "name", "")
+        inner = model.model
+        self.k = adapter.lora_depth if (draft and adapter.lora_depth > 0) else 0
+        self.split = self.args.n_layers - self.k
+        draft_top = adapter.draft_top if self.k else None
+        self.layers = [
+            _layer(
+                inner.layers[i],
+                draft_top.layers[str(i)] if (draft_top is not None and i >= self.split) else None,
+                lora,
+            )
+            for i in range(self.args.n_layers)
+        ]
+        self.lora_mode = lora
+        self.embed = inner.embed_tokens.weight.detach()  # (v, d)
+        self.norm = inner.norm.weight.detach()  # (d,)
+        self.lm_head = model.get_output_embeddings().weight.detach()  # (v, d)
+        self.device, self.dtype = self.lm_head.device, self.lm_head.dtype
+        self.static = (self.device.type == "cuda") if static is None else static
+        self.cuda_graphs = bool(cuda_graphs and self.static and self.device.type == "cuda")
+        self.scale = self.args.head_dim**-0.5
+        self.n_rep = self.args.n_heads // self.args.n_kv_heads
+        self.capacity = 0
+        self.length = 0
+        self.calls = 0
+        if compile:
+            self._forward = torch.compile(self._forward, dynamic=True)
+        self._graphs: dict[int, Any] = {}  # input length T -> CapturedFn
+        self.graph_errors: dict[int, str] = {}
+        if capacity:
+            self.reset(capacity)
+
+    # -- state ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def reset(self, capacity: int) -> None:
+        """Forget the sequence; (re)allocate the caches if `capacity` positions do not fit."""
+        if capacity > self.args.max_context:
+            raise ValueError(
+                f"capacity={capacity} exceeds the backbone's max_context={self.args.max_context}"
+            )
+        self.length = 0
+        self.calls = 0
+        if capacity <= self.capacity:
+            return
+        cap = min(_round_up(capacity, 256), self.args.max_context)
+        a, kw = self.args, {"device": self.device, "dtype": self.dtype}
+        self.kv = [
+            (torch.zeros(1 if i < self.split else 2, a.n_kv_heads, cap, a.head_dim, **kw),
+             torch.zeros(1 if i < self.split else 2, a.n_kv_heads, cap, a.head_dim, **kw))
+            for i in range(a.n_layers)
+        ]  # fmt: skip
+        self.cos, sin = rope_table(a, cap, self.device, self.dtype)  # (C, hd)
+        self.sin = signed_sin(sin)
+        self.positions = torch.arange(cap, device=self.device)
+        self.capacity = cap
+        self._graphs.clear()
+
+    def crop(self, length: int) -> None:
+        """Forget every position >= length (the caches keep their bytes; only the length moves)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"crop: length={length} must lie in [0, length={self.length}]")
+        self.length = length
+
+    # -- forward --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def feed(self, ids: Tensor) -> StepOutput:
+        """Append ids (T,) to every cache; p logits (T, v) and draft hidden (T, d), valid until the next feed."""
+        T, start = ids.shape[0], self.length
+        if start + T > self.capacity:
+            raise ValueError(
+                f"input: {start} cached + {T} new positions exceed the engine's capacity={self.capacity}; "
+                "call reset(capacity) with the sequence's full length first"
+            )
+        if self.cuda_graphs and start > 0 and T <= 64:  # decoding calls; the prefill runs eagerly
+            out = self._graphed(ids, start)
+        elif self.static:
+            out = self._forward(ids, self.positions[start : start + T], start)
+        else:
+            out = self._forward(ids, None, start)
+        self.length = start + T
+        self.calls += 1
+        return out
+
+    def _forward(self, ids: Tensor, pos: Tensor | None, start: int) -> StepOutput:
+        """pos: (T,) position tensor (static shapes) or None (slice the caches at host ints)."""
+        T = ids.shape[0]
+        x = F.embedding(ids, self.embed).unsqueeze(0)  # (1, T, d)
+        if pos is None:
+            cos, sin = self.cos[start : start + T], self.sin[start : start + T]
+            rows = self.positions[start : start + T, None]
+            mask = self.positions[None, : start + T] <= rows if T > 1 else None  # (T, S) causal
+        else:
+            cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)
+            mask = self.positions[None, :] <= pos[:, None]  # (T, C) causal over the whole capacity
+        if mask is not None and self.n_rep > 1:
+            mask = mask.repeat(self.n_rep, 1)  # grouped-query rows r*T + t -> mask row t (see _attend)
+        for i, layer in enumerate(self.layers):
+            if i == self.split:
+                x = x.expand(2, T, x.shape[-1])  # rows: verifier top, draft top (same trunk output)
+            x = self._block(x, layer, self.kv[i], cos, sin, mask, pos, start)
+        h = rms_norm(x, self.norm, self.args.norm_eps)  # (rows, T, d)
+        return StepOutput(F.linear(h[0], self.lm_head), h[-1])  # (T, v), (T, d)
+
+    def _linear(self, x: Tensor, layer: _Layer, name: str) -> Tensor:
+        if layer.merged:
+            return torch.matmul(x, layer.merged[name].transpose(-1, -2))  # (2, T, out)
+        y = F.linear(x, layer.w[name])
+        lo = layer.lora.get(name)
+        if lo is None:
+            return y
+        if lo.a.dtype == y.dtype:  # draft row += scaling * B (A x), two BLAS calls
+            y[1].addmm_(F.linear(x[1], lo.a), lo.b.t(), alpha=lo.scale)
+        else:  # float32 LoRA under a half-precision backbone: peft's casts (result + lora_B(lora_A(x)) * scaling)
+            y[1:] += F.linear(F.linear(x[1:].to(lo.a.dtype), lo.a), lo.b) * lo.scale
+        return y
+
+    def _block(self, x, layer, kv, cos, sin, mask, pos, start):
+        B, T, _ = x.shape
+        a = self.args
+        h = rms_norm(x, layer.ln1, a.norm_eps)
+        q, k, v = (self._linear(h, layer, n) for n in ("q_proj", "k_proj", "v_proj"))
+        if T == 1:  # one query: (B, 1, h hd) already is the grouped layout (B, h_kv, n_rep, hd), a view
+            q = q.view(B, a.n_kv_heads, self.n_rep, a.head_dim)
+            k, v = (t.view(B, a.n_kv_heads, 1, a.head_dim) for t in (k, v))
+        else:
+            q = q.view(B, T, a.n_heads, a.head_dim).transpose(1, 2)  # (B, h, T, hd)
+            k, v = (t.view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2) for t in (k, v))  # (B, h_kv, T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kc, vc = kv
+        if pos is None:
+            end = start + T
+            kc[:, :, start:end] = k
+            vc[:, :, start:end] = v
+            kc, vc = kc[:, :, :end], vc[:, :, :end]  # (B, h_kv, S, hd) views
+        else:
+            kc.index_copy_(2, pos, k)
+            vc.index_copy_(2, pos, v)
+        if T == 1:
+            y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scale)  # (B, h_kv, n_rep, hd)
+            y = y.view(B, 1, a.n_heads * a.head_dim)
+        else:
+            y = self._attend(q, kc, vc, mask).transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim)
+        x = x + self._linear(y, layer, "o_proj")
+        h = rms_norm(x, layer.ln2, a.norm_eps)
+        g = self._linear(h, layer, "gate_proj")
+        return x + self._linear(F.silu(g) * self._linear(h, layer, "up_proj"), layer, "down_proj")
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        if self.n_rep == 1:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        # grouped queries: the n_rep query heads of a group attend to its one key head as n_rep * T rows
+        B, H, T, hd = q.shape
+        qg = q.reshape(B, self.args.n_kv_heads, self.n_rep * T, hd)
+        y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
+        return y.view(B, H, T, hd)
+
+    # -- CUDA graphs (unverified here: no GPU) ---------------------------------------------------
+    def _graphed(self, ids: Tensor, start: int) -> StepOutput:
+        """Replay the graph of this input length (captured on first use; eager if capture failed)."""
+        from mtpc.backbones.graphs import CapturedFn
+
+        T, pos = ids.shape[0], self.positions[start : start + ids.shape[0]]
+        if T not in self._graphs and T not in self.graph_errors:
+
+            def fn(ids_buf, pos_buf):
+                out = self._forward(ids_buf, pos_buf, 0)
+                return out.p_logits, out.draft_hidden
+
+            try:  # the warm-up and capture write this call's own keys/values at pos: idempotent
+                self._graphs[T] = CapturedFn(fn, (ids, pos))
+            except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly, say why
+                self.graph_errors[T] = f"{type(e).__name__}: {e}"
+        if T in self._graphs:
+            return StepOutput(*self._graphs[T](ids, pos))
+        return self._forward(ids, pos, start)

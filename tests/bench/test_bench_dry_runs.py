@@ -1,0 +1,45 @@
+"""Dry runs of the decode benchmarks on the CPU: every part of bench_gpu.py (--tiny) and the engine
+section of bench_decode.py finish without an error and record what they promise (~7 s at one thread)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(autouse=True)
+def _bench_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+
+
+def test_bench_gpu_tiny_runs_every_part(tmp_path):
+    import bench_gpu
+
+    out = tmp_path / "gpu.json"
+    assert bench_gpu.main(["--tiny", "--out", str(out), "--default-model", str(tmp_path / "none")]) == 0
+    report = json.loads(out.read_text())
+    for part in ("bandwidth", "llama32_3b", "fp32_identity", "graph_vs_eager", "default_model", "bf16"):
+        assert part in report and "error" not in report[part], (part, report.get(part))
+    assert report["fp32_identity"]["all_identical"] is True
+    assert set(report["llama32_3b"]["cycle_ms"]) == {f"{k}_{leaf}" for k in ("ff", "cp", "hmm", "btree") for leaf in ("full", "appG")}
+    assert report["llama32_3b"]["bound_ms"] > 0 and "bars" in report["llama32_3b"]
+    assert report["graph_vs_eager"]["skipped"].startswith("no CUDA")
+
+
+def test_bench_decode_engine_section(tmp_path):
+    import bench_decode
+
+    out = tmp_path / "decode.json"
+    argv = ["--sections", "engine", "--model", "random", "--out", str(out), "--rounds", "1", "--reps", "1",
+            "--new-tokens", "8", "--identity-prompts", "1", "--context", "32"]  # fmt: skip
+    assert bench_decode.main(argv) == 0
+    eng = json.loads(out.read_text())["engine"]
+    assert set(eng["bars"]) == set(bench_decode.BARS)
+    assert eng["identity"]["compact"]["spec_eq_plain"] == 1 and eng["identity"]["compact"]["plain_eq_hf"] == 1
+    assert all(v > 0 for v in eng["step_ms"].values())
+    sys.modules.pop("bench_decode", None)

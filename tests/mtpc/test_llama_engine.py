@@ -1,0 +1,274 @@
+"""The compact Llama forward (mtpc/backbones/llama.py) against transformers, in float64.
+
+Every segment (trunk / verifier top / draft top keys and values, p logits, the draft top's hidden
+state) equals the HF forward (sdpa attention: float64 throughout) to 1e-10 over a sequence of
+calls with prefill, 1-byte steps, n-byte verifies and crops, k in {0, 1, L}; llama3 RoPE scaling,
+grouped and plain attention, an explicit head_dim, tied embeddings; static shapes == sliced
+caches; merged LoRA == low-rank LoRA; no weight is copied; unsupported configs are refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from mtpc.backbones import AdapterEngine, BackboneAdapter, LlamaEngine, load_backbone, make_engine
+from mtpc.backbones.llama import LlamaArgs, llama_unsupported, rope_inv_freq
+from tests.backbone_helpers import randomize_lora, tiny_llama
+
+L = 4
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 32}  # fmt: skip
+
+
+def _model(rope=None, **kw):
+    m = tiny_llama(attn="sdpa", **kw)
+    if rope is not None:  # rebuild with the rope parameters (the rotary buffers depend on them)
+        cfg = m.config
+        cfg.rope_parameters = rope
+        from transformers import LlamaForCausalLM
+
+        torch.manual_seed(0)
+        m = LlamaForCausalLM(cfg)
+        with torch.no_grad():
+            for p in m.parameters():
+                if p.dim() == 2:
+                    p.normal_(0.0, 0.2)
+        m = m.double().eval()
+    return m
+
+
+def _adapter(model, k, seed=1):
+    bb = BackboneAdapter.from_hf(model, lora_depth=k, lora_rank=4)
+    randomize_lora(bb, seed=seed)
+    return bb
+
+
+# (ids fed, crop length after the call or None): prefill, steps, verifies, rejections, a full crop-back
+SCRIPT = [(7, None), (1, None), (4, 9), (4, None), (1, None), (5, 14), (1, None), (3, 0), (6, None)]
+
+
+def _run_script(engine, ref_bb, vocab, seed=0):
+    """Feeds SCRIPT to `engine`; after each call compares with the HF forward on the held tokens."""
+    g = torch.Generator().manual_seed(seed)
+    held: list[int] = []
+    cache = ref_bb.new_cache()
+    for T, crop in SCRIPT:
+        ids = torch.randint(0, vocab, (T,), generator=g)
+        held += ids.tolist()
+        with torch.inference_mode():
+            out = engine.feed(ids)
+            full = torch.tensor([held])
+            hf_logits = ref_bb.model(full).logits[0, -T:]  # the plain HF model (no adapter code)
+            ref = ref_bb(full)  # HF layers + peft draft top on the whole sequence
+            ref_bb(ids[None], cache)  # and incrementally, for the caches
+        assert_close(out.p_logits, hf_logits, rtol=0, atol=1e-10)
+        assert_close(out.draft_hidden, ref.draft_hidden[0, -T:], rtol=0, atol=1e-10)
+        _compare_caches(engine, cache, ref_bb)
+        if crop is not None:
+            engine.crop(crop)
+            cache.crop(crop)
+            held = held[:crop]
+
+
+def _compare_caches(engine, cache, bb):
+    split = bb.num_layers - engine.k
+    assert cache.length == engine.length
+    for i, (kc, vc) in enumerate(engine.kv):
+        live_k, live_v = kc[:, :, : engine.length], vc[:, :, : engine.length]
+        if i < split:
+            assert_close(live_k, cache.trunk.keys[i], rtol=0, atol=1e-10)
+            assert_close(live_v, cache.trunk.values[i], rtol=0, atol=1e-10)
+        else:  # rows: verifier top, draft top
+            assert_close(live_k[:1], cache.verify.keys[i], rtol=0, atol=1e-10)
+            assert_close(live_v[:1], cache.verify.values[i], rtol=0, atol=1e-10)
+            assert_close(live_k[1:], cache.draft.keys[i], rtol=0, atol=1e-10)
+            assert_close(live_v[1:], cache.draft.values[i], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("k", [0, 1, L])
+def test_every_segment_equals_hf_over_prefill_steps_and_crops(k, static):
+    bb = _adapter(_model(), k)
+    engine = LlamaEngine(bb, capacity=40, static=static)
+    assert engine.k == k and len(engine.kv) == L
+    _run_script(engine, bb, vocab=16)
+    if k:  # not vacuous: the LoRA moves the draft row's keys away from the verifier row's
+        kc = engine.kv[-1][0][:, :, : engine.length]
+        assert (kc[0] - kc[1]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"rope": LLAMA3, "max_context": 128},  # Llama 3.2's scaled rotary frequencies
+        {"heads": 4, "kv_heads": 4},  # no grouped queries
+        {"heads": 4, "kv_heads": 1, "tie": True},  # 4 query heads per key head, tied embeddings
+        {"hidden": 24, "heads": 2, "kv_heads": 1, "head_dim": 16},  # head_dim != hidden / heads
+    ],
+    ids=["llama3-rope", "mha", "gqa4-tied", "head-dim"],
+)
+def test_variants_equal_hf(kw):
+    head_dim = kw.pop("head_dim", None)
+    model = _model(**kw) if head_dim is None else _head_dim_model(head_dim, **kw)
+    bb = _adapter(model, 1)
+    _run_script(LlamaEngine(bb, capacity=64), bb, vocab=16)
+
+
+def _head_dim_model(head_dim, **kw):
+    from transformers import LlamaForCausalLM
+
+    cfg = tiny_llama(attn="sdpa", **kw).config
+    cfg.head_dim = head_dim
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.2)
+    assert m.model.layers[0].self_attn.q_proj.weight.shape == (2 * head_dim, 24)
+    return m.double().eval()
+
+
+def test_llama3_frequencies_equal_transformers_and_differ_from_default():
+    m = _model(rope=LLAMA3, max_context=128)
+    args = LlamaArgs.from_config(m.config)
+    ours = rope_inv_freq(args)
+    assert torch.equal(ours, m.model.rotary_emb.inv_freq.float())
+    args.rope_type = "default"
+    assert not torch.equal(ours, rope_inv_freq(args))  # the scaling changed some frequencies
+    default = _model()
+    assert torch.equal(
+        rope_inv_freq(LlamaArgs.from_config(default.config)), default.model.rotary_emb.inv_freq.float()
+    )
+
+
+def test_merged_lora_equals_low_rank():
+    bb = _adapter(_model(), 2)
+    low, merged = LlamaEngine(bb, 32), LlamaEngine(bb, 32, lora="merged")
+    ids = torch.randint(0, 16, (9,))
+    a, b = low.feed(ids), merged.feed(ids)
+    assert_close(b.draft_hidden, a.draft_hidden, rtol=0, atol=1e-10)
+    assert_close(b.p_logits, a.p_logits, rtol=0, atol=1e-10)
+    assert merged.layers[-1].merged and not low.layers[-1].merged
+
+
+def test_views_not_copies_and_lora_updates_are_seen():
+    model = _model()
+    bb = _adapter(model, 1)
+    engine = LlamaEngine(bb, 32)
+    assert engine.layers[0].w["q_proj"].data_ptr() == model.model.layers[0].self_attn.q_proj.weight.data_ptr()
+    assert engine.lm_head.data_ptr() == model.lm_head.weight.data_ptr()
+    peft_a = bb.draft_top.layers[str(L - 1)].self_attn.q_proj.lora_A["default"].weight
+    assert engine.layers[-1].lora["q_proj"].a.data_ptr() == peft_a.data_ptr()
+    assert set(engine.layers[-1].lora) == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
+    ids = torch.randint(0, 16, (6,))
+    before = engine.feed(ids).draft_hidden.clone()
+    other = _adapter(_model(), 1, seed=7)
+    bb.load_lora_state_dict(other.lora_state_dict())  # in place: the engine's views see it
+    engine.reset(32)
+    after = engine.feed(ids).draft_hidden
+    with torch.inference_mode():
+        assert_close(after, bb(ids[None]).draft_hidden[0], rtol=0, atol=1e-10)
+    assert (after - before).abs().max() > 1e-3
+
+
+def test_float32_close_to_hf_eager():
+    model = tiny_llama(dtype=torch.float32)  # eager attention, as the trained default loads
+    bb = BackboneAdapter.from_hf(model)
+    engine = LlamaEngine(bb, 32)
+    ids = torch.randint(0, 16, (10,))
+    out = torch.cat(
+        [engine.feed(ids[:7]).p_logits, engine.feed(ids[7:8]).p_logits, engine.feed(ids[8:]).p_logits]
+    )
+    with torch.inference_mode():
+        assert_close(out, model(ids[None]).logits[0], rtol=0, atol=2e-5)
+
+
+def test_capacity_reset_and_crop_errors():
+    bb = _adapter(_model(max_context=300), 1)
+    engine = LlamaEngine(bb, 10)
+    assert engine.capacity == 256  # rounded up to a multiple of 256, at most max_context
+    engine.feed(torch.zeros(250, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"250 cached \+ 7 new.*capacity=256"):
+        engine.feed(torch.zeros(7, dtype=torch.long))
+    with pytest.raises(ValueError, match="crop"):
+        engine.crop(251)
+    engine.reset(290)
+    assert (engine.capacity, engine.length, engine.calls) == (300, 0, 0)
+    with pytest.raises(ValueError, match="max_context=300"):
+        engine.reset(301)
+    with pytest.raises(ValueError, match="lora="):
+        LlamaEngine(bb, 10, lora="fused")
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("attention_bias", True, "attention_bias=True"),
+        ("mlp_bias", True, "mlp_bias=True"),
+        ("hidden_act", "gelu", "hidden_act='gelu'"),
+        ("rope_parameters", {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}, "rope_type='linear'"),
+        (
+            "rope_parameters",
+            {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+            "partial_rotary",
+        ),
+        ("sliding_window", 8, r"\['sliding_window'\]"),
+    ],
+)
+def test_unsupported_config_fields_are_refused(field, value, match):
+    model = tiny_llama()
+    setattr(model.config, field, value)
+    assert llama_unsupported(model) is not None and __import__("re").search(match, llama_unsupported(model))
+    with pytest.raises(ValueError, match=f"engine='compact'.*{match}"):
+        BackboneAdapter.from_hf(model, engine="compact")
+    assert BackboneAdapter.from_hf(model).engine == "hf"  # auto: the HF-layer path
+    assert isinstance(make_engine(BackboneAdapter.from_hf(model)), AdapterEngine)
+
+
+def test_other_classes_take_the_hf_path():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)  # fmt: skip
+    mistral = MistralForCausalLM(cfg).eval()
+    assert "MistralForCausalLM is not transformers' LlamaForCausalLM" in llama_unsupported(mistral)
+    assert BackboneAdapter.from_hf(mistral).engine == "hf"
+    with pytest.raises(ValueError, match="engine='compact'"):
+        BackboneAdapter.from_hf(mistral, engine="compact")
+    with pytest.raises(ValueError, match="engine='fast'"):
+        BackboneAdapter.from_hf(tiny_llama(), engine="fast")
+
+
+def test_load_backbone_picks_the_compact_path(tmp_path):
+    tiny_llama(dtype=torch.float32).save_pretrained(tmp_path / "tiny")
+    bb = load_backbone(str(tmp_path / "tiny"), lora_depth=1, dtype=torch.float64)
+    assert bb.engine == "compact" and isinstance(make_engine(bb, 16), LlamaEngine)
+    forced = load_backbone(str(tmp_path / "tiny"), engine="hf")
+    assert forced.engine == "hf" and isinstance(make_engine(forced, 16), AdapterEngine)
+    plain = make_engine(bb, 16, draft=False)
+    assert plain.k == 0 and all(kc.shape[0] == 1 for kc, _ in plain.kv)  # verifier only: one row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_rms_norm_is_transformers_bit_for_bit(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from mtpc.backbones.llama import rms_norm
+
+    ref = LlamaRMSNorm(64, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        ref.weight.normal_()
+    for scale in (1e-3, 1.0, 30.0):
+        x = (torch.randn(2, 5, 64, dtype=torch.float64) * scale).to(dtype)
+        assert torch.equal(rms_norm(x, ref.weight, 1e-6), ref(x))
