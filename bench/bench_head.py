@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from mtpc.names import DECODE_MODES
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_circuits import machine  # noqa: E402
 
@@ -139,7 +141,7 @@ def _bench_head(head, kind, n, r, v, d, k, rounds, flush, step, seed) -> dict:
         row[f"{cond}_{name}_ms"] = 1e3 * statistics.median(wall[(cond, name)])
         row[f"{cond}_{name}_cpu_ms"] = 1e3 * statistics.median(cpu[(cond, name)])
     for cond in conditions:
-        for mode in ("sample", "greedy"):
+        for mode in DECODE_MODES:
             row[f"{cond}_new_{mode}_over_floor"] = row[f"{cond}_new_{mode}_ms"] / row["floor_ms"]
             row[f"{cond}_new_{mode}_cpu_over_floor_cpu"] = row[f"{cond}_new_{mode}_cpu_ms"] / row["floor_cpu_ms"]
             row[f"{cond}_old_over_new_{mode}"] = row[f"{cond}_old_{mode}_ms"] / row[f"{cond}_new_{mode}_ms"]

@@ -365,7 +365,9 @@ class MtpcModel:
         return GenerationOutput(torch.tensor(ids, dtype=torch.long), text, stats)
 
     def _head_fn(self, hidden: Tensor) -> dict[str, Tensor]:
-        return self.circuit.normalize(self.head(hidden))
+        """Normalised circuit parameters for one context through the head's batch-1 decoding path
+        (`MtpcHead.decoder`, equal to `circuit.normalize(head(e))`; built once per weights)."""
+        return self.head.decoder().params(hidden)
 
     def engine(self, draft: bool = True, capacity: int = 0) -> Any:
         """This model's engine (draft top or verifier only), reset to hold `capacity` positions."""
@@ -406,7 +408,7 @@ class MtpcModel:
         gen = self._generator(seed)
         _peak_mem_reset(self.device)
         engine = self.engine(True, ids.shape[0] + cfg.max_new_tokens + self.window)
-        head_fn, drafter = self._head_fn, CircuitDrafter(self.circuit, gen)
+        head_fn, drafter = self.head.decoder().params, CircuitDrafter(self.circuit, gen)  # decoder checked once per call
         if self._graphed_draft is not None:
             head_fn, drafter = self._graphed_draft.head, self._graphed_draft
         out, st = speculative_decode(

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from mtpc.names import CIRCUIT_KINDS
+
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
@@ -26,7 +28,7 @@ def test_bench_gpu_tiny_runs_every_part(tmp_path):
     for part in ("bandwidth", "llama32_3b", "fp32_identity", "graph_vs_eager", "default_model", "bf16"):
         assert part in report and "error" not in report[part], (part, report.get(part))
     assert report["fp32_identity"]["all_identical"] is True
-    assert set(report["llama32_3b"]["cycle_ms"]) == {f"{k}_{leaf}" for k in ("ff", "cp", "hmm", "btree") for leaf in ("full", "appG")}
+    assert set(report["llama32_3b"]["cycle_ms"]) == {f"{k}_{leaf}" for k in CIRCUIT_KINDS for leaf in ("full", "appG")}
     assert report["llama32_3b"]["bound_ms"] > 0 and "bars" in report["llama32_3b"]
     assert report["graph_vs_eager"]["skipped"].startswith("no CUDA")
 

@@ -181,8 +181,10 @@ def test_load_backbone_from_directory(tmp_path, monkeypatch):
     assert load_backbone(str(tmp_path / "big"), allow_non_byte=True).vocab_size == 600
     with pytest.raises(ValueError, match="unknown name"):
         load_backbone("no-such-backbone")
-    monkeypatch.setenv("MTPC_CACHE_DIR", str(tmp_path / "cache"))
-    with pytest.raises(ValueError, match="make pretrain"):
+    import mtpc.backbones as backbones
+
+    monkeypatch.setattr(backbones, "SHIPPED_DIR", tmp_path / "no_default")  # a clone without the shipped files
+    with pytest.raises(ValueError, match=r"no_default/MANIFEST.json is missing"):
         load_backbone("default")
 
 
