@@ -2,36 +2,42 @@
 # The session's one device-machine command (H200): set-up, default-model training, GPU benchmark.
 #
 #   bash bench/device.sh                      # on the device machine ($OUT is set there)
-#   MTPC_DEVICE_DRY=1 bash bench/device.sh    # CPU dry run: OUT = a temp dir, tiny sizes, the cpu
-#                                             # pre-training config for 2 steps (PYTHON= picks the interpreter)
+#   MTPC_DEVICE_DRY=1 bash bench/device.sh    # CPU dry run: OUT = a temp dir, tiny sizes, the gpu
+#                                             # pre-training config shrunk to 2 CPU steps (PYTHON= picks the interpreter)
+# Before the call, here: `make device-prep` (or `python -m experiments.device_prep`; `--tiny` for the
+# dry run) writes the corpus streams and the git SHA under .device/, which the call must carry:
+#   device run: command "bash bench/device.sh", carry [".device"], timeout_s 480
 #
 # Each part runs in its own subprocess under a hard timeout and may fail without stopping the next:
-#   0. set-up (<= 30 s): PYTHONPATH=$PWD (no install), nvidia-smi and package versions -> $OUT/hardware.json
-#   1. timeout 280 python3 -m experiments.pretrain --config gpu --out $MTPC_DEFAULT_OUT   -> $OUT/pretrain.log
-#   2. timeout 160 python3 bench/bench_gpu.py --default-model $MTPC_DEFAULT_OUT --out $OUT/bench_gpu.json
-#      (-> $OUT/bench_gpu.log; the benchmark falls back to the shipped default model if part 1 failed)
-# Files under $OUT: hardware.json, pretrain.log, bench_gpu.json, bench_gpu.log, device.log, plus the
-# trained model in $MTPC_DEFAULT_OUT (default $OUT/default; its weights exceed the 16 MiB a returned
-# file may have: set MTPC_DEFAULT_OUT=/tmp/default to keep $OUT to five files).
+#   0. set-up (<= 30 s): PYTHONPATH=$PWD (no install), nvidia-smi and package versions (into device.log)
+#   1. timeout 270 python3 -m experiments.pretrain --config gpu --out /tmp/mtpc_default --ship
+#      then its shards are moved to $OUT and the small files packed into $OUT/default_meta.tar
+#   2. timeout 150 python3 bench/bench_gpu.py --default-model /tmp/mtpc_default --out $OUT/bench_gpu.json
+#      (the benchmark falls back to the shipped default model if part 1 failed)
+# Files under $OUT (<= 6): device.log (every part's output), bench_gpu.json, default_meta.tar and the
+# model's bf16 shards (3 of < 16 MiB). To ship them: unpack default_meta.tar and the shards into
+# mtpc/default_model/ (the manifest inside checks them).
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ "${MTPC_DEVICE_DRY:-0}" = "1" ]; then
   OUT=$(mktemp -d /tmp/mtpc_device_dry.XXXXXX)
-  T0=${MTPC_DRY_TIMEOUT_PRETRAIN:-120}; T1=${MTPC_DRY_TIMEOUT_BENCH:-300}; TINY=--tiny
-  PRETRAIN_ARGS=(--config cpu --set max_steps=2 --set max_minutes=0.5)  # no GPU here
+  T0=${MTPC_DRY_TIMEOUT_PRETRAIN:-300}; T1=${MTPC_DRY_TIMEOUT_BENCH:-300}; TINY=--tiny
+  PRETRAIN_ARGS=(--config gpu --set accelerator=cpu --set precision=32-true --set compile=false --set max_steps=2
+                 --set batch_size=2 --set seq_len=256 --set heldout_rows=2 --set warmup_steps=1 --ship-rows 2)  # no GPU here
 else
   OUT=${OUT:?OUT must name the output folder}
-  T0=280; T1=160; TINY=""
+  T0=270; T1=150; TINY=""
   PRETRAIN_ARGS=(--config gpu)
 fi
-DEFAULT_OUT=${MTPC_DEFAULT_OUT:-$OUT/default}
+[ -f .device/train.u8.xz ] || echo "warning: .device/train.u8.xz missing: run make device-prep here and carry .device" >&2
+DEFAULT_OUT=${MTPC_DEFAULT_OUT:-/tmp/mtpc_default}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 log() { echo "[device.sh $(date -u +%H:%M:%S)] $*" | tee -a "$OUT/device.log"; }
 
 log "part 0: set-up (OUT=$OUT)"
-timeout 30 "$PY" - "$OUT/hardware.json" <<'EOF' >>"$OUT/device.log" 2>&1 || log "part 0 failed (rc=$?)"
+timeout 30 "$PY" - /tmp/mtpc_hardware.json <<'EOF' >>"$OUT/device.log" 2>&1 || log "part 0 failed (rc=$?)"
 import importlib, json, platform, subprocess, sys
 info = {"python": platform.python_version(), "platform": platform.platform()}
 for name in ("torch", "transformers", "peft", "safetensors", "lightning", "triton"):
@@ -58,13 +64,16 @@ print(json.dumps(info))
 EOF
 
 log "part 1: pre-train the default model (timeout ${T0}s) -> $DEFAULT_OUT"
-timeout "$T0" "$PY" -m experiments.pretrain "${PRETRAIN_ARGS[@]}" --out "$DEFAULT_OUT" \
-  >"$OUT/pretrain.log" 2>&1
+timeout "$T0" "$PY" -m experiments.pretrain "${PRETRAIN_ARGS[@]}" --out "$DEFAULT_OUT" --ship \
+  >>"$OUT/device.log" 2>&1
 log "part 1 exit code $?"
+if [ -f "$DEFAULT_OUT/MANIFEST.json" ]; then  # the shipped form: shards as files, the rest in one tar
+  cp "$DEFAULT_OUT"/*.safetensors "$OUT"/ && tar -C "$DEFAULT_OUT" --exclude='*.safetensors' -cf "$OUT/default_meta.tar" . \
+    && log "part 1 model in \$OUT: $(cd "$DEFAULT_OUT" && ls | tr '\n' ' ')"
+fi
 
 log "part 2: GPU benchmark (timeout ${T1}s)"
 timeout "$T1" "$PY" bench/bench_gpu.py --default-model "$DEFAULT_OUT" --out "$OUT/bench_gpu.json" $TINY \
-  >"$OUT/bench_gpu.log" 2>&1
+  >>"$OUT/device.log" 2>&1
 log "part 2 exit code $?"
-tail -n 3 "$OUT/bench_gpu.log" | tee -a "$OUT/device.log"
 log "done: $(ls "$OUT" | tr '\n' ' ')"
