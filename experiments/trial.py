@@ -11,6 +11,10 @@ turns true (pre-emption), training saves a checkpoint at the next batch end and 
 raised instead of evaluating a half-trained head. Lightning gets `LightningEnvironment` from
 train_head (a one-task SLURM job is not a multi-process or self-requeueing job).
 
+After training, the stopping rule (`convergence`: held-out window NLL changed < 1 % over the last
+fifth of training) is checked on the logged `val_window_nll` history; `converged` (0/1) and
+`val_nll_change_last_fifth` go to the parent, `converged` to every child (0 = undertrained).
+
 Returns the objective metrics as means over the stored child runs ("<metric>" over all,
 "<mode>/<metric>" per mode). The sweep runner reads the child runs back itself as well.
 Leaves out: Optuna (sweeps/run.py) and the decoding metrics' definitions (mtpc.speculative).
@@ -76,6 +80,30 @@ def load_for_eval(head_dir: Path, resolved: dict[str, Any]):
 
         backbone = build_backbone("tiny", m.get("lora_depth", 0), m.get("backbone_dtype"), m.get("tiny_seed", 0))
     return MtpcModel.from_pretrained(head_dir, backbone=backbone)
+
+
+CONVERGENCE_FRACTION = 0.2  # the last fifth of training
+CONVERGENCE_TOLERANCE = 0.01  # < 1 % relative change of the held-out window NLL over it
+
+
+def convergence(history: list[tuple[int, float]], fraction: float = CONVERGENCE_FRACTION,
+                tolerance: float = CONVERGENCE_TOLERANCE) -> dict[str, float]:
+    """The stopping rule of docs/fidelity.md on a (step, val_window_nll) history.
+
+    With L the last validated step, v_L its value and v_ref the value at the last validation at or
+    before step (1 - fraction) L: change = |v_L - v_ref| / v_L; `converged` = 1 iff change < tolerance.
+    Without a validation inside [0, (1 - fraction) L] (or with fewer than two) the change is unknown
+    (NaN) and the head counts as not converged (undertrained).
+    """
+    pts = sorted((int(s), float(v)) for s, v in history)
+    if len(pts) < 2:
+        return {"val_nll_change_last_fifth": float("nan"), "converged": 0.0}
+    last_step, last = pts[-1]
+    before = [v for s, v in pts[:-1] if s <= (1 - fraction) * last_step]
+    if not before or last == 0:
+        return {"val_nll_change_last_fifth": float("nan"), "converged": 0.0}
+    change = abs(last - before[-1]) / abs(last)
+    return {"val_nll_change_last_fifth": change, "converged": float(change < tolerance)}
 
 
 def eval_passes(modes, temperatures) -> list[tuple[str, float]]:
@@ -186,8 +214,14 @@ def _train_and_evaluate(
     # children of an interrupted earlier attempt would be counted twice: drop them first
     discard_children(uri, exp_id, parent_run_id)
     modes = eval_config.get("modes", list(DECODE_MODES))
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    history = [(m.step, m.value) for m in client.get_metric_history(parent_run_id, "val_window_nll")]
+    conv = convergence(history)  # the stopping rule: an undertrained head is reported as such
+    client.log_batch(parent_run_id, metrics=[_metric(k, v) for k, v in conv.items() if v == v])
     evaluate_head(result.head_dir, result.config, eval_config, parent_run_id=parent_run_id, tracking_uri=uri,
-                  out=run_dir / "evaluation.json")
+                  out=run_dir / "evaluation.json", extra_params={"converged": int(conv["converged"])})
     out: dict[str, float] = {}
     runs = child_runs(uri, exp_id, parent_run_id)
     for key in ("mu_lat", "mu_acc", "tokens_per_cycle", "throughput", "speedup_vs_stp"):
@@ -199,3 +233,11 @@ def _train_and_evaluate(
             if mv:
                 out[f"{mode}/{key}"] = sum(mv) / len(mv)
     return out
+
+
+def _metric(key: str, value: float):
+    import time
+
+    from mlflow.entities import Metric
+
+    return Metric(key, float(value), int(time.time() * 1000), 0)

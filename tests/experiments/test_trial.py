@@ -62,8 +62,11 @@ def test_run_trial_trains_evaluates_and_resumes(tmp_path, prompts, monkeypatch):
     kids = tracking.child_runs(uri, exp_id, parent)
     assert sorted((k.data.params["mode"], k.data.params["prompt_set"]) for k in kids) == [
         ("greedy", "0"), ("greedy", "1"), ("sample", "0"), ("sample", "1")]
+    assert run.data.metrics["converged"] in (0.0, 1.0)  # the stopping rule was checked and logged
     for k in kids:
         assert k.data.params["circuit"] == "cp" and k.data.params["extra_token"] == "keep"
+        assert (k.data.params["kl_beta"], k.data.params["train_seed"], k.data.params["eos"]) == ("0.0", "0", "banned")
+        assert k.data.params["converged"] == str(int(run.data.metrics["converged"]))
         assert {"mu_lat", "mu_acc", "tokens_per_cycle", "throughput", "max_throughput", "speedup_vs_stp"} <= set(k.data.metrics)
     assert (ck / "evaluation.json").is_file()
     assert "MLFLOW_TRACKING_URI" not in os.environ  # the trial put the environment back
