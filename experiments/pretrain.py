@@ -35,7 +35,7 @@ from lightning.pytorch.plugins.environments import LightningEnvironment
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mtpc.backbones import pretrained_model_dir
-from mtpc.data import is_heldout, load_messages, pack, sharegpt_corpus
+from mtpc.data import STREAM_SUFFIX, is_heldout, load_messages, pack, pack_stream, read_stream, sharegpt_corpus
 from mtpc.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, ByteTokenizer
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -72,9 +72,11 @@ class PretrainConfig:
     log_every: int = 25
     """Steps between progress lines / loss-curve points."""
     train_data: str = "sharegpt"
-    """'sharegpt' (the bundled corpus) or a messages-format .json/.jsonl file / datasets name."""
+    """'sharegpt' (the bundled corpus), a messages-format .json/.jsonl file / datasets name, or a
+    `*.u8.xz` byte stream (`mtpc.data.write_stream`, what `experiments.device_prep` writes)."""
     heldout_data: str | None = None
-    """Held-out conversations; None: the corpus's own held-out split (sharegpt) or the hash split."""
+    """Held-out conversations (or a `*.u8.xz` stream); None: the corpus's own held-out split
+    (sharegpt) or the hash split."""
     heldout_rows: int = 32
     """Rows of seq_len held-out bytes scored for the reported bits/byte."""
     accelerator: str = "cpu"
@@ -82,6 +84,8 @@ class PretrainConfig:
     num_threads: int | None = None
     """torch threads; None = torch's default (one per core). On a CPU shared with other jobs 1 is
     faster (measured here under load ~9 on 2 cores: 5.8 s per step with 1 thread, 17.5 s with 2)."""
+    compile: bool = False
+    """torch.compile the model for training (GPU; on the CPU it was not measured to help)."""
     seed: int = 0
 
     def validate(self, where: str = "config") -> None:
@@ -151,6 +155,10 @@ def load_config(path: str | Path, **overrides) -> PretrainConfig:
 # data
 # ---------------------------------------------------------------------------------------------
 def _conversations(cfg: PretrainConfig) -> tuple[list[dict], list[dict]]:
+    if cfg.train_data.endswith(STREAM_SUFFIX):
+        if cfg.heldout_data is None:
+            raise ValueError(f"train_data={cfg.train_data!r} is a byte stream: set heldout_data too")
+        return [], [] if cfg.heldout_data.endswith(STREAM_SUFFIX) else load_messages(cfg.heldout_data)
     if cfg.train_data == "sharegpt":
         corpus = sharegpt_corpus()
         train, heldout = corpus.train, corpus.heldout
@@ -159,10 +167,19 @@ def _conversations(cfg: PretrainConfig) -> tuple[list[dict], list[dict]]:
         train = [c for c in convs if not is_heldout(c["id"])]
         heldout = [c for c in convs if is_heldout(c["id"])] or train[-max(1, len(train) // 20):]
     if cfg.heldout_data is not None:
-        heldout = load_messages(cfg.heldout_data)
-    if not train or not heldout:
+        heldout = [] if cfg.heldout_data.endswith(STREAM_SUFFIX) else load_messages(cfg.heldout_data)
+    if not train or not (heldout or str(cfg.heldout_data).endswith(STREAM_SUFFIX)):
         raise ValueError(f"train_data={cfg.train_data!r}: need training and held-out conversations")
     return train, heldout
+
+
+def _packed(source: str | None, convs: list[dict] | None, seq_len: int, max_rows: int, seed: int | None):
+    """Rows of `source` if it is a byte stream, else of the conversations (shuffled by `seed`)."""
+    if source is not None and source.endswith(STREAM_SUFFIX):
+        return pack_stream(read_stream(source), seq_len, max_rows=max_rows)
+    if seed is not None:
+        random.Random(seed).shuffle(convs)
+    return pack(convs, ByteTokenizer(), seq_len, max_rows=max_rows)
 
 
 def present_targets(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -188,13 +205,15 @@ class ByteLM(L.LightningModule):
         super().__init__()
         self.cfg = cfg
         self.model = LlamaForCausalLM(cfg.llama_config())
+        # compiled forward kept outside the module tree (no second copy of the parameters in it)
+        object.__setattr__(self, "_forward_model", torch.compile(self.model) if cfg.compile else self.model)
         self.active_seconds = 0.0  # wall time of the steps, pauses clipped (see max_minutes)
         self._last: float | None = None
         self._typical: float | None = None
 
     def training_step(self, batch, batch_idx):
         input_ids, doc_ids = batch
-        nll, n = next_byte_nll(self.model, input_ids, doc_ids)
+        nll, n = next_byte_nll(self._forward_model, input_ids, doc_ids)
         loss = nll / max(n, 1)
         self.log("bpb", loss / math.log(2), prog_bar=True)
         return loss
@@ -306,10 +325,9 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path) -> dict:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     tok = ByteTokenizer()
     train, heldout = _conversations(cfg)
-    random.Random(cfg.seed).shuffle(train)
     rows_needed = cfg.max_steps * cfg.batch_size
-    train_rows = pack(train, tok, cfg.seq_len, max_rows=rows_needed)
-    held_rows = pack(heldout, tok, cfg.seq_len, max_rows=cfg.heldout_rows)
+    train_rows = _packed(cfg.train_data, train, cfg.seq_len, rows_needed, cfg.seed)
+    held_rows = _packed(cfg.heldout_data, heldout, cfg.seq_len, cfg.heldout_rows, None)
     dataset = torch.utils.data.TensorDataset(train_rows.input_ids, train_rows.doc_ids)
     loader = torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, drop_last=True)
     if len(loader) == 0:
@@ -334,13 +352,21 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path) -> dict:
     trainer.fit(module, loader)
     model = module.model.float()
     metrics = heldout_bits_per_byte(model, held_rows)
+    bytes_per_second = int(trainer.global_step) * cfg.batch_size * cfg.seq_len / max(module.active_seconds, 1e-9)
+    flops = model_flops_per_byte(model, cfg)
+    peak = peak_flops()
     metrics.update(
         steps=int(trainer.global_step),
         train_bytes_seen=int(trainer.global_step) * cfg.batch_size * cfg.seq_len,
         train_rows=len(train_rows),
         train_documents_cut_at_row_ends=train_rows.cut_documents,
         train_active_minutes=module.active_seconds / 60,
-        train_bytes_per_second=int(trainer.global_step) * cfg.batch_size * cfg.seq_len / max(module.active_seconds, 1e-9),
+        train_bytes_per_second=bytes_per_second,
+        model_flops_per_byte=flops,
+        train_flops_per_second=flops * bytes_per_second,
+        mfu=None if peak is None else flops * bytes_per_second / peak,
+        mfu_formula="MFU = (6 N + 12 L d S) * bytes/s / peak; N = parameters without the input embedding, "
+                    "L layers, d width, S seq_len (PaLM, App. B); peak = bf16 dense of the GPU (H100/H200: 989 TFLOP/s)",
         total_minutes=(time.monotonic() - wall0) / 60,
         parameters=sum(p.numel() for p in model.parameters()),
         torch_threads=torch.get_num_threads(),
@@ -358,6 +384,21 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path) -> dict:
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return metrics
+
+
+def model_flops_per_byte(model: LlamaForCausalLM, cfg: PretrainConfig) -> float:
+    """Training FLOPs per byte: 6 N (matmuls, forward + backward) + 12 L d S (attention scores and
+    values; PaLM's count, causal masking not discounted). N excludes the input embedding."""
+    n = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    return 6.0 * n + 12.0 * cfg.num_layers * cfg.hidden_size * cfg.seq_len
+
+
+def peak_flops() -> float | None:
+    """bf16 dense peak of the GPU in use (None on the CPU or an unknown GPU)."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0)
+    return 989e12 if ("H100" in name or "H200" in name) else None
 
 
 def hardware() -> dict:
@@ -382,8 +423,8 @@ def hardware() -> dict:
 
 
 def git_sha() -> str | None:
-    """The checkout's commit: `git rev-parse HEAD`, else a GIT_SHA file at the repo root (copies
-    without .git, such as the device machine's, carry one), else None."""
+    """The checkout's commit: `git rev-parse HEAD`, else `.device/GIT_SHA` (the device machine's
+    copy has no .git; experiments.device_prep writes that file), else None."""
     import subprocess
 
     root = Path(__file__).resolve().parents[1]
@@ -391,7 +432,7 @@ def git_sha() -> str | None:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        f = root / "GIT_SHA"
+        f = root / ".device" / "GIT_SHA"
         return f.read_text().strip() if f.is_file() else None
 
 
@@ -412,6 +453,8 @@ CARD_FILE = "MODEL_CARD.md"
 
 def heldout_rows(cfg: PretrainConfig, rows: int, seq_len: int = 2048):
     """The fixed held-out slice: the held-out conversations in corpus order, packed at `seq_len`."""
+    if cfg.heldout_data is not None and cfg.heldout_data.endswith(STREAM_SUFFIX):
+        return pack_stream(read_stream(cfg.heldout_data), seq_len, max_rows=rows)
     if cfg.heldout_data is not None:
         heldout = load_messages(cfg.heldout_data)
     elif cfg.train_data == "sharegpt":

@@ -14,6 +14,9 @@
   training user turn, deduplicated. Built once under `cache_dir()/data/` behind a file lock.
 - `pack(conversations, tokenizer, seq_len)`: chat-templated conversations concatenated and cut
   into rows; see `PackedData` for the tensors and the present/absent target rule.
+- `write_stream` / `read_stream` / `pack_stream`: the same templated corpus as one xz-compressed
+  byte stream (specials stored in the bytes UTF-8 never uses), packed into exactly what `pack`
+  makes — the form the corpus travels in to a GPU machine.
 
 Leaves out: tokenisation (mtpc.tokenizer), any model or training code.
 """
@@ -345,9 +348,11 @@ def pack(
             break
     if not ids_parts:
         raise ValueError("pack: no conversations given")
-    ids = np.concatenate(ids_parts)
-    mask = np.concatenate(mask_parts)
-    doc = np.concatenate(doc_parts)
+    return _rows(np.concatenate(ids_parts), np.concatenate(mask_parts), np.concatenate(doc_parts), seq_len, max_rows, pad)
+
+
+def _rows(ids: np.ndarray, mask: np.ndarray, doc: np.ndarray, seq_len: int, max_rows: int | None, pad: int) -> PackedData:
+    """Cut a concatenated (ids, mask, doc) stream into rows; documents renumbered per row."""
     rows = -(-len(ids) // seq_len)
     if max_rows is not None:
         rows = min(rows, max_rows)
@@ -369,3 +374,68 @@ def pack(
         doc_ids=torch.from_numpy(local),
         cut_documents=cut,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# byte streams: the packed corpus as one compressed file (what travels to the GPU machine)
+# ---------------------------------------------------------------------------------------------
+# ByteTokenizer ids as single bytes: UTF-8 text never contains 0xF8..0xFF, so the specials
+# 256..262 (PAD, BOS, EOS, SYSTEM, USER, ASSISTANT, END_TURN) are stored as 0xF8..0xFE.
+STREAM_SPECIAL_BASE = 0xF8
+STREAM_SUFFIX = ".u8.xz"
+
+
+def write_stream(conversations: Sequence[dict], path: str | os.PathLike, tokenizer: Any = None, preset: int = 6) -> int:
+    """Chat-template `conversations` with the ByteTokenizer into one xz-compressed byte stream
+    (read back by `read_stream`, packed by `pack_stream` into exactly what `pack` makes).
+    Returns the number of ids. Raises if a content byte collides with the special range."""
+    import lzma
+
+    from mtpc.tokenizer import ByteTokenizer
+
+    tok = tokenizer or ByteTokenizer()
+    parts = [np.asarray(tok.apply_chat_template(c["messages"])[0], dtype=np.int64) for c in conversations]
+    ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    raw = (ids < 256) & (ids >= STREAM_SPECIAL_BASE)
+    if raw.any():
+        raise ValueError(f"{path}: content byte 0x{int(ids[raw][0]):02X} is in the special range "
+                         f"0x{STREAM_SPECIAL_BASE:02X}..0xFF (not UTF-8 text); this corpus cannot be streamed")
+    u8 = np.where(ids >= 256, ids - 256 + STREAM_SPECIAL_BASE, ids).astype(np.uint8)
+    with lzma.open(path, "wb", preset=preset) as f:
+        f.write(u8.tobytes())
+    return len(ids)
+
+
+def read_stream(path: str | os.PathLike) -> np.ndarray:
+    """The ids (int64) of a `write_stream` file."""
+    import lzma
+
+    try:
+        with lzma.open(path, "rb") as f:
+            u8 = np.frombuffer(f.read(), dtype=np.uint8)
+    except (OSError, lzma.LZMAError) as e:
+        raise ValueError(f"{path}: not an xz byte stream ({e})") from None
+    ids = u8.astype(np.int64)
+    special = u8 >= STREAM_SPECIAL_BASE
+    ids[special] += 256 - STREAM_SPECIAL_BASE
+    return ids
+
+
+def pack_stream(ids: np.ndarray, seq_len: int, max_rows: int | None = None) -> PackedData:
+    """`pack` for a stream of templated conversations: a document starts at every BOS, and the
+    assistant mask is re-derived (assistant content bytes and their closing EOS)."""
+    from mtpc.tokenizer import ASSISTANT_ID, BOS_ID, EOS_ID, PAD_ID, ROLE_IDS
+
+    if not isinstance(seq_len, int) or seq_len < 2:
+        raise ValueError(f"seq_len={seq_len!r}: expected an int >= 2")
+    if len(ids) == 0 or ids[0] != BOS_ID:
+        raise ValueError("pack_stream: the stream must start with BOS (write it with write_stream)")
+    if max_rows is not None:
+        ids = ids[: max_rows * seq_len]
+    doc = np.cumsum(ids == BOS_ID) - 1
+    is_role = np.isin(ids, list(ROLE_IDS.values()))
+    last_role = np.where(is_role | (ids == BOS_ID), np.arange(len(ids)), 0)
+    np.maximum.accumulate(last_role, out=last_role)
+    role = ids[last_role]  # the marker (or BOS) that opened the current turn
+    mask = (role == ASSISTANT_ID) & ~is_role & ((ids < 256) | (ids == EOS_ID))
+    return _rows(ids, mask, doc, seq_len, max_rows, PAD_ID)

@@ -169,3 +169,36 @@ def test_pack_layout():
         pack(convs, tok, seq_len=1)
     with pytest.raises(ValueError, match="no conversations"):
         pack([], tok, seq_len=8)
+
+
+def test_byte_stream_packs_exactly_like_pack(tmp_path):
+    """write_stream -> read_stream -> pack_stream is pack (ids, assistant mask, documents, cuts),
+    for system/user/assistant turns, multi-byte UTF-8, rows that cut documents, and padding."""
+    convs = [
+        {"id": f"c{i}", "messages": [
+            *([{"role": "system", "content": "be brief"}] if i % 3 == 0 else []),
+            {"role": "user", "content": f"question {i} — ünïcödé?"},
+            {"role": "assistant", "content": "answer " * (i % 5 + 1)},
+            *([{"role": "user", "content": "more"}, {"role": "assistant", "content": "ok"}] if i % 2 else []),
+        ]}
+        for i in range(23)
+    ]
+    path = tmp_path / "s.u8.xz"
+    n = data.write_stream(convs, path)
+    ids = data.read_stream(path)
+    assert len(ids) == n and ids.dtype.name == "int64"
+    for seq_len, max_rows in ((37, None), (64, 5), (1000, None)):
+        a = pack(convs, ByteTokenizer(), seq_len, max_rows=max_rows)
+        b = data.pack_stream(ids, seq_len, max_rows=max_rows)
+        for f in ("input_ids", "score_mask", "doc_ids"):
+            assert torch.equal(getattr(a, f), getattr(b, f)), (seq_len, f)
+        assert a.cut_documents == b.cut_documents
+
+
+def test_byte_stream_refuses_bytes_in_the_special_range(tmp_path):
+    bad = [{"id": "x", "messages": [{"role": "user", "content": b"\xff\xfe"}, {"role": "assistant", "content": "a"}]}]
+    with pytest.raises(ValueError, match="0xFF is in the special range"):
+        data.write_stream(bad, tmp_path / "b.u8.xz")
+    (tmp_path / "junk.u8.xz").write_bytes(b"not xz")
+    with pytest.raises(ValueError, match="junk.u8.xz: not an xz byte stream"):
+        data.read_stream(tmp_path / "junk.u8.xz")

@@ -1,0 +1,83 @@
+"""Prepare the working tree for the one GPU device call: corpus streams, git SHA, size check.
+
+`python -m experiments.device_prep [--tiny]` writes, under `.device/` (git-ignored; the device
+call names it in `carry`):
+- `train.u8.xz`, `heldout.u8.xz`: the bundled ShareGPT training and held-out split as xz byte
+  streams (`mtpc.data.write_stream`; training conversations shuffled with seed 0), which the
+  GPU pre-training config reads and packs in seconds — rebuilt only when the corpus changes;
+- `GIT_SHA`: the commit (the copy on the device has no .git; `experiments.pretrain` records it);
+and then checks that everything that travels — tracked files, untracked files git does not
+ignore, and `.device/` — is at most 60 MiB (the device tool takes 64 MiB); exit 1 if not.
+`--tiny` writes small streams (200 / 50 conversations) for the CPU dry-run of `bench/device.sh`.
+
+Leaves out: running anything on the device (bench/device.sh does), training (experiments.pretrain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+from mtpc.data import sharegpt_corpus, write_stream
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE_DIR = ROOT / ".device"
+LIMIT_MIB = 60
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
+def travel_bytes(extra: list[Path]) -> dict[str, int]:
+    """Bytes that the device call sends: tracked + untracked-not-ignored files + `extra` folders."""
+    files = set(_git("ls-files", "-z").split("\0")) | set(_git("ls-files", "-z", "--others", "--exclude-standard").split("\0"))
+    sizes = {"tracked+untracked": sum((ROOT / f).stat().st_size for f in files if f and (ROOT / f).is_file())}
+    for d in extra:
+        if d.exists():
+            sizes[str(d.relative_to(ROOT))] = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+    return sizes
+
+
+def build_streams(tiny: bool) -> dict:
+    corpus = sharegpt_corpus()
+    train, heldout = list(corpus.train), list(corpus.heldout)
+    random.Random(0).shuffle(train)  # the same order experiments.pretrain gives the conversations
+    if tiny:
+        train, heldout = train[:200], heldout[:50]
+    key = {"corpus": corpus.stats, "tiny": tiny, "seed": 0}
+    stamp = DEVICE_DIR / "streams.json"
+    DEVICE_DIR.mkdir(exist_ok=True)
+    if stamp.is_file() and json.loads(stamp.read_text()).get("key") == key:
+        return json.loads(stamp.read_text())
+    info = {"key": key}
+    for name, convs in (("heldout", heldout), ("train", train)):
+        print(f"writing .device/{name}.u8.xz ({len(convs)} conversations)...", flush=True)
+        info[name] = write_stream(convs, DEVICE_DIR / f"{name}.u8.xz")
+    stamp.write_text(json.dumps(info, indent=1) + "\n")
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.device_prep", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="small streams for the CPU dry-run")
+    args = ap.parse_args(argv)
+    info = build_streams(args.tiny)
+    (DEVICE_DIR / "GIT_SHA").write_text(_git("rev-parse", "HEAD").strip() + "\n")
+    sizes = travel_bytes([DEVICE_DIR, ROOT / ".whl"])
+    total = sum(sizes.values())
+    for k, v in sizes.items():
+        print(f"{k:>20}: {v / 2**20:7.1f} MiB")
+    print(f"{'total':>20}: {total / 2**20:7.1f} MiB (limit {LIMIT_MIB} MiB); ids: train {info['train']:,}, heldout {info['heldout']:,}")
+    if total > LIMIT_MIB * 2**20:
+        print(f"error: the device call would send {total / 2**20:.1f} MiB > {LIMIT_MIB} MiB", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
