@@ -151,6 +151,9 @@ class ChatDataModule(L.LightningDataModule):
         max_val_conversations: keep at most this many held-out conversations.
         max_val_rows: keep at most this many packed held-out rows (None: all).
         seed: seeds the per-epoch shuffle.
+        extra_train_source: a messages .json/.jsonl file whose conversations are added to the
+            training split only (e.g. self-distillation answers, experiments/selfdistill.py), after
+            `max_train_conversations` is applied to `source`; validation stays on `source`.
     """
 
     def __init__(
@@ -163,12 +166,14 @@ class ChatDataModule(L.LightningDataModule):
         max_val_conversations: int | None = 200,
         max_val_rows: int | None = None,
         seed: int = 0,
+        extra_train_source: str | None = None,
     ):
         super().__init__()
         self.source, self.seq_len, self.batch_size = source, seq_len, batch_size
         self.val_fraction, self.seed = val_fraction, seed
         self.max_train_conversations, self.max_val_conversations = max_train_conversations, max_val_conversations
         self.max_val_rows = max_val_rows
+        self.extra_train_source = extra_train_source
         self.train_rows: PackedRows | None = None
         self.val_rows: PackedRows | None = None
         self.tokenizer: Any = None
@@ -190,6 +195,10 @@ class ChatDataModule(L.LightningDataModule):
             train = train[: self.max_train_conversations]
         if self.max_val_conversations is not None:
             val = val[: self.max_val_conversations]
+        if self.extra_train_source:
+            from mtpc.data import load_messages
+
+            train = train + load_messages(self.extra_train_source)
         if not train:
             raise ValueError(f"data: no training conversations left from {self.source!r} (val_fraction={self.val_fraction})")
         self.train_rows = PackedRows(pack(train, tok, self.seq_len))

@@ -148,6 +148,10 @@ def validate_config(cfg: dict[str, Any], source: str = "<config>") -> None:
     problem = source_problem(src)
     if problem:
         fail("data.source", problem)
+    extra = d.get("extra_train_source")
+    if extra is not None and (not isinstance(extra, str) or not Path(extra).expanduser().is_file()):
+        fail("data.extra_train_source", f"got {extra!r}; expected an existing .json/.jsonl messages file "
+             "(e.g. from python -m experiments.selfdistill)")
     seq_len = d.get("seq_len")
     if not isinstance(seq_len, int) or seq_len < n + 1:
         fail("data.seq_len", f"got {seq_len!r}; expected an integer >= window + 1 = {n + 1}")
@@ -294,7 +298,7 @@ def training_params(cfg: dict[str, Any]) -> dict[str, Any]:
         "gamma": m.get("gamma"), "init": m.get("init"), "chunk_size": m.get("chunk_size"),
         "kl_beta": m.get("kl_beta", 0.0), "kl_temperature": m.get("kl_temperature", 1.0),
         "train_seed": cfg.get("seed_everything"),
-        "data_source": d["source"], "seq_len": d["seq_len"], "batch_size": d.get("batch_size"),
+        "data_source": d["source"], "extra_train_source": d.get("extra_train_source"), "seq_len": d["seq_len"], "batch_size": d.get("batch_size"),
         "accumulate_grad_batches": t.get("accumulate_grad_batches", 1), "max_epochs": t.get("max_epochs"),
         "max_steps": t.get("max_steps"), "precision": t.get("precision"),
         "bytes_per_step": d["seq_len"] * d.get("batch_size", 1) * (t.get("accumulate_grad_batches") or 1),
