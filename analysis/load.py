@@ -32,6 +32,7 @@ from mtpc.names import (
     ACCEPTANCE_PREFIX,
     CIRCUIT_KINDS,
     DECODE_MODES,
+    DEV_SET_PREFIX,
     EVAL_METRICS,
     EXTRA_TOKEN_OPTIONS,
     HISTOGRAM_ARTIFACT,
@@ -352,6 +353,8 @@ class Filters:
     window: tuple[int, ...] | None = None
     lora_depth: tuple[int, ...] | None = None
     circuit: tuple[str, ...] | None = None
+    prompt_sets: str = "reported"
+    """reported (default: development sets "dev<i>" left out), dev (only those) or all"""
 
     def __post_init__(self) -> None:
         if self.mode is not None:
@@ -362,19 +365,22 @@ class Filters:
             bad = [m for m in self.extra_token if m not in EXTRA_TOKEN_OPTIONS]
             if bad:
                 raise ValueError(f"filter extra_token={bad}: expected values in {list(EXTRA_TOKEN_OPTIONS)}")
+        if self.prompt_sets not in ("reported", "dev", "all"):
+            raise ValueError(f"filter prompt_sets={self.prompt_sets!r}: expected 'reported', 'dev' or 'all'")
         if self.circuit is not None:
             bad = [m for m in self.circuit if m not in CIRCUIT_ORDER]
             if bad:
                 raise ValueError(f"filter circuit={bad}: expected values in {list(CIRCUIT_ORDER)}")
 
     def active(self) -> dict[str, tuple]:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
+        return {k: v for k, v in self.__dict__.items() if v is not None and k != "prompt_sets"}
 
     def describe(self) -> str:
         act = self.active()
-        if not act:
-            return "no filters"
-        return ", ".join(f"{k} in {list(v)}" if len(v) > 1 else f"{k}={v[0]}" for k, v in act.items())
+        parts = [f"{k} in {list(v)}" if len(v) > 1 else f"{k}={v[0]}" for k, v in act.items()]
+        if self.prompt_sets != "reported":
+            parts.append(f"prompt sets: {self.prompt_sets}")
+        return ", ".join(parts) or "no filters"
 
 
 def apply_filters(df: pd.DataFrame, filters: Filters) -> tuple[pd.DataFrame, list[tuple[str, int]]]:
@@ -382,6 +388,12 @@ def apply_filters(df: pd.DataFrame, filters: Filters) -> tuple[pd.DataFrame, lis
     result). Float filters compare with a tolerance (temperature 0.7 == "0.7000001")."""
     trail: list[tuple[str, int]] = []
     out = df
+    if filters.prompt_sets != "all":
+        dev = out["prompt_set"].astype(str).str.startswith(DEV_SET_PREFIX).to_numpy(dtype=bool)
+        before = len(out)
+        out = out[dev if filters.prompt_sets == "dev" else ~dev]
+        if filters.prompt_sets == "dev" or len(out) != before:
+            trail.append((f"prompt sets={filters.prompt_sets}", len(out)))
     for name, values in filters.active().items():
         col = out[name]
         if name == "temperature":

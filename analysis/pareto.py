@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--circuit", nargs="+", choices=CIRCUIT_KINDS, help="keep only these circuits"
     )
     p.add_argument(
+        "--prompt-sets", choices=("reported", "dev", "all"), default="reported",
+        help="reported prompt sets (default), the development sets dev<i> (used to choose settings), or all",
+    )
+    p.add_argument(
         "--top", type=int, default=5, help="configurations shown in the acceptance plots (default 5)"
     )
     p.add_argument(
@@ -85,6 +89,7 @@ def filters_from_args(args: argparse.Namespace) -> Filters:
         window=tup(args.window),
         lora_depth=tup(args.lora_depth),
         circuit=tup(args.circuit),
+        prompt_sets=args.prompt_sets,
     )
 
 

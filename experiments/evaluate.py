@@ -184,6 +184,7 @@ def evaluate_heads(
     eos: tuple[str, ...] = ("banned",),
     ff_name: str | None = None,
     progress: bool = True,
+    set_names: list[str] | None = None,
 ) -> dict[str, Any]:
     """Run STP and every head on every prompt set in this process; returns a JSON-able dict.
 
@@ -191,6 +192,7 @@ def evaluate_heads(
     STP runs on the first one's backbone.
     ff_name: the key of an ff head in `models`; every other run then gets `speedup_vs_ff`.
     eos: EOS treatments to run, each of "banned" / "allowed" (every (mode, eos) pair is evaluated).
+    set_names: the `prompt_set` value of each set (default 0, 1, ...; "dev0" marks development prompts).
     Prompt i of a set is sampled with seed + i for STP and every head alike.
     """
     if isinstance(models, MtpcModel):
@@ -206,6 +208,8 @@ def evaluate_heads(
                          f"{EOS_MODES}; got {bad}")
     if ff_name is not None and ff_name not in models:
         raise ValueError(f"ff_name={ff_name!r} is not one of the models {sorted(models)}")
+    if set_names is not None and len(set_names) != len(prompt_sets):
+        raise ValueError(f"set_names: {len(set_names)} names for {len(prompt_sets)} prompt sets")
     first = next(iter(models.values()))
     encoded = [[first.encode_prompt(p) for p in ps] for ps in prompt_sets]
     kw = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
@@ -217,7 +221,7 @@ def evaluate_heads(
         stp[mode] = []
         for eos_mode in eos:
             ban = eos_mode == "banned"
-            for set_idx, prompts in enumerate(encoded):
+            for set_idx, prompts in zip(set_names or range(len(encoded)), encoded, strict=True):
                 plain, answers = [], []
                 for i, p in enumerate(prompts):
                     out = first.generate_plain(p, mode=mode, seed=seed + i, ban_eos=ban, **kw)

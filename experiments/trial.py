@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mtpc.names import DECODE_MODES, GRID_PARAMS
+from mtpc.names import DECODE_MODES, DEV_SET_PREFIX, GRID_PARAMS
 
 
 def stop_callback(should_stop: Callable[[], bool], ckpt_path: Path):
@@ -112,6 +112,11 @@ def eval_passes(modes, temperatures) -> list[tuple[str, float]]:
     return [(m, t) for i, t in enumerate(temperatures) for m in modes if m == "sample" or i == 0]
 
 
+def prompt_set_names(sets: int, dev_sets: int = 0) -> list[str]:
+    """"0".."sets-1" (reported), then "dev0".. (development prompts, disjoint from the reported ones)."""
+    return [str(i) for i in range(sets)] + [f"{DEV_SET_PREFIX}{i}" for i in range(dev_sets)]
+
+
 def training_axes(resolved: dict[str, Any]) -> dict[str, Any]:
     """The training params every child run carries (so CE and distilled heads, and training seeds,
     can be told apart from the child alone): kl_beta, kl_temperature, train_seed."""
@@ -131,8 +136,9 @@ def evaluate_head(head_dir: Path, resolved: dict[str, Any], eval_config: dict[st
     from experiments.evaluate import evaluate_heads, load_prompt_sets, log_evaluation_to_mlflow, summarize
 
     model = load_for_eval(head_dir, resolved)
-    sets = load_prompt_sets(eval_config.get("prompts", "heldout"), eval_config.get("n_prompts", 8),
-                            eval_config.get("sets", 1), eval_config.get("seed", 0))
+    names = prompt_set_names(eval_config.get("sets", 1), eval_config.get("dev_sets", 0))
+    sets = load_prompt_sets(eval_config.get("prompts", "heldout"), eval_config.get("n_prompts", 8), len(names),
+                            eval_config.get("seed", 0))  # disjoint draws: dev prompts never overlap reported ones
     modes = tuple(eval_config.get("modes", DECODE_MODES))
     temperatures = tuple(eval_config.get("temperatures", (1.0,)))
     results = None
@@ -142,7 +148,7 @@ def evaluate_head(head_dir: Path, resolved: dict[str, Any], eval_config: dict[st
             {"head": model}, sets, passes, (eval_config.get("extra_token", "keep"),),
             max_new_tokens=eval_config.get("max_new_tokens", 64), temperature=temperature,
             top_p=eval_config.get("top_p", 1.0), seed=eval_config.get("seed", 0),
-            eos=tuple(eval_config.get("eos", ("banned",))),
+            eos=tuple(eval_config.get("eos", ("banned",))), set_names=names,
         )
         if results is None:
             results = res

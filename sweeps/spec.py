@@ -67,6 +67,7 @@ class EvalSettings:
     modes: tuple[str, ...] = DECODE_MODES
     prompts: str = "heldout"  # `heldout` (the corpus' held-out prompts) or a .jsonl file
     sets: int = 1  # prompt sets per mode: one child run each (named by the evaluator)
+    dev_sets: int = 0  # extra, disjoint development sets ("dev0", ...): for choosing settings, never reported
     n_prompts: int = 8  # prompts per set
     max_new_tokens: int = 64
     extra_token: str = "keep"
@@ -418,6 +419,7 @@ def parse_spec(raw: Any, path: Path, *, env: dict[str, str]) -> SweepSpec:
         modes=modes,
         prompts=ctx.str_(ev.get("prompts", d.prompts), "eval.prompts"),
         sets=ctx.int_(ev.get("sets", d.sets), "eval.sets", 1, 1000),
+        dev_sets=ctx.int_(ev.get("dev_sets", d.dev_sets), "eval.dev_sets", 0, 1000),
         n_prompts=ctx.int_(ev.get("n_prompts", d.n_prompts), "eval.n_prompts", 1, 100000),
         max_new_tokens=ctx.int_(ev.get("max_new_tokens", d.max_new_tokens), "eval.max_new_tokens", 1, 1_000_000),
         extra_token=ctx.choice(ev.get("extra_token", d.extra_token), "eval.extra_token", EXTRA_TOKEN_OPTIONS),
