@@ -148,7 +148,7 @@ def evaluate_head(head_dir: Path, resolved: dict[str, Any], eval_config: dict[st
             {"head": model}, sets, passes, (eval_config.get("extra_token", "keep"),),
             max_new_tokens=eval_config.get("max_new_tokens", 64), temperature=temperature,
             top_p=eval_config.get("top_p", 1.0), seed=eval_config.get("seed", 0),
-            eos=tuple(eval_config.get("eos", ("banned",))), set_names=names,
+            eos=tuple(eval_config.get("eos", ("banned",))), set_names=names, stp=eval_config.get("stp", True),
         )
         if results is None:
             results = res

@@ -68,6 +68,7 @@ def eval_config(spec: SweepSpec) -> dict[str, Any]:
         "top_p": e.top_p,
         "seed": e.seed,
         "eos": list(e.eos),
+        "stp": e.stp,
     }
 
 

@@ -75,6 +75,7 @@ class EvalSettings:
     top_p: float = 1.0
     seed: int = 0  # the evaluation's sampling seed (prompt i uses seed + i); the training seed is train_seed
     eos: tuple[str, ...] = ("banned",)  # EOS treatments evaluated: banned (equal lengths) and/or allowed
+    stp: bool = True  # run the plain model beside every head (speedup_vs_stp); false halves the evaluation
 
 
 @dataclass(frozen=True)
@@ -428,6 +429,7 @@ def parse_spec(raw: Any, path: Path, *, env: dict[str, str]) -> SweepSpec:
         top_p=ctx.float_(ev.get("top_p", d.top_p), "eval.top_p", 1e-6, 1.0),
         seed=ctx.int_(ev.get("seed", d.seed), "eval.seed", 0),
         eos=tuple(ctx.choice(x, "eval.eos", EOS_MODES) for x in ctx.list_(ev.get("eos", list(d.eos)), "eval.eos")),
+        stp=ctx.choice(ev.get("stp", d.stp), "eval.stp", (True, False)),
     )
     for name in ("temperatures", "eos"):
         values = getattr(evs, name)
