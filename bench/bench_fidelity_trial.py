@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -93,7 +94,9 @@ def measure(args: argparse.Namespace) -> dict:
             self.val.append(time.perf_counter() - self.v)
 
     rows = []
-    for kind, n, r, k, beta in POINTS:
+    points = POINTS if not args.points else [
+        (c, int(n), int(r), int(k), float(b)) for c, n, r, k, b in (p.split(":") for p in args.points.split(","))]
+    for kind, n, r, k, beta in points:
         timer = StepTimer()
         over = {"model.backbone": backbone, "model.circuit": kind, "model.window": n, "model.rank": r,
                 "model.lora_depth": k, "model.lora_start_epoch": 0, "model.kl_beta": beta,
@@ -122,8 +125,10 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def _nearest(rows: list[dict], point: dict) -> dict:
+    """The measured head most like `point`: same circuit, then window, rank, distillation on/off, k."""
     def score(r):
-        return ((r["circuit"] != point["circuit"]) * 100 + (r["window"] != point["window"]) * 10
+        return ((r["circuit"] != point["circuit"]) * 1000 + (r["window"] != point["window"]) * 100
+                + abs(math.log2(r["rank"]) - math.log2(point["rank"])) * 10
                 + ((r["kl_beta"] > 0) != (point.get("kl_beta", 0.0) > 0)) * 5 + abs(r["lora_depth"] - point["lora_depth"]))
     return min(rows, key=score)
 
@@ -162,6 +167,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--steps", type=int, default=6, help="optimizer steps per head (the first is not timed)")
     p.add_argument("--generations", type=int, default=2, help="held-out prompts evaluated per head and mode")
+    p.add_argument("--points", default=None, help="circuit:n:r:k:kl_beta,... instead of the built-in list")
+    p.add_argument("--merge", type=Path, default=None, help="append the measured points to this earlier JSON")
     p.add_argument("--estimate", nargs=2, metavar=("MEASURED_JSON", "SPEC"), help="estimate a spec's CPU time")
     p.add_argument("--set", action="append", default=[], help="spec override key=value (with --estimate)")
     args = p.parse_args()
@@ -169,6 +176,10 @@ def main() -> None:
         print(json.dumps(estimate(Path(args.estimate[0]), args.estimate[1], args.set), indent=2))
         return
     report = measure(args)
+    if args.merge is not None and args.merge.is_file():
+        old = json.loads(args.merge.read_text())
+        report["points"] = old["points"] + report["points"]
+        report["earlier_run"] = {k: v for k, v in old.items() if k != "points"}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
