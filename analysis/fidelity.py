@@ -156,9 +156,13 @@ def h1(df, pp, resamples=10_000) -> tuple[list[str], str]:
     def dev_score(beta):
         return np.nanmean([pooled(df, pp, _cfg(c), sl) for c in _configs(n8, kl_beta=beta)])
 
-    beta = max(betas, key=dev_score)
-    lines = [f"beta chosen on the development sets: {beta:g} (pooled dev mu_acc " +
-             ", ".join(f"β={b:g}: {dev_score(b):.3f}" for b in betas) + ")", "", HEADER]
+    has_dev = bool(n8["prompt_set"].map(is_dev).any())
+    if not has_dev and len(betas) > 1:
+        return [f"kl_beta candidates {betas} but no development sets to choose among them"], NOT_DECIDED
+    beta = max(betas, key=dev_score) if has_dev else betas[0]
+    lines = [(f"beta chosen on the development sets: {beta:g} (pooled dev mu_acc " +
+              ", ".join(f"β={b:g}: {dev_score(b):.3f}" for b in betas) + ")") if has_dev
+             else f"beta = {beta:g}: the only candidate, fixed in advance (no development sets)", "", HEADER]
     verdicts = []
     for circ in circuits:
         kl = [c for c in _configs(n8, circuit=circ, kl_beta=beta)]
@@ -182,6 +186,8 @@ def h2(df, pp, kl_beta=0.0, resamples=10_000) -> tuple[list[str], str]:
     rivals = [c for c in _configs(n16) if c["circuit"] in ("cp", "hmm", "btree")]
     if not ff or not rivals:
         return ["needs ff and at least one of cp/hmm/btree at n = 16, k = 0"], NOT_DECIDED
+    if len(rivals) > 1 and not n16["prompt_set"].map(is_dev).any():
+        return ["several of cp/hmm/btree but no development sets to choose the best"], NOT_DECIDED
     scores = {_label(c): pooled(df, pp, _cfg(c), sl) for c in rivals}
     best = max(rivals, key=lambda c: scores[_label(c)])
     lines = [f"best of cp/hmm/btree on the development sets: {_label(best)} (pooled dev mu_acc "

@@ -8,7 +8,8 @@ random-weight Llama of the CPU default's shape: d 512, 4 layers, 8 heads, 2 KV h
 vocab 320, labelled "random-default-shape"), train `--steps` optimizer steps of the study's training
 config (experiments/configs/default.yaml: 2 x 512 bytes, App. G leaves) and time every step after
 the first, one validation pass, the fixed per-trial overhead (backbone + data setup, export), and
-`--generations` evaluations of 128 bytes (STP + head, greedy and sampling) on held-out prompts.
+`--generations` evaluations of 128 bytes (greedy and sampling) on held-out prompts, once with STP
+beside the head and once the head alone (eval.stp: false).
 One thread, as every sweep worker runs. Writes JSON.
 
 Estimate: for every grid point of a sweep spec, the nearest measured head (same circuit, window,
@@ -111,11 +112,16 @@ def measure(args: argparse.Namespace) -> dict:
         evaluate_heads({"head": model}, prompts, ("greedy", "sample"), ("keep",), max_new_tokens=GEN_BYTES,
                        progress=False)
         eval_s = time.perf_counter() - t2
+        t3 = time.perf_counter()
+        evaluate_heads({"head": model}, prompts, ("greedy", "sample"), ("keep",), max_new_tokens=GEN_BYTES,
+                       progress=False, stp=False)
+        head_s = time.perf_counter() - t3
         step_s = statistics.median(timer.steps[1:])
         row = {"circuit": kind, "window": n, "rank": r, "lora_depth": k, "kl_beta": beta,
                "step_s": step_s, "steps_timed": len(timer.steps) - 1, "validation_s": statistics.median(timer.val),
                "overhead_s": train_wall - sum(timer.steps) - sum(timer.val) + load_s,
                "generation_pair_s": eval_s / (2 * args.generations),  # STP + head, per 128-byte answer
+               "generation_head_s": head_s / (2 * args.generations),  # the head alone (eval.stp: false)
                "val_window_nll": res.metrics.get("val_window_nll")}
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -154,7 +160,8 @@ def estimate(measured: Path, spec_path: str, overrides: list[str]) -> dict:
 
     for p in spec.grid:
         r = _nearest(data["points"], p)
-        s = steps * r["step_s"] + validations * r["validation_s"] + r["overhead_s"] + gens * r["generation_pair_s"]
+        per_answer = r["generation_pair_s"] if e.stp else r.get("generation_head_s", r["generation_pair_s"])
+        s = steps * r["step_s"] + validations * r["validation_s"] + r["overhead_s"] + gens * per_answer
         total += s
         for sl in spec.grid_slices[grid_key(p)][:1]:  # charged to its first slice
             per_slice[sl] = per_slice.get(sl, 0.0) + s

@@ -91,3 +91,16 @@ def test_one_seed_is_not_decided_and_prompt_mismatch_is_an_error_and_undertraine
     pp[rid][3]["prompt_sha"] = "other"
     with pytest.raises(ValueError, match="prompt_sha"):
         fidelity.h1(df, pp, resamples=100)
+
+
+def test_without_dev_sets_a_single_beta_is_fixed_in_advance_and_choices_are_refused():
+    df, pp = make({("cp", 8, 8, 0, 0.0): 1.0, ("cp", 8, 8, 0, 0.5): 1.2, ("cp", 8, 8, 0, 1.0): 1.3,
+                   ("ff", 16, 1, 0, 0.0): 1.0, ("cp", 16, 8, 0, 0.0): 1.4, ("btree", 16, 8, 0, 0.0): 1.5})
+    df = df[df.prompt_set != "dev0"]
+    lines, verdict = fidelity.h1(df, pp, resamples=200)
+    assert verdict == "not decided" and "no development sets" in lines[0]
+    one = df[df.kl_beta != 1.0]
+    lines, verdict = fidelity.h1(one, pp, resamples=500)
+    assert lines[0].startswith("beta = 0.5: the only candidate") and verdict == "reproduced"
+    assert fidelity.h2(df, pp, resamples=200)[1] == "not decided"
+
