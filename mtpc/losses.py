@@ -26,9 +26,12 @@ Memory: `chunk_size` positions at a time through `_ChunkedWindowLoss`, an autogr
 computes each chunk's gradients (head parameters and e) inside forward and stores only their
 sums, so nothing of size (positions x n x r x v) outlives a chunk. `chunk_size=None` is the naive
 version (everything materialised, plain autograd), kept as the reference. With a teacher the
-chunked path also keeps one (c, n, r, v) buffer per chunk (plus a (c, r, v) scratch row): the
-mixture rows q_j are formed in probability space from the leaf softmax the cross-entropy already
-holds, and the KL gradient for the leaf logits is written by hand into the same buffer.
+chunked path for full leaves still keeps one (c, n, r, v) buffer per chunk (plus a (c, r, v)
+scratch row): the mixture rows q_j are formed in probability space from the leaf softmax the
+cross-entropy already holds, and the KL gradient for the leaf logits is written by hand into the
+same buffer. App. G leaves go through autograd with `_MixtureCrossEntropy`, which holds one more
+(c, n, r, v) tensor per chunk. In probability space a mixture probability below the dtype's
+smallest normal (~1e-38 in float32) is clamped there; float64 is exact (the tests' 1e-10).
 
 Left out: the head itself (mtpc/heads.py), the backbone forward that produces e.
 """
