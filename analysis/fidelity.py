@@ -116,7 +116,8 @@ def _configs(df: pd.DataFrame, **fixed: Any) -> list[dict]:
     for k, v in fixed.items():
         sub = sub[np.isclose(sub[k].astype(float), v)] if isinstance(v, float) else sub[sub[k] == v]
     keys = ["circuit", "window", "rank", "lora_depth", "kl_beta"]
-    return [dict(zip(keys, t, strict=True)) for t in sub[keys].drop_duplicates().itertuples(index=False)]
+    plain = lambda v: v.item() if hasattr(v, "item") else v  # noqa: E731  (numpy scalars print as np.int64(..))
+    return [{k: plain(v) for k, v in zip(keys, t, strict=True)} for t in sub[keys].drop_duplicates().itertuples(index=False)]
 
 
 def _cfg(c: dict) -> dict:
@@ -249,7 +250,12 @@ def findings(df, pp, resamples=10_000) -> list[str]:
         best = max(ks[1:], key=lambda c: pooled(df, pp, _cfg(c), sl))  # chosen on dev
         row, dec = _compare(df, pp, best, ks[0], sl, 1.0, f"{circ}: k={best['lora_depth']} (best on dev) vs k=0",
                             resamples=resamples)
-        small = "not measurable here (best k is the largest measured)" if best["lora_depth"] == ks[-1]["lora_depth"] else "yes"
+        if dec is None or dec.verdict != "reproduced":
+            small = "– (no gain from k > 0 to place an optimum)"
+        elif best["lora_depth"] == ks[-1]["lora_depth"]:
+            small = "not measurable here (best k is the largest measured)"
+        else:
+            small = "yes"
         out.append(row)
         out.append(f"| {circ}: optimum at small k | | | | | | {small} | ks measured: {[c['lora_depth'] for c in ks]} |")
     return out
@@ -279,15 +285,31 @@ def report(df: pd.DataFrame, pp: dict[str, list[dict]], h2_kl_beta: float = 0.0,
 
 
 def load_per_prompt(client, run_ids: list[str]) -> dict[str, list[dict]]:
-    """The per-prompt records of each run that has the artifact."""
+    """The per-prompt records of each run that has the artifact (one progress bar, not MLflow's per file)."""
+    import os
+
+    from tqdm import tqdm
+
     out = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, rid in enumerate(run_ids):
-            if PER_PROMPT_ARTIFACT not in {f.path for f in client.list_artifacts(rid)}:
-                continue
-            d = Path(tmp) / str(i)
-            d.mkdir()
-            out[rid] = json.loads(Path(client.download_artifacts(rid, PER_PROMPT_ARTIFACT, str(d))).read_text())["per_prompt"]
+    key = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+    old = os.environ.get(key)
+    os.environ[key] = "false"
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            bar = tqdm(run_ids, desc="per-prompt records", unit="run", leave=False, file=sys.stderr,
+                       disable=len(run_ids) < 50 or not sys.stderr.isatty())
+            for i, rid in enumerate(bar):
+                if PER_PROMPT_ARTIFACT not in {f.path for f in client.list_artifacts(rid)}:
+                    continue
+                d = Path(tmp) / str(i)
+                d.mkdir()
+                path = client.download_artifacts(rid, PER_PROMPT_ARTIFACT, str(d))
+                out[rid] = json.loads(Path(path).read_text())["per_prompt"]
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
     return out
 
 
