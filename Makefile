@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast demo bench bench-circuits bench-loss bench-decode pretrain lint clean-cache
+.PHONY: setup test test-fast demo bench bench-circuits bench-head bench-loss bench-decode pretrain device-prep lint clean-cache
 
 setup: $(VENV)/.installed
 
@@ -29,13 +29,21 @@ test-fast: setup
 demo: setup
 	$(PY) -m sweeps.demo
 
+# trains a byte Llama into the cache (load it by its path); the shipped default needs no training
 pretrain: setup
 	$(PY) -m experiments.pretrain
 
-bench: bench-circuits bench-loss bench-decode
+# before the one GPU device call: corpus streams + git SHA under .device/, travel-size check
+device-prep: setup
+	$(PY) -m experiments.device_prep
+
+bench: bench-circuits bench-head bench-loss bench-decode
 
 bench-circuits: setup
 	$(PY) bench/bench_circuits.py --out bench/results/circuits_cpu.json
+
+bench-head: setup
+	$(PY) bench/bench_head.py --out bench/results/head_cpu.json
 
 bench-loss: setup
 	$(PY) bench/bench_loss_memory.py --out bench/results/loss_memory_cpu.json
@@ -44,4 +52,4 @@ bench-decode: setup
 	$(PY) bench/bench_decode.py --out bench/results/decode_cpu.json
 
 lint: setup
-	$(VENV)/bin/ruff check mtpc experiments sweeps analysis tests bench
+	$(VENV)/bin/ruff check mtpc tracking experiments sweeps analysis tests bench

@@ -19,7 +19,8 @@ import numpy as np
 import pandas as pd
 
 from analysis.front import pareto_front
-from analysis.load import ACC_POS_RE, CIRCUIT_ORDER, OPTIONAL_METRICS, REQUIRED_METRICS
+from analysis.load import ACC_POS_RE, OPTIONAL_METRICS, REQUIRED_METRICS
+from mtpc.names import CIRCUIT_KINDS
 
 SETTING_KEYS: tuple[str, ...] = ("backbone", "mode", "extra_token", "eos", "temperature", "top_p", "hardware")
 CONFIG_KEYS: tuple[str, ...] = ("circuit", "window", "rank", "lora_depth", "kl_beta", "kl_temperature", "train_seed")
@@ -111,7 +112,7 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
         if k in out.columns:
             out[k] = out[k].astype(object).where(out[k].notna(), None)
     out["_circuit_order"] = (
-        out["circuit"].map({c: i for i, c in enumerate(CIRCUIT_ORDER)}).fillna(len(CIRCUIT_ORDER))
+        out["circuit"].map({c: i for i, c in enumerate(CIRCUIT_KINDS)}).fillna(len(CIRCUIT_KINDS))
     )
     sort_keys = [k for k in SETTING_KEYS if k in out.columns]
     train_keys = [k for k in ("kl_beta", "kl_temperature", "train_seed") if k in out.columns]

@@ -1,338 +1,35 @@
-"""Figures of one setting, sized for a paper column (3.3 in wide), returned as matplotlib Figures.
+"""The secondary figures of one setting, sized for a paper column, returned as matplotlib Figures:
 
-- `pareto_figure`: mean accepted bytes per cycle mu_acc (x) against mean latency per cycle mu_lat
-  (y, ms), error bars = std over prompt sets, marker/colour by circuit, n/r/k labels, the Pareto
-  front (mu_lat down, mu_acc up) drawn as a line with outlined points, dashed iso-throughput lines
-  tokens_per_cycle / mu_lat labelled in bytes/s, and the STP baseline (x = 0: one byte per cycle).
-- `throughput_figure`: logged throughput against window n or LoRA depth k, STP as a dashed line.
-- `acceptance_figure`: per-position acceptance (acceptance_pos_<i>) of the fastest configurations.
-- `accepted_length_figure`: accepted-length distribution from the histogram artifact.
+- `throughput_figure`: logged throughput against window n or LoRA depth k on one slice of the
+  other keys (`throughput_slice`), STP as a dotted line.
+- `acceptance_figure`: per-position acceptance (acceptance_pos_<i>) of the `representatives`.
+- `accepted_length_figure`: the accepted-length distribution from the histogram artifacts.
 
-Artists carry `gid`s ("circuit-<c>", "errorbar-<c>" (error-bar containers: label "_errorbar-<c>"), "pareto-front", "iso-throughput",
-"iso-label", "stp", "point-label") so tests and users can find them. Data loading and tables live
-elsewhere; `save` writes PNG (300 dpi) + PDF.
+Lines carry `gid`s "circuit-<c>" and "stp". The Pareto figure lives in analysis/pareto_plot.py,
+the look (and `save`) in analysis/style.py; data loading and tables elsewhere.
 """
 
 from __future__ import annotations
 
 import math
-import textwrap
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
-import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
-matplotlib.use("Agg")  # noqa: E402 - headless; must precede pyplot
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
-
-from analysis.aggregate import Setting, stp_baseline  # noqa: E402
-from analysis.load import ACC_POS_RE, CIRCUIT_ORDER  # noqa: E402
-from mtpc.names import DEGENERATE_WARN_FRACTION  # noqa: E402
-
-
-def _degenerate_note(part: pd.DataFrame) -> str:
-    """' — ⚠ k/N degenerate' when k configurations have degenerate_fraction > 0.25 (acceptance on looping text)."""
-    if "degenerate_fraction_mean" not in part.columns:
-        return ""
-    frac = part["degenerate_fraction_mean"].to_numpy(dtype=float)
-    k = int((frac > DEGENERATE_WARN_FRACTION).sum())
-    return f" — ⚠ {k}/{len(part)} configs degenerate > {DEGENERATE_WARN_FRACTION:g}" if k else ""
-
-COLUMN_WIDTH_IN = 3.3
-HEIGHT_IN = 2.5
-#: Okabe–Ito colours (colour-blind safe) and distinct markers per circuit
-CIRCUIT_STYLE: dict[str, tuple[str, str]] = {
-    "ff": ("#0072B2", "o"),
-    "cp": ("#E69F00", "s"),
-    "hmm": ("#009E73", "^"),
-    "btree": ("#CC79A7", "D"),
-}
-_OTHER_STYLE = ("#555555", "x")
-#: above this many points only the Pareto-front points get n/r/k labels
-MAX_LABELLED_POINTS = 12
-
-PAPER_RC = {
-    "font.size": 7,
-    "axes.titlesize": 7,
-    "axes.labelsize": 7,
-    "xtick.labelsize": 6,
-    "ytick.labelsize": 6,
-    "legend.fontsize": 6,
-    "lines.linewidth": 0.9,
-    "axes.linewidth": 0.6,
-    "xtick.major.width": 0.6,
-    "ytick.major.width": 0.6,
-    "pdf.fonttype": 42,  # embed TrueType: editable text in the PDF
-    "ps.fonttype": 42,
-    "savefig.bbox": "tight",
-    "savefig.pad_inches": 0.02,
-}
-
-
-@contextmanager
-def paper_style() -> Iterator[None]:
-    with plt.rc_context(PAPER_RC):
-        yield
-
-
-def _style(circuit: str) -> tuple[str, str]:
-    return CIRCUIT_STYLE.get(circuit, _OTHER_STYLE)
-
-
-def _circuits(part: pd.DataFrame) -> list[str]:
-    present = list(dict.fromkeys(part["circuit"]))
-    return [c for c in CIRCUIT_ORDER if c in present] + [c for c in present if c not in CIRCUIT_ORDER]
-
-
-def _nan0(a: np.ndarray) -> np.ndarray:
-    return np.where(np.isfinite(a), a, 0.0)
-
-
-def format_rate(t: float) -> str:
-    """A throughput in bytes/s for a label: '85 B/s', '1.2 kB/s', '2.5 MB/s'."""
-    for scale, unit in ((1e6, "MB/s"), (1e3, "kB/s")):
-        if t >= scale:
-            return f"{t / scale:.3g} {unit}"
-    return f"{t:.3g} B/s"
-
-
-def iso_offset(setting: Setting, part: pd.DataFrame) -> float:
-    """c in tokens_per_cycle = mu_acc + c: exactly 1 with extra_token=keep (DESIGN section 3);
-    otherwise estimated from the data as the mean of tokens_per_cycle - mu_acc."""
-    if setting.extra_token == "keep":
-        return 1.0
-    diff = (part["tokens_per_cycle_mean"] - part["mu_acc_mean"]).to_numpy(dtype=float)
-    diff = diff[np.isfinite(diff)]
-    return float(diff.mean()) if len(diff) else 1.0
-
-
-def iso_levels(t_min: float, t_max: float, n: int = 5) -> np.ndarray:
-    """Round throughput levels (bytes/s) spanning [t_min, t_max]."""
-    if not (t_max > 0):
-        return np.zeros(0)
-    lo = max(t_min, t_max * 1e-3)
-    ticks = MaxNLocator(nbins=n, steps=[1, 2, 2.5, 5, 10]).tick_values(lo, t_max)
-    levels = ticks[(ticks > 0) & (ticks >= lo * 0.95) & (ticks <= t_max * 1.05)]
-    if len(levels) < 2:  # a narrow range: the two ends rounded to 2 significant digits
-        levels = np.unique([float(f"{lo:.2g}"), float(f"{t_max:.2g}")])
-    return levels
-
-
-def pareto_figure(setting: Setting, part: pd.DataFrame, width: float = COLUMN_WIDTH_IN) -> Figure:
-    """mu_acc (x) vs mu_lat in ms (y) for one setting; `part` from `split_settings` (has on_front)."""
-    with paper_style():
-        fig, ax = plt.subplots(figsize=(width, HEIGHT_IN), layout="constrained")
-        x = part["mu_acc_mean"].to_numpy(dtype=float)
-        y = part["mu_lat_mean"].to_numpy(dtype=float) * 1000.0
-        xerr = _nan0(part["mu_acc_std"].to_numpy(dtype=float))
-        yerr = _nan0(part["mu_lat_std"].to_numpy(dtype=float)) * 1000.0
-        front = part["on_front"].to_numpy(dtype=bool)
-        circuits = part["circuit"].to_numpy()
-        for c in _circuits(part):
-            m = circuits == c
-            color, marker = _style(c)
-            eb = ax.errorbar(
-                x[m], y[m], xerr=xerr[m], yerr=yerr[m], fmt="none", ecolor=color, elinewidth=0.6,
-                capsize=1.2, alpha=0.7, zorder=2, label=f"_errorbar-{c}",  # "_": not in the legend
-            )  # fmt: skip
-            for artist in eb.lines[2]:
-                artist.set_gid(f"errorbar-{c}")
-            edge = np.where(front[m], "black", "none").tolist()
-            ax.scatter(
-                x[m], y[m], s=16, marker=marker, c=color, edgecolors=edge, linewidths=0.7,
-                label=c, zorder=4, gid=f"circuit-{c}",
-            )  # fmt: skip
-        # the front as a line through its points, in order of mu_acc
-        order = np.argsort(x[front])
-        ax.plot(
-            x[front][order],
-            y[front][order],
-            color="black",
-            lw=0.7,
-            zorder=3,
-            label="Pareto front",
-            gid="pareto-front",
-        )
-        # STP: one byte per cycle, nothing accepted
-        stp = stp_baseline(part)
-        xs, ys = list(x - xerr), list(y - yerr)
-        xs_hi, ys_hi = list(x + xerr), list(y + yerr)
-        stp_lat_ms = None
-        if stp is not None:
-            stp_lat_ms = stp[0] * 1000.0
-            ax.scatter([0.0], [stp_lat_ms], marker="*", s=45, c="black", zorder=5, label="STP", gid="stp")
-            xs.append(0.0)
-            ys.append(stp_lat_ms)
-            ys_hi.append(stp_lat_ms)
-            xs_hi.append(0.0)
-        # limits from the data (points, error bars, STP), then iso-lines across the whole box
-        x_lo, x_hi = min(xs), max(xs_hi)
-        y_lo, y_hi = min(ys), max(ys_hi)
-        dx = (x_hi - x_lo) or 1.0
-        dy = (y_hi - y_lo) or max(abs(y_hi), 1e-3)
-        ax.set_xlim(x_lo - 0.06 * dx, x_hi + 0.12 * dx)
-        ax.set_ylim(max(0.0, y_lo - 0.1 * dy), y_hi + 0.1 * dy)
-        _draw_iso_lines(ax, setting, part, x, y, stp_lat_ms)
-        ax.set_xlabel(r"accepted bytes per cycle $\mu_\mathrm{acc}$")
-        ax.set_ylabel(r"latency per cycle $\mu_\mathrm{lat}$ (ms)")
-        ax.set_title(_wrap_title(setting.title() + _degenerate_note(part)), pad=3)
-        ax.grid(False)
-        labelled = len(x) <= MAX_LABELLED_POINTS
-        n_entries = len(ax.get_legend_handles_labels()[1])
-        leg = ax.legend(
-            # below the axes: inside, any corner can hold points of the front (the demo's did)
-            loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=min(4, max(1, n_entries)),
-            frameon=False, handletextpad=0.3, columnspacing=0.8, labelspacing=0.3, markerscale=0.9,
-            title="labels: n/r/k" if labelled else "front labels: n/r/k", title_fontsize=5.5,
-        )  # fmt: skip
-        # n/r/k labels (only the front when crowded), placed to avoid points and each other
-        show = np.ones(len(x), bool) if labelled else front
-        texts = [
-            f"{part.iloc[i]['window']}/{part.iloc[i]['rank']}/{part.iloc[i]['lora_depth']}"
-            for i in range(len(x))
-        ]
-        front_lines = [ln for ln in ax.lines if ln.get_gid() == "pareto-front"]
-        _place_labels(ax, x, y, texts, show, avoid=[leg], lines=front_lines)
-    return fig
-
-
-def _wrap_title(title: str, width: int = 58) -> str:
-    """Titles carry the hardware string; wrap them so they fit a 3.3 in column."""
-    return textwrap.fill(title, width=width, break_long_words=False)
-
-
-_LABEL_OFFSETS = (  # (dx, dy) in points, horizontal alignment, vertical alignment
-    (3, 1.5, "left", "bottom"), (3, -1.5, "left", "top"), (-3, 1.5, "right", "bottom"),
-    (-3, -1.5, "right", "top"), (0, 4, "center", "bottom"), (0, -4, "center", "top"),
-    (6, 5, "left", "bottom"), (6, -5, "left", "top"), (-6, 5, "right", "bottom"), (-6, -5, "right", "top"),
-)  # fmt: skip
-
-
-def _overlap(a, b) -> float:
-    w = min(a.x1, b.x1) - max(a.x0, b.x0)
-    h = min(a.y1, b.y1) - max(a.y0, b.y0)
-    return w * h if w > 0 and h > 0 else 0.0
-
-
-def _place_labels(
-    ax, x: np.ndarray, y: np.ndarray, texts: list[str], show: np.ndarray, avoid=(), lines=()
-) -> None:
-    """Annotate the points ``show`` with ``texts``, trying a few offsets per label and keeping the
-    first that overlaps no marker, no earlier label, nothing in ``avoid`` and no segment of
-    ``lines`` (else the least bad)."""
-    from matplotlib.transforms import Bbox
-
-    fig = ax.figure
-    fig.canvas.draw()  # fix the layout so display coordinates are final
-    renderer = fig.canvas.get_renderer()
-    pts = ax.transData.transform(np.column_stack([x, y]))  # (N, 2) pixels
-    r = 3.5 * fig.dpi / 72.0  # marker half-size in pixels
-    obstacles = [Bbox.from_extents(px - r, py - r, px + r, py + r) for px, py in pts]
-    obstacles += [a.get_window_extent(renderer) for a in avoid]
-    for line in lines:  # points every ~2 px along each segment, as 2 px boxes
-        xy = ax.transData.transform(np.column_stack([line.get_xdata(), line.get_ydata()]))  # (M, 2)
-        for (ax0, ay0), (ax1, ay1) in zip(xy[:-1], xy[1:], strict=True):
-            k = max(2, int(np.hypot(ax1 - ax0, ay1 - ay0) / 2))
-            for t in np.linspace(0, 1, k):
-                px, py = ax0 + t * (ax1 - ax0), ay0 + t * (ay1 - ay0)
-                obstacles.append(Bbox.from_extents(px - 1, py - 1, px + 1, py + 1))
-    box = ax.get_window_extent(renderer)
-    for i in np.flatnonzero(show)[np.argsort(-y[show])]:  # top to bottom
-        ann = ax.annotate(texts[i], (x[i], y[i]), xytext=(0, 0), textcoords="offset points", fontsize=5,
-                          color="#333333", zorder=6, gid="point-label", annotation_clip=True)  # fmt: skip
-        ann.set_in_layout(False)
-        best, best_cost = None, np.inf
-        for dx, dy, ha, va in _LABEL_OFFSETS:
-            ann.set_position((dx, dy))
-            ann.set_ha(ha)
-            ann.set_va(va)
-            ext = ann.get_window_extent(renderer)
-            cost = sum(_overlap(ext, o) for o in obstacles)
-            if ext.x0 < box.x0 or ext.x1 > box.x1 or ext.y0 < box.y0 or ext.y1 > box.y1:
-                cost += 1e6
-            if cost < best_cost:
-                best, best_cost = (dx, dy, ha, va, ext), cost
-            if cost == 0:
-                break
-        dx, dy, ha, va, ext = best
-        ann.set_position((dx, dy))
-        ann.set_ha(ha)
-        ann.set_va(va)
-        obstacles.append(ext.padded(fig.dpi / 72.0))  # 1 pt of air: survives small layout shifts
-
-
-def _draw_iso_lines(
-    ax, setting: Setting, part: pd.DataFrame, x: np.ndarray, y_ms: np.ndarray, stp_lat_ms: float | None
-) -> None:
-    """Dashed lines of constant tokens_per_cycle / mu_lat through the plot box, labelled where
-    they leave it. In (mu_acc, mu_lat[ms]) coordinates: y = 1000 (x + c) / T."""
-    c = iso_offset(setting, part)
-    tpc = part["tokens_per_cycle_mean"].to_numpy(dtype=float)
-    rates = tpc / (y_ms / 1000.0)  # bytes/s of each point
-    if stp_lat_ms is not None:
-        rates = np.append(rates, 1000.0 / stp_lat_ms)
-    rates = rates[np.isfinite(rates) & (rates > 0)]
-    if len(rates) == 0:
-        return
-    (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
-    xx = np.linspace(x0, x1, 200)
-    levels = [(float(t), False) for t in iso_levels(float(rates.min()), float(rates.max()))]
-    exact = c == 1.0  # keep: tokens_per_cycle = mu_acc + 1 exactly; else lines are approximate
-    if stp_lat_ms is not None and exact:  # the line through STP: configurations right of it beat STP
-        t_stp = 1000.0 / stp_lat_ms
-        levels = [(t, s) for t, s in levels if abs(t - t_stp) > 0.04 * t_stp] + [(t_stp, True)]
-    for t, is_stp in levels:
-        yy = 1000.0 * (xx + c) / t
-        inside = (yy >= y0) & (yy <= y1)
-        if not inside.any():
-            continue
-        ax.plot(xx, yy, ls="--" if not is_stp else ":", lw=0.6 if not is_stp else 0.8,
-                color="#888888" if not is_stp else "black", zorder=1,
-                gid="iso-throughput" if not is_stp else "iso-throughput-stp")  # fmt: skip
-        # label where the line leaves the box: right edge, else top edge
-        y_right = 1000.0 * (x1 + c) / t
-        if y_right <= y1:
-            lx, ly, ha, va = x1, y_right, "right", "bottom"
-        else:
-            lx, ly, ha, va = t * y1 / 1000.0 - c, y1, "right", "top"
-        ax.text(
-            lx, ly, ("" if exact else "≈") + format_rate(t) + (" (STP)" if is_stp else ""), fontsize=5, color="black" if is_stp else "#666666", ha=ha, va=va, zorder=1, gid="iso-label",
-            bbox=dict(boxstyle="square,pad=0.1", fc="white", ec="none", alpha=0.8),
-        )  # fmt: skip
-    ax.set_xlim(x0, x1)
-    ax.set_ylim(y0, y1)
-    _drop_overlapping_iso_labels(ax)
-
-
-def _drop_overlapping_iso_labels(ax) -> None:
-    """Keep iso-throughput labels inside the plot box, then hide any that overlap an earlier one
-    (the STP label first)."""
-    labels = [t for t in ax.texts if t.get_gid() == "iso-label"]
-    if not labels:
-        return
-    fig = ax.figure
-    fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
-    box = ax.get_window_extent(renderer)
-    for t in labels:
-        ext = t.get_window_extent(renderer)
-        if ext.x0 < box.x0:  # runs off the left edge: hang it to the right of its anchor
-            t.set_ha("left")
-        elif ext.x1 > box.x1:
-            t.set_ha("right")
-    labels.sort(key=lambda t: "(STP)" not in t.get_text())
-    kept = []
-    for t in labels:
-        ext = t.get_window_extent(renderer).padded(4 * fig.dpi / 72.0)  # keep 4 pt between labels
-        if any(_overlap(ext, k) > 0 for k in kept):
-            t.remove()
-        else:
-            kept.append(ext)
+from analysis.aggregate import Setting, stp_baseline
+from analysis.load import ACC_POS_RE
+from analysis.style import (
+    COLUMN_WIDTH_IN,
+    HEIGHT_IN,
+    circuit_style,
+    circuits_in,
+    nan0,
+    paper_style,
+    plt,
+    wrap_title,
+)
 
 
 def _config_label(row: pd.Series, vary: tuple[str, ...]) -> str:
@@ -381,12 +78,12 @@ def throughput_figure(
     names = {"window": "n", "rank": "r", "lora_depth": "k"}
     with paper_style():
         fig, ax = plt.subplots(figsize=(width, HEIGHT_IN), layout="constrained")
-        for c in _circuits(rows):
+        for c in circuits_in(rows):
             g = rows[rows["circuit"] == c].sort_values(x)
-            color, marker = _style(c)
+            color, marker = circuit_style(c)
             eb = ax.errorbar(
                 g[x].to_numpy(dtype=float), g["throughput_mean"].to_numpy(dtype=float),
-                yerr=_nan0(g["throughput_std"].to_numpy(dtype=float)), color=color, marker=marker, ms=3,
+                yerr=nan0(g["throughput_std"].to_numpy(dtype=float)), color=color, marker=marker, ms=3,
                 capsize=1.2, elinewidth=0.6, label=c,
             )  # fmt: skip
             eb.lines[0].set_gid(f"circuit-{c}")  # the data line (caps and bars stay anonymous)
@@ -417,22 +114,22 @@ def representatives(part: pd.DataFrame, top: int) -> list[tuple[pd.Series, str, 
     (highest mean throughput) of each circuit, coloured by circuit; when only one circuit is
     present, its ``top`` fastest configurations in distinct colours."""
     ranked = part.sort_values("throughput_mean", ascending=False, kind="stable")
-    circuits = _circuits(part)
+    circuits = circuits_in(part)
     if len(circuits) > 1:
         out = []
         for c in circuits:
             row = ranked[ranked["circuit"] == c].iloc[0]
-            color, marker = _style(c)
+            color, marker = circuit_style(c)
             out.append((row, color, marker))
         return out
-    marker = _style(circuits[0])[1]
+    marker = circuit_style(circuits[0])[1]
     return [
         (row, _PALETTE[j % len(_PALETTE)], marker) for j, (_, row) in enumerate(ranked.head(top).iterrows())
     ]
 
 
 def _rep_caption(part: pd.DataFrame) -> str:
-    return "fastest configuration per circuit" if len(_circuits(part)) > 1 else "fastest configurations"
+    return "fastest configuration per circuit" if len(circuits_in(part)) > 1 else "fastest configurations"
 
 
 def acceptance_figure(
@@ -458,7 +155,7 @@ def acceptance_figure(
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("window position $i$")
         ax.set_ylabel("accepted / tested at position $i$")
-        ax.set_title(f"{_wrap_title(setting.title())}\n{_rep_caption(part)}", pad=3)
+        ax.set_title(f"{wrap_title(setting.title())}\n{_rep_caption(part)}", pad=3)
         ax.legend(loc="best", frameon=True, framealpha=0.85, edgecolor="none", labelspacing=0.3)
     return fig
 
@@ -495,17 +192,6 @@ def accepted_length_figure(
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("accepted drafted bytes per cycle")
         ax.set_ylabel("fraction of cycles")
-        ax.set_title(f"{_wrap_title(setting.title())}\n{_rep_caption(part)}", pad=3)
+        ax.set_title(f"{wrap_title(setting.title())}\n{_rep_caption(part)}", pad=3)
         ax.legend(loc="upper right", frameon=True, framealpha=0.85, edgecolor="none", labelspacing=0.3)
     return fig
-
-
-def save(fig: Figure, out_dir: Path, stem: str) -> list[Path]:
-    """Write ``stem``.png (300 dpi) and ``stem``.pdf under out_dir; close the figure."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / f"{stem}.png", out_dir / f"{stem}.pdf"]
-    with paper_style():
-        fig.savefig(paths[0], dpi=300)
-        fig.savefig(paths[1])
-    plt.close(fig)
-    return paths

@@ -1,12 +1,20 @@
 """Paper-style tables of one setting: rows (n, r, circuit [, k] [, β] [, seed]), columns mu_lat,
-mu_acc, throughput, speed-up over STP and degenerate_fraction, each mean ± std over prompt sets,
-the best value of each column in bold (not the degeneracy: it describes the text, not the head);
-rendered as Markdown and LaTeX, with a warning line when acceptance comes from degenerate text
-(degenerate_fraction > 0.25). Also the one-line "best configuration" summary.
+mu_acc, throughput, two speed-ups over STP and degenerate_fraction, each mean ± std over prompt
+sets, the best value of each column in bold (not the degeneracy: it describes the text, not the
+head); rendered as Markdown and LaTeX, with a warning line when acceptance comes from degenerate
+text (degenerate_fraction > 0.25). Also the one-line "best configuration" summary.
 
-Values come from `aggregate.aggregate` (logged metrics averaged; throughput and speed-up are the
-logged ones, never recomputed). An STP row (the plain model measured side by side) comes first
-when ``stp_mu_lat`` was logged; it is never bolded. No plotting here.
+Values come from `aggregate.aggregate` (logged metrics averaged; throughput and `speedup_vs_stp`
+are the logged ones, never recomputed). An STP row comes first when ``stp_mu_lat`` was logged
+(never bolded): the setting's STP runs, each measured beside one head in the same process, pooled
+(`aggregate.stp_baseline`). Each trial measures its own STP, and on a shared machine those differ,
+so the table shows both ratios and says which is which:
+
+- `× own STP`: each evaluation's throughput / the STP run measured beside it (the logged
+  `speedup_vs_stp`), averaged: the fair comparison when the machine's speed drifts between trials;
+- `× STP row`: the configuration's mean throughput / the STP row's throughput: what a reader
+  gets by dividing the table's own columns, so the STP row and this column always agree.
+No plotting here.
 """
 
 from __future__ import annotations
@@ -33,13 +41,19 @@ class Column:
     highlight: bool = True  # bold the best value
 
 
+#: the derived column: mean throughput / the STP row's throughput (not a logged metric)
+STP_ROW_RATIO = "speedup_vs_stp_row"
 COLUMNS: tuple[Column, ...] = (
     Column("mu_lat", "μ_lat (ms) ↓", r"$\mu_\mathrm{lat}$ (ms) $\downarrow$", "min", 1000.0),
     Column("mu_acc", "μ_acc (B) ↑", r"$\mu_\mathrm{acc}$ (B) $\uparrow$", "max"),
     Column("throughput", "throughput (B/s) ↑", r"throughput (B/s) $\uparrow$", "max"),
-    Column("speedup_vs_stp", "× STP ↑", r"$\times$ STP $\uparrow$", "max"),
+    Column("speedup_vs_stp", "× own STP ↑", r"$\times$ own STP $\uparrow$", "max"),
+    Column(STP_ROW_RATIO, "× STP row ↑", r"$\times$ STP row $\uparrow$", "max"),
     Column("degenerate_fraction", "degenerate", "degenerate", "min", highlight=False),
 )
+NOTE = ("× own STP: each evaluation's throughput over the STP run measured beside it, averaged; "
+        "× STP row: mean throughput over the STP row's")
+NOTE_TEX = NOTE.replace("× ", r"$\times$ ")
 #: training axes shown as key columns when they vary within a setting: (aggregate column, header)
 TRAIN_KEYS: tuple[tuple[str, str], ...] = (("kl_beta", "β"), ("kl_temperature", "T_kl"), ("train_seed", "seed"))
 
@@ -80,11 +94,17 @@ def build_table(setting: Setting, part: pd.DataFrame) -> Table:
         rows["k"] = part["lora_depth"].astype(object)
     for col, head in shown:
         rows[head] = part[col].astype(object)
+    stp = stp_baseline(part)
     for col in COLUMNS:
+        if col.metric == STP_ROW_RATIO:
+            continue
         mean = part.get(f"{col.metric}_mean", pd.Series(np.nan, index=part.index)).to_numpy(dtype=float)
         std = part.get(f"{col.metric}_std", pd.Series(np.nan, index=part.index)).to_numpy(dtype=float)
         rows[col.metric] = mean * col.scale
         rows[f"{col.metric}_std"] = std * col.scale
+    stp_thr = stp[2] if stp is not None else np.nan
+    rows[STP_ROW_RATIO] = rows["throughput"] / stp_thr
+    rows[f"{STP_ROW_RATIO}_std"] = rows["throughput_std"] / stp_thr  # the configuration's spread only
     rows["is_stp"] = False
     rows = rows.reset_index(drop=True)
     best = {}
@@ -94,7 +114,6 @@ def build_table(setting: Setting, part: pd.DataFrame) -> Table:
         v = rows[col.metric].to_numpy(dtype=float)
         if np.isfinite(v).any():
             best[col.metric] = float(np.nanmin(v) if col.best == "min" else np.nanmax(v))
-    stp = stp_baseline(part)
     if stp is not None:
         lat, lat_std, thr, thr_std = stp
         stp_row = {k: "" for k in keys}
@@ -103,6 +122,7 @@ def build_table(setting: Setting, part: pd.DataFrame) -> Table:
             mu_lat=lat * 1000.0, mu_lat_std=lat_std * 1000.0, mu_acc=0.0, mu_acc_std=np.nan,
             throughput=thr, throughput_std=thr_std, speedup_vs_stp=1.0, speedup_vs_stp_std=np.nan,
             degenerate_fraction=np.nan, degenerate_fraction_std=np.nan, is_stp=True,
+            **{STP_ROW_RATIO: 1.0, f"{STP_ROW_RATIO}_std": np.nan},
         )  # fmt: skip
         rows = pd.concat([pd.DataFrame([stp_row]), rows], ignore_index=True)
     decimals = {c.metric: _decimals(rows[c.metric].to_numpy(dtype=float)) for c in COLUMNS}
@@ -156,7 +176,7 @@ def to_markdown(table: Table) -> str:
     headers = table.keys + [c.header_md for c in COLUMNS]
     warning = degeneracy_warning(table)
     lines = [
-        f"**{table.setting.title()}** (mean ± std over prompt sets)",
+        f"**{table.setting.title()}** (mean ± std over prompt sets; {NOTE})",
         *(["", f"> ⚠ {warning}"] if warning else []),
         "",
         "| " + " | ".join(headers) + " |",
@@ -183,7 +203,7 @@ def to_latex(table: Table) -> str:
         r"\begin{table}[t]",
         r"\centering",
         r"\small",
-        rf"\caption{{{_tex_escape(table.setting.title())}: mean $\pm$ std over prompt sets."
+        rf"\caption{{{_tex_escape(table.setting.title())}: mean $\pm$ std over prompt sets; {NOTE_TEX}."
         + (f" {_tex_escape(str(len(degenerate_rows(table))))} row(s) with degenerate fraction $>$ "
            f"{DEGENERATE_WARN_FRACTION}: acceptance measured on looping text." if degenerate_rows(table) else "")
         + "}",
@@ -214,5 +234,5 @@ def best_configuration(setting: Setting, part: pd.DataFrame) -> str:
     )
     sp = row.get("speedup_vs_stp_mean", float("nan"))
     if sp is not None and math.isfinite(sp):
-        line += f", ×{sp:.2f} STP"
+        line += f", ×{sp:.2f} own STP"
     return line + f" ({int(row['n_evals'])} evaluations)"

@@ -1,17 +1,22 @@
 """LightningDataModule over chat data: load conversations, split held-out by id hash, pack rows.
 
-Holds `ChatDataModule` (sources: the bundled ShareGPT corpus, any messages-format JSON/JSONL file or
-HF dataset name, or `debug`: a few KB of generated chat text for CPU tests), the seeded per-epoch
-shuffle that resumes mid-epoch (`EpochSampler` + `ResumableLoader`, whose state Lightning stores in
-the checkpoint), and `debug_conversations`. Tokenising and packing (assistant mask, document ids)
-are `mtpc.data.pack`'s; this file leaves out any model code.
+Holds `ChatDataModule` (built from a `DataConfig`; sources: the bundled ShareGPT corpus, any
+messages-format JSON/JSONL file or HF dataset name, or `debug`: a few KB of generated chat text for
+CPU tests; `on_error: skip` drops malformed records, prints their count and keeps it as
+`skipped_records`), the seeded per-epoch shuffle that resumes mid-epoch (`EpochSampler` +
+`ResumableLoader`, whose state Lightning stores in the checkpoint), and `debug_conversations`.
+Tokenising and packing (assistant mask, document ids) are `mtpc.data.pack`'s; this file leaves out
+any model code.
 """
 
 from __future__ import annotations
 
-import hashlib
 import random
+import re
+import sys
+import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +24,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-DATA_SOURCES = ("debug", "sharegpt")  # plus any local .json/.jsonl path or HF dataset name
+from experiments.config import DataConfig
 
 
 def debug_conversations(n: int = 48, seed: int = 0) -> list[dict]:
@@ -45,33 +50,38 @@ def debug_conversations(n: int = 48, seed: int = 0) -> list[dict]:
     return convs
 
 
-def is_heldout(conv_id: str, fraction: float) -> bool:
-    """Stable split by a hash of the chat id (`mtpc.data.chat_key`: pieces of one chat stay together)."""
-    from mtpc.data import chat_key
-
-    if fraction <= 0:
-        return False
-    key = chat_key(str(conv_id)).encode()
-    return int.from_bytes(hashlib.sha1(key).digest()[:8], "big") / 2**64 < fraction
-
-
-def load_split(source: str, val_fraction: float) -> tuple[list[dict], list[dict]]:
-    """(train, held-out) conversations of `source` (see DATA_SOURCES).
+def load_split(source: str, val_fraction: float, on_error: str = "raise") -> tuple[list[dict], list[dict], int]:
+    """(train, held-out, skipped) conversations of `source` (see `DataConfig.source`).
 
     `sharegpt` uses the corpus's own chat-level split (the one the default model was pre-trained
-    without); other sources are split here by `is_heldout(id, val_fraction)`.
+    without); other sources are split by `mtpc.data.is_heldout(id, val_fraction)`, the hash
+    pre-training splits them with, so with val_fraction <= 0.1 no validation chat was a pre-training
+    chat. on_error: what `mtpc.data.load_messages` does with a malformed record (raise, or skip and count it).
     """
     from mtpc import data
 
     if source == "sharegpt":
         corpus = data.sharegpt_corpus()
-        return list(corpus.train), list(corpus.heldout)
-    convs = debug_conversations() if source == "debug" else data.load_messages(source)
+        return list(corpus.train), list(corpus.heldout), 0
+    skipped = 0
+    if source == "debug":
+        convs = debug_conversations()
+    else:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # only while loading: every warning is shown again below
+            convs = data.load_messages(source, on_error=on_error)
+        for w in caught:
+            found = re.search(r"skipped (\d+) malformed record", str(w.message))
+            if found:  # load_messages's one warning with the count: our own line instead
+                skipped = int(found.group(1))
+                print(f"data.source {source}: {w.message}", file=sys.stderr)
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if not convs:
         raise ValueError(f"data.source = {source!r}: no conversations found")
-    train = [c for c in convs if not is_heldout(c["id"], val_fraction)]
-    val = [c for c in convs if is_heldout(c["id"], val_fraction)]
-    return train, val
+    train = [c for c in convs if not data.is_heldout(c["id"], val_fraction)]
+    val = [c for c in convs if data.is_heldout(c["id"], val_fraction)]
+    return train, val, skipped
 
 
 class PackedRows(Dataset):
@@ -140,49 +150,24 @@ class ResumableLoader(DataLoader):
 class ChatDataModule(L.LightningDataModule):
     """Chat conversations packed into fixed-length rows, with a held-out split for per-position NLL.
 
-    Args:
-        source: `sharegpt` (the bundled corpus), `debug` (generated, no download), a local
-            .json/.jsonl file of `{"id", "messages"}` records, or a HF `datasets` name.
-        seq_len: bytes (tokens) per packed row (the paper: 8192).
-        batch_size: rows per step; the effective batch is batch_size * trainer.accumulate_grad_batches.
-        val_fraction: share of conversations held out (by a hash of the chat id) for validation;
-            `sharegpt` ignores it and uses the corpus's own held-out chats.
-        max_train_conversations: keep at most this many training conversations (None: all).
-        max_val_conversations: keep at most this many held-out conversations.
-        max_val_rows: keep at most this many packed held-out rows (None: all).
-        seed: seeds the per-epoch shuffle.
-        extra_train_source: a messages .json/.jsonl file whose conversations are added to the
-            training split only (e.g. self-distillation answers, experiments/selfdistill.py), after
-            `max_train_conversations` is applied to `source`; validation stays on `source`.
+    config: the `data` section (experiments.config.DataConfig: every field is documented there);
+    fields: keyword overrides of it (`ChatDataModule(source="debug", seq_len=64)`).
     """
 
-    def __init__(
-        self,
-        source: str = "sharegpt",
-        seq_len: int = 8192,
-        batch_size: int = 1,
-        val_fraction: float = 0.02,
-        max_train_conversations: int | None = None,
-        max_val_conversations: int | None = 200,
-        max_val_rows: int | None = None,
-        seed: int = 0,
-        extra_train_source: str | None = None,
-    ):
+    def __init__(self, config: DataConfig | None = None, **fields: Any):
         super().__init__()
-        self.source, self.seq_len, self.batch_size = source, seq_len, batch_size
-        self.val_fraction, self.seed = val_fraction, seed
-        self.max_train_conversations, self.max_val_conversations = max_train_conversations, max_val_conversations
-        self.max_val_rows = max_val_rows
-        self.extra_train_source = extra_train_source
+        self.config = replace(config or DataConfig(), **fields)
         self.train_rows: PackedRows | None = None
         self.val_rows: PackedRows | None = None
         self.tokenizer: Any = None
+        self.skipped_records = 0  # malformed records dropped (on_error: skip)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_rows is not None:
             return
         from mtpc.data import pack
 
+        c = self.config
         module = self.trainer.lightning_module if self.trainer is not None else None
         tok = getattr(module, "tokenizer", None)
         if tok is None:
@@ -190,34 +175,34 @@ class ChatDataModule(L.LightningDataModule):
 
             tok = ByteTokenizer()
         self.tokenizer = tok
-        train, val = load_split(self.source, self.val_fraction)
-        if self.max_train_conversations is not None:
-            train = train[: self.max_train_conversations]
-        if self.max_val_conversations is not None:
-            val = val[: self.max_val_conversations]
-        if self.extra_train_source:
+        train, val, self.skipped_records = load_split(c.source, c.val_fraction, c.on_error)
+        if c.max_train_conversations is not None:
+            train = train[: c.max_train_conversations]
+        if c.max_val_conversations is not None:
+            val = val[: c.max_val_conversations]
+        if c.extra_train_source:  # e.g. self-distillation answers: training only, validation stays on source
             from mtpc.data import load_messages
 
-            train = train + load_messages(self.extra_train_source)
+            train = train + load_messages(c.extra_train_source, on_error=c.on_error)
         if not train:
-            raise ValueError(f"data: no training conversations left from {self.source!r} (val_fraction={self.val_fraction})")
-        self.train_rows = PackedRows(pack(train, tok, self.seq_len))
+            raise ValueError(f"data: no training conversations left from {c.source!r} (val_fraction={c.val_fraction})")
+        self.train_rows = PackedRows(pack(train, tok, c.seq_len))
         if val:
-            rows = PackedRows(pack(val, tok, self.seq_len))
-            if self.max_val_rows is not None:
-                rows = torch.utils.data.Subset(rows, range(min(self.max_val_rows, len(rows))))
+            rows = PackedRows(pack(val, tok, c.seq_len))
+            if c.max_val_rows is not None:
+                rows = torch.utils.data.Subset(rows, range(min(c.max_val_rows, len(rows))))
             self.val_rows = rows
 
     def _consumed_batches(self) -> int:
         return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
     def train_dataloader(self) -> DataLoader:
-        return ResumableLoader(self.train_rows, self.batch_size, self.seed, self._consumed_batches)
+        return ResumableLoader(self.train_rows, self.config.batch_size, self.config.seed, self._consumed_batches)
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_rows is None:
             return []
-        return DataLoader(self.val_rows, batch_size=self.batch_size, shuffle=False)
+        return DataLoader(self.val_rows, batch_size=self.config.batch_size, shuffle=False)
 
 
 def source_problem(source: str) -> str | None:

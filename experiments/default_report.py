@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from experiments.pretrain import hardware
     from mtpc.backbones.shipped import SHIPPED_DIR, verify_shipped
+    from mtpc.names import DECODE_MODES
     from mtpc.textstats import degeneracy_metrics
     from mtpc.tokenizer import ByteTokenizer
 
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     report = {"model": label, "prompts": len(prompts), "new_bytes": NEW_BYTES, "eos": "banned",
               "decoder": "transformers generate (greedy; sampling T=1, top_k=0, top_p=1, seed 0 + prompt index)"}
-    for mode in ("greedy", "sample"):
+    for mode in DECODE_MODES:
         texts = answers(model, tok, prompts, sample=mode == "sample")
         report[mode] = {**degeneracy_metrics(texts),
                         "first_answers": [{"prompt": p[:200], "answer": t.decode("utf-8", "replace")} for p, t in zip(prompts[:5], texts[:5])]}
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                   command="python -m experiments.default_report " + " ".join(argv if argv is not None else sys.argv[1:]))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    for mode in ("greedy", "sample"):
+    for mode in DECODE_MODES:
         print(f"{mode}: " + ", ".join(f"{k}={v:.3f}" for k, v in report[mode].items() if isinstance(v, float)))
     print(f"wrote {args.out}")
     return 0

@@ -5,12 +5,13 @@
         [--eos banned|allowed|both] --out results.json [--mlflow-parent-run <id>]
 
 Importable pieces (the sweep trial calls them): `load_prompt_sets`, `evaluate_heads` (-> a JSON-able
-dict), `summarize` (mean ± std over prompt sets) and `log_evaluation_to_mlflow` (one child run per
-(head, mode, extra_token, eos, prompt_set) under a parent run, carrying the DESIGN section 3 params and
-metrics, the per-position acceptance as metrics `acceptance_pos_<i>` and the accepted-length
-histogram as an artifact).
+dict), `summarize` (mean ± std over prompt sets) and `log_evaluation_to_mlflow` (one evaluation run
+per (head, mode, extra_token, eos, prompt_set) under a parent run, written by
+`tracking.log_evaluation`: the `mtpc.names.EVAL_PARAMS` params, the `EVAL_METRICS` metrics, the
+per-position acceptance as metrics `acceptance_pos_<i>`, the accepted-length histogram and the
+per-prompt records as artifacts).
 
-Metric names are those of DESIGN section 3. Per prompt set they are pooled over its prompts:
+Metric names are `mtpc.names.EVAL_METRICS`. Per prompt set they are pooled over its prompts:
 mu_lat = cycle seconds / cycles, mu_acc = accepted drafts / cycles, tokens_per_cycle = bytes
 emitted / cycles, throughput = bytes produced by cycles / decode seconds (the prefill and its first
 byte excluded, for STP alike), per-position acceptance = accepted / tested at window position i.
@@ -38,9 +39,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+import tracking
 from mtpc import MtpcModel
 from mtpc.names import (
-    ACCEPTANCE_PREFIX,
     DECODE_MODES,
     DEGENERACY_METRICS,
     DEGENERATE_WARN_FRACTION,
@@ -48,7 +49,6 @@ from mtpc.names import (
     EVAL_METRICS,
     EVAL_PARAMS,
     EXTRA_TOKEN_OPTIONS,
-    HISTOGRAM_ARTIFACT,
     PER_PROMPT_ARTIFACT,
 )
 from mtpc.textstats import degeneracy_metrics, degenerate
@@ -320,18 +320,18 @@ def log_evaluation_to_mlflow(
     heads: list[str] | None = None,
     tracking_uri: str | None = None,
 ) -> list[str]:
-    """One child run per (head, mode, extra_token, prompt_set) under `parent_run_id`; returns their ids.
+    """One evaluation run per (head, mode, extra_token, prompt_set) under `parent_run_id`, written by
+    `tracking.log_evaluation` (named e.g. `cp-r8-n16-k0/sample/set1`); returns their ids.
 
-    Each child carries the DESIGN section 3 params (backbone, circuit, window, rank, lora_depth, mode,
-    extra_token, eos, temperature, prompt_set, seed, hardware, top_p) plus `params` (e.g. the trial's
+    Each carries the EVAL_PARAMS params (backbone, circuit, window, rank, lora_depth, mode,
+    extra_token, eos, temperature, prompt_set, seed, top_p, hardware) plus `params` (e.g. the trial's
     config), the scalar metrics, `acceptance_pos_<i>` (1-based window position), the histogram
-    as `accepted_length_histogram.json` and the per-prompt records as `per_prompt.json`. heads: which heads to log (default: all but the ff reference).
+    as `accepted_length_histogram.json` and the per-prompt records as `per_prompt.json`. heads:
+    which heads to log (default: all but the ff reference). tracking_uri: by the tracking-URI rule
+    (None: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db).
     """
-    from mlflow.entities import Metric, Param
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=tracking_uri)
-    parent = client.get_run(parent_run_id)
+    uri = tracking.resolve_uri(explicit=tracking_uri, explicit_source="--mlflow-tracking-uri").uri
+    exp_id = tracking.client(uri).get_run(parent_run_id).info.experiment_id
     ff = results["config"].get("ff_head")
     if heads is None:
         names = {r["head"] for r in results["runs"]}
@@ -344,25 +344,13 @@ def log_evaluation_to_mlflow(
         p["max_new_tokens"] = results["config"]["max_new_tokens"]
         for k, v in (params or {}).items():
             p.setdefault(k, v)
-        name = f"eval-{r['head']}-{r['mode']}-{r['extra_token']}-eos_{p['eos']}-set{r['prompt_set']}"
-        run = client.create_run(parent.info.experiment_id, run_name=name, tags={"mlflow.parentRunId": parent_run_id})
-        rid = run.info.run_id
         m = r["metrics"]
-        scalars = {k: float(v) for k, v in m.items() if isinstance(v, (int, float)) and v == v}
-        for i, a in enumerate(m["per_position_acceptance"], 1):
-            if a is not None:
-                scalars[f"{ACCEPTANCE_PREFIX}{i}"] = float(a)
-        client.log_batch(
-            rid,
-            metrics=[Metric(k, v, 0, 0) for k, v in scalars.items()],
-            params=[Param(k, str(v)[:500]) for k, v in p.items()],
-        )
-        client.log_dict(rid, {"accepted_length_histogram": m["accepted_length_histogram"],
-                              "per_position_acceptance": m["per_position_acceptance"]}, HISTOGRAM_ARTIFACT)  # fmt: skip
-        if r.get("per_prompt"):
-            client.log_dict(rid, {"per_prompt": r["per_prompt"]}, PER_PROMPT_ARTIFACT)
-        client.set_terminated(rid)
-        ids.append(rid)
+        scalars = {k: v for k, v in m.items() if k not in ("per_position_acceptance", "accepted_length_histogram")}
+        extra = {PER_PROMPT_ARTIFACT: {"per_prompt": r["per_prompt"]}} if r.get("per_prompt") else None
+        ids.append(tracking.log_evaluation(
+            uri, parent_run_id, p, scalars, per_position_acceptance=m["per_position_acceptance"],
+            histogram=m["accepted_length_histogram"], artifacts=extra, experiment_id=exp_id,
+        ))
     return ids
 
 
@@ -394,12 +382,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eos", default="banned",
                     help="banned (default: EOS gets probability 0, equal lengths), allowed (EOS stops), or both")
     ap.add_argument("--device", default=None, help="cpu, cuda, ... (default: where the backbone loads)")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="let the backbone's checkpoint run its own modelling code (a hub id also needs --revision)")
+    ap.add_argument("--revision", default=None, help="the hub commit hash of the backbone to load")
     ap.add_argument("--out", required=True, help="results JSON path")
     ap.add_argument("--mlflow-parent-run", default=None, help="log one child run per (mode, prompt_set) under it")
-    ap.add_argument("--mlflow-tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI / mlflow's default")
+    ap.add_argument("--mlflow-tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (1 is steadier on a shared CPU)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    from experiments.quiet import quiet
+
+    quiet()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
@@ -412,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--{flag.replace('_', '-')}: {d!r} is not a head export (no config.json)")
         prompt_sets = load_prompt_sets(args.prompts, args.num_prompts, args.sets, args.seed)
         load_kw = {"device": args.device} if args.device else {}
+        if args.trust_remote_code or args.revision:
+            load_kw.update(trust_remote_code=args.trust_remote_code, revision=args.revision)
         main_model = MtpcModel.from_pretrained(args.head, backbone=args.backbone, **load_kw)
         models = {"head": main_model}
         if args.ff_head:

@@ -1,18 +1,19 @@
 """LightningModule: a frozen backbone + an MtPC head (+ LoRA on the draft top), trained with the window loss.
 
-Holds `MtpcTrainModule` (training/validation steps, the two-stage schedule: head only for the
-first `lora_start_epoch` epochs, then head + LoRA), `build_backbone` (the `tiny` in-process Llama
-for debug runs, else `mtpc.backbones.load_backbone`) and `backbone_num_layers` (what config
-validation needs, read without loading weights). Checkpoints hold only the trainable tensors
-(head + LoRA) and the RNG states; the frozen backbone is rebuilt from its name on resume.
-Leaves out: the loss maths (`mtpc.losses`), export (`mtpc.heads.save_head`), the CLI (train.py).
+Holds `MtpcTrainModule` (built from a `ModelConfig`; training/validation steps, the two-stage
+schedule: head only for the first `lora_start_epoch` epochs, then head + LoRA), `build_backbone`
+(the `tiny` in-process Llama for debug runs, else `mtpc.backbones.load_backbone`) and what config
+validation needs without loading weights (`backbone_num_layers`, `backbone_config_dict`).
+Checkpoints hold only the trainable tensors (head + LoRA) and the RNG states; the frozen backbone
+is rebuilt from its name on resume.
+Leaves out: the loss maths (`mtpc.losses`), export (`mtpc.heads.save_head`), the config (config.py).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import random
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,19 +21,21 @@ import lightning as L
 import numpy as np
 import torch
 
-from mtpc.names import DEFAULT_RANK, DEFAULT_WINDOW
+from experiments.config import ModelConfig
 
 # The `tiny` debug backbone: a random Llama built in-process (seeded), vocab 320 like the byte models.
 TINY_BACKBONE = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
 # Layer counts of the paper's backbones, so validation can check lora_depth without their weights.
 KNOWN_NUM_LAYERS = {"benjamin/Llama3-2-3B-IT-Byte": 28, "EvaByte/EvaByte-SFT": 32, "EvaByte/EvaByte": 32}
-INITS = ("lm_head", "mtp", "random")
 
 
 def build_backbone(name: str, lora_depth: int, dtype: str | None = None, tiny_seed: int = 0,
                    **kwargs: Any) -> torch.nn.Module:
-    """`tiny` -> the seeded random Llama of TINY_BACKBONE; anything else -> `load_backbone(name, ...)`."""
+    """`tiny` -> the seeded random Llama of TINY_BACKBONE; anything else -> `load_backbone(name, ...)`.
+
+    kwargs go to `load_backbone` (trust_remote_code, revision, lora_rank, ...); `tiny` takes the LoRA ones only.
+    """
     torch_dtype = getattr(torch, dtype) if dtype else None
     if name == "tiny":
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -40,6 +43,7 @@ def build_backbone(name: str, lora_depth: int, dtype: str | None = None, tiny_se
         from mtpc.backbones import BackboneAdapter
         from mtpc.tokenizer import ByteTokenizer
 
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("trust_remote_code", "revision")}
         cfg = LlamaConfig(**TINY_BACKBONE, tie_word_embeddings=False, bos_token_id=257, eos_token_id=258,
                           pad_token_id=256)
         with torch.random.fork_rng():
@@ -54,27 +58,35 @@ def build_backbone(name: str, lora_depth: int, dtype: str | None = None, tiny_se
     return load_backbone(name, lora_depth=lora_depth, dtype=torch_dtype, **kwargs)
 
 
-def backbone_num_layers(name: str) -> int | None:
-    """Number of layers of backbone `name` without loading weights; None when it cannot be known offline."""
-    if name == "tiny":
-        return TINY_BACKBONE["num_hidden_layers"]
+def backbone_config_dict(name: str, revision: str | None = None) -> dict[str, Any] | None:
+    """The raw config.json of backbone `name` if it is on this machine (a directory, the shipped default,
+    the local HF cache), read as JSON (no code runs); None otherwise."""
     from mtpc.backbones import ALIASES, default_model_dir
 
     name = ALIASES.get(name, name)
-    if name in KNOWN_NUM_LAYERS:
-        return KNOWN_NUM_LAYERS[name]
     if name == "default" or name.startswith("default@"):
         name = str(default_model_dir())
     cfg = Path(name).expanduser() / "config.json"
-    if cfg.exists():
-        c = json.loads(cfg.read_text())
-        return c.get("num_hidden_layers", c.get("n_layer", c.get("num_layers")))
+    if cfg.is_file():
+        return json.loads(cfg.read_text())
     try:  # a hub name already in the local HF cache
-        from transformers import AutoConfig
+        from transformers import PretrainedConfig
 
-        return AutoConfig.from_pretrained(name, local_files_only=True, trust_remote_code=True).num_hidden_layers
+        return PretrainedConfig.get_config_dict(name, local_files_only=True, revision=revision)[0]
     except Exception:
         return None
+
+
+def backbone_num_layers(name: str, revision: str | None = None) -> int | None:
+    """Number of layers of backbone `name` without loading weights; None when it cannot be known offline."""
+    from mtpc.backbones import ALIASES
+
+    if name == "tiny":
+        return TINY_BACKBONE["num_hidden_layers"]
+    if ALIASES.get(name, name) in KNOWN_NUM_LAYERS:
+        return KNOWN_NUM_LAYERS[ALIASES.get(name, name)]
+    c = backbone_config_dict(name, revision) or {}
+    return c.get("num_hidden_layers", c.get("n_layer", c.get("num_layers")))
 
 
 def _is_trainable_key(key: str) -> bool:
@@ -84,74 +96,33 @@ def _is_trainable_key(key: str) -> bool:
 class MtpcTrainModule(L.LightningModule):
     """Frozen backbone + MtPC head; only head (+ LoRA) parameters train.
 
-    Args:
-        backbone: `default` (the embedded model), `tiny` (debug), a local HF directory or a hub name.
-        circuit: ff | cp | hmm | btree.
-        window: n, bytes predicted per context position.
-        rank: r, latent states per sum unit (ff: must be 1; bounds and the ff rule: `mtpc.names.check_architecture`).
-        lora_depth: k, the top layers the draft runs with LoRA adapters (0: none).
-        lora_start_epoch: epochs of head-only training before the LoRA adapters train too.
-        lr: Adam learning rate (the paper: 3e-4).
-        betas: Adam betas.
-        weight_decay: Adam weight decay.
-        gamma: loss discount per window position (None: 0.8 for n <= 8, else 0.9).
-        chunk_size: context positions per chunk of the loss (bounds peak memory).
-        kl_beta: weight of the distillation term: each target scores kl_beta KL(p_j || q_j) +
-            (1 - kl_beta) NLL, p_j the frozen backbone's next-byte distribution (its STP logits
-            from the same forward). 0: cross-entropy only (validation still logs the KL).
-        kl_temperature: temperature of the teacher p_j in the KL term.
-        init: head initialisation: `lm_head` (copy the STP unembedding), `mtp` (the backbone's own
-            MTP heads where it has them, e.g. EvaByte; else lm_head), or `random`.
-        init_noise: noise that breaks the symmetry between copied components.
-        transition_bias: diagonal bias of hmm/btree transitions at init (None: ln(r-1) + 4, near identity).
-        leaf_delta_rank: 0: a full unembedding per (position, component); k > 0: a shared
-            per-position unembedding plus rank-k deltas (paper App. G; far fewer parameters).
-        backbone_dtype: torch dtype name for the backbone weights (e.g. bfloat16); None: as stored.
-        backbone_kwargs: extra keyword arguments for `load_backbone` (e.g. LoRA rank).
-        tiny_seed: seed of the `tiny` debug backbone.
+    config: the `model` section (experiments.config.ModelConfig: every field is documented there);
+    fields: keyword overrides of it (`MtpcTrainModule(backbone="tiny", circuit="hmm")`).
+    The module reads its settings as `self.config.<field>`; the checkpoint's hyper-parameters are
+    the same fields as plain values.
     """
 
-    def __init__(
-        self,
-        backbone: str = "default",
-        circuit: str = "cp",
-        window: int = DEFAULT_WINDOW,
-        rank: int = DEFAULT_RANK,
-        lora_depth: int = 0,
-        lora_start_epoch: int = 1,
-        lr: float = 3e-4,
-        betas: tuple[float, float] = (0.9, 0.999),
-        weight_decay: float = 0.0,
-        gamma: float | None = None,
-        chunk_size: int = 256,
-        kl_beta: float = 0.0,
-        kl_temperature: float = 1.0,
-        init: str = "lm_head",
-        init_noise: float = 1e-2,
-        transition_bias: float | None = None,
-        leaf_delta_rank: int = 0,
-        backbone_dtype: str | None = None,
-        backbone_kwargs: dict[str, Any] | None = None,
-        tiny_seed: int = 0,
-    ):
+    def __init__(self, config: ModelConfig | None = None, **fields: Any):
         super().__init__()
         from mtpc.heads import HeadConfig, MtpcHead
 
-        self.save_hyperparameters()
+        c = self.config = replace(config or ModelConfig(), **fields)
+        self.save_hyperparameters(asdict(c), logger=False)  # MLflow params: the run description logs them
         self.strict_loading = False  # checkpoints carry head + LoRA only (see on_save_checkpoint)
-        self.backbone = build_backbone(backbone, lora_depth, backbone_dtype, tiny_seed, **(backbone_kwargs or {}))
+        self.backbone = build_backbone(c.backbone, c.lora_depth, c.backbone_dtype, c.tiny_seed,
+                                       trust_remote_code=c.trust_remote_code, revision=c.revision, **c.backbone_kwargs)
         for p in self.backbone.parameters():
             p.requires_grad_(False)
-        self.lora_params = list(self.backbone.lora_parameters()) if lora_depth > 0 else []
-        cfg = HeadConfig(kind=circuit, window=window, rank=rank, vocab=self.backbone.vocab_size,
-                         hidden=self.backbone.hidden_size, lora_depth=lora_depth, backbone=backbone,
-                         leaf_delta_rank=leaf_delta_rank)
-        self.head = MtpcHead(cfg)
-        if init != "random":
-            W = self.backbone.mtp_unembeddings() if init == "mtp" else None
+        self.lora_params = list(self.backbone.lora_parameters()) if c.lora_depth > 0 else []
+        head = HeadConfig(kind=c.circuit, window=c.window, rank=c.rank, vocab=self.backbone.vocab_size,
+                          hidden=self.backbone.hidden_size, lora_depth=c.lora_depth, backbone=c.backbone,
+                          leaf_delta_rank=c.leaf_delta_rank)
+        self.head = MtpcHead(head)
+        if c.init != "random":
+            W = self.backbone.mtp_unembeddings() if c.init == "mtp" else None
             if W is None:
                 W = self.backbone.lm_head_weight[None]  # (1, v, d)
-            self.head.init_from_unembeddings(W.detach().float(), noise=init_noise, transition_bias=transition_bias)
+            self.head.init_from_unembeddings(W.detach().float(), noise=c.init_noise, transition_bias=c.transition_bias)
         self.head.float()
         self.tokenizer = getattr(self.backbone, "tokenizer", None)
 
@@ -162,7 +133,7 @@ class MtpcTrainModule(L.LightningModule):
         return self
 
     def lora_active(self) -> bool:
-        return bool(self.lora_params) and self.current_epoch >= self.hparams.lora_start_epoch
+        return bool(self.lora_params) and self.current_epoch >= self.config.lora_start_epoch
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # per batch, not per epoch: Lightning skips on_train_epoch_start when resuming mid-epoch
@@ -174,8 +145,8 @@ class MtpcTrainModule(L.LightningModule):
         params = [{"params": list(self.head.parameters())}]
         if self.lora_params:
             params.append({"params": self.lora_params})
-        h = self.hparams
-        return torch.optim.Adam(params, lr=h.lr, betas=tuple(h.betas), weight_decay=h.weight_decay)
+        c = self.config
+        return torch.optim.Adam(params, lr=c.lr, betas=tuple(c.betas), weight_decay=c.weight_decay)
 
     # -- steps ------------------------------------------------------------------------------------
     def _loss(self, batch: tuple[torch.Tensor, ...], grad_backbone: bool, teacher: bool = False):
@@ -187,13 +158,13 @@ class MtpcTrainModule(L.LightningModule):
         with torch.set_grad_enabled(grad_backbone and torch.is_grad_enabled()):
             out = self.backbone(ids)
         e = out.draft_hidden  # (B, S, d)
-        h = self.hparams
+        c = self.config
         logits = None
-        if h.kl_beta > 0 or teacher:
+        if c.kl_beta > 0 or teacher:
             with torch.no_grad():
                 logits = self.backbone.stp_logits(out.verify_hidden.detach())  # (B, S, v)
-        res = window_loss(self.head, e, ids, score_mask, doc_ids, gamma=h.gamma, chunk_size=h.chunk_size,
-                          teacher_logits=logits, kl_beta=h.kl_beta, kl_temperature=h.kl_temperature)
+        res = window_loss(self.head, e, ids, score_mask, doc_ids, gamma=c.gamma, chunk_size=c.chunk_size,
+                          teacher_logits=logits, kl_beta=c.kl_beta, kl_temperature=c.kl_temperature)
         return res, out, logits
 
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
@@ -259,6 +230,3 @@ def stp_nll(logits: torch.Tensor, ids: torch.Tensor, score_mask: torch.Tensor,
         return None
     return (nll.sum(-1)[keep] / count[keep]).mean()
 
-
-def bits_per_byte(nll_nats: float) -> float:
-    return nll_nats / math.log(2)

@@ -35,8 +35,17 @@ from lightning.pytorch.plugins.environments import LightningEnvironment
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mtpc.backbones import pretrained_model_dir
-from mtpc.data import STREAM_SUFFIX, is_heldout, load_messages, pack, pack_stream, read_stream, sharegpt_corpus
+from mtpc.data import (
+    STREAM_SUFFIX,
+    is_heldout,
+    load_messages,
+    pack,
+    pack_stream,
+    read_stream,
+    sharegpt_corpus,
+)
 from mtpc.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, ByteTokenizer
+from tracking.runs import git_sha
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 CONFIGS = {"cpu": CONFIG_DIR / "pretrain_cpu.yaml", "gpu": CONFIG_DIR / "pretrain_gpu.yaml"}
@@ -422,20 +431,6 @@ def hardware() -> dict:
     return info
 
 
-def git_sha() -> str | None:
-    """The checkout's commit: `git rev-parse HEAD`, else `.device/GIT_SHA` (the device machine's
-    copy has no .git; experiments.device_prep writes that file), else None."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        f = root / ".device" / "GIT_SHA"
-        return f.read_text().strip() if f.is_file() else None
-
-
 def default_config() -> PretrainConfig:
     return load_config(CONFIGS["gpu" if torch.cuda.is_available() else "cpu"])
 
@@ -555,6 +550,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ship-rows", type=int, default=SHIP_ROWS, help="held-out rows of 2048 bytes scored when shipping")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field (YAML value)")
     args = ap.parse_args(argv)
+    from experiments.quiet import quiet
+
+    quiet()
     try:
         overrides = {}
         for item in args.set:

@@ -5,11 +5,12 @@ process, one child run per (mode, prompt_set)), all in one MLflow parent run.
     run_trial(train_config, eval_config, *, mlflow_tracking_uri, mlflow_experiment_id, parent_run_name, ...)
 
 `train_config` = {"config": <shipped name or YAML path>, <nested overrides>..., "circuit", "rank",
-"window", "lora_depth"} (the grid point's names go to `model.*`). Training checkpoints under
-`checkpoint_dir`; a re-run with the same directory resumes from `last.ckpt`. When `should_stop()`
-turns true (pre-emption), training saves a checkpoint at the next batch end and `preempted_exc` is
-raised instead of evaluating a half-trained head. Lightning gets `LightningEnvironment` from
-train_head (a one-task SLURM job is not a multi-process or self-requeueing job).
+"window", "lora_depth", "kl_beta", "train_seed"}: `trial_config` parses the base config with the
+overrides and sets the grid point on it with `dataclasses.replace` (architecture and kl_beta on
+`model`, train_seed as `seed_everything`); train_head checks the values once. Training checkpoints
+under `checkpoint_dir`; a re-run with the same directory resumes from `last.ckpt`. When
+`should_stop()` turns true (the sweep worker's SIGUSR1/SIGTERM), training saves a checkpoint at the
+next optimizer step and `preempted_exc` is raised instead of evaluating a half-trained head.
 
 After training, the stopping rule (`convergence`: held-out window NLL changed < 1 % over the last
 fifth of training) is checked on the logged `val_window_nll` history; `converged` (0/1) and
@@ -24,62 +25,44 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import tracking
 from mtpc.names import DECODE_MODES, DEV_SET_PREFIX, GRID_PARAMS
 
 
-def stop_callback(should_stop: Callable[[], bool], ckpt_path: Path):
-    """A Lightning callback: once `should_stop()` is true, save `ckpt_path` and end fit."""
-    from lightning.pytorch.callbacks import Callback
+def trial_config(train_config: dict[str, Any], *, tracking_uri: str | None = None, experiment: str | None = None,
+                 run_dir: str | Path | None = None) -> Any:
+    """The trial's `TrainConfig`: the spec's base config + nested overrides, the grid point set with
+    `dataclasses.replace`, tracking into `tracking_uri` / `experiment`, the run in `run_dir` (head in
+    `<run_dir>/head`)."""
+    from experiments.config import load_config
 
-    class StopOnRequest(Callback):
-        stopped = False
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            if should_stop() and not self.stopped:
-                ckpt_path.parent.mkdir(parents=True, exist_ok=True)
-                trainer.save_checkpoint(str(ckpt_path))
-                self.stopped = True
-                trainer.should_stop = True
-
-    return StopOnRequest()
-
-
-def train_overrides(train_config: dict[str, Any], *, tracking_uri: str, experiment: str | None) -> tuple[str | dict, dict[str, Any]]:
-    """Split a sweep's train config into (base config, overrides for experiments.train.train_head)."""
-    cfg = dict(train_config)
-    base = cfg.pop("config", "debug")
-    overrides: dict[str, Any] = {}
-    for k in GRID_PARAMS:
-        if k in cfg:
-            overrides[f"model.{k}"] = cfg.pop(k)
-    if "kl_beta" in cfg:  # the training axes: the loss weight and the head's training seed
-        overrides["model.kl_beta"] = cfg.pop("kl_beta")
-    if "train_seed" in cfg:
-        overrides["seed_everything"] = cfg.pop("train_seed")
-    for k, v in cfg.items():
-        overrides[k] = v
-    overrides["run.tracking"] = True
-    overrides["run.tracking_uri"] = tracking_uri
-    if experiment:
-        overrides["run.experiment"] = experiment
-    return base, overrides
+    overrides = dict(train_config)
+    base = overrides.pop("config", "debug")
+    model = {k: overrides.pop(k) for k in (*GRID_PARAMS, "kl_beta") if k in overrides}
+    seed = {"seed_everything": overrides.pop("train_seed")} if "train_seed" in overrides else {}
+    cfg = load_config(base, overrides)
+    run = replace(cfg.run, tracking=True, tracking_uri=tracking_uri, experiment=experiment or cfg.run.experiment)
+    if run_dir is not None:
+        run = replace(run, dir=str(run_dir), export_dir=str(Path(run_dir) / "head"))
+    return replace(cfg, model=replace(cfg.model, **model), run=run, **seed)
 
 
-def load_for_eval(head_dir: Path, resolved: dict[str, Any]):
-    """The trained head on a freshly loaded backbone, as `MtpcModel`. The `tiny` debug backbone is
-    rebuilt from its seed (mtpc.backbones does not know it); others load by their recorded name."""
+def load_for_eval(head_dir: Path, model: Any):
+    """The trained head on a freshly loaded backbone, as `MtpcModel`; `model` is the run's ModelConfig.
+    The `tiny` debug backbone is rebuilt from its seed (mtpc.backbones does not know it); others load
+    by their recorded name with the run's consent to remote code and its revision."""
     from mtpc import MtpcModel
 
-    m = resolved.get("model", {})
-    backbone = None
-    if m.get("backbone") == "tiny":
+    if model.backbone == "tiny":
         from experiments.module import build_backbone
 
-        backbone = build_backbone("tiny", m.get("lora_depth", 0), m.get("backbone_dtype"), m.get("tiny_seed", 0))
-    return MtpcModel.from_pretrained(head_dir, backbone=backbone)
+        tiny = build_backbone("tiny", model.lora_depth, model.backbone_dtype, model.tiny_seed)
+        return MtpcModel.from_pretrained(head_dir, backbone=tiny)
+    return MtpcModel.from_pretrained(head_dir, trust_remote_code=model.trust_remote_code, revision=model.revision)
 
 
 CONVERGENCE_FRACTION = 0.2  # the last fifth of training
@@ -117,15 +100,14 @@ def prompt_set_names(sets: int, dev_sets: int = 0) -> list[str]:
     return [str(i) for i in range(sets)] + [f"{DEV_SET_PREFIX}{i}" for i in range(dev_sets)]
 
 
-def training_axes(resolved: dict[str, Any]) -> dict[str, Any]:
+def training_axes(cfg: Any) -> dict[str, Any]:
     """The training params every child run carries (so CE and distilled heads, and training seeds,
-    can be told apart from the child alone): kl_beta, kl_temperature, train_seed."""
-    m = resolved.get("model", {})
-    return {"kl_beta": float(m.get("kl_beta", 0.0)), "kl_temperature": float(m.get("kl_temperature", 1.0)),
-            "train_seed": resolved.get("seed_everything", 0)}
+    can be told apart from the child alone): kl_beta, kl_temperature, train_seed. `cfg`: the TrainConfig."""
+    return {"kl_beta": float(cfg.model.kl_beta), "kl_temperature": float(cfg.model.kl_temperature),
+            "train_seed": cfg.seed_everything}
 
 
-def evaluate_head(head_dir: Path, resolved: dict[str, Any], eval_config: dict[str, Any], *, parent_run_id: str,
+def evaluate_head(head_dir: Path, cfg: Any, eval_config: dict[str, Any], *, parent_run_id: str,
                   tracking_uri: str, out: Path, extra_params: dict[str, Any] | None = None) -> list[str]:
     """The decoding modes on the same prompt sets (experiments.evaluate): sampling at every
     temperature of `temperatures`, greedy once, each EOS treatment of `eos`; JSON to `out`, one child
@@ -135,7 +117,7 @@ def evaluate_head(head_dir: Path, resolved: dict[str, Any], eval_config: dict[st
 
     from experiments.evaluate import evaluate_heads, load_prompt_sets, log_evaluation_to_mlflow, summarize
 
-    model = load_for_eval(head_dir, resolved)
+    model = load_for_eval(head_dir, cfg.model)
     names = prompt_set_names(eval_config.get("sets", 1), eval_config.get("dev_sets", 0))
     sets = load_prompt_sets(eval_config.get("prompts", "heldout"), eval_config.get("n_prompts", 8), len(names),
                             eval_config.get("seed", 0))  # disjoint draws: dev prompts never overlap reported ones
@@ -160,7 +142,7 @@ def evaluate_head(head_dir: Path, resolved: dict[str, Any], eval_config: dict[st
     results["summary"] = summarize(results)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
-    params = {**training_axes(resolved), **(extra_params or {})}
+    params = {**training_axes(cfg), **(extra_params or {})}
     return log_evaluation_to_mlflow(results, parent_run_id, params=params, tracking_uri=tracking_uri)
 
 
@@ -177,11 +159,12 @@ def run_trial(
     preempted_exc: type[Exception] = KeyboardInterrupt,
 ) -> dict[str, float]:
     """Train + evaluate one architecture; log into the parent run (created here if not given)."""
-    from mlflow.tracking import MlflowClient
+    from experiments.quiet import quiet
 
-    client = MlflowClient(tracking_uri=mlflow_tracking_uri)
+    quiet()  # a sweep worker is a command line too: only the suite's own messages
+
     if parent_run_id is None:
-        parent_run_id = client.create_run(mlflow_experiment_id, run_name=parent_run_name).info.run_id
+        parent_run_id = tracking.start_parent_run(mlflow_tracking_uri, mlflow_experiment_id, parent_run_name, params={}, tags={})
     run_dir = Path(checkpoint_dir or Path("runs") / parent_run_name)
     # train and evaluate read MLFLOW_TRACKING_URI when given no URI: make them agree with the
     # sweep for the duration of the trial, then put the caller's environment back
@@ -190,7 +173,7 @@ def run_trial(
     try:
         return _train_and_evaluate(
             train_config, eval_config, uri=mlflow_tracking_uri, exp_id=mlflow_experiment_id,
-            exp_name=client.get_experiment(mlflow_experiment_id).name, parent_run_id=parent_run_id,
+            exp_name=tracking.client(mlflow_tracking_uri).get_experiment(mlflow_experiment_id).name, parent_run_id=parent_run_id,
             run_dir=run_dir, should_stop=should_stop or (lambda: False), preempted_exc=preempted_exc,
         )
     finally:
@@ -205,31 +188,23 @@ def _train_and_evaluate(
     parent_run_id: str, run_dir: Path, should_stop: Callable[[], bool], preempted_exc: type[Exception],
 ) -> dict[str, float]:
     from experiments.train import train_head
-    from sweeps.tracking import child_runs, discard_children
 
     ckpt = run_dir / "checkpoints" / "last.ckpt"
-    base, overrides = train_overrides(train_config, tracking_uri=uri, experiment=exp_name)
-    stopper = stop_callback(should_stop, ckpt)
-    result = train_head(
-        base, overrides, mlflow_run_id=parent_run_id, ckpt_path="last" if ckpt.exists() else None,
-        run_dir=run_dir, export_dir=run_dir / "head", callbacks=[stopper],
-    )
-    # train_head's own SIGUSR1 handler (result.preempted) or our stop request (SIGTERM, SIGUSR1)
-    if getattr(result, "preempted", False) or stopper.stopped or should_stop():
+    cfg = trial_config(train_config, tracking_uri=uri, experiment=exp_name, run_dir=run_dir)
+    result = train_head(cfg, mlflow_run_id=parent_run_id, ckpt_path="last" if ckpt.exists() else None,
+                        should_stop=should_stop)
+    if result.preempted or should_stop():
         raise preempted_exc(f"training stopped on request; checkpoint {ckpt}")
     # children of an interrupted earlier attempt would be counted twice: drop them first
-    discard_children(uri, exp_id, parent_run_id)
+    tracking.discard_children(uri, exp_id, parent_run_id)
     modes = eval_config.get("modes", list(DECODE_MODES))
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=uri)
-    history = [(m.step, m.value) for m in client.get_metric_history(parent_run_id, "val_window_nll")]
+    history = [(m.step, m.value) for m in tracking.client(uri).get_metric_history(parent_run_id, "val_window_nll")]
     conv = convergence(history)  # the stopping rule: an undertrained head is reported as such
-    client.log_batch(parent_run_id, metrics=[_metric(k, v) for k, v in conv.items() if v == v])
-    evaluate_head(result.head_dir, result.config, eval_config, parent_run_id=parent_run_id, tracking_uri=uri,
+    tracking.log_metrics(uri, parent_run_id, {k: v for k, v in conv.items() if v == v})
+    evaluate_head(result.head_dir, cfg, eval_config, parent_run_id=parent_run_id, tracking_uri=uri,
                   out=run_dir / "evaluation.json", extra_params={"converged": int(conv["converged"])})
     out: dict[str, float] = {}
-    runs = child_runs(uri, exp_id, parent_run_id)
+    runs = tracking.child_runs(uri, exp_id, parent_run_id)
     for key in ("mu_lat", "mu_acc", "tokens_per_cycle", "throughput", "speedup_vs_stp"):
         vals = [r.data.metrics[key] for r in runs if key in r.data.metrics]
         if vals:
@@ -239,11 +214,3 @@ def _train_and_evaluate(
             if mv:
                 out[f"{mode}/{key}"] = sum(mv) / len(mv)
     return out
-
-
-def _metric(key: str, value: float):
-    import time
-
-    from mlflow.entities import Metric
-
-    return Metric(key, float(value), int(time.time() * 1000), 0)

@@ -212,10 +212,14 @@ def chat_key(conv_id: str) -> str:
     return conv_id.rsplit("_", 1)[0] if "_" in conv_id else conv_id
 
 
-def is_heldout(conv_id: str) -> bool:
-    """Stable (sha1) split by chat: all pieces of one chat land on the same side."""
-    h = int(hashlib.sha1(chat_key(conv_id).encode("utf-8")).hexdigest()[:8], 16)
-    return h % 10000 < HELDOUT_PER_10000
+def is_heldout(conv_id: str, fraction: float = HELDOUT_PER_10000 / 10000) -> bool:
+    """Stable (sha1) split by chat: all pieces of one chat land on the same side.
+
+    One hash for every split of the suite: a smaller `fraction` holds out a subset of a larger one,
+    so head validation (fraction <= 0.1) only uses chats the default model was not trained on.
+    """
+    h = int(hashlib.sha1(chat_key(str(conv_id)).encode("utf-8")).hexdigest()[:8], 16)
+    return h % 10000 < round(fraction * 10000)
 
 
 def ascii_fraction(messages: Sequence[dict]) -> float:

@@ -2,7 +2,9 @@
 
 Holds `HeadConfig` (validated dataclass), `MtpcHead` (nn.Module: e (..., d) -> dict of
 unnormalised logits shaped like `circuit.param_shapes`), its initialisation from the backbone's
-unembeddings, and the export format (`save_head` / `load_head`: safetensors + config.json).
+unembeddings, its batch-1 decoding path (`HeadDecoder`, from `head.decoder()`: one context ->
+normalised parameters and the draft, at the cost of reading the weights once), and the export
+format (`save_head` / `load_head`: safetensors + config.json).
 
 Input units (leaves) come from an unembedding tensor W (n, r, v, d): logits W[i, j] e_t, computed
 as one matmul e (..., d) x W.view(n*r*v, d)^T. Optionally (App. G of the paper,
@@ -24,6 +26,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -118,6 +121,7 @@ class MtpcHead(nn.Module):
             self.leaf_delta_in = nn.Parameter(torch.empty(n, r, k, d, **fk))  # A
             self.leaf_delta_out = nn.Parameter(torch.empty(n, r, v, k, **fk))  # B
         self.sum_names = tuple(name for name in shapes if name != "leaves")
+        self._decoder: tuple[tuple, HeadDecoder] | None = None  # (weights' stamp, decoder) of decoder()
         self.sum_weight = nn.ParameterDict(
             {name: nn.Parameter(torch.empty(*shapes[name], d, **fk)) for name in self.sum_names}
         )  # R per name
@@ -238,6 +242,121 @@ class MtpcHead(nn.Module):
             out[name] = F.linear(e, w.view(-1, d), b.reshape(-1)).view(*lead, *b.shape)
         return out
 
+    # --- decoding (batch 1, no autograd) ----------------------------------------------------
+
+    def decoder(self) -> HeadDecoder:
+        """The head's decoding path for the current weights: a `HeadDecoder` (see there), built on
+        the first call and returned again while no parameter has changed (storage, dtype, device
+        or version counter, which every in-place update such as an optimiser step or
+        `load_state_dict` bumps; writes through `.data`, invisible to autograd too, are not seen,
+        nor are in-place writes to parameters that are inference tensors). Call it once per
+        generation, not per cycle: the check costs tens of microseconds in a decoding loop."""
+        stamp = tuple(
+            (p.device, p.dtype, p.data_ptr(), -1 if p.is_inference() else p._version) for p in self.parameters()
+        )
+        if self._decoder is None or self._decoder[0] != stamp:
+            self._decoder = (stamp, HeadDecoder(self))
+        return self._decoder[1]
+
+
+class HeadDecoder:
+    """A head's batch-1 decoding path: one context e (d,) -> normalised circuit parameters, and the draft.
+
+    The interface of the decoding loop (once per generation `dec = head.decoder()`, then per cycle):
+      theta = dec.params(e)      # what circuit.normalize(head(e)) returns: the same keys, shapes
+                                 # (*param_shapes[name]) and dtype (float64 for a float64 head,
+                                 # else float32), equal to rounding
+      x, log_q = circuit._draft(theta, prefix, generator=g, greedy=greedy)  # as before, or at once:
+      x, log_q = dec.draft(e, prefix, g, greedy)   # conditionals=False: (x, None), same x
+    No autograd (train with `MtpcHead.forward`), no host sync, fixed shapes.
+
+    How: every weight that multiplies e (leaves W, or for App. G leaves the shared unembedding U
+    and the deltas' A; every sum weight R) is copied once, transposed and concatenated into one
+    (d, N) matrix with the biases beside it, so that one row-vector product e (1, d) x (d, N)
+    reads each byte once in the layout that reads fastest at batch 1 (about twice the (N, d)
+    layout on the CPU measured). App. G leaves are then U e + B (A e): one (1, k) x (k, v)
+    product per component on a transposed view of B (no copy) plus U e broadcast over the
+    components; nothing of size (n r, N, v) or (n, r, v, d) is formed. One log_softmax
+    normalises the leaves and one every sum unit (all have r children).
+
+    A snapshot: it holds the copy of the weights it was built from (the head's size again, but
+    B, which it reads in place); `MtpcHead.decoder()` builds a new one after the head's weights
+    change.
+    """
+
+    def __init__(self, head: MtpcHead) -> None:
+        cfg = head.config
+        n, r, v, d, k = cfg.window, cfg.rank, cfg.vocab, cfg.hidden, cfg.leaf_delta_rank
+        self.circuit = head.circuit
+        shapes = head.circuit.param_shapes
+        self.sum_names = head.sum_names
+        if any(shapes[name][-1] != r for name in self.sum_names):
+            raise ValueError(f"circuit {cfg.kind}: HeadDecoder expects every sum unit to have r = {r} children")
+        with torch.no_grad():
+            if k == 0:
+                blocks, self.delta_out = [head.leaf_weight.view(n * r * v, d)], None
+            else:
+                blocks = [head.leaf_base.view(n * v, d), head.leaf_delta_in.view(n * r * k, d)]
+                delta_out = head.leaf_delta_out.detach()  # B (n, r, v, k)
+                self.delta_out = delta_out.view(n * r, v, k).transpose(1, 2)  # (n r, k, v) B^T, a view
+            sums = [head.sum_weight[name].view(-1, d) for name in self.sum_names]
+            self.weight = torch.cat([b.detach() for b in blocks + sums]).t().contiguous()  # (d, N)
+            self.bias = self.weight.new_zeros(1, self.weight.shape[1])  # (1, N): 0 for the leaves, b for the sums
+            if sums:
+                tail = torch.cat([head.sum_bias[name].detach().reshape(-1) for name in self.sum_names])
+                self.bias[0, self.weight.shape[1] - tail.shape[0] :] = tail
+        self.hidden = d
+        self.leaf_shape = (n, r, v)
+        self.split = [n * r * v] if k == 0 else [n * v, n * r * k]  # leaf blocks of the product, then the sums
+        self.split.append(self.weight.shape[1] - sum(self.split))
+        self.h_shape, self.base_shape = (n * r, 1, k), (n, 1, v)
+        self.sum_split = [math.prod(shapes[name]) for name in self.sum_names]
+        self.sum_shapes = [shapes[name] for name in self.sum_names]
+        self.rank = r
+        dtype = self.weight.dtype
+        self.out_dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32  # as Circuit.normalize
+
+    def params(self, e: Tensor) -> dict[str, Tensor]:
+        """e (d,) -> {name: normalised log-parameters (*param_shapes[name])} (= normalize(head(e)))."""
+        if e.shape != (self.hidden,):
+            raise ValueError(f"e: the decoder takes one context of shape ({self.hidden},), got {tuple(e.shape)}")
+        if e.dtype != self.weight.dtype:
+            e = e.to(self.weight.dtype)
+        y = torch.addmm(self.bias, e.unsqueeze(0), self.weight).view(-1)  # (N,) every e-dependent logit
+        if self.delta_out is None:
+            leaves, rest = y.split(self.split)
+            leaves = leaves.view(self.leaf_shape)
+        else:
+            base, h, rest = y.split(self.split)  # U e (n v), A e (n r k), sums
+            leaves = torch.bmm(h.view(self.h_shape), self.delta_out).view(self.leaf_shape)  # B (A e)
+            leaves = leaves.add_(base.view(self.base_shape))  # (n, r, v)  + U e, broadcast over components
+        if leaves.dtype != self.out_dtype:
+            leaves, rest = leaves.to(self.out_dtype), rest.to(self.out_dtype)
+        out = {"leaves": leaves.log_softmax(-1)}
+        if self.sum_names:
+            sums = rest.view(-1, self.rank).log_softmax(-1).view(-1).split(self.sum_split)
+            for name, t, shape in zip(self.sum_names, sums, self.sum_shapes, strict=True):
+                out[name] = t.view(shape)
+        return out
+
+    def draft(
+        self,
+        e: Tensor,
+        prefix: Tensor | None,
+        generator: torch.Generator | None = None,
+        greedy: bool = False,
+        conditionals: bool = True,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Head + draft for one context e (d,): `circuit._draft(params(e), prefix, ...)` ->
+        (window x (n,) int64 with x[:k] = prefix (k,), log q(x_i = . | x_<i) (n, v)).
+
+        prefix: the k bytes the window starts with ([c] in the keep cycle) or None (drop cycle);
+        generator: the sampling generator (unused when greedy). conditionals=False returns
+        (x, None), the same x, without the conditionals (greedy verification does not read them).
+        """
+        q = self.params(e)
+        return self.circuit._draft(q, prefix, generator=generator, greedy=greedy, conditionals=conditionals)
+
 
 # --- export ---------------------------------------------------------------------------------
 
@@ -281,7 +400,7 @@ def load_head(
     if version != FORMAT_VERSION:
         raise ValueError(f"{config_path}: format_version {version!r} is not supported; expected {FORMAT_VERSION}")
     config = HeadConfig.from_dict(raw, where=str(config_path))
-    state = load_file(str(head_path))
+    state = _read_tensors(head_path)
     head = MtpcHead(config, device="meta")
     expected = {name: tuple(t.shape) for name, t in head.state_dict().items()}
     missing = sorted(set(expected) - set(state))
@@ -302,5 +421,13 @@ def load_head(
     head = MtpcHead(config, device=device, dtype=dtype)
     head.load_state_dict(state)
     lora_path = directory / LORA_FILE
-    lora_state = load_file(str(lora_path), device=str(device) if device is not None else "cpu") if lora_path.is_file() else None
+    lora_state = _read_tensors(lora_path, device) if lora_path.is_file() else None
     return head, lora_state
+
+
+def _read_tensors(path: Path, device=None) -> dict[str, Tensor]:
+    """load_file, but a truncated or corrupt file is a one-line ValueError naming it."""
+    try:
+        return load_file(str(path), device=str(device) if device is not None else "cpu")
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{path}: not a readable safetensors file ({err}); re-export the head") from None

@@ -20,14 +20,46 @@ CIRCUIT_KINDS: tuple[str, ...] = ("ff", "cp", "hmm", "btree")
 DECODE_MODES: tuple[str, ...] = ("greedy", "sample")
 #: what happens to the verifier's extra token: keep (exact, one call per cycle) or drop (paper's Alg. 2)
 EXTRA_TOKEN_OPTIONS: tuple[str, ...] = ("keep", "drop")
-#: the axes of a sweep grid point (and the architecture params of a trial)
+#: the axes of a sweep grid point (and the architecture params of a trial), in grid-key order
 GRID_PARAMS: tuple[str, ...] = ("circuit", "rank", "window", "lora_depth")
 #: training axes a grid may vary beside the architecture, with their defaults: kl_beta (weight of the
 #: distillation term, 0 = cross-entropy; training's model.kl_beta) and train_seed (the head's
 #: training seed, training's seed_everything; the evaluation `seed` is another param)
 TRAIN_AXES: dict[str, Any] = {"kl_beta": 0.0, "train_seed": 0}
-#: every axis of a sweep grid point: the architecture, then the training axes
+#: every axis of a sweep grid point: the architecture, then the training axes (grid-key order)
 SWEEP_AXES: tuple[str, ...] = GRID_PARAMS + tuple(TRAIN_AXES)
+#: the tag of each axis in a grid key (`cp-r8-n16-k0`, `cp-r8-n16-k0-kl0.5-s1`). A new sweep axis
+#: adds its name to SWEEP_AXES (with its default in TRAIN_AXES, which a key leaves out, so the keys
+#: (run names, checkpoint directories) of points that do not use the axis stay what they were) and
+#: its tag here; that is the one place.
+GRID_KEY_TAGS: dict[str, str] = {"circuit": "", "rank": "r", "window": "n", "lora_depth": "k", "kl_beta": "kl", "train_seed": "s"}
+
+
+def _same(value: Any, default: Any) -> bool:
+    try:
+        return float(value) == float(default)
+    except (TypeError, ValueError):
+        return str(value) == str(default)
+
+
+def grid_key(point: dict[str, Any]) -> str:
+    """A short stable name for a grid point, e.g. `cp-r8-n16-k0` (`-kl0.5-s1` for kl_beta 0.5,
+    train_seed 1; axes at their TRAIN_AXES default are left out): checkpoint directories, the parent
+    run of a trial and the names of its evaluation runs. Values may be str (as MLflow stores
+    params) or numbers alike."""
+    parts = []
+    for name in SWEEP_AXES:
+        if name in TRAIN_AXES:
+            value = point.get(name, TRAIN_AXES[name])
+            if value is None or _same(value, TRAIN_AXES[name]):
+                continue
+        else:
+            value = point[name]
+        if isinstance(value, float) or isinstance(TRAIN_AXES.get(name), float):
+            value = f"{float(value):g}"  # 0.5 and "0.5" alike
+        parts.append(f"{GRID_KEY_TAGS[name]}{value}")
+    return "-".join(parts)
+
 
 #: window n: a head predicts 1..MAX_WINDOW bytes; decoding drafts n - 1 bytes, so it needs n >= 2
 MIN_HEAD_WINDOW = 1

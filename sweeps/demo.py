@@ -4,8 +4,11 @@
    `mtpc.paths.cache_dir()`),
 2. run `sweeps/smoke.yaml` locally, overridden to train on the embedded default model
    (`train.config=default`, sized to fit the time budget),
-3. run `python analysis/pareto.py` on the results when it exists,
+3. run `python -m analysis` (Pareto fronts, figures, tables) on the results,
 4. print where the Optuna journal, the MLflow store and the figures are, and how to open the UI.
+
+Everything goes under `--out` (default `runs/demo`), the MLflow store too: the demo sets the spec's
+`mlflow.tracking_uri` to `sqlite:///<out>/mlflow.db` (MLFLOW_TRACKING_URI still wins).
 
 Idempotent: a second run finds the model and the finished study and only redraws the analysis.
 Leaves out: anything SLURM (see `sbatch slurm/sweep.sh sweeps/smoke.yaml`).
@@ -36,6 +39,7 @@ def demo_overrides(out: Path, objective: str) -> dict:
         "study": "mtpc-demo",
         "objective": objective,
         "output_dir": str(out),
+        "mlflow.tracking_uri": f"sqlite:///{out / 'mlflow.db'}",
         "mlflow.experiment": "mtpc-demo",
         "train": DEMO_TRAIN,
     }
@@ -50,8 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     out = Path(a.out).resolve()
 
+    import tracking
     from sweeps import run
     from sweeps.spec import SpecError, load_spec
+    from sweeps.study import StorageError
 
     try:
         spec = load_spec(SMOKE, overrides=demo_overrides(out, a.objective))
@@ -73,29 +79,24 @@ def main(argv: list[str] | None = None) -> int:
             rc = run.worker(spec)
         else:
             sets = [x for k, v in demo_overrides(out, a.objective).items() for x in ("--set", f"{k}={json.dumps(v)}")]
-            rc = run.local_workers(str(SMOKE), a.workers, sets)
-    except (SpecError, run.StorageError, run.tracking.TrackingError) as e:
+            rc = run.local_workers(spec, a.workers, sets)
+    except (SpecError, StorageError, tracking.TrackingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     st = run.status(spec)
     print(f"trials: {st['states']}")
-    pareto = REPO / "analysis" / "pareto.py"
     fig_dir = out / "analysis"
-    if pareto.exists():
-        _step("3/4 analysis/pareto.py: Pareto fronts and tables", t0)
-        r = subprocess.run([sys.executable, str(pareto), "--tracking-uri", spec.tracking_uri, "--experiment", spec.experiment,
-                            "--out", str(fig_dir)], cwd=REPO)
-        if r.returncode != 0:
-            print(f"analysis/pareto.py exited with {r.returncode}", file=sys.stderr)
-            rc = rc or r.returncode
-    else:
-        _step("3/4 analysis/pareto.py not present: skipped", t0)
+    _step("3/4 python -m analysis: Pareto fronts, figures and tables", t0)
+    r = subprocess.run([sys.executable, "-m", "analysis", "--tracking-uri", spec.tracking_uri, "--experiment", spec.experiment,
+                        "--out", str(fig_dir)], cwd=REPO)
+    if r.returncode != 0:
+        print(f"python -m analysis exited with {r.returncode}", file=sys.stderr)
+        rc = rc or r.returncode
     _step("4/4 where things are", t0)
     print(f"Optuna study     : {spec.study} in {spec.storage}")
     print(f"MLflow store     : {spec.tracking_uri} (experiment {spec.experiment})")
     print(f"checkpoints/heads: {out / 'checkpoints' / spec.study}")
-    if pareto.exists():
-        print(f"figures, tables  : {fig_dir}")
+    print(f"figures, tables  : {fig_dir}")
     print(f"open the UI      : mlflow ui --backend-store-uri {spec.tracking_uri} --host 127.0.0.1 --port 5000")
     print("                   then browse http://127.0.0.1:5000")
     print(f"demo took {time.time() - t0:.0f} s; exit code {rc}")

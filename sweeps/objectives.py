@@ -1,6 +1,7 @@
 """What one trial does, behind one signature: `objective(ctx)` fills the trial's parent MLflow run
-and logs one FINISHED child run per (mode, prompt_set); the runner then reads the stored children
-back and derives the Optuna values from them (so a trial can never succeed without stored results).
+and stores one evaluation run per (mode, prompt_set) with `tracking.log_evaluation`; the runner then
+reads the stored evaluation runs back and derives the Optuna values from them (so a trial can never
+succeed without stored results).
 
 - `fixture`: metrics are a deterministic function of the grid point (no torch import); it
   checkpoints a step counter, honours pre-emption, and can be told to fail on chosen points.
@@ -19,12 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments.trial import (  # light: the trial's heavy imports are inside its functions
-    eval_passes,
-    prompt_set_names,
-)
-from mtpc.names import ACCEPTANCE_PREFIX, HISTOGRAM_ARTIFACT
-from sweeps import tracking
+import tracking
+from experiments.trial import eval_passes, prompt_set_names  # light: the trial's heavy imports are inside its functions
+from mtpc.names import ACCEPTANCE_PREFIX
 from sweeps.spec import SweepSpec
 
 
@@ -99,7 +97,8 @@ _BASE_RATE = {"ff": 0.45, "cp": 0.55, "hmm": 0.62, "btree": 0.60}
 
 
 def fixture_metrics(point: dict[str, Any], mode: str, extra_token: str = "keep") -> dict[str, float]:
-    """Plausible-looking, deterministic stand-in metrics (DESIGN section 3 names)."""
+    """Plausible-looking, deterministic stand-in metrics under the evaluator's names (EVAL_METRICS,
+    acceptance_pos_<i>); tokens_per_cycle = mu_acc + 1, as extra_token=keep guarantees."""
     n, r, k, c = point["window"], point["rank"], point["lora_depth"], point["circuit"]
     rate = min(0.95, _BASE_RATE[c] + 0.03 * math.log2(r) + 0.04 * k) * (0.9 if mode == "sample" else 1.0)
     per_pos = [rate**i for i in range(1, n)]  # P(position i+1 accepted)
@@ -171,12 +170,8 @@ def fixture_objective(ctx: TrialContext) -> None:
                     "seed": e.seed, "hardware": "fixture", "top_p": e.top_p,
                 }
                 metrics = fixture_metrics(point, mode, e.extra_token)
-                per_pos = [None] + [metrics[f"{ACCEPTANCE_PREFIX}{i}"] for i in range(2, point["window"] + 1)]
-                tracking.log_child_run(
-                    uri, ctx.experiment_id, parent, f"{ctx.parent_run_name}/{mode}/T{temperature:g}/{eos}/{ps}",
-                    params=params, metrics=metrics,
-                    artifacts={HISTOGRAM_ARTIFACT: {  # the layout experiments.evaluate logs
-                        "accepted_length_histogram": fixture_histogram(point, mode),
-                        "per_position_acceptance": per_pos,
-                    }},
+                per_pos = [None] + [metrics.pop(f"{ACCEPTANCE_PREFIX}{i}") for i in range(2, point["window"] + 1)]
+                tracking.log_evaluation(
+                    uri, parent, params, metrics, per_position_acceptance=per_pos,
+                    histogram=fixture_histogram(point, mode), experiment_id=ctx.experiment_id,
                 )

@@ -6,8 +6,9 @@ Optuna sampler with bounds), the objectives and their directions, the Optuna sto
 tracking URI and experiment, the evaluation settings and sbatch resources. See docs/sweeps.md for
 the schema. Errors are `SpecError` (a `ValueError`) naming the file and the dotted key.
 
-Environment overrides (they win over the spec): `MLFLOW_TRACKING_URI`, `MTPC_OPTUNA_STORAGE`.
-What this module leaves out: talking to Optuna or MLflow (sweeps/run.py, sweeps/tracking.py).
+Environment overrides (they win over the spec): `MTPC_OPTUNA_STORAGE`, and `MLFLOW_TRACKING_URI`
+by the one tracking-URI rule (`tracking.store.resolve_uri`: environment > `mlflow.tracking_uri` >
+`sqlite:///<cwd>/mlflow.db`). Leaves out: talking to Optuna or MLflow (sweeps/study.py, tracking/).
 """
 
 from __future__ import annotations
@@ -34,16 +35,15 @@ from mtpc.names import (
     ArchitectureError,
     check_architecture,
     check_axis,
+    grid_key,
     point_rank,
 )
+from tracking.store import resolve_uri
 
 OBJECTIVE_KINDS = ("trial", "fixture")
 DIRECTIONS = ("maximize", "minimize")
 SAMPLERS = ("tpe", "random")
-# metrics an objective may name: they are read back from the stored child runs (DESIGN section 3)
-CHILD_METRICS = EVAL_METRICS
 STORAGE_ENV = "MTPC_OPTUNA_STORAGE"
-TRACKING_ENV = "MLFLOW_TRACKING_URI"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -53,7 +53,7 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class Objective:
-    metric: str  # a CHILD_METRICS name
+    metric: str  # an EVAL_METRICS name: averaged over the trial's stored evaluation runs
     direction: str  # maximize | minimize
     mode: str | None = None  # average only over child runs of this decoding mode (None: all)
 
@@ -142,19 +142,6 @@ class SweepSpec:
             "objectives": [[o.metric, o.direction, o.mode] for o in self.objectives],
         }
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def grid_key(point: dict[str, Any]) -> str:
-    """A short stable name for a grid point, e.g. `cp-r8-n8-k0` (checkpoints, run names); training
-    axes away from their defaults are appended: `cp-r8-n8-k0-kl0.5-s1` (kl_beta 0.5, train_seed 1)."""
-    key = f"{point['circuit']}-r{point['rank']}-n{point['window']}-k{point['lora_depth']}"
-    beta = point.get("kl_beta", TRAIN_AXES["kl_beta"])
-    seed = point.get("train_seed", TRAIN_AXES["train_seed"])
-    if beta != TRAIN_AXES["kl_beta"]:
-        key += f"-kl{beta:g}"
-    if seed != TRAIN_AXES["train_seed"]:
-        key += f"-s{seed}"
-    return key
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,11 +351,8 @@ def parse_spec(raw: Any, path: Path, *, env: dict[str, str]) -> SweepSpec:
     storage = storage_url(ctx.str_(storage_raw, "storage"), Path.cwd())
 
     ml = ctx.keys(raw.get("mlflow"), "mlflow", {"tracking_uri", "experiment"})
-    tracking = env.get(TRACKING_ENV) or ml.get("tracking_uri") or f"sqlite:///{out_dir / 'mlflow.db'}"
-    tracking = ctx.str_(tracking, "mlflow.tracking_uri")
-    if "://" not in tracking and not tracking.startswith("file:"):
-        p = Path(tracking).expanduser()
-        tracking = str(p if p.is_absolute() else (Path.cwd() / p).resolve())
+    configured = None if ml.get("tracking_uri") is None else ctx.str_(ml["tracking_uri"], "mlflow.tracking_uri")
+    tracking = resolve_uri(configured, env=env, configured_source=f"{path}: mlflow.tracking_uri").uri
     experiment = ctx.str_(ml.get("experiment", study), "mlflow.experiment")
 
     train = raw.get("train") or {}
@@ -402,7 +386,7 @@ def parse_spec(raw: Any, path: Path, *, env: dict[str, str]) -> SweepSpec:
         o = ctx.keys(o, key, {"metric", "direction", "mode"}, {"metric", "direction"})
         objectives.append(
             Objective(
-                metric=ctx.choice(o["metric"], f"{key}.metric", CHILD_METRICS),
+                metric=ctx.choice(o["metric"], f"{key}.metric", EVAL_METRICS),
                 direction=ctx.choice(o["direction"], f"{key}.direction", DIRECTIONS),
                 mode=None if o.get("mode") is None else ctx.choice(o["mode"], f"{key}.mode", DECODE_MODES),
             )

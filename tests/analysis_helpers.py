@@ -2,18 +2,18 @@
 example figure (no training, no decoding: the numbers are made up but shaped like a real sweep).
 
 `synthetic_evaluations` returns the list of evaluation records (params + metrics + histogram);
-`log_sweep` writes them as MLflow parent (trial) runs with one child per (mode, prompt_set),
-following DESIGN section 3. Tests recompute expectations from the same records.
+`log_sweep` writes them as MLflow parent (trial) runs with one evaluation run per (mode,
+prompt_set) through the suite's own writer (`tracking.log_evaluation`, what the evaluator and the
+sweep fixture call), so the analysis tests read what real sweeps write. Tests recompute
+expectations from the same records.
 
 Example figure: `python tests/analysis_helpers.py /tmp/syn` then
-`python analysis/pareto.py --tracking-uri sqlite:////tmp/syn/mlflow.db --out /tmp/syn/out`.
+`python -m analysis --tracking-uri sqlite:////tmp/syn/mlflow.db --out /tmp/syn/out`.
 """
 
 from __future__ import annotations
 
-import json
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,47 +109,36 @@ def frame_from_evaluations(evaluations: list[Evaluation]):
 
 
 def log_sweep(uri: str, experiment: str, evaluations: list[Evaluation]) -> dict[str, str]:
-    """Log parent runs (one per trial) and a child run per evaluation; returns child run ids by
-    index ("0", "1", ...) plus the experiment id under "experiment_id"."""
-    from mlflow.entities import Metric, Param, RunTag
-    from mlflow.tracking import MlflowClient
+    """Log parent runs (one per trial) and an evaluation run per evaluation with the real writer;
+    an evaluation whose `status` is not FINISHED is set to it afterwards (what an interrupted or
+    failed attempt leaves). Returns the evaluation run ids by index ("0", "1", ...) plus the
+    experiment id under "experiment_id"."""
+    import tracking
+    from mtpc.names import ACCEPTANCE_PREFIX
 
-    client = MlflowClient(tracking_uri=uri)
-    exp = client.get_experiment_by_name(experiment)
-    exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
+    exp_id = tracking.ensure_experiment(uri, experiment)
+    client = tracking.client(uri)
     parents: dict[str, str] = {}
     ids: dict[str, str] = {"experiment_id": exp_id}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, ev in enumerate(evaluations):
-            if ev.trial not in parents:
-                p = client.create_run(exp_id, run_name=ev.trial)
-                keys = ("backbone", "circuit", "window", "rank", "lora_depth")
-                client.log_batch(
-                    p.info.run_id,
-                    params=[Param(k, str(ev.params[k])) for k in keys if k in ev.params],
-                    metrics=[Metric("val_loss", 1.0, 0, 0)],
-                )
-                client.set_terminated(p.info.run_id)
-                parents[ev.trial] = p.info.run_id
-            tags = {"mlflow.parentRunId": parents[ev.trial], **ev.extra_tags}
-            name = f"{ev.trial}/{ev.params.get('mode')}/{ev.params.get('prompt_set')}"
-            run = client.create_run(exp_id, run_name=name, tags=tags)
-            rid = run.info.run_id
-            client.log_batch(
-                rid,
-                params=[Param(k, str(v)) for k, v in ev.params.items()],
-                metrics=[Metric(k, float(v), 0, 0) for k, v in ev.metrics.items()],
-                tags=[RunTag("idx", str(i))],
-            )
-            if ev.hist is not None:
-                path = Path(tmp) / "accepted_length_histogram.json"
-                path.write_text(json.dumps(ev.hist))
-                client.log_artifact(rid, str(path))
-            if ev.status == "FINISHED":
-                client.set_terminated(rid)
-            elif ev.status != "RUNNING":
-                client.set_terminated(rid, status=ev.status)
-            ids[str(i)] = rid
+    for i, ev in enumerate(evaluations):
+        if ev.trial not in parents:
+            keys = ("backbone", "circuit", "window", "rank", "lora_depth")
+            pid = tracking.start_parent_run(uri, exp_id, ev.trial, tags={},
+                                            params={k: ev.params[k] for k in keys if k in ev.params})
+            tracking.log_metrics(uri, pid, {"val_loss": 1.0})
+            tracking.terminate(uri, [pid], "FINISHED")
+            parents[ev.trial] = pid
+        acc = {int(k[len(ACCEPTANCE_PREFIX):]): v for k, v in ev.metrics.items() if k.startswith(ACCEPTANCE_PREFIX)}
+        per_pos = [acc.get(j) for j in range(1, max(acc) + 1)] if acc else None
+        scalars = {k: v for k, v in ev.metrics.items() if not k.startswith(ACCEPTANCE_PREFIX)}
+        rid = tracking.log_evaluation(uri, parents[ev.trial], ev.params, scalars, per_position_acceptance=per_pos,
+                                      histogram=ev.hist, experiment_id=exp_id)
+        tracking.set_tags(uri, rid, {"idx": i, **ev.extra_tags})
+        if ev.status == "RUNNING":
+            client.update_run(rid, status="RUNNING")
+        elif ev.status != "FINISHED":
+            client.set_terminated(rid, status=ev.status)
+        ids[str(i)] = rid
     return ids
 
 

@@ -1,13 +1,18 @@
 """Helpers shared by the sweep, SLURM and MLflow-server tests: write a fixture spec, run the CLI,
-read trials back from the Optuna journal and runs from MLflow. No fixtures are defined here."""
+read trials back from the Optuna journal and runs from MLflow, start and stop an `mlflow server` on
+127.0.0.1 (stopped by its PID). No fixtures are defined here."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +29,7 @@ def fresh_tracking_uri(directory: Path) -> str:
     schema costs ~10 s on the 2-core machine; copying it is instant)."""
     global _TEMPLATE
     if _TEMPLATE is None:
-        from sweeps import tracking
+        import tracking
 
         d = Path(tempfile.mkdtemp(prefix="mtpc-mlflow-template-"))
         tracking.ensure_experiment(f"sqlite:///{d / 'mlflow.db'}", "template")
@@ -62,7 +67,7 @@ def run_cli(args: list[str], *, env: dict[str, str] | None = None, cwd: Path | N
 def trials(storage: str, study: str) -> list:
     import optuna
 
-    from sweeps.run import open_storage
+    from sweeps.study import open_storage
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     return optuna.load_study(study_name=study, storage=open_storage(storage)).get_trials()
@@ -108,3 +113,55 @@ def check_complete_results(storage: str, study: str, tracking_uri: str, experime
                 assert p in child.data.params, (k, p)
             assert child.data.params["circuit"] == t.params["circuit"]
     return complete
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 2.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 (local test server)
+        return r.read()
+
+
+def start_server(tmp: Path, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """What docs/sweeps.md documents: an `mlflow server` on 127.0.0.1 with a sqlite backend in
+    `tmp` and artifacts served from a local directory, in its own session (pid = group id).
+    A second start on the same `tmp` and `port` serves the same store again."""
+    port = port or free_port()
+    uri = f"http://127.0.0.1:{port}"
+    if not (tmp / "mlflow.db").exists():
+        fresh_tracking_uri(tmp)  # an already-migrated schema, so the server starts sooner
+    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+    log = open(tmp / "server.log", "a")  # noqa: SIM115 (closed with the process)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{tmp / 'mlflow.db'}", "--artifacts-destination", str(tmp / "artifacts"),
+         "--workers", "1"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"mlflow server exited: {(tmp / 'server.log').read_text()[-2000:]}")
+        try:
+            if http_get(uri + "/health").strip() in (b"OK", b'"OK"'):
+                return proc, uri
+        except OSError:
+            time.sleep(0.5)
+    stop_server(proc)
+    raise AssertionError(f"mlflow server did not answer /health: {(tmp / 'server.log').read_text()[-2000:]}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """Stop by PID: the server was started in its own session, so its pid is the group id."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN_IN_LIBRARY = {"lightning", "pytorch_lightning", "optuna", "mlflow", "cirkit", "pandas", "matplotlib"}
-MAPPED_DIRS = ("mtpc", "experiments", "sweeps", "slurm", "analysis", "bench", "tests")
+MAPPED_DIRS = ("mtpc", "tracking", "experiments", "sweeps", "slurm", "analysis", "bench", "tests")
 
 
 def _tracked_files() -> list[str]:
@@ -32,6 +32,25 @@ def _imported_top_modules(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             mods.add(node.module.split(".")[0])
     return mods
+
+
+#: the layers above mtpc/ and what each may not import: imports run down the layers, never up
+#: (experiments/trial.py once imported sweeps.tracking)
+UPWARD = {
+    "tracking": {"experiments", "sweeps", "analysis"},
+    "experiments": {"sweeps", "analysis"},
+    "analysis": {"experiments", "sweeps"},
+}
+
+
+def test_imports_run_down_the_layers():
+    bad = {}
+    for layer, above in UPWARD.items():
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            hit = _imported_top_modules(path) & above
+            if hit:
+                bad[str(path.relative_to(ROOT))] = sorted(hit)
+    assert not bad, f"imports that run up the layers (tracking < experiments < sweeps; analysis reads tracking): {bad}"
 
 
 def test_library_imports_only_allowed_packages():

@@ -4,8 +4,14 @@ Names: "default" (the byte Llama shipped in the repository under `mtpc/default_m
 against its SHA-256 manifest and named `default@<sha8>`; see `shipped.py`; "default@<sha8>" asks
 for that exact one), "evabyte" (EvaByte/EvaByte-SFT), "llama3-byte"
 (benjamin/Llama3-2-3B-IT-Byte), a local `save_pretrained` directory, or a hub id "org/name"
-(unreachable on these machines; loaded with `trust_remote_code`). Checkpoints whose vocabulary
-exceeds 512 are refused unless `allow_non_byte=True`. The adapter classes live in `base.py`
+(unreachable on these machines). Checkpoints whose vocabulary exceeds 512 are refused unless
+`allow_non_byte=True`.
+
+Nobody's code runs without consent: a checkpoint that ships its own modelling code (an `auto_map`
+in its config.json, e.g. EvaByte) is refused unless `trust_remote_code=True`, and for a hub id also
+`revision=<40-hex commit hash>` (the commit whose code was reviewed; a branch can move). A local
+directory needs only `trust_remote_code=True`: the code is the one on disk. `check_remote_code`
+states the rule; the training config calls it too, before any weights are read. The adapter classes live in `base.py`
 (Llama architecture) and `evabyte.py`.
 """
 
@@ -37,6 +43,7 @@ __all__ = [
     "SplitCache",
     "SplitOutput",
     "check_backbone_label",
+    "check_remote_code",
     "default_model_dir",
     "load_backbone",
     "pretrained_model_dir",
@@ -77,7 +84,33 @@ def _resolve(name_or_path: str) -> tuple[str, str]:
     )
 
 
-def _load_tokenizer(source: str, trust_remote_code: bool) -> Any:
+COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
+
+
+def check_remote_code(
+    name_or_path: str, trust_remote_code: bool, revision: str | None = None, config: dict[str, Any] | None = None
+) -> None:
+    """Raise ValueError (saying how to allow it) unless loading `name_or_path` runs no code without consent.
+
+    config: the checkpoint's raw config.json dict, when known (its `auto_map` means it ships code).
+    With trust_remote_code=True a hub id must pin `revision` to a full commit hash.
+    """
+    name = ALIASES.get(str(name_or_path), str(name_or_path))
+    hub = bool(re.fullmatch(r"[\w.\-]+/[\w.\-]+", name)) and not Path(name).expanduser().exists()
+    if trust_remote_code and hub and not (isinstance(revision, str) and COMMIT_HASH.fullmatch(revision)):
+        raise ValueError(
+            f"backbone {name_or_path!r}: trust_remote_code=True runs the Python code of the hub repository, so pin "
+            f"the commit you reviewed: revision='<40-hex commit hash>' (training config: model.revision), got {revision!r}"
+        )
+    if not trust_remote_code and config is not None and config.get("auto_map"):
+        raise ValueError(
+            f"backbone {name_or_path!r}: the checkpoint ships its own modelling code (config.json auto_map), which runs "
+            "only with consent: pass trust_remote_code=True (and for a hub id revision='<40-hex commit hash>'); in a "
+            "training config set model.trust_remote_code: true and model.revision: <commit hash>"
+        )
+
+
+def _load_tokenizer(source: str, trust_remote_code: bool, revision: str | None) -> Any:
     from mtpc.tokenizer import ByteTokenizer, HFChatTokenizer
 
     if Path(source).is_dir() and ByteTokenizer.is_saved_in(source):
@@ -85,7 +118,7 @@ def _load_tokenizer(source: str, trust_remote_code: bool) -> Any:
     try:
         from transformers import AutoTokenizer
 
-        return HFChatTokenizer(AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code))
+        return HFChatTokenizer(AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, revision=revision))
     except Exception:  # no tokenizer files: tiny test checkpoints; callers pass ids themselves
         return None
 
@@ -96,21 +129,30 @@ def load_backbone(
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
     *,
-    trust_remote_code: bool = True,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
     allow_non_byte: bool = False,
     attn_implementation: str | None = None,
     **lora_kw: Any,
 ) -> BackboneAdapter | EvaByteAdapter:
     """Load a checkpoint by name or path and wrap it; see the module docstring for names.
 
+    trust_remote_code / revision: see the module docstring (`check_remote_code`); revision pins a hub commit.
     lora_kw: lora_rank, lora_alpha, lora_dropout, lora_targets (see `BackboneAdapter`).
     """
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
     label, source = _resolve(name_or_path)
+    check_remote_code(source, trust_remote_code, revision)  # before anything is fetched
+    hub = {"revision": revision, "trust_remote_code": trust_remote_code}
     try:
-        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+        raw, _ = PretrainedConfig.get_config_dict(source, revision=revision)  # JSON only, runs no code
+    except (OSError, ValueError) as e:
+        raise ValueError(f"backbone {label!r}: cannot read its config from {source!r} ({e})") from e
+    check_remote_code(source, trust_remote_code, revision, raw)
+    try:
+        config = AutoConfig.from_pretrained(source, **hub)
     except (OSError, ValueError) as e:
         raise ValueError(f"backbone {label!r}: cannot read its config from {source!r} ({e})") from e
     vocab = getattr(config, "vocab_size", None)
@@ -119,7 +161,7 @@ def load_backbone(
             f"backbone {label!r}: vocab_size={vocab} is not byte-level (limit {MAX_BYTE_VOCAB}); "
             "pass allow_non_byte=True to use it anyway"
         )
-    kw: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    kw: dict[str, Any] = dict(hub)
     if dtype is None and source == str(SHIPPED_DIR):
         dtype = torch.float32  # shipped as bf16; upcast exactly (transformers 5 would keep bf16)
     if dtype is not None:
@@ -134,6 +176,6 @@ def load_backbone(
     model.eval()
     if device is not None:
         model.to(device)
-    tokenizer = _load_tokenizer(source, trust_remote_code)
+    tokenizer = _load_tokenizer(source, trust_remote_code, revision)
     cls = EvaByteAdapter if getattr(config, "model_type", "") == "evabyte" else BackboneAdapter
     return cls.from_hf(model, lora_depth=lora_depth, name=label, tokenizer=tokenizer, **lora_kw)

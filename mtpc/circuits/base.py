@@ -11,7 +11,10 @@ position i the log joint  w_i(a) = log q(s_i = a, x_<i)  of the state s_i of the
 and the tokens before it. Then
     log q(x_1..x_i)          = logsumexp_a  w_i(a) + log q(x_i | s_i = a)
     log q(x_i = . | x_<i)    = logsumexp_a  log_softmax(w_i)(a) + leaves[i, a, .]
-so `_prefix_log_marginals` and `_conditionals` live here once.
+so `_prefix_log_marginals` and `_conditionals` live here once. The decoding loop's fused
+`_draft` (the window and its conditionals in one call) mixes in probability space: with the
+leaf probabilities P = exp(leaves) formed once per draft, log q(x_i = . | x_<i) =
+log(softmax(w_i) @ P[i]) (`mix_probs`), and the sampled tokens come from rows of the same P.
 
 What it leaves out: the structures themselves (ff.py, cp.py, hmm.py, btree.py) and the dense
 brute-force oracle (reference.py).
@@ -42,16 +45,32 @@ def log_vecmat(logv: Tensor, probs: Tensor) -> Tensor:
     T.transpose(-1, -2) for sum_b T[a, b] exp(logv[b])). The shift is detached: the result does not
     depend on it. A row-vector matmul is used because it is the fastest layout at batch 1.
     """
-    m = (logv.detach() if logv.requires_grad else logv).amax(-1, keepdim=True)  # (..., 1)
-    out = torch.matmul((logv - m).exp().unsqueeze(-2), probs).squeeze(-2)  # (..., b)
-    return out.log() + m
+    return log_rowvec(logv.unsqueeze(-2), probs).squeeze(-2)
+
+
+def log_rowvec(logv: Tensor, probs: Tensor, exact: bool = True) -> Tensor:
+    """`log_vecmat` on row vectors: logv (..., 1, a), probs (..., a, b) -> (..., 1, b). Passes that
+    keep their messages as rows call it without an unsqueeze / squeeze per step.
+
+    exact=False: the result up to an additive constant per row, log(softmax(logv) @ probs), in
+    three ops instead of six; for messages that only ever enter a softmax or an argmax over the
+    same row (the draft's passes), where such a constant cancels.
+    """
+    if not exact:
+        return torch.matmul(logv.softmax(-1), probs).log()
+    m = (logv.detach() if logv.requires_grad else logv).amax(-1, keepdim=True)  # (..., 1, 1)
+    return torch.matmul((logv - m).exp(), probs).log() + m
+
+
+def gumbel(u: Tensor) -> Tensor:
+    """Standard Gumbel noise -log(-log u) from uniforms u in [0, 1) (u = 0 clamped to the tiniest float)."""
+    return -(-u.clamp_min(torch.finfo(u.dtype).tiny).log()).log()
 
 
 def gumbel_argmax(logits: Tensor, generator: torch.Generator | None) -> Tensor:
     """One exact sample per row of the categorical softmax(logits) (Gumbel-max), int64 (...)."""
     u = torch.rand(logits.shape, generator=generator, dtype=logits.dtype, device=logits.device)
-    g = -(-u.clamp_min(torch.finfo(logits.dtype).tiny).log()).log()  # standard Gumbel noise
-    return (logits + g).argmax(-1)
+    return (logits + gumbel(u)).argmax(-1)
 
 
 def sample_rows(logits: Tensor, generator: torch.Generator | None, normalised: bool = False) -> Tensor:
@@ -62,27 +81,40 @@ def sample_rows(logits: Tensor, generator: torch.Generator | None, normalised: b
     """
     if not normalised:
         logits = logits - logits.detach().amax(-1, keepdim=True)
-    cdf = logits.exp().cumsum(-1)  # (..., v)
+    return sample_probs(logits.exp(), generator)
+
+
+def sample_probs(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One exact sample per row of probs (..., v) (non-negative, any scale) by inverse CDF -> int64 (...).
+
+    Draws one uniform per row, (..., 1), like `sample_rows`, so the two consume a generator alike.
+    """
+    cdf = probs.cumsum(-1)  # (..., v)
     u = torch.rand((*cdf.shape[:-1], 1), generator=generator, dtype=cdf.dtype, device=cdf.device)
     # first index with cdf > u * total: tokens of zero mass are never chosen
     return torch.searchsorted(cdf, u * cdf[..., -1:], right=True).squeeze(-1).clamp_max(cdf.shape[-1] - 1)
 
 
 def gather_leaf_scores(leaves: Tensor, x: Tensor) -> Tensor:
-    """leaves (..., k, r, v), x (..., k) int -> (..., k, r): log q(x_i | state a) for every a.
-
-    Leading dims of leaves and x must already agree (expand before calling).
-    """
+    """leaves (..., m, r, v), x (..., k) int, k <= m -> (..., k, r): log q(x_i | state a) of the
+    first k positions, for every a. Leading dims of leaves and x must already agree (expand before
+    calling)."""
     r = leaves.shape[-2]
-    idx = x.unsqueeze(-1).unsqueeze(-1).expand(*x.shape, r, 1)  # (..., k, r, 1)
+    idx = x[..., None, None].expand(*x.shape, r, 1)  # (..., k, r, 1)
     return leaves.gather(-1, idx).squeeze(-1)
 
 
 def gather_rows(table: Tensor, state: Tensor) -> Tensor:
     """table (..., k, r, s), state (..., k) int -> (..., k, s) = table[..., i, state_i, :]."""
     s = table.shape[-1]
-    idx = state.unsqueeze(-1).unsqueeze(-1).expand(*state.shape, 1, s)  # (..., k, 1, s)
+    idx = state[..., None, None].expand(*state.shape, 1, s)  # (..., k, 1, s)
     return table.gather(-2, idx).squeeze(-2)
+
+
+def expand_to(t: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """t.expand(shape), or t itself when it has that shape already (one call less per tensor on
+    the batch-1 decoding path, where nothing broadcasts)."""
+    return t if t.shape == shape else t.expand(shape)
 
 
 def mix_leaves(logw: Tensor, leaves: Tensor) -> Tensor:
@@ -90,15 +122,21 @@ def mix_leaves(logw: Tensor, leaves: Tensor) -> Tensor:
     return torch.logsumexp(logw.unsqueeze(-1) + leaves, dim=-2)
 
 
-def mix_leaves_fast(logw: Tensor, leaves: Tensor) -> Tensor:
-    """As mix_leaves for normalised leaves, in probability space: log(softmax(logw) @ exp(leaves)).
+def mix_probs(logw: Tensor, probs: Tensor) -> Tensor:
+    """As mix_leaves in probability space: logw (..., n, r) log weights (any shift per row), probs
+    (..., n, r, v) leaf probabilities -> log(softmax(logw) @ probs) (..., n, v).
 
-    About 2x faster at batch 1 (softmax is a faster kernel than exp, the matmul is small), but an
-    entry whose probability is below the dtype's smallest normal (~1e-38 in float32) comes out -inf.
-    Used by the decoding path `_draft`; the public `conditionals` uses the log-space mix.
+    About 2x faster at batch 1 than the log-space mix, but an entry whose probability is below the
+    dtype's smallest normal (~1e-38 in float32) comes out -inf. Used by the decoding path `_draft`
+    (which forms probs once and samples from it too); the public `conditionals` mixes in log space.
     """
-    probs = torch.matmul(logw.softmax(-1).unsqueeze(-2), leaves.softmax(-1))  # (..., n, 1, v)
-    return probs.squeeze(-2).log()
+    return torch.matmul(logw.softmax(-1).unsqueeze(-2), probs).squeeze(-2).log()  # (..., n, v)
+
+
+def leaf_probs(leaves: Tensor) -> Tensor:
+    """Probabilities of normalised leaves (..., v): exp(leaves), computed as softmax (the faster
+    kernel on the CPU; equal to rounding since the rows are normalised)."""
+    return leaves.softmax(-1)
 
 
 def with_prefix(prefix: Tensor | None, x: Tensor) -> Tensor:
@@ -106,7 +144,7 @@ def with_prefix(prefix: Tensor | None, x: Tensor) -> Tensor:
     if prefix is None or prefix.shape[-1] == 0:
         return x
     k = prefix.shape[-1]
-    return torch.cat([prefix.expand(*x.shape[:-1], k), x[..., k:]], dim=-1)
+    return torch.cat([expand_to(prefix, (*x.shape[:-1], k)), x[..., k:]], dim=-1)
 
 
 # ----------------------------------------------------------------------------- the base class
@@ -176,7 +214,7 @@ class Circuit:
 
     def _expand(self, q: Mapping[str, Tensor], batch: torch.Size) -> Params:
         shapes = self.param_shapes
-        return {k: t.expand(*batch, *shapes[k]) for k, t in q.items()}
+        return {k: expand_to(t, (*batch, *shapes[k])) for k, t in q.items()}
 
     def _expand_with_scores(self, q: Params, ids: Tensor | None) -> tuple[Params, Tensor | None, Tensor]:
         """q broadcast to the batch of q and ids, ids broadcast likewise, and the leaf scores of the
@@ -187,8 +225,9 @@ class Circuit:
         if ids is None:
             scores = leaves.new_zeros(*batch, 0, self.rank)
         else:
-            ids = ids.expand(*batch, ids.shape[-1])
-            scores = gather_leaf_scores(leaves[..., : ids.shape[-1], :, :], ids)  # (..., k, r)
+            k = ids.shape[-1]
+            ids = expand_to(ids, (*batch, k))
+            scores = gather_leaf_scores(leaves, ids)  # (..., k, r)
         return e, ids, scores
 
     def _log_prob(self, q: Params, x: Tensor) -> Tensor:  # (...)
@@ -215,16 +254,27 @@ class Circuit:
         raise NotImplementedError
 
     def _draft(
-        self, q: Params, prefix: Tensor | None, generator: torch.Generator | None = None, greedy: bool = False
-    ) -> tuple[Tensor, Tensor]:
-        """Fused draft for the decoding loop: (x (..., n) int64, conditionals of x (..., n, v)).
+        self,
+        q: Params,
+        prefix: Tensor | None,
+        generator: torch.Generator | None = None,
+        greedy: bool = False,
+        conditionals: bool = True,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Fused draft for the decoding loop: (x (..., n) int64, log q(x_i = . | x_<i) (..., n, v)).
 
-        x is sampled from q(. | prefix) (or the greedy max-product window); no validation. The
-        conditionals are mixed in probability space (see mix_leaves_fast).
+        x is sampled from q(. | prefix) (or is the greedy max-product window), x[..., :k] = prefix;
+        no validation, no host sync. The conditionals are mixed in probability space (mix_probs).
+        conditionals=False returns (x, None) and skips them (greedy verification only compares
+        x with the verifier's argmax; for btree and hmm that is half of the draft's work); x is
+        the same either way. Every kind overrides this generic sample-then-conditionals with a
+        fused version that forms the leaf probabilities once for both.
         """
         x = self._greedy(q, prefix) if greedy else self._sample(q, generator, prefix)
+        if not conditionals:
+            return x, None
         w, leaves, _ = self._leaf_context(q, x)
-        return x, mix_leaves_fast(w, leaves)
+        return x, mix_probs(w, leaf_probs(leaves))
 
     # -- validation -----------------------------------------------------------------------------
 

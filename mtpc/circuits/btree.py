@@ -31,8 +31,11 @@ from .base import (
     Params,
     gather_leaf_scores,
     gather_rows,
-    log_vecmat,
-    mix_leaves_fast,
+    gumbel,
+    leaf_probs,
+    log_rowvec,
+    mix_probs,
+    sample_probs,
     sample_rows,
     with_prefix,
 )
@@ -134,6 +137,22 @@ class _Schedule:
                     leaf_parent[c[1]] = nd.node
                     leaf_sib[c[1]] = kid(nd.left) if c == nd.right else 0
         self.leaf_parent, self.leaf_sib = t(leaf_parent), t(leaf_sib)
+        self._down_rows = [t(list(range(lo, hi))) for lo, hi, _, _ in self.down_levels]  # internal rows per level
+        # the spine: the non-root nodes above position 0 (internal rows, bottom-up); with evidence at
+        # position 0 only, every other node's upward message is exactly 0
+        spine, node = [], nodes[0]
+        while node.left[0] == "node":
+            node = nodes[node.left[1]]
+            spine.append(node.internal_index)
+        self.spine_rows = spine[::-1]
+        self.spine_index = t(self.spine_rows)
+        self._offsets: dict[int, list[Tensor]] = {}
+
+    def down_offsets(self, rank: int) -> list[Tensor]:
+        """Per downward level, the offsets k r of its internal rows k into a flattened (m r) table."""
+        if rank not in self._offsets:
+            self._offsets[rank] = [rows * rank for rows in self._down_rows]
+        return self._offsets[rank]
 
 
 class BTreeCircuit(Circuit):
@@ -173,78 +192,100 @@ class BTreeCircuit(Circuit):
         e, ids, scores = self._expand_with_scores(q, ids)
         return e["root"], e["internal"], e["leaves"], ids, scores
 
-    def _upward(self, s: _Schedule, table: Tensor, leaf_msg: Tensor, use_max: bool, keep_u: bool = True):
-        """Upward pass. table: internal tables breadth-first (probs for sum, logs for max) (..., m, r, r);
-        leaf_msg (..., n, r) (leaf scores, or 0 / max-over-tokens for free leaves).
-
-        -> message buffer (..., 1 + n + m, r), U of the non-root nodes in height order (..., m, r), U of the root.
-        """
+    def _up_tables(self, s: _Schedule, table: Tensor) -> list[Tensor]:
+        """Breadth-first tables (..., m, r, r) -> one chunk (..., S, r, r) per upward level (height order)."""
         if not s.up_levels:
-            chunks = []
-        elif s.up_slices is None:
-            chunks = torch.split(table.index_select(-3, s.perm_height), s.up_sizes, dim=-3)  # height order
-        else:
-            parts = torch.split(table, s.up_slices[0], dim=-3)
-            chunks = [parts[j] for j in s.up_slices[1]]
-        buf = torch.cat([leaf_msg.new_zeros(*leaf_msg.shape[:-2], 1, self.rank), leaf_msg], dim=-2)
+            return []
+        if s.up_slices is None:
+            return list(torch.split(table.index_select(-3, s.perm_height), s.up_sizes, dim=-3))
+        parts = torch.split(table, s.up_slices[0], dim=-3)
+        return [parts[j] for j in s.up_slices[1]]
+
+    def _down_tables(self, s: _Schedule, table: Tensor) -> list[Tensor]:
+        """Breadth-first tables (..., m, r, r) -> one chunk per downward level (by depth)."""
+        return list(torch.split(table, s.down_sizes, dim=-3)) if s.down_sizes else []
+
+    def _upward(
+        self, s: _Schedule, chunks: list[Tensor], leaf_msg: Tensor, use_max: bool, keep_u: bool = True, exact: bool = True
+    ):
+        """Upward pass. chunks: `_up_tables` of the internal tables, logs T[a, b] for max-product or
+        transposed probabilities [b, a] for sum-product; leaf_msg (..., n, r) (leaf scores, or 0 /
+        max-over-tokens for free leaves). exact=False: sum-product messages up to a constant per node
+        (see log_rowvec), which every use in a draft (softmaxes and argmaxes per node) cancels.
+
+        -> message buffer (..., 1 + n + m, 1, r) (messages kept as rows), U of the non-root nodes in
+        height order (..., m, r) (None unless keep_u), U of the root (..., r).
+        """
+        zero = leaf_msg.new_zeros(*leaf_msg.shape[:-2], 1, self.rank)
+        buf = torch.cat([zero, leaf_msg], dim=-2).unsqueeze(-2)  # (..., 1 + n, 1, r)
         us = []
         for tl, (a0, b0, kids) in zip(chunks, s.up_levels, strict=True):
-            u = buf.index_select(-2, kids).unflatten(-2, (b0 - a0, 2)).sum(-2)  # (..., S, r)
-            if not use_max:
-                tl = tl.transpose(-1, -2)  # (..., S, r, r) [node state, parent state] for the row-vector matmul
+            u = buf.index_select(-3, kids).unflatten(-3, (b0 - a0, 2)).sum(-3)  # (..., S, 1, r)
             if use_max:  # max_b T[a, b] + U(b)
-                msg = (tl + u.unsqueeze(-2)).amax(-1)
+                msg = (tl + u).amax(-1).unsqueeze(-2)
             else:  # logsumexp_b T[a, b] + U(b)
-                msg = log_vecmat(u, tl)
+                msg = log_rowvec(u, tl, exact)
             if keep_u:
                 us.append(u)
-            buf = torch.cat([buf, msg], dim=-2)
-        u_root = buf.index_select(-2, s.root_children).sum(-2)  # (..., r)
+            buf = torch.cat([buf, msg], dim=-3)
+        u_root = buf.index_select(-3, s.root_children).sum(-3).squeeze(-2)  # (..., r)
         if not keep_u:
             return buf, None, u_root
-        u_all = torch.cat(us, dim=-2) if us else leaf_msg.new_zeros(*leaf_msg.shape[:-2], 0, self.rank)
+        u_all = torch.cat(us, dim=-3).squeeze(-2) if us else leaf_msg.new_zeros(*leaf_msg.shape[:-2], 0, self.rank)
         return buf, u_all, u_root
 
     def _log_prob(self, q: Params, x: Tensor) -> Tensor:
         root, internal, _, _, scores = self._parts(q, x)
         s = self._sched(x.device)
-        _, _, u_root = self._upward(s, internal.exp(), scores, False, keep_u=False)
+        up = self._up_tables(s, internal.exp().transpose(-1, -2))
+        _, _, u_root = self._upward(s, up, scores, False, keep_u=False)
         return torch.logsumexp(root + u_root, dim=-1)
 
-    def _context(self, s: _Schedule, root: Tensor, probs: Tensor, scores: Tensor) -> Tensor:
-        """w (..., n, r): log q(state a of the node above leaf i, x_<i), from full leaf scores (..., n, r)."""
-        buf, _, _ = self._upward(s, probs, scores, False, keep_u=False)
-        a = root.unsqueeze(-2)  # (..., 1, r)  A(root) = log prior; A buffer indexed by node id
-        chunks = torch.split(probs, s.down_sizes, dim=-3) if s.down_sizes else []
-        for tl, (_, _, parents, sibs) in zip(chunks, s.down_levels, strict=True):
-            v = a.index_select(-2, parents) + buf.index_select(-2, sibs)  # (..., S, r) parent state & x left of it
-            a = torch.cat([a, log_vecmat(v, tl)], dim=-2)
-        return a.index_select(-2, s.leaf_parent) + buf.index_select(-2, s.leaf_sib)  # (..., n, r)
+    def _context(
+        self, s: _Schedule, root: Tensor, up: list[Tensor], down: list[Tensor], scores: Tensor, exact: bool = True
+    ) -> Tensor:
+        """w (..., n, r): log q(state a of the node above leaf i, x_<i), from full leaf scores (..., n, r);
+        up / down: `_up_tables` of the transposed and `_down_tables` of the plain probabilities.
+        exact=False: each row w_i up to an additive constant (enough for softmax(w_i))."""
+        buf, _, _ = self._upward(s, up, scores, False, keep_u=False, exact=exact)
+        a = root.unsqueeze(-2).unsqueeze(-2)  # (..., 1, 1, r)  A(root) = log prior; A buffer indexed by node id
+        for tl, (_, _, parents, sibs) in zip(down, s.down_levels, strict=True):
+            v = a.index_select(-3, parents) + buf.index_select(-3, sibs)  # (..., S, 1, r) parent state & x left of it
+            a = torch.cat([a, log_rowvec(v, tl, exact)], dim=-3)
+        return (a.index_select(-3, s.leaf_parent) + buf.index_select(-3, s.leaf_sib)).squeeze(-2)  # (..., n, r)
 
     def _leaf_context(self, q: Params, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         root, internal, leaves, x, scores = self._parts(q, x)
-        return self._context(self._sched(x.device), root, internal.exp(), scores), leaves, scores
+        s = self._sched(x.device)
+        probs = internal.exp()
+        w = self._context(s, root, self._up_tables(s, probs.transpose(-1, -2)), self._down_tables(s, probs), scores)
+        return w, leaves, scores
 
-    def _topdown(self, s, root, internal, u_all, u_root, leaves, generator, greedy: bool) -> Tensor:
-        """Choose every node state given its parent from q(node | parent, evidence below) (Gumbel-max,
-        or argmax when greedy), then every leaf token -> (..., n). u_* are the upward U's."""
-        if greedy:
-            noise = None
-        else:
-            r, m = self.rank, internal.shape[-3]
-            u = torch.rand(*root.shape[:-1], (m + 1) * r, generator=generator, dtype=root.dtype, device=root.device)
-            noise = (-(-u.clamp_min(torch.finfo(root.dtype).tiny).log()).log()).unflatten(-1, (m + 1, r))  # Gumbel
-        u_bfs = u_all.index_select(-2, s.inv_height)  # (..., m, r) breadth-first
-        logits = root + u_root
-        z = (logits if noise is None else logits + noise[..., 0, :]).argmax(-1, keepdim=True)  # (..., 1) by node id
-        chunks = torch.split(internal, s.down_sizes, dim=-3) if s.down_sizes else []
-        for tl, (lo, hi, parents, _) in zip(chunks, s.down_levels, strict=True):
-            logits = gather_rows(tl, z.index_select(-1, parents)) + u_bfs[..., lo:hi, :]
-            if noise is not None:
-                logits = logits + noise[..., lo + 1 : hi + 1, :]
-            z = torch.cat([z, logits.argmax(-1)], dim=-1)
-        rows = gather_rows(leaves, z.index_select(-1, s.leaf_parent))  # (..., n, v)
-        return rows.argmax(-1) if greedy else sample_rows(rows, generator, normalised=True)
+    def _topdown(self, s, root, internal, u_bfs, u_root, noise: Tensor | None) -> Tensor:
+        """States of every node given its parent from q(node | parent, evidence below) (Gumbel-max
+        with noise (..., m + 1, r), or argmax when None) -> the state above each leaf (..., n).
+        u_bfs (..., m, r) / u_root (..., r): the upward U's of the non-root nodes (breadth-first)
+        and of the root.
+
+        Every node's choice is formed for every parent state at once, choice[k, a] = argmax_b
+        T_k[a, b] + U_k(b) + g_k(b) (one batched op over all nodes), and the levels then only look
+        up choice[k, state of the parent]."""
+        logits = internal + u_bfs.unsqueeze(-2)  # (..., m, r, r)
+        top = root + u_root  # (..., r)
+        if noise is not None:
+            logits = logits + noise[..., 1:, :].unsqueeze(-2)
+            top = top + noise[..., 0, :]
+        choice = logits.argmax(-1).flatten(-2)  # (..., m r): [k r + a] = state of node k + 1 given parent state a
+        z = top.argmax(-1, keepdim=True)  # (..., 1) states by node id
+        for (_, _, parents, _), offset in zip(s.down_levels, s.down_offsets(self.rank), strict=True):
+            z = torch.cat([z, choice.gather(-1, z.index_select(-1, parents) + offset)], dim=-1)
+        return z.index_select(-1, s.leaf_parent)  # (..., n)
+
+    def _noise(self, root: Tensor, generator: torch.Generator | None) -> Tensor:
+        """Gumbel noise for the top-down sampling of every node's state (..., m + 1, r)."""
+        m1, r = len(self._nodes), self.rank
+        u = torch.rand(*root.shape[:-1], m1 * r, generator=generator, dtype=root.dtype, device=root.device)
+        return gumbel(u).unflatten(-1, (m1, r))
 
     def _evidence(self, scores: Tensor) -> Tensor:
         k = scores.shape[-2]
@@ -253,24 +294,63 @@ class BTreeCircuit(Circuit):
     def _sample(self, q: Params, generator: torch.Generator | None = None, prefix: Tensor | None = None) -> Tensor:
         root, internal, leaves, prefix, scores = self._parts(q, prefix)
         s = self._sched(root.device)
-        _, u_all, u_root = self._upward(s, internal.exp(), self._evidence(scores), False)
-        return with_prefix(prefix, self._topdown(s, root, internal, u_all, u_root, leaves, generator, False))
+        up = self._up_tables(s, internal.exp().transpose(-1, -2))
+        _, u_all, u_root = self._upward(s, up, self._evidence(scores), False)
+        u_bfs = u_all.index_select(-2, s.inv_height)
+        states = self._topdown(s, root, internal, u_bfs, u_root, self._noise(root, generator))
+        return with_prefix(prefix, sample_rows(gather_rows(leaves, states), generator, normalised=True))
 
     def _greedy(self, q: Params, prefix: Tensor | None = None) -> Tensor:
         root, internal, leaves, prefix, scores = self._parts(q, prefix)
-        s = self._sched(root.device)
+        return with_prefix(prefix, self._greedy_window(self._sched(root.device), root, internal, leaves, scores))
+
+    def _greedy_window(self, s: _Schedule, root, internal, leaves, scores) -> Tensor:
+        """Max-product: upward with the prefix scores and the best free token per state, top-down argmax."""
         k = scores.shape[-2]
         evidence = torch.cat([scores, leaves[..., k:, :, :].amax(-1)], dim=-2)  # (..., n, r)
-        _, u_all, u_root = self._upward(s, internal, evidence, True)
-        return with_prefix(prefix, self._topdown(s, root, internal, u_all, u_root, leaves, None, True))
+        _, u_all, u_root = self._upward(s, self._up_tables(s, internal), evidence, True)
+        states = self._topdown(s, root, internal, u_all.index_select(-2, s.inv_height), u_root, None)
+        return gather_rows(leaves, states).argmax(-1)
 
-    def _draft(self, q, prefix, generator=None, greedy=False):
-        if greedy:
-            return super()._draft(q, prefix, generator, greedy)
-        root, internal, leaves, prefix, scores = self._parts(q, prefix)  # one set of tables for both passes
+    def _spine_upward(self, s: _Schedule, probs_t: Tensor, score: Tensor) -> tuple[Tensor, Tensor]:
+        """The upward pass for evidence at position 0 only, score (..., r) its leaf scores: just the
+        chain of nodes above it (every other message is exactly 0), up to a constant per node (as
+        exact=False) -> U of the non-root nodes breadth-first (..., m, r), U of the root (..., r).
+        probs_t: the transposed probability tables breadth-first (..., m, r, r)."""
+        u, us = score.unsqueeze(-2), []  # (..., 1, r)
+        for row in s.spine_rows:
+            us.append(u)
+            u = log_rowvec(u, probs_t[..., row, :, :], exact=False)
+        m = probs_t.shape[-3]
+        u_bfs = score.new_zeros(*score.shape[:-1], m, self.rank)
+        if us:
+            u_bfs = u_bfs.index_copy(-2, s.spine_index, torch.cat(us, dim=-2))
+        return u_bfs, u.squeeze(-2)
+
+    def _draft(self, q, prefix, generator=None, greedy=False, conditionals=True):
+        # one set of level tables for every pass, one exp of the leaves for the sampled rows and the
+        # mix; messages up to a constant per node (each only enters a softmax or argmax over its row)
+        root, internal, leaves, prefix, scores = self._parts(q, prefix)
         s = self._sched(root.device)
-        probs = internal.exp()
-        _, u_all, u_root = self._upward(s, probs, self._evidence(scores), False)
-        x = with_prefix(prefix, self._topdown(s, root, internal, u_all, u_root, leaves, generator, False))
-        w = self._context(s, root, probs, gather_leaf_scores(leaves, x))
-        return x, mix_leaves_fast(w, leaves)
+        probs = internal.exp() if conditionals or not greedy else None
+        up = None if probs is None else self._up_tables(s, probs.transpose(-1, -2))
+        p_leaves = leaf_probs(leaves) if conditionals else None  # (..., n, r, v)
+        if greedy:
+            x = self._greedy_window(s, root, internal, leaves, scores)
+        else:
+            k = scores.shape[-2]
+            if k == 0:  # no evidence: every upward message is log sum_b T[a, b] = 0
+                u_bfs, u_root = root.new_zeros(*root.shape[:-1], internal.shape[-3], self.rank), torch.zeros_like(root)
+            elif k == 1:  # the keep cycle's prefix [c]: only the nodes above position 0
+                u_bfs, u_root = self._spine_upward(s, probs.transpose(-1, -2), scores[..., 0, :])
+            else:
+                _, u_all, u_root = self._upward(s, up, self._evidence(scores), False, exact=False)
+                u_bfs = u_all.index_select(-2, s.inv_height)
+            states = self._topdown(s, root, internal, u_bfs, u_root, self._noise(root, generator))
+            rows = gather_rows(leaves, states).exp() if p_leaves is None else gather_rows(p_leaves, states)
+            x = sample_probs(rows, generator)
+        x = with_prefix(prefix, x)
+        if not conditionals:
+            return x, None
+        w = self._context(s, root, up, self._down_tables(s, probs), gather_leaf_scores(leaves, x), exact=False)
+        return x, mix_probs(w, p_leaves)

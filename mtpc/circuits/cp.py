@@ -1,7 +1,8 @@
 """cp: a mixture of r fully factorised windows, q(x) = sum_z q(z) prod_i q(x_i | z).
 
 Parameters: `mixture` (r,), `leaves` (n, r, v). The posterior over z given a prefix is a cumulative
-sum of leaf scores, so every query is a handful of batched ops. Leaves out: everything shared (base.py).
+sum of leaf scores, so every query is a handful of batched ops; the fused draft is about twenty.
+Leaves out: everything shared (base.py).
 """
 
 from __future__ import annotations
@@ -9,7 +10,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Circuit, Params, gather_leaf_scores, gather_rows, gumbel_argmax, sample_rows, with_prefix
+from .base import (
+    Circuit,
+    Params,
+    expand_to,
+    gather_leaf_scores,
+    gather_rows,
+    gumbel_argmax,
+    leaf_probs,
+    mix_probs,
+    sample_probs,
+    sample_rows,
+    with_prefix,
+)
 
 
 class CPCircuit(Circuit):
@@ -23,10 +36,11 @@ class CPCircuit(Circuit):
         """-> mixture (..., r), leaves (..., n, r, v), x (..., n), E (..., k, r) leaf scores of x."""
         batch = self._batch_shape(q, x.shape[:-1])
         n, r, v = self.window, self.rank, self.vocab
-        leaves = q["leaves"].expand(*batch, n, r, v)
+        leaves = expand_to(q["leaves"], (*batch, n, r, v))
         k = x.shape[-1]
-        x = x.expand(*batch, k)
-        return q["mixture"].expand(*batch, r), leaves, x, gather_leaf_scores(leaves[..., :k, :, :], x)
+        x = expand_to(x, (*batch, k))
+        scores = gather_leaf_scores(leaves, x)  # (..., k, r)
+        return expand_to(q["mixture"], (*batch, r)), leaves, x, scores
 
     def _log_prob(self, q: Params, x: Tensor) -> Tensor:
         mixture, _, _, scores = self._scores(q, x)
@@ -61,3 +75,25 @@ class CPCircuit(Circuit):
         z = (post + best.sum(-2)).argmax(-1)  # (...)
         x = gather_rows(leaves, z.unsqueeze(-1).expand(*z.shape, self.window)).argmax(-1)
         return with_prefix(prefix, x)
+
+    def _draft(self, q, prefix, generator=None, greedy=False, conditionals=True):
+        # one posterior over z for the window, one exp of the leaves for the sampled rows and the mix
+        if prefix is None:
+            prefix = torch.zeros((0,), dtype=torch.long, device=q["leaves"].device)
+        mixture, leaves, prefix, scores = self._scores(q, prefix)  # scores (..., k, r)
+        k, n = prefix.shape[-1], self.window
+        post = mixture + scores.sum(-2) if k else mixture  # (..., r)  log q(z, prefix)
+        probs = leaf_probs(leaves) if conditionals else None  # (..., n, r, v)
+        if greedy:
+            z = (post + leaves[..., k:, :, :].amax(-1).sum(-2)).argmax(-1)  # (...)
+            x = gather_rows(leaves, z[..., None].expand(*z.shape, n)).argmax(-1)
+        else:
+            z = gumbel_argmax(post, generator)[..., None].expand(*post.shape[:-1], n)
+            rows = gather_rows(leaves, z).exp() if probs is None else gather_rows(probs, z)  # (..., n, v)
+            x = sample_probs(rows, generator)
+        x = with_prefix(prefix, x)
+        if not conditionals:
+            return x, None
+        s = gather_leaf_scores(leaves, x)  # (..., n, r)
+        w = mixture.unsqueeze(-2) + (s.cumsum(-2) - s)  # (..., n, r)  log q(z, x_<i)
+        return x, mix_probs(w, probs)

@@ -50,7 +50,7 @@ class FFCircuit(Circuit):
         leaves = self._leaves(q, *(() if prefix is None else (prefix.shape[:-1],)))
         return with_prefix(prefix, leaves.argmax(-1))
 
-    def _draft(self, q, prefix, generator=None, greedy=False):
+    def _draft(self, q, prefix, generator=None, greedy=False, conditionals=True):
         leaves = self._leaves(q, *(() if prefix is None else (prefix.shape[:-1],)))
         x = leaves.argmax(-1) if greedy else sample_rows(leaves, generator, normalised=True)
-        return with_prefix(prefix, x), leaves
+        return with_prefix(prefix, x), leaves if conditionals else None

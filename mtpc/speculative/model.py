@@ -241,10 +241,13 @@ class MtpcModel:
     @staticmethod
     def _verifier_only(backbone: Any) -> Any:
         """The same weights without the draft top, so the plain baseline does not pay for it."""
-        from mtpc.backbones import BackboneAdapter
+        from mtpc.backbones import BackboneAdapter, EvaByteAdapter
 
         if backbone.lora_depth > 0 and type(backbone) is BackboneAdapter:
             return BackboneAdapter.from_hf(backbone.model, lora_depth=0, name=backbone.name, tokenizer=backbone.tokenizer)
+        if backbone.lora_depth > 0 and type(backbone) is EvaByteAdapter:
+            return EvaByteAdapter.from_hf(backbone.model, lora_depth=0, name=backbone.name, tokenizer=backbone.tokenizer,
+                                          extra_window=backbone.extra_window)
         return backbone
 
     # -- helpers --------------------------------------------------------------------------------

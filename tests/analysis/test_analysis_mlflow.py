@@ -1,10 +1,12 @@
-"""MLflow -> DataFrame and the `pareto.py` CLI against a temporary sqlite store holding a small
-synthetic sweep (parent trial runs, child evaluation runs, a run missing a metric, an unfinished
-run, runs without the optional params), plus every error path of the CLI.
+"""MLflow -> DataFrame and the `python -m analysis` CLI against a temporary sqlite store holding a
+small synthetic sweep written by the suite's own writer (parent trial runs, evaluation runs, a run
+missing a metric, an unfinished run, runs without the optional params), plus every error path of
+the CLI.
 
 One store for the whole module: creating a sqlite store runs MLflow's migrations (seconds)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,18 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analysis import pareto
-from analysis.load import (
-    SUMMARY_TAG,
-    AnalysisError,
-    Filters,
-    connect,
-    load,
-    load_hists,
-    parse_hist,
-    resolve_tracking_uri,
-)
+import tracking
+from analysis import __main__ as cli
+from analysis.filters import Filters
+from analysis.hists import load_hists, parse_hist
+from analysis.load import AnalysisError, load
 from tests.analysis_helpers import log_sweep, synthetic_evaluations
+from tests.sweep_helpers import fresh_tracking_uri
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow")
-    uri = f"sqlite:///{root}/mlflow.db"
+    uri = fresh_tracking_uri(root)
     ps = ("chat", "code")
     good = synthetic_evaluations(circuits=("ff", "cp", "btree"), windows=(8,), prompt_sets=ps)
     good += synthetic_evaluations(modes=("sample",), circuits=("cp",), windows=(8, 16), prompt_sets=ps)
@@ -124,15 +121,15 @@ def test_experiment_resolution_and_store_errors(store, tmp_path, monkeypatch):
         AnalysisError, match=r"no usable evaluation runs .* 1 evaluation run\(s\) were skipped"
     ):
         load(store["uri"], "allbroken")
-    with pytest.raises(AnalysisError, match="no MLflow database at .*missing.db"):
-        connect(f"sqlite:///{tmp_path}/missing.db")
+    with pytest.raises(tracking.TrackingError, match="no MLflow database at .*missing.db"):
+        tracking.open_for_reading(f"sqlite:///{tmp_path}/missing.db")
     assert not (tmp_path / "missing.db").exists()  # not created as a side effect
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store["uri"])
-    assert resolve_tracking_uri(None) == (store["uri"], "MLFLOW_TRACKING_URI")
-    assert resolve_tracking_uri("sqlite:///x.db")[1] == "--tracking-uri"
+    assert tracking.resolve_uri(explicit=None) == tracking.TrackingURI(store["uri"], "MLFLOW_TRACKING_URI")
+    assert tracking.resolve_uri(explicit="sqlite:///x.db").source == "--tracking-uri"  # the flag beats the env
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     monkeypatch.chdir(tmp_path)
-    assert resolve_tracking_uri(None)[0] == f"sqlite:///{tmp_path}/mlflow.db"
+    assert tracking.resolve_uri().uri == f"sqlite:///{tmp_path}/mlflow.db"
 
 
 def test_histogram_artifacts(store):
@@ -148,7 +145,7 @@ def test_parse_hist_forms():
     np.testing.assert_array_equal(parse_hist([3, 2, 1]), [3, 2, 1])
     np.testing.assert_array_equal(parse_hist({"0": 3, "2": 1}), [3, 0, 1])
     np.testing.assert_array_equal(parse_hist({"counts": [1, 1]}), [1, 1])
-    # the layout experiments.evaluate.log_evaluation_to_mlflow writes
+    # the layout tracking.log_evaluation writes
     evaluated = {"accepted_length_histogram": [5, 0, 2], "per_position_acceptance": [None, 0.4, 0.1]}
     np.testing.assert_array_equal(parse_hist(evaluated), [5, 0, 2])
     with pytest.raises(ValueError, match="accepted_length_histogram.json"):
@@ -160,7 +157,7 @@ def test_parse_hist_forms():
 def test_cli_writes_figures_tables_and_logs_summary(store, tmp_path, capsys):
     out = tmp_path / "out"
     args = ["--tracking-uri", store["uri"], "--experiment", "sweep", "--out", str(out), "--log-to-mlflow"]
-    rc = pareto.main(args + ["--backbone", "tiny"])  # two of the three settings: figures cost seconds
+    rc = cli.main(args + ["--backbone", "tiny"])  # two of the three settings: figures cost seconds
     cap = capsys.readouterr()
     assert rc == 0, cap.err
     # skipped run listed and counted on stderr
@@ -194,7 +191,7 @@ def test_cli_writes_figures_tables_and_logs_summary(store, tmp_path, capsys):
     result, client, _ = load(store["uri"], "sweep")
     assert len(result.runs) == 12
     exp = client.get_experiment_by_name("sweep")
-    (summary,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`{SUMMARY_TAG}` = 'summary'")
+    (summary,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`{tracking.SUMMARY_TAG}` = 'summary'")
     assert summary.info.status == "FINISHED" and summary.data.params["n_evaluation_runs"] == "10"
     assert summary.data.params["filter_backbone"] == "tiny"
     figs = {Path(f.path).name for f in client.list_artifacts(summary.info.run_id, "figures")}
@@ -206,7 +203,7 @@ def test_cli_writes_figures_tables_and_logs_summary(store, tmp_path, capsys):
 
 
 def test_cli_errors_exit_1_without_traceback(store, tmp_path, capsys):
-    rc = pareto.main(
+    rc = cli.main(
         [
             "--tracking-uri",
             store["uri"],
@@ -222,13 +219,13 @@ def test_cli_errors_exit_1_without_traceback(store, tmp_path, capsys):
     )
     err = capsys.readouterr().err
     assert rc == 1 and "no runs match the filters (mode=sample, window=32)" in err and "Traceback" not in err
-    rc = pareto.main(["--tracking-uri", f"sqlite:///{tmp_path}/none.db", "--out", str(tmp_path)])
+    rc = cli.main(["--tracking-uri", f"sqlite:///{tmp_path}/none.db", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 1 and "no MLflow database" in err and "from --tracking-uri" in err
-    rc = pareto.main(["--tracking-uri", store["uri"], "--experiment", "allbroken", "--out", str(tmp_path)])
+    rc = cli.main(["--tracking-uri", store["uri"], "--experiment", "allbroken", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 1 and "no usable evaluation runs" in err and "missing throughput" in err
-    rc = pareto.main(
+    rc = cli.main(
         [
             "--tracking-uri",
             store["uri"],
@@ -243,15 +240,18 @@ def test_cli_errors_exit_1_without_traceback(store, tmp_path, capsys):
     assert rc == 1 and "--log-to-mlflow needs one experiment, but the runs come from 2" in err
     assert not (tmp_path / "o").exists()  # failed before writing anything
     with pytest.raises(SystemExit) as exc:
-        pareto.main(["--mode", "beam"])
+        cli.main(["--mode", "beam"])
     assert exc.value.code == 2
 
 
-def test_script_unreachable_server_is_a_clear_error(tmp_path):
-    """`python analysis/pareto.py` from the repo root, against a port nothing listens on."""
+def test_module_cli_unreachable_server_is_a_clear_error(tmp_path):
+    """`python -m analysis` against a port nothing listens on, run from another directory: no
+    sys.path hack (the old script entry point needed one so that analysis/tables.py did not shadow
+    PyPI's `tables`; a module entry point never puts analysis/ on sys.path)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run(
-        [sys.executable, "analysis/pareto.py", "--tracking-uri", "http://127.0.0.1:9", "--out", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "analysis", "--tracking-uri", "http://127.0.0.1:9", "--out", str(tmp_path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr
     assert "cannot reach the MLflow tracking store 'http://127.0.0.1:9' (from --tracking-uri)" in proc.stderr

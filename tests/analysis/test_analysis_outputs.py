@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import plots, tables
+from analysis import pareto_plot, plots, style, tables
 from analysis.aggregate import aggregate, split_settings, stp_baseline
 from analysis.front import pareto_mask
 from mtpc.names import CIRCUIT_KINDS
@@ -119,13 +119,39 @@ def test_table_values_bold_and_stp_row(evals, setting_part):
     assert cell in md
     lines = [ln for ln in md.splitlines() if ln.startswith("| ")]
     assert len(lines) == 1 + 1 + len(part)  # header, STP, configurations
-    assert sum(ln.count("**") for ln in lines) == 2 * 4  # one bold cell per column
+    assert sum(ln.count("**") for ln in lines) == 2 * 5  # one bold cell per column
     tex = tables.to_latex(table)
-    assert tex.count(r"\mathbf{") == 4 and r"\toprule" in tex and tex.count(r" \\") == len(part) + 2
+    assert tex.count(r"\mathbf{") == 5 and r"\toprule" in tex and tex.count(r" \\") == len(part) + 2
     assert f"$\\mathbf{{{best['throughput_mean']:.{d}f} \\pm {best['throughput_std']:.{d}f}}}$" in tex
     line = tables.best_configuration(setting, part)
     assert f"{best['circuit']} n={best['window']} r={best['rank']} k={best['lora_depth']}" in line
     assert f"{best['throughput_mean']:.1f}" in line
+
+
+def test_table_stp_row_and_its_x_stp_column_agree(evals):
+    """Each trial measures its own STP; when the machine's speed drifts between trials (the demo's
+    STP ran at 97 to 215 B/s), the logged speedup_vs_stp (throughput / the trial's own STP) is not
+    throughput / the STP row. The table says which ratio is which and shows both: the `× STP row`
+    column is the configuration's throughput over the STP row's, and the STP row is 1 in both."""
+    drifting = []
+    trials = sorted({e.trial for e in evals})
+    for e in evals:  # the STP of each trial scaled by a trial-dependent factor (0.5x .. 2x)
+        f = 0.5 + 1.5 * trials.index(e.trial) / (len(trials) - 1)
+        m = dict(e.metrics, stp_mu_lat=e.metrics["stp_mu_lat"] * f, stp_throughput=e.metrics["stp_throughput"] / f)
+        m["speedup_vs_stp"] = m["throughput"] / m["stp_throughput"]
+        drifting.append(type(e)(e.params, m, e.hist, trial=e.trial))
+    setting, part = split_settings(aggregate(frame_from_evaluations(drifting)))[0]
+    table = tables.build_table(setting, part)
+    rows, stp = table.rows.iloc[1:], table.rows.iloc[0]
+    assert stp["is_stp"] and stp["speedup_vs_stp"] == 1.0 and stp[tables.STP_ROW_RATIO] == 1.0
+    np.testing.assert_allclose(rows[tables.STP_ROW_RATIO], rows["throughput"] / stp["throughput"], rtol=1e-12)
+    # the other column is each trial's own ratio, as logged, and here it differs from the row ratio
+    np.testing.assert_allclose(rows["speedup_vs_stp"], part["speedup_vs_stp_mean"], rtol=1e-12)
+    assert np.abs(rows["speedup_vs_stp"].to_numpy(float) / rows[tables.STP_ROW_RATIO].to_numpy(float) - 1).max() > 0.1
+    md = tables.to_markdown(table)
+    header = next(ln for ln in md.splitlines() if ln.startswith("| n "))
+    assert "× own STP" in header and "× STP row" in header and "× own STP: each evaluation's throughput" in md
+    assert r"$\times$ STP row" in tables.to_latex(table)
 
 
 def test_table_single_prompt_set_has_no_std(evals):
@@ -142,7 +168,7 @@ def _iso_lines(ax):
 
 def test_pareto_figure_points_errorbars_front_stp(setting_part):
     setting, part = setting_part
-    fig = plots.pareto_figure(setting, part)
+    fig = pareto_plot.pareto_figure(setting, part)
     ax = fig.axes[0]
     for c in CIRCUIT_KINDS:
         sub = part[part.circuit == c]
@@ -165,12 +191,12 @@ def test_pareto_figure_points_errorbars_front_stp(setting_part):
     # labels n/r/k: 28 points > MAX_LABELLED_POINTS, so only the front is labelled
     labels = [t.get_text() for t in ax.texts if t.get_gid() == "point-label"]
     assert sorted(labels) == sorted(f"{r.window}/{r.rank}/{r.lora_depth}" for r in fp.itertuples())
-    plots.plt.close(fig)
+    style.plt.close(fig)
 
 
 def test_pareto_figure_iso_lines(setting_part):
     setting, part = setting_part
-    fig = plots.pareto_figure(setting, part)
+    fig = pareto_plot.pareto_figure(setting, part)
     ax = fig.axes[0]
     lines = _iso_lines(ax)
     assert len(lines) >= 3
@@ -199,18 +225,18 @@ def test_pareto_figure_iso_lines(setting_part):
     (stp_line,) = [ln for ln in ax.lines if ln.get_gid() == "iso-throughput-stp"]
     stp_lat_ms = stp_baseline(part)[0] * 1000
     assert np.interp(0.0, stp_line.get_xdata(), stp_line.get_ydata()) == pytest.approx(stp_lat_ms)
-    plots.plt.close(fig)
+    style.plt.close(fig)
 
 
 def test_iso_offset_and_levels():
     from analysis.aggregate import Setting
 
     part = pd.DataFrame({"tokens_per_cycle_mean": [1.5, 2.5], "mu_acc_mean": [1.2, 2.0]})
-    assert plots.iso_offset(Setting("b", "greedy", "keep"), part) == 1.0
-    assert plots.iso_offset(Setting("b", "greedy", "drop"), part) == pytest.approx(0.4)
-    lv = plots.iso_levels(43.0, 141.0)
+    assert pareto_plot.iso_offset(Setting("b", "greedy", "keep"), part) == 1.0
+    assert pareto_plot.iso_offset(Setting("b", "greedy", "drop"), part) == pytest.approx(0.4)
+    lv = pareto_plot.iso_levels(43.0, 141.0)
     assert lv.min() >= 43 * 0.95 and lv.max() <= 141 * 1.05 and len(lv) >= 3
-    assert plots.format_rate(1234.0) == "1.23 kB/s" and plots.format_rate(80.0) == "80 B/s"
+    assert style.format_rate(1234.0) == "1.23 kB/s" and style.format_rate(80.0) == "80 B/s"
 
 
 def test_throughput_figures_use_the_slice(evals, setting_part):
@@ -233,7 +259,7 @@ def test_throughput_figures_use_the_slice(evals, setting_part):
         np.testing.assert_allclose(ln.get_ydata(), want)
     (stp,) = [ln for ln in ax.lines if ln.get_gid() == "stp"]
     assert stp.get_ydata()[0] == pytest.approx(stp_baseline(part)[2])
-    plots.plt.close(fig)
+    style.plt.close(fig)
     fig = plots.throughput_figure(setting, part, x="lora_depth")
     (ln,) = [ln for ln in fig.axes[0].lines if ln.get_gid() == "circuit-hmm"]
     want = [
@@ -246,7 +272,7 @@ def test_throughput_figures_use_the_slice(evals, setting_part):
         for k in (0, 2)
     ]
     np.testing.assert_allclose(ln.get_ydata(), want)
-    plots.plt.close(fig)
+    style.plt.close(fig)
     assert plots.throughput_figure(setting, part[part.window == 8], x="window") is None
     with pytest.raises(ValueError, match="x='rank'"):
         plots.throughput_figure(setting, part, x="rank")
@@ -262,14 +288,14 @@ def test_acceptance_and_accepted_length_figures(evals, runs, setting_part):
     n = int(best_bt["window"])
     np.testing.assert_allclose(ln.get_xdata(), np.arange(2, n + 1))
     np.testing.assert_allclose(ln.get_ydata(), [best_bt[f"acceptance_pos_{i}_mean"] for i in range(2, n + 1)])
-    plots.plt.close(fig)
+    style.plt.close(fig)
 
     hists = {f"run{i}": np.asarray(e.hist, float) for i, e in enumerate(evals)}
     fig = plots.accepted_length_figure(setting, part, hists)
     (ln,) = [ln for ln in fig.axes[0].lines if ln.get_gid() == "circuit-btree"]
     total = sum(hists[r] for r in best_bt["run_ids"])
     np.testing.assert_allclose(ln.get_ydata(), total / total.sum())
-    plots.plt.close(fig)
+    style.plt.close(fig)
     assert plots.accepted_length_figure(setting, part, {}) is None
     no_acc = part.drop(columns=[c for c in part.columns if c.startswith("acceptance_pos_")])
     assert plots.acceptance_figure(setting, no_acc) is None
@@ -284,15 +310,15 @@ def _extents(fig, gid):
 def test_pareto_labels_readable_no_overlap_inside_box(setting_part):
     """Readability regressions: n/r/k labels do not overlap each other; iso labels stay inside."""
     setting, part = setting_part
-    fig = plots.pareto_figure(setting, part)
+    fig = pareto_plot.pareto_figure(setting, part)
     labels = _extents(fig, "point-label")
     for i in range(len(labels)):
         for j in range(i + 1, len(labels)):
-            assert plots._overlap(labels[i], labels[j]) == 0, (i, j)
+            assert style.overlap(labels[i], labels[j]) == 0, (i, j)
     box = fig.axes[0].get_window_extent(fig.canvas.get_renderer())
     for ext in _extents(fig, "iso-label"):
         assert box.x0 - 1 <= ext.x0 and ext.x1 <= box.x1 + 1 and box.y0 - 1 <= ext.y0 and ext.y1 <= box.y1 + 1
-    plots.plt.close(fig)
+    style.plt.close(fig)
 
 
 def test_pareto_figure_drop_mode_marks_iso_lines_approximate(evals):
@@ -301,8 +327,8 @@ def test_pareto_figure_drop_mode_marks_iso_lines_approximate(evals):
     runs["extra_token"] = "drop"
     runs["tokens_per_cycle"] = runs["mu_acc"] + 0.3  # mean max(s, 1): not mu_acc + 1
     setting, part = split_settings(aggregate(runs))[0]
-    assert setting.extra_token == "drop" and plots.iso_offset(setting, part) == pytest.approx(0.3)
-    fig = plots.pareto_figure(setting, part)
+    assert setting.extra_token == "drop" and pareto_plot.iso_offset(setting, part) == pytest.approx(0.3)
+    fig = pareto_plot.pareto_figure(setting, part)
     ax = fig.axes[0]
     texts = [t.get_text() for t in ax.texts if t.get_gid() == "iso-label"]
     assert texts and all(t.startswith("≈") for t in texts)
@@ -313,4 +339,4 @@ def test_pareto_figure_drop_mode_marks_iso_lines_approximate(evals):
     assert len([t for t in ax.texts if t.get_gid() == "point-label"]) == len(
         part
     )  # <= 12 points: all labelled
-    plots.plt.close(fig)
+    style.plt.close(fig)

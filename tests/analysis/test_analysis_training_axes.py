@@ -9,7 +9,7 @@ import copy
 
 import pytest
 
-from analysis import plots, tables
+from analysis import pareto_plot, style, tables
 from analysis.aggregate import aggregate, split_settings
 from tests.analysis_helpers import frame_from_evaluations, synthetic_evaluations
 
@@ -66,9 +66,9 @@ def test_degenerate_text_is_flagged_in_tables_figure_and_cli_line():
     md, tex = tables.to_markdown(table), tables.to_latex(table)
     assert f"> ⚠ {warning}" in md and "0.600 ± 0.000" in md
     assert "looping text" in tex
-    fig = plots.pareto_figure(setting, part)
+    fig = pareto_plot.pareto_figure(setting, part)
     assert "8/8 configs degenerate > 0.25" in " ".join(fig.axes[0].get_title().split())
-    plots.plt.close(fig)
+    style.plt.close(fig)
     evals_ok = [e for e in variants(degenerate=0.25) if e.params["eos"] == "banned"]
     setting, part = split_settings(aggregate(frame_from_evaluations(evals_ok)))[0]
     assert tables.degeneracy_warning(tables.build_table(setting, part)) is None  # > 0.25, not >=

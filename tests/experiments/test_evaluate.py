@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,3 +100,20 @@ def test_mlflow_children_carry_params_and_metrics(exported, tmp_path):
         assert run.data.params["circuit"] == "cp" and run.data.params["mode"] == "greedy"
         assert {"mu_lat", "mu_acc", "throughput", "speedup_vs_stp", "acceptance_pos_2"} <= set(run.data.metrics)
     assert {client.get_run(r).data.params["prompt_set"] for r in ids} == {"0", "1"}
+    # named for what they are (they were all `eval-head-greedy-keep-set<i>`, under every trial alike)
+    assert sorted(client.get_run(r).info.run_name for r in ids) == ["cp-r2-n4-k0/greedy/set0", "cp-r2-n4-k0/greedy/set1"]
+    hist = json.loads((Path(client.download_artifacts(ids[0], "accepted_length_histogram.json", str(tmp_path)))).read_text())
+    assert sum(hist["accepted_length_histogram"]) == client.get_run(ids[0]).data.metrics["cycles"]
+
+
+def test_cli_truncated_head_is_one_line_naming_the_file(exported, tmp_path, capsys):
+    import shutil
+
+    bad = tmp_path / "cp"
+    shutil.copytree(exported / "cp", bad)
+    weights = bad / "head.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # an interrupted copy
+    rc = main(["--head", str(bad), "--prompts", str(exported / "prompts.jsonl"), "--num-prompts", "1", "--sets", "1",
+               "--out", str(tmp_path / "r.json"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and str(weights) in err, err

@@ -1,26 +1,33 @@
 """Training entry tests on the CPU debug config (tiny in-process Llama, generated chats).
 
-Covers: every shipped YAML parses and validates without weights; bad configs are rejected with
-the key and file named; a debug fit of each circuit kind with lora_depth 0 and 1 lowers the loss
-(and LoRA trains only in stage 2); a run killed mid-epoch resumes exactly (same losses step for
-step); the exported head reloads to the same outputs; MLflow gets params, artifacts and metrics;
-the CLI runs end to end.
+Covers: every shipped YAML parses into a TrainConfig (which round-trips) and validates without
+weights; bad configs are rejected with the key and file named; a trial's window is one field,
+checked once; remote-code backbones need consent in the config; the CLI's errors (bad key, missing
+config file, malformed data) are one line; data.on_error: skip drops and counts records; a debug
+fit of each circuit kind with lora_depth 0 and 1 lowers the loss (and LoRA trains only in stage 2);
+a run killed mid-epoch resumes exactly (same losses step for step); the exported head reloads to
+the same outputs; MLflow gets params, artifacts and metrics; the CLI runs end to end.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from experiments.config import TrainConfig, load_config
 from experiments.train import CONFIG_DIR, TRAIN_CONFIGS, check_config, main, train_head
 from mtpc.names import CIRCUIT_KINDS
+from tests.backbone_helpers import tiny_llama
 
 SHIPPED = [CONFIG_DIR / f"{name}.yaml" for name in TRAIN_CONFIGS]
 
@@ -52,9 +59,14 @@ class Recorder(Callback):
 def test_shipped_configs_parse_and_validate():
     assert all(p.is_file() for p in SHIPPED)
     for path in SHIPPED:
+        typed = load_config(path)
+        assert isinstance(typed, TrainConfig) and typed.source == str(path)
+        assert load_config(typed.to_dict()) == typed  # the YAML layout round-trips
         cfg = check_config(path)
         assert cfg["model"]["circuit"] in CIRCUIT_KINDS, path
         assert cfg["run"]["dir"] and cfg["run"]["export_dir"], path
+    eva = check_config(CONFIG_DIR / "evabyte.yaml")["model"]  # EvaByte ships its own code: consent, pinned
+    assert eva["trust_remote_code"] is True and re.fullmatch(r"[0-9a-f]{40}", eva["revision"])
     paper = check_config(CONFIG_DIR / "llama_byte.yaml")
     d, t, m = paper["data"], paper["trainer"], paper["model"]
     assert d["seq_len"] == 8192 and m["lr"] == 3e-4
@@ -89,6 +101,68 @@ def test_cli_bad_config_exits_2(capsys):
     rc = main(["fit", "--config", str(CONFIG_DIR / "debug.yaml"), "--model.circuit", "mlp"])
     assert rc == 2
     assert "model.circuit" in capsys.readouterr().err
+
+
+def test_cli_missing_config_file_is_one_line(capsys):
+    rc = main(["fit", "--config", "/no/such/train.yaml", "--model.window", "16"])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.splitlines()) == 1, err  # the message, not the usage text first
+    assert err.startswith("error: ") and "/no/such/train.yaml" in err, err
+
+
+def test_window_is_one_field_checked_once(tmp_path, monkeypatch):
+    """A sweep point's window reaches the head as ModelConfig.window (set by dataclasses.replace) and is
+    checked once, by the training config, naming file and key; the head's constructor keeps its own
+    invariant (mtpc.heads). Nothing else re-validates it on the way."""
+    import mtpc.heads
+    import mtpc.names
+    from experiments.trial import trial_config
+
+    calls, real = [], mtpc.names.check_architecture
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("where", "<head>"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mtpc.names, "check_architecture", counting)
+    monkeypatch.setattr(mtpc.heads, "check_architecture", counting)
+    cfg = trial_config({"config": "debug", "circuit": "hmm", "rank": 2, "window": 5, "lora_depth": 0,
+                        "trainer": {"max_steps": 1}}, run_dir=tmp_path)
+    assert calls == [] and cfg.model.window == 5  # building the trial's config checks nothing yet
+    res = train_head(replace(cfg, run=replace(cfg.run, tracking=False)))
+    assert res.model.head.config.window == 5
+    assert calls == [f"{CONFIG_DIR / 'debug.yaml'}: model.", "<head>"], calls
+
+
+def test_remote_code_backbone_needs_consent_in_the_config(tmp_path):
+    tiny_llama(vocab=320, hidden=16, layers=2, heads=2, kv_heads=1, dtype=torch.float32).save_pretrained(tmp_path / "bb")
+    cfg = json.loads((tmp_path / "bb" / "config.json").read_text())
+    cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}  # it ships its own modelling file
+    (tmp_path / "bb" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"debug\.yaml: model\.trust_remote_code: .*own modelling code.*model\.revision"):
+        check_config("debug", {"model.backbone": str(tmp_path / "bb")})
+    check_config("debug", {"model.backbone": str(tmp_path / "bb"), "model.trust_remote_code": True})  # local: consent
+    with pytest.raises(ValueError, match=r"debug\.yaml: model\.revision: .*40-hex commit hash"):
+        check_config("debug", {"model.backbone": "some-org/some-model", "model.trust_remote_code": True})
+
+
+def test_cli_malformed_data_is_one_line_or_skipped_and_counted(tmp_path, capsys):
+    from experiments.datamodule import debug_conversations
+
+    lines = [json.dumps(c) for c in debug_conversations(30)]
+    lines.insert(3, "{not json")  # line 4
+    lines.insert(9, json.dumps({"id": "empty", "messages": []}))  # line 10
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("\n".join(lines) + "\n")
+    cli = ["fit", "--config", str(CONFIG_DIR / "debug.yaml"), "--data.source", str(chats),
+           "--run.dir", str(tmp_path / "run"), "--trainer.max_steps", "2"]
+    assert main(cli) == 2  # data.on_error: raise (the default)
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and f"{chats}:4" in err and len(err.splitlines()) == 1, err
+    assert main([*cli, "--data.on_error", "skip"]) == 0
+    err = capsys.readouterr().err
+    assert "skipped 2 malformed record(s), kept 30" in err, err
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["data_skipped_records"] == 2
 
 
 @pytest.mark.parametrize("lora_depth", [0, 1])
@@ -154,7 +228,8 @@ def test_resume_after_crash_is_exact(tmp_path, reference_run, epoch, monkeypatch
     client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
     run = client.get_run(res.mlflow_run_id)
     assert (tmp_path / "run" / "mlflow_run_id.txt").read_text().strip() == res.mlflow_run_id
-    for key in ("backbone", "circuit", "window", "rank", "lora_depth", "seed", "lr", "seq_len"):
+    for key in ("backbone", "circuit", "window", "rank", "lora_depth", "seed", "lr", "seq_len", "trust_remote_code",
+                "revision"):
         assert key in run.data.params, key
     assert run.data.params["circuit"] == "cp" and run.data.params["lora_depth"] == "1"
     assert {"train_loss", "val_loss", "val_nll_1", "val_bits_per_byte", "peak_mem_bytes"} <= set(run.data.metrics)
@@ -237,3 +312,18 @@ def test_max_steps_run_continues_exactly(tmp_path, reference_run):
     train_head("debug", over, run_dir=tmp_path, callbacks=[rec], ckpt_path="last")
     assert sorted(rec.losses) == list(range(stop + 1, max(ref_losses) + 1))
     assert all(rec.losses[s] == ref_losses[s] for s in rec.losses)
+
+
+def test_head_validation_chats_are_pretraining_heldout_chats(tmp_path):
+    """One split hash for the suite: a custom JSONL split for head validation (val_fraction <= 0.1)
+    holds out a subset of what pre-training held out, whole chats on one side."""
+    from experiments.datamodule import load_split
+    from mtpc.data import chat_key, is_heldout
+
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"id": f"chat{i}_{j}", "messages": msgs}) + "\n" for i in range(300) for j in range(2)))
+    train, val, skipped = load_split(str(chats), 0.05)
+    assert skipped == 0 and 10 < len(val) < 60 and len(train) + len(val) == 600
+    assert all(is_heldout(c["id"]) for c in val)  # never a chat the default model trained on
+    assert {chat_key(c["id"]) for c in train}.isdisjoint(chat_key(c["id"]) for c in val)

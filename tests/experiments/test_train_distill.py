@@ -37,7 +37,7 @@ def test_teacher_is_the_verifier_tops_stp_distribution():
     torch.testing.assert_close(res.loss.detach(), ref.loss.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(logits, teacher)
     assert res.per_position_kl is not None and (res.per_position_kl > 0).all()
-    m.hparams.kl_beta = 0.0  # CE: no teacher in training, but validation asks for it
+    m.config.kl_beta = 0.0  # CE: no teacher in training, but validation asks for it
     assert m._loss((ids, score, docs), grad_backbone=False)[2] is None
     assert m._loss((ids, score, docs), grad_backbone=False, teacher=True)[0].window_kl is not None
 

@@ -1,6 +1,7 @@
 """The real trial (experiments/trial.py) on the `tiny` backbone: train_head logs into the trial's
-parent run, experiments.evaluate logs one child per (mode, prompt_set) with the DESIGN section 3
-names; a stop request checkpoints and raises, and the re-run resumes from that checkpoint and
+parent run, experiments.evaluate logs one evaluation run per (mode, prompt_set) through the one
+writer (named `<grid key>/<mode>/set<i>`, with the `mtpc.names.EVAL_PARAMS` / `EVAL_METRICS`
+names); a stop request checkpoints and raises, and the re-run resumes from that checkpoint and
 completes; the sweep runner runs it end to end; every grid point's training config is validated
 before submission."""
 
@@ -12,7 +13,7 @@ import os
 
 import pytest
 
-from sweeps import tracking
+import tracking
 from sweeps.objectives import Preempted
 from tests.sweep_helpers import fresh_tracking_uri
 
@@ -62,6 +63,8 @@ def test_run_trial_trains_evaluates_and_resumes(tmp_path, prompts, monkeypatch):
     kids = tracking.child_runs(uri, exp_id, parent)
     assert sorted((k.data.params["mode"], k.data.params["prompt_set"]) for k in kids) == [
         ("greedy", "0"), ("greedy", "1"), ("sample", "0"), ("sample", "1")]
+    assert sorted(k.info.run_name for k in kids) == [
+        "cp-r2-n4-k0/greedy/set0", "cp-r2-n4-k0/greedy/set1", "cp-r2-n4-k0/sample/set0", "cp-r2-n4-k0/sample/set1"]
     assert run.data.metrics["converged"] in (0.0, 1.0)  # the stopping rule was checked and logged
     for k in kids:
         assert k.data.params["circuit"] == "cp" and k.data.params["extra_token"] == "keep"
@@ -73,8 +76,8 @@ def test_run_trial_trains_evaluates_and_resumes(tmp_path, prompts, monkeypatch):
 
 
 def test_training_configs_of_every_point_are_validated_before_submission(tmp_path):
-    from sweeps.run import validate_trial_configs
     from sweeps.spec import SpecError, load_spec
+    from sweeps.study import validate_trial_configs
 
     smoke = "sweeps/smoke.yaml"
     assert validate_trial_configs(load_spec(smoke, env={}, overrides={"output_dir": str(tmp_path)})) == 5
@@ -97,7 +100,7 @@ def test_sweep_runner_with_the_real_trial(tmp_path, prompts, monkeypatch):
         "output_dir": str(tmp_path / "out"), "eval.prompts": prompts,
         "space.slices": {"one": {"circuit": ["hmm"], "rank": [2], "window": [4], "lora_depth": [1]}},
     })
-    fresh_tracking_uri(tmp_path / "out")  # = the spec's default store, sqlite:///<output_dir>/mlflow.db
+    fresh_tracking_uri(tmp_path)  # = the spec's default store, sqlite:///<cwd>/mlflow.db
     run.init(spec)
     assert run.worker(spec) == 0
     (t,) = trials(spec.storage, spec.study)

@@ -184,3 +184,28 @@ def test_load_backbone_from_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("MTPC_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(ValueError, match="make pretrain"):
         load_backbone("default")
+
+
+def _with_auto_map(directory):
+    import json
+
+    cfg = json.loads((directory / "config.json").read_text())
+    cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    (directory / "config.json").write_text(json.dumps(cfg))
+
+
+def test_remote_code_runs_only_with_consent(tmp_path):
+    """transformers' default: no checkpoint code without trust_remote_code; a hub id must also pin a commit."""
+    from mtpc.backbones import check_remote_code
+
+    tiny_llama(dtype=torch.float32).save_pretrained(tmp_path / "code")
+    _with_auto_map(tmp_path / "code")  # a checkpoint that ships its own modelling file
+    with pytest.raises(ValueError, match=r"ships its own modelling code.*trust_remote_code=True.*model\.revision"):
+        load_backbone(str(tmp_path / "code"))  # refused before any of its code is imported
+    with pytest.raises(ValueError, match=r"trust_remote_code=True.*revision='<40-hex commit hash>'.*got None"):
+        load_backbone("some-org/some-model", trust_remote_code=True)  # unpinned: refused before any download
+    with pytest.raises(ValueError, match=r"got 'main'"):
+        check_remote_code("evabyte", True, "main")  # an alias is a hub id; a branch can move
+    check_remote_code("some-org/some-model", True, "0123456789abcdef0123456789abcdef01234567")
+    check_remote_code(str(tmp_path / "code"), True)  # a local directory: the code is the one on disk
+    check_remote_code("some-org/some-model", False, None, {"model_type": "llama"})  # no code shipped: nothing to allow

@@ -105,7 +105,7 @@ def test_bad_input():
 
 
 def test_load_backbone_dispatches_to_evabyte(tmp_path):
-    """Saved with an auto_map and loaded through trust_remote_code, like the real checkpoint."""
+    """Saved with an auto_map and loaded with trust_remote_code, like the real checkpoint."""
     model = standin()
     out = tmp_path / "evabyte"
     model.save_pretrained(out)
@@ -115,7 +115,9 @@ def test_load_backbone_dispatches_to_evabyte(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     cfg["auto_map"] = {"AutoConfig": "modeling_evabyte.EvaByteConfig", "AutoModelForCausalLM": "modeling_evabyte.EvaByteForCausalLM"}
     (out / "config.json").write_text(json.dumps(cfg))
-    bb = load_backbone(str(out), lora_depth=1, dtype=torch.float64)
+    with pytest.raises(ValueError, match="ships its own modelling code"):
+        load_backbone(str(out), lora_depth=1)  # its code runs only with consent
+    bb = load_backbone(str(out), lora_depth=1, dtype=torch.float64, trust_remote_code=True)
     assert isinstance(bb, EvaByteAdapter) and bb.vocab_size == 320
     x = ids(12)
     assert_close(bb.stp_logits(bb(x).verify_hidden), model(x).logits, rtol=0, atol=1e-10)
@@ -134,3 +136,22 @@ def test_ff_head_with_window_16_starts_from_evabyte_heads():
     for i in range(16):
         assert_close(leaves[:, i, 0], e @ W[min(i, 7)].T, rtol=1e-5, atol=1e-5)
     assert_close(leaves[:, 0, 0], bb.stp_logits(e.double()).float(), rtol=1e-5, atol=1e-5)
+
+
+def test_plain_baseline_runs_no_draft_top_layer():
+    """generate_plain is the STP baseline: with k > 0 it must not run the k LoRA draft-top layers
+    (else every stp_* metric pays for them and speedup_vs_stp is inflated)."""
+    from mtpc import MtpcModel
+
+    bb = EvaByteAdapter.from_hf(standin(), lora_depth=2, lora_rank=4)
+    randomize_lora(bb)
+    model = MtpcModel.from_components(bb, {"kind": "cp", "window": 4, "rank": 2, "lora_depth": 2, "seed": 0})
+    calls = []
+    for layer in bb.draft_top.layers.values():
+        layer.register_forward_hook(lambda *args: calls.append(1))
+    prompt = ids(5)[0]
+    plain = model.generate_plain(prompt, max_new_tokens=6, ban_eos=True)
+    assert len(calls) == 0
+    fast = model.generate(prompt, max_new_tokens=6, ban_eos=True)
+    assert len(calls) > 0  # the hooks do see the draft top when it runs
+    assert fast.ids.tolist() == plain.ids.tolist()  # greedy: the same bytes

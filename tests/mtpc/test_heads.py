@@ -256,3 +256,16 @@ def test_export_config_not_matching_tensors_is_a_clear_error(tmp_path):
     (tmp_path / "head.safetensors").unlink()
     with pytest.raises(ValueError, match=r"missing head.safetensors"):
         load_head(tmp_path)
+
+
+@pytest.mark.parametrize("cut", [5, 0.5])
+def test_truncated_export_is_a_one_line_error_naming_the_file(tmp_path, cut):
+    save_head(tmp_path, make_head("cp", r=3), lora_state={"x.lora_A": torch.zeros(2, 2)})
+    for name in ("head.safetensors", "lora.safetensors"):
+        path = tmp_path / name
+        whole = path.read_bytes()
+        path.write_bytes(whole[: cut if isinstance(cut, int) else int(len(whole) * cut)])
+        with pytest.raises(ValueError) as err:
+            load_head(tmp_path)
+        assert str(path) in str(err.value) and "\n" not in str(err.value), str(err.value)
+        path.write_bytes(whole)

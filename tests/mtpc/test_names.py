@@ -70,7 +70,7 @@ def test_ff_with_rank_8_is_an_error_everywhere_in_the_library():
 
 # --- nobody restates the vocabulary ---------------------------------------------------------------
 
-SOURCE_LAYERS = ("mtpc/", "experiments/", "sweeps/", "analysis/", "bench/")
+SOURCE_LAYERS = ("mtpc/", "tracking/", "experiments/", "sweeps/", "analysis/", "bench/")
 VOCAB_SETS = {
     "CIRCUIT_KINDS": set(CIRCUIT_KINDS),
     "DECODE_MODES": set(DECODE_MODES),

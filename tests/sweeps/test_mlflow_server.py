@@ -1,72 +1,36 @@
 """An `mlflow server` on 127.0.0.1 as the sweep's tracking store: two trials log to it at the same
 time, results are read back with the client and the REST API, the server is stopped by PID (its
-process group), and a sweep against the stopped server fails with a clear error."""
+process group), and a sweep against the stopped server fails with a clear error; a server that
+stops mid-sweep stops the sweep (exit 69, the URI in the attempt's error), and `--resume` with the
+server back completes it and leaves no run RUNNING."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from sweeps import run
 from sweeps.spec import load_spec
-from tests.sweep_helpers import REPO, check_complete_results, fixture_spec, fresh_tracking_uri, run_cli
+from tests.sweep_helpers import (
+    REPO,
+    by_state,
+    check_complete_results,
+    fixture_spec,
+    http_get,
+    run_cli,
+    runs,
+    start_server,
+    stop_server,
+    trials,
+)
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str, timeout: float = 2.0) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 (local test server)
-        return r.read()
-
-
-def start_server(tmp: Path) -> tuple[subprocess.Popen, str]:
-    """What docs/sweeps.md documents: sqlite backend, artifacts served from a local directory."""
-    port = _free_port()
-    uri = f"http://127.0.0.1:{port}"
-    fresh_tracking_uri(tmp)  # tmp/mlflow.db: an already-migrated schema, so the server starts sooner
-    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-    log = open(tmp / "server.log", "w")  # noqa: SIM115 (closed with the process)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{tmp / 'mlflow.db'}", "--artifacts-destination", str(tmp / "artifacts"),
-         "--workers", "1"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-    )
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"mlflow server exited: {(tmp / 'server.log').read_text()[-2000:]}")
-        try:
-            if _get(uri + "/health") .strip() in (b"OK", b'"OK"'):
-                return proc, uri
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError(f"mlflow server did not answer /health: {(tmp / 'server.log').read_text()[-2000:]}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    """Stop by PID: the server was started in its own session, so its pid is the group id."""
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
 
 
 def test_two_concurrent_trials_log_to_a_server_then_it_stops(tmp_path):
@@ -88,7 +52,7 @@ def test_two_concurrent_trials_log_to_a_server_then_it_stops(tmp_path):
         (a, b) = sorted(complete, key=lambda t: t.datetime_start)
         assert b.datetime_start < a.datetime_complete, ("trials did not overlap", a.datetime_start, a.datetime_complete, b.datetime_start)
         # REST: the experiment by name, then its finished runs (2 parents + 2 x 2 children)
-        exp = json.loads(_get(f"{uri}/api/2.0/mlflow/experiments/get-by-name?experiment_name=srv"))["experiment"]
+        exp = json.loads(http_get(f"{uri}/api/2.0/mlflow/experiments/get-by-name?experiment_name=srv"))["experiment"]
         body = json.dumps({"experiment_ids": [exp["experiment_id"]], "filter": "attributes.status = 'FINISHED'", "max_results": 100}).encode()
         req = urllib.request.Request(f"{uri}/api/2.0/mlflow/runs/search", data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310
@@ -101,8 +65,71 @@ def test_two_concurrent_trials_log_to_a_server_then_it_stops(tmp_path):
         stop_server(proc)
     assert proc.returncode is not None
     with pytest.raises(OSError):
-        _get(uri + "/health")
+        http_get(uri + "/health")
     # a sweep against the stopped server: a clear error, nothing reported complete
     spec2 = fixture_spec(tmp_path, "srv2", tracking_uri=uri)
     r = run_cli([str(spec2), "--workers", "1"])
     assert r.returncode == 2 and uri in r.stderr and "unreachable" in r.stderr, r.stderr[-2000:]
+
+
+def test_server_down_mid_sweep_stops_the_sweep_and_resume_closes_every_run(tmp_path):
+    """The server stops while a trial logs to it: the attempt is FAIL with the tracking URI in its
+    error (not the config file), the other points stay WAITING, the runner exits 69; with the
+    server back, `--resume` completes every point and no run stays RUNNING. (All remaining trials
+    used to fail within a second, the runner exited 0, and two parent runs stayed RUNNING.)"""
+    srv = tmp_path / "srv"
+    srv.mkdir()
+    proc, uri = start_server(srv)
+    port = int(uri.rsplit(":", 1)[1])
+    env = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+    spec = fixture_spec(tmp_path, "down", tracking_uri=uri, fixture={"steps": 12, "step_seconds": 0.25})
+    storage = f"journal:{tmp_path / 'out' / 'optuna.journal'}"
+    e = dict(os.environ, PYTHONPATH=str(REPO), **env)
+    err = open(tmp_path / "runner.err", "w")  # noqa: SIM115
+    runner = subprocess.Popen([sys.executable, "-m", "sweeps.run", str(spec), "--workers", "1"], env=e, cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:  # one trial COMPLETE, the next one 2+ steps into logging
+            try:
+                st = by_state(trials(storage, "down"))
+            except Exception:  # noqa: BLE001 (init has not created the study yet)
+                st = {}
+            ck = [tmp_path / "out" / "checkpoints" / "down" / t.user_attrs.get("grid_key", "?") / "fixture_state.json"
+                  for t in st.get("RUNNING", [])]
+            if len(st.get("COMPLETE", [])) == 1 and any(c.exists() and json.loads(c.read_text())["step"] >= 2 for c in ck):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the sweep did not get to its second trial")
+    finally:
+        stop_server(proc)
+    try:
+        rc = runner.wait(timeout=180)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+        err.close()
+    log = (tmp_path / "runner.err").read_text()
+    assert rc == 69, log[-3000:]
+    assert f"error: MLflow tracking store {uri} cannot be written" in log and "stopped taking trials" in log
+    ts = trials(storage, "down")
+    st = by_state(ts)
+    (failed,) = st["FAIL"]
+    assert f"MLflow tracking store {uri}" in failed.user_attrs["error"] and ".yaml" not in failed.user_attrs["error"]
+    assert len(st["COMPLETE"]) == 1 and len(st["WAITING"]) == 3  # two never started + the failed one again
+    # the server comes back (same store, same port): --resume finishes the sweep and ends every run
+    proc, uri2 = start_server(srv, port=port)
+    try:
+        assert uri2 == uri
+        r = run_cli([str(spec), "--resume"], env=env, timeout=400)
+        assert r.returncode == 0, r.stderr[-3000:]
+        ts = trials(storage, "down")
+        assert {t.user_attrs["grid_key"] for t in ts if t.state.name == "COMPLETE"} == {t.user_attrs["grid_key"] for t in ts}
+        check_complete_results(storage, "down", uri, "down")
+        statuses = {x.info.run_id: x for x in runs(uri, "down")}
+        assert [x.info.run_name for x in statuses.values() if x.info.status == "RUNNING"] == []
+        stale = statuses[failed.user_attrs["mlflow_parent_run_id"]]
+        assert stale.info.status == "FAILED" and uri in stale.data.tags["mtpc.error"]
+    finally:
+        stop_server(proc)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from sweeps.run import Owner
+from sweeps.liveness import Owner
 from tests.sweep_helpers import REPO, by_state, check_complete_results, fresh_tracking_uri, runs, trials
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

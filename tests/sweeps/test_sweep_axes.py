@@ -9,8 +9,9 @@ import pytest
 import yaml
 
 from analysis.aggregate import aggregate, split_settings
-from analysis.load import Filters, load
-from experiments.trial import eval_passes, train_overrides
+from analysis.filters import Filters
+from analysis.load import load
+from experiments.trial import eval_passes, trial_config
 from sweeps.spec import SpecError, grid_key, load_spec
 from tests.sweep_helpers import fixture_spec, fresh_tracking_uri, run_cli
 
@@ -59,10 +60,10 @@ def test_eval_temperatures_and_eos_lists(tmp_path):
 
 
 def test_axes_reach_the_training_config_and_eval_passes():
-    base, over = train_overrides({"config": "debug", "circuit": "cp", "rank": 4, "window": 8, "lora_depth": 0,
-                                  "kl_beta": 0.5, "train_seed": 3}, tracking_uri="sqlite://", experiment=None)
-    assert base == "debug" and over["model.kl_beta"] == 0.5 and over["seed_everything"] == 3
-    assert "kl_beta" not in over and "train_seed" not in over
+    cfg = trial_config({"config": "debug", "circuit": "cp", "rank": 4, "window": 8, "lora_depth": 0,
+                        "kl_beta": 0.5, "train_seed": 3}, tracking_uri="sqlite://")
+    assert cfg.source.endswith("debug.yaml") and cfg.model.kl_beta == 0.5 and cfg.seed_everything == 3
+    assert (cfg.model.circuit, cfg.model.rank, cfg.model.window) == ("cp", 4, 8)
     assert eval_passes(("greedy", "sample"), (1.0, 0.7)) == [("greedy", 1.0), ("sample", 1.0), ("sample", 0.7)]
     assert eval_passes(("greedy",), (1.0, 0.7)) == [("greedy", 1.0)]
 

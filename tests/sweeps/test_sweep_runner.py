@@ -1,20 +1,27 @@
 """The sweep runner without SLURM, on the fixture objective: exactly-once over the grid with
 concurrent workers, re-runs add nothing, failures are marked and logged, the reaper fails and
-re-enqueues trials of dead workers (which then resume from their checkpoint), bad stores are
-refused before any work, a down MLflow server fails the trial instead of completing it."""
+re-enqueues trials of dead workers (which then resume from their checkpoint), a worker killed with
+kill -9 beside a live one has its trial retried in the same run, zombies count as dead, `--status`
+names trials whose worker is gone, bad stores are refused before any work, a down MLflow server
+fails the attempt (naming the URI) and stops the worker instead of completing or failing trials."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from sweeps import run, tracking
+import tracking
+from sweeps import liveness, run
 from sweeps.spec import SpecError, load_spec
+from sweeps.study import experiment_id, load_study, open_storage, pop_waiting
+from sweeps.worker import StopFlag, TrackingLost, run_one
 from tests.sweep_helpers import (
     REPO,
     by_state,
@@ -103,30 +110,35 @@ def test_mlflow_down_during_a_trial_fails_it(tmp_path, tracking_uri, monkeypatch
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "3")
     spec = load_spec(fixture_spec(tmp_path, "down", tracking_uri=tracking_uri), env={})
     run.init(spec)
-    study = run._load_study(spec, run.open_storage(spec.storage))
-    exp_id = run._experiment_id(spec, study)
+    study = load_study(spec, open_storage(spec.storage))
+    exp_id = experiment_id(spec)
     dead = "http://127.0.0.1:9"
     broken = spec.__class__(**{**spec.__dict__, "tracking_uri": dead})
-    tid = run._pop_waiting(study)
-    run.run_one(broken, study, tid, exp_id, run.Owner.current(), run.StopFlag())
+    tid = pop_waiting(study)
+    with pytest.raises(TrackingLost, match="127.0.0.1:9"):
+        run_one(broken, study, tid, exp_id, liveness.Owner.current(), StopFlag())
     t = study._storage.get_trial(tid)
     assert t.state.name == "FAIL"
-    assert "127.0.0.1:9" in t.user_attrs["error"]
+    assert "MLflow tracking store http://127.0.0.1:9 cannot be written" in t.user_attrs["error"]
+    ts = trials(spec.storage, "down")
+    (retry,) = [x for x in ts if x.user_attrs.get("retry_of") == t.number]
+    assert retry.state.name == "WAITING" and retry.user_attrs["attempt"] == t.user_attrs.get("attempt", 0)  # not a retry spent
     with pytest.raises(tracking.TrackingError, match="unreachable"):
         run.worker(broken)  # a worker refuses to start trials against a down server
-    assert by_state(trials(spec.storage, "down")).get("WAITING") and not by_state(trials(spec.storage, "down")).get("COMPLETE")
+    st = by_state(trials(spec.storage, "down"))
+    assert len(st["WAITING"]) == 4 and not st.get("COMPLETE")
 
 
 def test_reaper_fails_dead_workers_trial_and_the_rerun_resumes(tmp_path, tracking_uri):
     spec = load_spec(fixture_spec(tmp_path, "reap", tracking_uri=tracking_uri, fixture={"steps": 3}), env={})
     run.init(spec)
-    study = run._load_study(spec, run.open_storage(spec.storage))
-    exp_id = run._experiment_id(spec, study)
-    tid = run._pop_waiting(study)
+    study = load_study(spec, open_storage(spec.storage))
+    exp_id = experiment_id(spec)
+    tid = pop_waiting(study)
     t = study._storage.get_trial(tid)
     key = t.user_attrs["grid_key"]
     # a worker that died mid-trial: its pid is gone, its parent run is open, 2 of 3 steps are checkpointed
-    dead = run.Owner(host=run.Owner.current().host, pid=_dead_pid(), pid_start="1", slurm_job_id=None, slurm_restart=0)
+    dead = liveness.Owner(host=liveness.Owner.current().host, pid=_dead_pid(), pid_start="1", slurm_job_id=None, slurm_restart=0)
     study._storage.set_trial_user_attr(tid, "owner", dead.to_json())
     parent = tracking.start_parent_run(tracking_uri, exp_id, "dead", params={}, tags={})
     study._storage.set_trial_user_attr(tid, "mlflow_parent_run_id", parent)
@@ -146,16 +158,17 @@ def test_reaper_fails_dead_workers_trial_and_the_rerun_resumes(tmp_path, trackin
 
 
 def test_owner_liveness(tmp_path, monkeypatch):
-    me = run.Owner(host="h", pid=os.getpid(), pid_start=run._pid_start(os.getpid()), slurm_job_id="7_1", slurm_restart=1)
-    earlier = run.Owner(host="h", pid=1, pid_start="x", slurm_job_id="7_1", slurm_restart=0)
-    assert run.owner_is_dead(earlier, me, time.time(), 900)[0]  # adopted after a requeue
-    sibling = run.Owner(host="h", pid=1, pid_start="x", slurm_job_id="7_1", slurm_restart=1)
-    assert not run.owner_is_dead(sibling, me, time.time(), 900)[0]
-    far = run.Owner(host="elsewhere", pid=1, pid_start="x", slurm_job_id=None, slurm_restart=0)
-    assert not run.owner_is_dead(far, me, time.time(), 900)[0]
-    assert run.owner_is_dead(far, me, time.time() - 1000, 900)[0]
-    local_dead = run.Owner(host="h", pid=_dead_pid(), pid_start="1", slurm_job_id=None, slurm_restart=0)
-    assert run.owner_is_dead(local_dead, run.Owner(**{**me.__dict__, "slurm_job_id": None}), time.time(), 900)[0]
+    Owner, owner_is_dead = liveness.Owner, liveness.owner_is_dead
+    me = Owner(host="h", pid=os.getpid(), pid_start=liveness.pid_start(os.getpid()), slurm_job_id="7_1", slurm_restart=1)
+    earlier = Owner(host="h", pid=1, pid_start="x", slurm_job_id="7_1", slurm_restart=0)
+    assert owner_is_dead(earlier, me, time.time(), 900)[0]  # adopted after a requeue
+    sibling = Owner(host="h", pid=1, pid_start="x", slurm_job_id="7_1", slurm_restart=1)
+    assert not owner_is_dead(sibling, me, time.time(), 900)[0]
+    far = Owner(host="elsewhere", pid=1, pid_start="x", slurm_job_id=None, slurm_restart=0)
+    assert not owner_is_dead(far, me, time.time(), 900)[0]
+    assert owner_is_dead(far, me, time.time() - 1000, 900)[0]
+    local_dead = Owner(host="h", pid=_dead_pid(), pid_start="1", slurm_job_id=None, slurm_restart=0)
+    assert owner_is_dead(local_dead, Owner(**{**me.__dict__, "slurm_job_id": None}), time.time(), 900)[0]
     # another SLURM job: ask scontrol (a stub here; the real one is exercised in test_slurm_sweep.py)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -163,8 +176,8 @@ def test_owner_liveness(tmp_path, monkeypatch):
         (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho 'JobId=9 JobState={state} Restarts=0'\n")
         (bin_dir / "scontrol").chmod(0o755)
         monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-        other = run.Owner(host="h", pid=1, pid_start="x", slurm_job_id="9_0", slurm_restart=0)
-        assert run.owner_is_dead(other, me, time.time(), 900)[0] is dead, state
+        other = Owner(host="h", pid=1, pid_start="x", slurm_job_id="9_0", slurm_restart=0)
+        assert owner_is_dead(other, me, time.time(), 900)[0] is dead, state
 
 
 def test_sampler_space_runs_n_trials(tmp_path, tracking_uri):
@@ -228,3 +241,110 @@ def test_check_rejects_what_a_trial_would_reject(tmp_path, slice_, key, expected
     assert r.returncode == 2, r.stderr[-2000:]
     assert f"{spec_path}: key '{key}'" in r.stderr and expected in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_zombie_worker_counts_as_dead():
+    """A worker killed while its parent has not waited for it yet is a zombie: /proc still lists
+    its pid with the same start time. It once passed the liveness check, so its trial stayed
+    RUNNING for the rest of the run."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    owner = liveness.Owner(host=liveness.Owner.current().host, pid=p.pid, pid_start=liveness.pid_start(p.pid),
+                           slurm_job_id=None, slurm_restart=0)
+    me = liveness.Owner(**{**liveness.Owner.current().__dict__, "slurm_job_id": None})
+    assert owner.pid_start and not liveness.owner_is_dead(owner, me, time.time(), 900)[0]
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        with open(f"/proc/{p.pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the child never became a zombie")
+    dead, why = liveness.owner_is_dead(owner, me, time.time(), 900)
+    p.wait()
+    assert dead and f"worker pid {p.pid}" in why
+
+
+def _wait_for(pred, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.2)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+@pytest.mark.slow
+def test_kill_9_of_one_worker_retries_its_trial_in_the_same_run(tmp_path, tracking_uri):
+    """`--workers 2`, one worker killed with kill -9 while the other lives on: the runner waits for
+    the dead one at once (no zombie), starts a replacement that reaps the trial and retries it,
+    and the run ends 0 with every point COMPLETE and no trial or run left RUNNING. (It exited 247
+    with no message, and the trial could stay RUNNING for the rest of the run.)"""
+    spec_path = fixture_spec(tmp_path, "kill9", tracking_uri=tracking_uri, fixture={"steps": 16, "step_seconds": 0.25})
+    spec = load_spec(spec_path, env={})
+    err = open(tmp_path / "runner.err", "w")  # noqa: SIM115
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.Popen([sys.executable, "-m", "sweeps.run", str(spec_path), "--workers", "2"], env=env, cwd=REPO,
+                         stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        def two_running():  # both workers inside a trial, each with 2+ steps checkpointed
+            try:
+                ts = trials(spec.storage, "kill9")
+            except Exception:  # noqa: BLE001 (the runner's init has not created the study yet)
+                return None
+            running = [t for t in ts if t.state.name == "RUNNING" and "grid_key" in t.user_attrs]
+            ck = [spec.output_dir / "checkpoints" / "kill9" / t.user_attrs["grid_key"] / "fixture_state.json" for t in running]
+            steps = [json.loads(c.read_text())["step"] if c.exists() else 0 for c in ck]
+            return running if len(running) == 2 and min(steps) >= 2 else None
+
+        running = _wait_for(two_running, 180, "two trials RUNNING at once")
+        victim = running[1]
+        pid = json.loads(victim.user_attrs["owner"])["pid"]
+        os.kill(pid, signal.SIGKILL)
+        rc = p.wait(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        err.close()
+    log = (tmp_path / "runner.err").read_text()
+    assert rc == 0, log[-3000:]
+    assert f"worker pid {pid} was killed by SIGKILL: its trial is reaped and retried" in log
+    ts = trials(spec.storage, "kill9")
+    st = by_state(ts)
+    killed = next(t for t in ts if t.number == victim.number)
+    assert killed.state.name == "FAIL" and "worker died" in killed.user_attrs["error"] and str(pid) in killed.user_attrs["error"]
+    (retry,) = [t for t in ts if t.user_attrs.get("retry_of") == victim.number]
+    assert retry.state.name == "COMPLETE" and retry.user_attrs["resumed_from_step"] > 0  # resumed its checkpoint
+    assert len(st["COMPLETE"]) == 4 and "RUNNING" not in st and "WAITING" not in st
+    check_complete_results(spec.storage, "kill9", tracking_uri, "kill9")
+    statuses = {r.info.run_id: r.info.status for r in runs(tracking_uri, "kill9")}
+    assert statuses[killed.user_attrs["mlflow_parent_run_id"]] == "KILLED"
+    assert "RUNNING" not in statuses.values()
+
+
+def test_status_names_trials_whose_worker_is_gone(tmp_path, tracking_uri):
+    spec_path = fixture_spec(tmp_path, "gone", tracking_uri=tracking_uri)
+    spec = load_spec(spec_path, env={})
+    assert run_cli([str(spec_path), "--init"]).returncode == 0
+    study = load_study(spec, open_storage(spec.storage))
+    tid = pop_waiting(study)
+    dead = liveness.Owner(host=liveness.Owner.current().host, pid=_dead_pid(), pid_start="1", slurm_job_id=None, slurm_restart=0)
+    study._storage.set_trial_user_attr(tid, "owner", dead.to_json())
+    r = run_cli([str(spec_path), "--status"])
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["states"] == {"RUNNING": 1, "WAITING": 3}
+    (gone,) = out["worker_gone"]
+    t = study._storage.get_trial(tid)
+    assert gone["trial"] == t.number and gone["grid_key"] == t.user_attrs["grid_key"]
+    assert f"worker pid {dead.pid}" in gone["why"] and "is gone" in gone["why"]
+
+
+def test_every_runner_exit_code_is_documented():
+    codes = {v for k, v in vars(run).items() if k.startswith("EXIT_")} | {0, 1}
+    assert codes == {0, 1, 2, 69, 70, 75}
+    docs = (REPO / "docs" / "sweeps.md").read_text()
+    for c in codes:
+        assert re.search(rf"^\s+{c}\s+\S", run.__doc__, re.M), f"exit code {c} not in sweeps/run.py's docstring"
+        assert re.search(rf"^\| `{c}` \|", docs, re.M), f"exit code {c} not in docs/sweeps.md's table"

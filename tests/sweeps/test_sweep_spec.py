@@ -103,13 +103,18 @@ def test_objective_mode_must_be_evaluated(tmp_path):
         load_spec(_write(tmp_path, raw), env=NOENV)
 
 
-def test_env_overrides_and_defaults(tmp_path):
+def test_env_overrides_and_defaults(tmp_path, monkeypatch):
+    """The tracking-URI rule: MLFLOW_TRACKING_URI > mlflow.tracking_uri > sqlite:///<cwd>/mlflow.db
+    (the default the analysis and `mlflow ui` read too); a relative sqlite path is made absolute."""
+    monkeypatch.chdir(tmp_path)
     path = _write(tmp_path, {**_base(), "output_dir": str(tmp_path / "o")})
     spec = load_spec(path, env=NOENV)
     assert spec.storage == f"journal:{tmp_path / 'o' / 'optuna.journal'}"
-    assert spec.tracking_uri == f"sqlite:///{tmp_path / 'o' / 'mlflow.db'}"
+    assert spec.tracking_uri == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    configured = _write(tmp_path, {**_base(), "mlflow": {"tracking_uri": "sqlite:///o/m.db"}})
+    assert load_spec(configured, env=NOENV).tracking_uri == f"sqlite:///{tmp_path / 'o' / 'm.db'}"
     env = {"MLFLOW_TRACKING_URI": "http://127.0.0.1:5999", "MTPC_OPTUNA_STORAGE": "postgresql://u@h/db"}
-    spec = load_spec(path, env=env)
+    spec = load_spec(configured, env=env)
     assert spec.tracking_uri == "http://127.0.0.1:5999" and spec.storage == "postgresql://u@h/db"
 
 

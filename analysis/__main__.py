@@ -1,4 +1,4 @@
-"""`python analysis/pareto.py`: figures and paper-style tables of a sweep, read from MLflow.
+"""`python -m analysis`: figures and paper-style tables of a sweep, read from MLflow.
 
 Per setting (backbone, mode, extra_token, temperature[, top_p, hardware]) it writes to --out:
   pareto_<setting>.png/.pdf            mu_acc vs mu_lat, front, iso-throughput lines, STP
@@ -13,7 +13,8 @@ per setting, and a warning per setting whose acceptance comes from degenerate te
 (degenerate_fraction > 0.25). --log-to-mlflow attaches all of it to a summary run in the same experiment.
 
 Errors (no match, unreachable store, ...) print one clear message and exit 1; runs missing a
-metric are listed and skipped. Run as `python analysis/pareto.py` or `python -m analysis.pareto`.
+metric are listed and skipped. (A package entry point: run as a module, the package directory is
+not put on sys.path, so no module here can shadow an installed one such as PyPI's `tables`.)
 """
 
 from __future__ import annotations
@@ -22,15 +23,12 @@ import argparse
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: import the package from the repo root, and keep
-    # analysis/ itself off sys.path so that e.g. tables.py cannot shadow the PyPI `tables`
-    _here = str(Path(__file__).resolve().parent)
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(_here)]
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from analysis.aggregate import aggregate, split_settings  # noqa: E402
-from analysis.load import SUMMARY_TAG, AnalysisError, Filters, LoadResult, load, load_hists  # noqa: E402
-from mtpc.names import CIRCUIT_KINDS, DECODE_MODES, EXTRA_TOKEN_OPTIONS  # noqa: E402
+import tracking
+from analysis.aggregate import aggregate, split_settings
+from analysis.filters import Filters
+from analysis.hists import load_hists
+from analysis.load import AnalysisError, LoadResult, load
+from mtpc.names import CIRCUIT_KINDS, DECODE_MODES, EXTRA_TOKEN_OPTIONS
 
 DEFAULT_OUT = "outputs/analysis"
 MAX_LISTED_SKIPS = 20
@@ -38,12 +36,12 @@ MAX_LISTED_SKIPS = 20
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python analysis/pareto.py",
+        prog="python -m analysis",
         description="Pareto plots (acceptance vs latency, iso-throughput lines) and paper tables from MLflow runs.",
     )
     p.add_argument(
         "--tracking-uri",
-        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///./mlflow.db)",
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db)",
     )
     p.add_argument(
         "--experiment",
@@ -112,7 +110,12 @@ def report_skips(result: LoadResult) -> None:
 
 def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[list[Path], list[str]]:
     """Figures, tables and summary for every setting; returns (written files, best-config lines)."""
-    from analysis import plots, tables  # matplotlib import is slow: only when there is work
+    from analysis import (  # matplotlib import is slow: only when there is work
+        pareto_plot,
+        plots,
+        style,
+        tables,
+    )
 
     out.mkdir(parents=True, exist_ok=True)
     agg = aggregate(result.runs)
@@ -124,21 +127,21 @@ def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[
     tex_all: list[str] = []
     for setting, part in parts:
         slug = setting.slug()
-        written += plots.save(plots.pareto_figure(setting, part), out, f"pareto_{slug}")
+        written += style.save(pareto_plot.pareto_figure(setting, part), out, f"pareto_{slug}")
         for x in ("window", "lora_depth"):
             fig = plots.throughput_figure(setting, part, x=x)
             if fig is not None:
-                written += plots.save(fig, out, f"throughput_vs_{x}_{slug}")
+                written += style.save(fig, out, f"throughput_vs_{x}_{slug}")
         fig = plots.acceptance_figure(setting, part, top=top)
         if fig is not None:
-            written += plots.save(fig, out, f"acceptance_{slug}")
+            written += style.save(fig, out, f"acceptance_{slug}")
         # histogram artifacts only of the configurations the plot shows (downloads are slow)
         ids = [r for row, _, _ in plots.representatives(part, min(top, 4)) for r in row["run_ids"]]
         hists, problems = load_hists(client, ids) if client is not None else ({}, [])
         hist_problems += problems
         fig = plots.accepted_length_figure(setting, part, hists, top=min(top, 4))
         if fig is not None:
-            written += plots.save(fig, out, f"accepted_length_{slug}")
+            written += style.save(fig, out, f"accepted_length_{slug}")
         table = tables.build_table(setting, part)
         md, tex = tables.to_markdown(table), tables.to_latex(table)
         for suffix, text in (("md", md), ("tex", tex)):
@@ -180,7 +183,7 @@ def log_summary(
 ) -> str:
     """A summary run in the experiment holding the figures and tables as artifacts."""
     run = client.create_run(
-        single_experiment(result), run_name=args.summary_run_name, tags={SUMMARY_TAG: "summary"}
+        single_experiment(result), run_name=args.summary_run_name, tags={tracking.SUMMARY_TAG: "summary"}
     )
     run_id = run.info.run_id
     try:
@@ -225,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.log_to_mlflow:
             run_id = log_summary(client, result, files, args, filters)
             print(f"logged figures and tables to MLflow run {run_id} ({args.summary_run_name})")
-    except AnalysisError as exc:
+    except (AnalysisError, tracking.TrackingError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:

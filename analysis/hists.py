@@ -1,0 +1,78 @@
+"""The accepted-length histogram artifact (`accepted_length_histogram.json`) of evaluation runs:
+parse its forms and download it for the runs a figure shows. No DataFrame, no plotting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mtpc.names import HISTOGRAM_ARTIFACT
+from tracking import short
+
+
+def parse_hist(data: Any) -> np.ndarray:
+    """Counts indexed by accepted length from the artifact's JSON.
+
+    Accepted forms: a list of counts ``[c0, c1, ...]``; a mapping ``{"0": c0, "3": c3}``; or
+    either of those under a key ``"accepted_length_histogram"`` (what `tracking.log_evaluation`
+    writes) / ``"counts"`` / ``"hist"``. Raises ValueError otherwise."""
+    if isinstance(data, Mapping):
+        for key in ("accepted_length_histogram", "counts", "hist", "histogram"):
+            if key in data:
+                return parse_hist(data[key])
+        try:
+            items = {int(k): float(v) for k, v in data.items()}
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{HISTOGRAM_ARTIFACT}: expected a list of counts or a mapping length -> count, got keys "
+                f"{list(data)[:5]}"
+            ) from None
+        if not items:
+            return np.zeros(0)
+        if min(items) < 0:
+            raise ValueError(f"{HISTOGRAM_ARTIFACT}: negative accepted length {min(items)}")
+        out = np.zeros(max(items) + 1)
+        for k, v in items.items():
+            out[k] = v
+        return out
+    if isinstance(data, list) and all(isinstance(v, (int, float)) for v in data):
+        return np.asarray(data, dtype=float)
+    raise ValueError(f"{HISTOGRAM_ARTIFACT}: expected a list of counts or a mapping length -> count")
+
+
+def load_hists(client, run_ids: list[str]) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Accepted-length counts per run id for the runs that have the artifact (others left out),
+    and one message per artifact that could not be read."""
+    from tqdm import tqdm
+
+    out: dict[str, np.ndarray] = {}
+    problems: list[str] = []
+    key = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"  # one bar of ours, not one per downloaded file
+    old = os.environ.get(key)
+    os.environ[key] = "false"
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            bar = tqdm(run_ids, desc="histograms", unit="run", disable=len(run_ids) < 50, leave=False)
+            for i, run_id in enumerate(bar):
+                try:
+                    if HISTOGRAM_ARTIFACT not in {f.path for f in client.list_artifacts(run_id)}:
+                        continue
+                    dst = Path(tmp) / str(i)
+                    dst.mkdir()
+                    path = client.download_artifacts(run_id, HISTOGRAM_ARTIFACT, str(dst))
+                    out[run_id] = parse_hist(json.loads(Path(path).read_text()))
+                except (OSError, ValueError) as exc:  # JSONDecodeError is a ValueError
+                    problems.append(f"run {run_id}: {HISTOGRAM_ARTIFACT} unreadable: {short(exc)}")
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+    return out, problems

@@ -1,0 +1,362 @@
+"""The typed training config: one dataclass per section, read from YAML and the command line, checked once.
+
+    TrainConfig(model=ModelConfig, data=DataConfig, trainer={lightning.Trainer arguments}, run=RunConfig,
+                seed_everything=0)
+
+Every field carries its docstring, which jsonargparse turns into `--help` text (`--model.window`,
+`--data.on_error`, ...). `load_config(name | path | dict, overrides)` parses a YAML file or dict
+(types checked by the parser); `TrainConfig.check()` is the one validation of the values (bounds,
+the architecture via `mtpc.names.check_architecture`, files that must exist, cross-field rules),
+with no weights or data loaded; every message is `<file>: <section>.<key>: what; expected`.
+A sweep trial changes a loaded config with `dataclasses.replace`; nothing else copies its values.
+
+Adding a setting is one field with its docstring in the dataclass of its section (plus one line in
+that section's `check` if it has bounds): it becomes a YAML key, a CLI flag, an MLflow param and
+an attribute the component reads (`MtpcTrainModule.config.<field>`, `ChatDataModule.config.<field>`).
+Leaves out: building the module, data and trainer from it (train.py), the components themselves.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import re
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mtpc import names
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+TRAIN_CONFIGS = ("debug", "default", "llama_byte", "evabyte")  # shipped in CONFIG_DIR (pretrain_*.yaml are not ours)
+INITS = ("lm_head", "mtp", "random")
+ON_ERROR = ("raise", "skip")
+#: Trainer arguments the suite sets itself (a YAML `trainer:` section cannot set them)
+TRAINER_OWNED = ("callbacks", "logger", "plugins", "default_root_dir", "enable_checkpointing")
+
+
+@dataclass
+class ModelConfig:
+    """model: the frozen backbone, the head, its initialisation, the loss and the optimiser."""
+
+    backbone: str = "default"
+    """`default` (the shipped byte Llama), `tiny` (a seeded random Llama built in-process), a local HF directory or a hub id"""
+    circuit: str = "cp"
+    """circuit kind: ff | cp | hmm | btree"""
+    window: int = names.DEFAULT_WINDOW
+    """n, bytes predicted per context position (bounds: mtpc.names)"""
+    rank: int = names.DEFAULT_RANK
+    """r, latent states per sum unit (ff: must be 1)"""
+    lora_depth: int = 0
+    """k, top backbone layers the draft runs with LoRA adapters (0: none)"""
+    lora_start_epoch: int = 1
+    """epochs of head-only training before the LoRA adapters train too"""
+    lr: float = 3e-4
+    """Adam learning rate (the paper: 3e-4)"""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas"""
+    weight_decay: float = 0.0
+    """Adam weight decay"""
+    gamma: float | None = None
+    """loss discount per window position (null: 0.8 for n <= 8, else 0.9)"""
+    chunk_size: int = 256
+    """context positions per chunk of the loss (bounds peak memory)"""
+    kl_beta: float = 0.0
+    """weight of the distillation term: each target scores kl_beta KL(p_j || q_j) + (1 - kl_beta) NLL, p_j the frozen backbone's next-byte distribution (its STP logits from the same forward); 0: cross-entropy only (validation still logs the KL)"""
+    kl_temperature: float = 1.0
+    """temperature of the teacher p_j in the KL term"""
+    init: str = "lm_head"
+    """head initialisation: lm_head (copy the STP unembedding), mtp (the backbone's own MTP heads where it has them, e.g. EvaByte; else lm_head) or random"""
+    init_noise: float = 1e-2
+    """noise that breaks the symmetry between copied components"""
+    transition_bias: float | None = None
+    """diagonal bias of hmm/btree transitions at init (null: ln(r-1) + 4, near identity)"""
+    leaf_delta_rank: int = 0
+    """0: a full unembedding per (position, component); k > 0: a shared per-position unembedding plus rank-k deltas (paper App. G)"""
+    backbone_dtype: str | None = None
+    """torch dtype name for the backbone weights (e.g. bfloat16); null: as stored"""
+    backbone_kwargs: dict[str, Any] = field(default_factory=dict)
+    """extra keyword arguments for mtpc.backbones.load_backbone (e.g. lora_rank)"""
+    tiny_seed: int = 0
+    """seed of the `tiny` debug backbone"""
+    trust_remote_code: bool = False
+    """run the Python modelling code the backbone's checkpoint ships (consent; a hub id must also pin `revision`)"""
+    revision: str | None = None
+    """the 40-hex commit hash of a hub backbone to load (required with trust_remote_code)"""
+
+    def check(self, fail: _Fail, trainer: dict[str, Any]) -> None:
+        from experiments.module import backbone_config_dict, backbone_num_layers
+        from mtpc.backbones import check_remote_code
+
+        k = self.lora_depth
+        names.check_architecture(self.circuit, self.window, self.rank, k, decoding=True, where=f"{fail.source}: model.")
+        bb = self.backbone
+        if not isinstance(bb, str) or not bb:
+            fail("model.backbone", f"got {bb!r}; expected `default`, `tiny`, a local model directory or a hub name")
+        p = Path(bb).expanduser()
+        if bb.startswith((".", "/", "~")) and not (p / "config.json").exists():
+            fail("model.backbone", f"no model at {str(p)!r} (expected a directory with config.json)")
+        layers = backbone_num_layers(bb, revision=self.revision)
+        if layers is None and bb not in ("default", "tiny") and "/" not in bb:
+            fail("model.backbone", f"unknown backbone {bb!r}: not `default`, `tiny`, a local directory or an org/name hub id")
+        if layers is not None and k > layers:
+            fail("model.lora_depth", f"k = {k} exceeds the {layers} layers of backbone {bb!r}")
+        if bb != "tiny":  # the library's rule, on the config.json when it is on this machine (read as JSON)
+            try:
+                check_remote_code(bb, self.trust_remote_code, self.revision, backbone_config_dict(bb, self.revision))
+            except ValueError as err:
+                fail("model.revision" if self.trust_remote_code else "model.trust_remote_code", str(err))
+        if self.init not in INITS:
+            fail("model.init", f"got {self.init!r}; expected one of {list(INITS)}")
+        if not _number(self.lr) or not self.lr > 0:
+            fail("model.lr", f"got {self.lr!r}; expected a positive number")
+        if self.gamma is not None and not (_number(self.gamma) and 0 < self.gamma <= 1):
+            fail("model.gamma", f"got {self.gamma!r}; expected null or 0 < gamma <= 1")
+        if not _integer(self.chunk_size) or self.chunk_size < 1:
+            fail("model.chunk_size", f"got {self.chunk_size!r}; expected a positive integer")
+        names.check_axis("kl_beta", self.kl_beta, where=f"{fail.source}: model.")
+        if not _number(self.kl_temperature) or not 0 < self.kl_temperature < float("inf"):
+            fail("model.kl_temperature", f"got {self.kl_temperature!r}; expected a finite number > 0 (temperature of the teacher)")
+        lse = self.lora_start_epoch
+        if not _integer(lse) or lse < 0:
+            fail("model.lora_start_epoch", f"got {lse!r}; expected an integer >= 0")
+        max_epochs, max_steps = trainer.get("max_epochs"), trainer.get("max_steps") or -1
+        if k > 0 and _integer(max_epochs) and 0 <= max_epochs <= lse and not max_steps > 0:
+            fail("model.lora_start_epoch", f"LoRA (lora_depth={k}) would start at epoch {lse} but trainer.max_epochs = "
+                 f"{max_epochs}; expected lora_start_epoch < max_epochs")
+
+
+@dataclass
+class DataConfig:
+    """data: chat conversations packed into fixed-length rows, with a held-out split."""
+
+    source: str = "sharegpt"
+    """sharegpt (the bundled corpus), debug (generated, no download), a local .json/.jsonl file of {"id", "messages"} records, or a HF datasets name"""
+    seq_len: int = 8192
+    """bytes (tokens) per packed row (the paper: 8192)"""
+    batch_size: int = 1
+    """rows per step; the effective batch is batch_size * trainer.accumulate_grad_batches"""
+    val_fraction: float = 0.02
+    """share of conversations held out (by a hash of the chat id); sharegpt uses the corpus's own held-out chats"""
+    max_train_conversations: int | None = None
+    """keep at most this many training conversations (null: all)"""
+    max_val_conversations: int | None = 200
+    """keep at most this many held-out conversations (null: all)"""
+    max_val_rows: int | None = None
+    """keep at most this many packed held-out rows (null: all)"""
+    seed: int = 0
+    """seeds the per-epoch shuffle"""
+    on_error: str = "raise"
+    """a malformed record of a .json/.jsonl/HF source: raise (stop, naming file and line) or skip (drop it; the count is reported)"""
+    extra_train_source: str | None = None
+    """a messages .json/.jsonl file added to the training split only (e.g. self-distillation answers from `python -m experiments.selfdistill`), after max_train_conversations; validation stays on `source`"""
+
+    def check(self, fail: _Fail, window: int) -> None:
+        from experiments.datamodule import source_problem
+
+        if not isinstance(self.source, str) or not self.source:
+            fail("data.source", f"got {self.source!r}; expected `sharegpt`, `debug`, a .json/.jsonl file or a HF dataset name")
+        problem = source_problem(self.source)
+        if problem:
+            fail("data.source", problem)
+        if not _integer(self.seq_len) or self.seq_len < window + 1:
+            fail("data.seq_len", f"got {self.seq_len!r}; expected an integer >= window + 1 = {window + 1}")
+        if not _integer(self.batch_size) or self.batch_size < 1:
+            fail("data.batch_size", f"got {self.batch_size!r}; expected a positive integer")
+        if not _number(self.val_fraction) or not 0 <= self.val_fraction < 1:
+            fail("data.val_fraction", f"got {self.val_fraction!r}; expected 0 <= val_fraction < 1")
+        if self.on_error not in ON_ERROR:
+            fail("data.on_error", f"got {self.on_error!r}; expected one of {list(ON_ERROR)}")
+        extra = self.extra_train_source
+        if extra is not None and (not isinstance(extra, str) or not Path(extra).expanduser().is_file()):
+            fail("data.extra_train_source", f"got {extra!r}; expected an existing .json/.jsonl messages file "
+                 "(e.g. from python -m experiments.selfdistill)")
+
+
+@dataclass
+class RunConfig:
+    """run: where a run lives and how it is tracked."""
+
+    dir: str | None = None
+    """run directory (checkpoints, exported head, description); null: runs/<name>"""
+    name: str | None = None
+    """run name (the MLflow run name too); null: <backbone>-<circuit>-n<window>-r<rank>-k<lora_depth>"""
+    export_dir: str | None = None
+    """where the trained head (+ LoRA) is saved; null: <dir>/head"""
+    checkpoint_every_n_steps: int = 0
+    """also checkpoint every this many optimizer steps (0: at epoch ends only)"""
+    tracking: bool = True
+    """log to MLflow"""
+    tracking_uri: str | None = None
+    """MLflow tracking URI; MLFLOW_TRACKING_URI overrides it; null: sqlite:///<cwd>/mlflow.db (tracking/store.py)"""
+    experiment: str = "mtpc-train"
+    """MLflow experiment name (created if missing)"""
+    cpu_threads: int | None = None
+    """torch CPU threads (1 is fastest for tiny models on a shared machine); null: torch's default"""
+
+    def check(self, fail: _Fail) -> None:
+        ce = self.checkpoint_every_n_steps
+        if not _integer(ce) or ce < 0:
+            fail("run.checkpoint_every_n_steps", f"got {ce!r}; expected an integer >= 0")
+
+
+@dataclass
+class TrainConfig:
+    """A training run: model, data, trainer, run, seed_everything (the YAML sections)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: dict[str, Any] = field(default_factory=dict)
+    """lightning.Trainer arguments that differ from its defaults (max_epochs, max_steps, precision, ...)"""
+    run: RunConfig = field(default_factory=RunConfig)
+    seed_everything: int = 0
+    """global seed (Python, numpy, torch), set before the head is built; the MLflow `seed` param"""
+    source: str = field(default="<config>", compare=False)
+    """where the values came from (file names), for error messages; not a YAML key"""
+
+    def check(self) -> TrainConfig:
+        """Raise ValueError `<source>: <key>: ...` for the first bad value; returns self. Loads nothing heavy."""
+        fail = _Fail(self.source)
+        self.model.check(fail, self.trainer)
+        self.data.check(fail, self.model.window)
+        self.run.check(fail)
+        return self
+
+    def resolved(self) -> TrainConfig:
+        """With the run's defaults filled in: name, absolute dir and export_dir."""
+        name = self.run.name or default_run_name(self.model)
+        run_dir = Path(self.run.dir or Path("runs") / name).resolve()
+        export = Path(self.run.export_dir or run_dir / "head").resolve()
+        return replace(self, run=replace(self.run, name=name, dir=str(run_dir), export_dir=str(export)))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML layout (what `load_config` reads back), plain types only."""
+        d = asdict(self)
+        d.pop("source")
+        d["model"]["betas"] = list(d["model"]["betas"])
+        return d
+
+    def params(self) -> dict[str, Any]:
+        """MLflow params: every model field (backbone, circuit, window, rank, lora_depth, revision, ...),
+        the seed, the data and trainer settings a comparison needs, and the bytes per optimizer step."""
+        d, t = self.data, self.trainer
+        accumulate = t.get("accumulate_grad_batches") or 1
+        return {
+            **asdict(self.model), "seed": self.seed_everything, "train_seed": self.seed_everything,
+            "data_source": d.source, "extra_train_source": d.extra_train_source, "seq_len": d.seq_len,
+            "batch_size": d.batch_size, "on_error": d.on_error,
+            "accumulate_grad_batches": accumulate, "max_epochs": t.get("max_epochs"),
+            "max_steps": t.get("max_steps"), "precision": t.get("precision"),
+            "bytes_per_step": d.seq_len * d.batch_size * accumulate,
+        }  # fmt: skip
+
+
+def default_run_name(model: ModelConfig) -> str:
+    bb = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(model.backbone).name)
+    return f"{bb}-{model.circuit}-n{model.window}-r{model.rank}-k{model.lora_depth}"
+
+
+class _Fail:
+    """`fail(key, msg)` raises ValueError("<source>: <key>: <msg>")."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def __call__(self, key: str, msg: str) -> None:
+        raise ValueError(f"{self.source}: {key}: {msg}")
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# ---------------------------------------------------------------------------------------------------
+# parsing: jsonargparse reads the dataclasses (types + attribute docstrings) and Trainer's signature
+# ---------------------------------------------------------------------------------------------------
+
+@functools.cache
+def fit_parser() -> Any:
+    """The parser `load_config` uses (built once per process)."""
+    return build_fit_parser()
+
+
+def build_fit_parser() -> Any:
+    """The `fit` arguments: --config, --seed_everything, --model.*, --data.*, --trainer.*, --run.*, --ckpt_path."""
+    from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
+    from lightning.pytorch import Trainer
+
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    p = ArgumentParser(exit_on_error=False, description="Train one MtPC head (docs/training.md).")
+    p.add_argument("-c", "--config", action=ActionConfigFile, help="a YAML config (experiments/configs/*.yaml)")
+    p.add_argument("--seed_everything", type=int, default=0, help="global seed, set before the head is built")
+    p.add_class_arguments(ModelConfig, "model")
+    p.add_class_arguments(DataConfig, "data")
+    p.add_class_arguments(Trainer, "trainer", skip=set(TRAINER_OWNED))
+    p.add_class_arguments(RunConfig, "run")
+    p.add_argument("--ckpt_path", type=str | None, default=None, help="resume from this checkpoint; `last`: <run.dir>/checkpoints/last.ckpt")
+    return p
+
+
+def from_namespace(ns: Any, source: str) -> TrainConfig:
+    """A parsed `fit_parser` namespace -> TrainConfig (Trainer arguments kept only where they differ from its defaults)."""
+    defaults = fit_parser().get_defaults().trainer.as_dict()
+    trainer = {k: v for k, v in ns.trainer.as_dict().items() if v != defaults.get(k)}
+    return TrainConfig(model=ModelConfig(**ns.model.as_dict()), data=DataConfig(**ns.data.as_dict()), trainer=trainer,
+                       run=RunConfig(**ns.run.as_dict()), seed_everything=ns.seed_everything, source=source)
+
+
+def load_config(config: TrainConfig | dict[str, Any] | str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Parse a config (a TrainConfig, a dict, a YAML path or a shipped name like `debug`) with nested or
+    dotted overrides ({"model.rank": 8} or {"model": {"rank": 8}}) on top. Types are checked here
+    (ValueError naming the file and key); values are checked by `TrainConfig.check`."""
+    if isinstance(config, TrainConfig):
+        if not overrides:
+            return config
+        raw, source = config.to_dict(), config.source
+    elif isinstance(config, dict):
+        raw, source = copy.deepcopy(config), "<dict config>"
+    else:
+        p = Path(config)
+        if not p.exists() and not p.suffix and (CONFIG_DIR / f"{p}.yaml").exists():
+            p = CONFIG_DIR / f"{p}.yaml"
+        if not p.is_file():
+            raise ValueError(f"config: no such file {str(p)!r}")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ValueError(f"{p}: not valid YAML ({_one_line(err)})") from None
+        source = str(p)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source}: expected a mapping of sections (model, data, trainer, run), got {type(raw).__name__}")
+    raw = _merge(raw, overrides or {})
+    raw.pop("ckpt_path", None)
+    try:
+        ns = fit_parser().parse_object(raw)
+    except Exception as err:  # jsonargparse's ArgumentError names the key; add the file
+        raise ValueError(f"{source}: {_one_line(err)}") from None
+    return from_namespace(ns, source)
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
+def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `base` with `overrides` (nested, or dotted keys "model.rank") applied."""
+    out = copy.deepcopy(base)
+    for key, value in overrides.items():
+        parts = key.split(".")
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        if isinstance(value, dict) and isinstance(node.get(parts[-1]), dict):
+            node[parts[-1]] = _merge(node[parts[-1]], value)
+        else:
+            node[parts[-1]] = copy.deepcopy(value)
+    return out

@@ -1,0 +1,1 @@
+"""Tests of tracking/ (a package: modules import as tests.tracking.<name>)."""

@@ -1,0 +1,63 @@
+"""MLflow for the whole suite, in one place below experiments/, sweeps/ and analysis/ (which all
+import it; it imports none of them, and `mtpc/` stays free of MLflow).
+
+- `tracking.store`: the tracking-URI rule (explicit argument > $MLFLOW_TRACKING_URI > configured
+  value > sqlite:///<cwd>/mlflow.db), reachability and write probes, `ensure_experiment`.
+- `tracking.runs`: run description (git SHA, package versions, resolved config), parent runs,
+  reading runs back, closing runs a failed attempt left RUNNING.
+- `tracking.evaluations`: the one writer of evaluation child runs and the reader of them.
+
+Everything is re-exported here: `import tracking; tracking.ensure_experiment(uri, name)`.
+"""
+
+from tracking.evaluations import (
+    NAME_PARAMS,
+    STORED_METRICS,
+    SUMMARY_TAG,
+    evaluation_run_name,
+    evaluation_runs,
+    is_evaluation_run,
+    log_evaluation,
+)
+from tracking.runs import (
+    ERROR_TAG,
+    GIT_TAGS,
+    PARENT_TAG,
+    child_runs,
+    close_if_running,
+    describe_run,
+    discard_children,
+    git_sha,
+    iter_runs,
+    log_metrics,
+    log_params,
+    package_versions,
+    set_tags,
+    start_parent_run,
+    terminate,
+)
+from tracking.store import (
+    DEFAULT_DB,
+    TRACKING_ENV,
+    TrackingError,
+    TrackingURI,
+    check_tracking,
+    client,
+    ensure_experiment,
+    experiment_id,
+    open_for_reading,
+    probe_write,
+    quick_failures,
+    resolve_uri,
+    short,
+    sqlite_path,
+)
+
+__all__ = [
+    "DEFAULT_DB", "ERROR_TAG", "GIT_TAGS", "NAME_PARAMS", "PARENT_TAG", "STORED_METRICS", "SUMMARY_TAG",
+    "TRACKING_ENV", "TrackingError", "TrackingURI", "check_tracking", "child_runs", "client", "close_if_running",
+    "describe_run", "discard_children", "ensure_experiment", "evaluation_run_name", "evaluation_runs",
+    "experiment_id", "git_sha", "is_evaluation_run", "iter_runs", "log_evaluation", "log_metrics", "log_params",
+    "open_for_reading", "package_versions", "probe_write", "quick_failures", "resolve_uri", "set_tags", "short",
+    "sqlite_path", "start_parent_run", "terminate",
+]  # fmt: skip
