@@ -314,7 +314,9 @@ def load_per_prompt(client, run_ids: list[str]) -> dict[str, list[dict]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from analysis.load import AnalysisError, Filters, load
+    import tracking
+    from analysis.filters import Filters
+    from analysis.load import AnalysisError, load
 
     p = argparse.ArgumentParser(prog="python -m analysis.fidelity", description=__doc__.split("\n\n")[0])
     p.add_argument("--tracking-uri")
@@ -328,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         df = result.runs
         sample = df[df["mode"] == "sample"]
         text = report(df, load_per_prompt(client, list(sample["run_id"])), args.h2_kl_beta, args.resamples)
-    except (AnalysisError, ValueError) as e:
+    except (AnalysisError, tracking.TrackingError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if args.out:

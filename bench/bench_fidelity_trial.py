@@ -69,6 +69,7 @@ def measure(args: argparse.Namespace) -> dict:
     from experiments.train import train_head
     from experiments.trial import load_for_eval
     from mtpc.backbones import default_model_dir
+    from mtpc.names import DECODE_MODES
 
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="mtpc-fidelity-bench-"))
@@ -109,11 +110,11 @@ def measure(args: argparse.Namespace) -> dict:
         model = load_for_eval(res.head_dir, res.config)
         load_s = time.perf_counter() - t1
         t2 = time.perf_counter()
-        evaluate_heads({"head": model}, prompts, ("greedy", "sample"), ("keep",), max_new_tokens=GEN_BYTES,
+        evaluate_heads({"head": model}, prompts, DECODE_MODES, ("keep",), max_new_tokens=GEN_BYTES,
                        progress=False)
         eval_s = time.perf_counter() - t2
         t3 = time.perf_counter()
-        evaluate_heads({"head": model}, prompts, ("greedy", "sample"), ("keep",), max_new_tokens=GEN_BYTES,
+        evaluate_heads({"head": model}, prompts, DECODE_MODES, ("keep",), max_new_tokens=GEN_BYTES,
                        progress=False, stp=False)
         head_s = time.perf_counter() - t3
         step_s = statistics.median(timer.steps[1:])

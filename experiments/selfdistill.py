@@ -110,7 +110,7 @@ def training_prompts(source: str, conversations: int, val_fraction: float = 0.02
 
     if conversations < 1:
         raise ValueError(f"--conversations: expected an integer >= 1, got {conversations}")
-    train, _ = load_split(source, val_fraction)
+    train = load_split(source, val_fraction)[0]  # (train, held-out, skipped records)
     out = []
     for conv in train:
         text = _first_user_turn(conv)

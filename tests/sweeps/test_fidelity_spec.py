@@ -11,6 +11,7 @@ from collections import defaultdict
 
 import pytest
 
+from mtpc.names import CIRCUIT_KINDS
 from sweeps.spec import load_spec
 from tests.sweep_helpers import fresh_tracking_uri, run_cli
 
@@ -27,11 +28,11 @@ def test_the_grid_covers_every_question_with_two_seeds():
     ce = {c for c in configs if c[4] == 0.0}
     assert {r for c, r, n, k, b in ce if c == "cp" and n == 8 and k == 0} >= {2, 8, 32}  # RQ1 / (a)
     for n in (8, 16):  # RQ2
-        assert {c for c, r, w, k, b in ce if w == n and k == 0} == {"ff", "cp", "hmm", "btree"}
+        assert {c for c, r, w, k, b in ce if w == n and k == 0} == set(CIRCUIT_KINDS)
     for circ in ("ff", "btree"):  # RQ3
         assert {k for c, r, w, k, b in ce if c == circ and w == 16} == {0, 1, 2}
     kl = {c for c in configs if c[4] > 0}
-    for circ in ("ff", "cp", "hmm", "btree"):  # H1: CE and distilled twins at n = 8
+    for circ in CIRCUIT_KINDS:  # H1: CE and distilled twins at n = 8
         twins = {(r, k) for c, r, w, k, b in kl if c == circ and w == 8}
         assert twins and twins <= {(r, k) for c, r, w, k, b in ce if c == circ and w == 8}
     assert len({b for *_, b in kl}) >= 2  # beta is chosen on dev among candidates
