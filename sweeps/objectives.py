@@ -21,7 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import tracking
-from experiments.trial import eval_passes, prompt_set_names  # light: the trial's heavy imports are inside its functions
+from experiments.trial import (  # light: the trial's heavy imports are inside its functions
+    eval_passes,
+    prompt_set_names,
+)
 from mtpc.names import ACCEPTANCE_PREFIX
 from sweeps.spec import SweepSpec
 
