@@ -1,6 +1,6 @@
 """`python -m analysis`: figures and paper-style tables of a sweep, read from MLflow.
 
-Per setting (backbone, mode, extra_token, temperature[, top_p, hardware]) it writes to --out:
+Per setting (backbone, mode, extra_token, eos, temperature[, top_p, hardware]) it writes to --out:
   pareto_<setting>.png/.pdf            mu_acc vs mu_lat, front, iso-throughput lines, STP
   throughput_vs_window_<setting>.*     when the window varies
   throughput_vs_lora_depth_<setting>.* when the LoRA depth varies

@@ -22,7 +22,7 @@ and their per-prompt records (`per_prompt.json`), then, with the rule of analysi
 - Undertrained heads (child param converged = 0) are listed; their figures are flagged.
 
 Selections (beta, the best head) read development sets only; every reported figure and decision
-reads the reported sets only. Writes Markdown (stdout or --out). Leaves out: figures (pareto.py).
+reads the reported sets only. Writes Markdown (stdout or --out). Leaves out: figures (`python -m analysis`).
 """
 
 from __future__ import annotations
