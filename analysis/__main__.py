@@ -1,6 +1,6 @@
 """`python -m analysis`: figures and paper-style tables of a sweep, read from MLflow.
 
-Per setting (backbone, mode, extra_token, temperature[, top_p, hardware]) it writes to --out:
+Per setting (backbone, mode, extra_token, eos, temperature[, top_p, hardware]) it writes to --out:
   pareto_<setting>.png/.pdf            mu_acc vs mu_lat, front, iso-throughput lines, STP
   throughput_vs_window_<setting>.*     when the window varies
   throughput_vs_lora_depth_<setting>.* when the LoRA depth varies
@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--circuit", nargs="+", choices=CIRCUIT_KINDS, help="keep only these circuits"
     )
     p.add_argument(
+        "--prompt-sets", choices=("reported", "dev", "all"), default="reported",
+        help="reported prompt sets (default), the development sets dev<i> (used to choose settings), or all",
+    )
+    p.add_argument(
         "--top", type=int, default=5, help="configurations shown in the acceptance plots (default 5)"
     )
     p.add_argument(
@@ -83,6 +87,7 @@ def filters_from_args(args: argparse.Namespace) -> Filters:
         window=tup(args.window),
         lora_depth=tup(args.lora_depth),
         circuit=tup(args.circuit),
+        prompt_sets=args.prompt_sets,
     )
 
 

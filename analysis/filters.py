@@ -1,5 +1,6 @@
 """Row filters of the evaluation-runs DataFrame: `Filters` (one tuple of accepted values per
-column; values checked against the vocabulary) and `apply_filters`, which also reports how many
+column; values checked against the vocabulary; development prompt sets dev<i> left out unless
+asked) and `apply_filters`, which also reports how many
 rows each filter left, so an empty result can be explained. No MLflow, no plotting.
 """
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from mtpc.names import CIRCUIT_KINDS, DECODE_MODES, EXTRA_TOKEN_OPTIONS
+from mtpc.names import CIRCUIT_KINDS, DECODE_MODES, DEV_SET_PREFIX, EXTRA_TOKEN_OPTIONS
 
 
 @dataclass(frozen=True)
@@ -24,8 +25,12 @@ class Filters:
     window: tuple[int, ...] | None = None
     lora_depth: tuple[int, ...] | None = None
     circuit: tuple[str, ...] | None = None
+    prompt_sets: str = "reported"
+    """reported (default: development sets "dev<i>" left out), dev (only those) or all"""
 
     def __post_init__(self) -> None:
+        if self.prompt_sets not in ("reported", "dev", "all"):
+            raise ValueError(f"filter prompt_sets={self.prompt_sets!r}: expected 'reported', 'dev' or 'all'")
         if self.mode is not None:
             bad = [m for m in self.mode if m not in DECODE_MODES]
             if bad:
@@ -40,13 +45,14 @@ class Filters:
                 raise ValueError(f"filter circuit={bad}: expected values in {list(CIRCUIT_KINDS)}")
 
     def active(self) -> dict[str, tuple]:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
+        return {k: v for k, v in self.__dict__.items() if v is not None and k != "prompt_sets"}
 
     def describe(self) -> str:
         act = self.active()
-        if not act:
-            return "no filters"
-        return ", ".join(f"{k} in {list(v)}" if len(v) > 1 else f"{k}={v[0]}" for k, v in act.items())
+        parts = [f"{k} in {list(v)}" if len(v) > 1 else f"{k}={v[0]}" for k, v in act.items()]
+        if self.prompt_sets != "reported":
+            parts.append(f"prompt sets: {self.prompt_sets}")
+        return ", ".join(parts) or "no filters"
 
 
 def apply_filters(df: pd.DataFrame, filters: Filters) -> tuple[pd.DataFrame, list[tuple[str, int]]]:
@@ -54,6 +60,12 @@ def apply_filters(df: pd.DataFrame, filters: Filters) -> tuple[pd.DataFrame, lis
     result). Float filters compare with a tolerance (temperature 0.7 == "0.7000001")."""
     trail: list[tuple[str, int]] = []
     out = df
+    if filters.prompt_sets != "all":  # development sets (dev<i>) choose settings; they are not reported
+        dev = out["prompt_set"].astype(str).str.startswith(DEV_SET_PREFIX).to_numpy(dtype=bool)
+        before = len(out)
+        out = out[dev if filters.prompt_sets == "dev" else ~dev]
+        if filters.prompt_sets == "dev" or len(out) != before:
+            trail.append((f"prompt sets={filters.prompt_sets}", len(out)))
     for name, values in filters.active().items():
         col = out[name]
         if name == "temperature":

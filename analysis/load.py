@@ -49,6 +49,7 @@ OPTIONAL_PARAMS: dict[str, type] = {
     "kl_beta": float,  # training: weight of the distillation term (0: cross-entropy only)
     "kl_temperature": float,  # training: temperature of the teacher in the KL term
     "train_seed": int,  # training seed of the head (the evaluation seed is `seed`)
+    "converged": int,  # 1: held-out window NLL changed < 1 % over the last fifth of training; 0: undertrained
 }
 #: metrics without which a run cannot be placed on the Pareto plot or in a table
 REQUIRED_METRICS: tuple[str, ...] = EVAL_METRICS[:4]  # mu_lat, mu_acc, tokens_per_cycle, throughput

@@ -150,6 +150,8 @@ class DataConfig:
     """seeds the per-epoch shuffle"""
     on_error: str = "raise"
     """a malformed record of a .json/.jsonl/HF source: raise (stop, naming file and line) or skip (drop it; the count is reported)"""
+    extra_train_source: str | None = None
+    """a messages .json/.jsonl file added to the training split only (e.g. self-distillation answers from `python -m experiments.selfdistill`), after max_train_conversations; validation stays on `source`"""
 
     def check(self, fail: _Fail, window: int) -> None:
         from experiments.datamodule import source_problem
@@ -167,6 +169,10 @@ class DataConfig:
             fail("data.val_fraction", f"got {self.val_fraction!r}; expected 0 <= val_fraction < 1")
         if self.on_error not in ON_ERROR:
             fail("data.on_error", f"got {self.on_error!r}; expected one of {list(ON_ERROR)}")
+        extra = self.extra_train_source
+        if extra is not None and (not isinstance(extra, str) or not Path(extra).expanduser().is_file()):
+            fail("data.extra_train_source", f"got {extra!r}; expected an existing .json/.jsonl messages file "
+                 "(e.g. from python -m experiments.selfdistill)")
 
 
 @dataclass
@@ -239,7 +245,8 @@ class TrainConfig:
         accumulate = t.get("accumulate_grad_batches") or 1
         return {
             **asdict(self.model), "seed": self.seed_everything, "train_seed": self.seed_everything,
-            "data_source": d.source, "seq_len": d.seq_len, "batch_size": d.batch_size, "on_error": d.on_error,
+            "data_source": d.source, "extra_train_source": d.extra_train_source, "seq_len": d.seq_len,
+            "batch_size": d.batch_size, "on_error": d.on_error,
             "accumulate_grad_batches": accumulate, "max_epochs": t.get("max_epochs"),
             "max_steps": t.get("max_steps"), "precision": t.get("precision"),
             "bytes_per_step": d.seq_len * d.batch_size * accumulate,

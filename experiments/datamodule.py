@@ -180,6 +180,10 @@ class ChatDataModule(L.LightningDataModule):
             train = train[: c.max_train_conversations]
         if c.max_val_conversations is not None:
             val = val[: c.max_val_conversations]
+        if c.extra_train_source:  # e.g. self-distillation answers: training only, validation stays on source
+            from mtpc.data import load_messages
+
+            train = train + load_messages(c.extra_train_source, on_error=c.on_error)
         if not train:
             raise ValueError(f"data: no training conversations left from {c.source!r} (val_fraction={c.val_fraction})")
         self.train_rows = PackedRows(pack(train, tok, c.seq_len))

@@ -184,6 +184,8 @@ def evaluate_heads(
     eos: tuple[str, ...] = ("banned",),
     ff_name: str | None = None,
     progress: bool = True,
+    set_names: list[str] | None = None,
+    stp: bool = True,
 ) -> dict[str, Any]:
     """Run STP and every head on every prompt set in this process; returns a JSON-able dict.
 
@@ -191,6 +193,9 @@ def evaluate_heads(
     STP runs on the first one's backbone.
     ff_name: the key of an ff head in `models`; every other run then gets `speedup_vs_ff`.
     eos: EOS treatments to run, each of "banned" / "allowed" (every (mode, eos) pair is evaluated).
+    set_names: the `prompt_set` value of each set (default 0, 1, ...; "dev0" marks development prompts).
+    stp: run the plain model beside the heads (default); False skips it (about half the time of an
+    evaluation) and leaves out every stp_* metric and speedup_vs_stp.
     Prompt i of a set is sampled with seed + i for STP and every head alike.
     """
     if isinstance(models, MtpcModel):
@@ -206,29 +211,33 @@ def evaluate_heads(
                          f"{EOS_MODES}; got {bad}")
     if ff_name is not None and ff_name not in models:
         raise ValueError(f"ff_name={ff_name!r} is not one of the models {sorted(models)}")
+    if set_names is not None and len(set_names) != len(prompt_sets):
+        raise ValueError(f"set_names: {len(set_names)} names for {len(prompt_sets)} prompt sets")
     first = next(iter(models.values()))
     encoded = [[first.encode_prompt(p) for p in ps] for ps in prompt_sets]
     kw = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
-    total = len(modes) * len(eos) * sum(len(ps) for ps in encoded) * (1 + len(models) * len(extra_tokens))
+    total = len(modes) * len(eos) * sum(len(ps) for ps in encoded) * (int(stp) + len(models) * len(extra_tokens))
     bar = tqdm(total=total, desc="evaluate", disable=not progress, file=sys.stderr)
+    with_stp = stp
     stp: dict[str, list[dict]] = {}
     runs: list[dict[str, Any]] = []
     for mode in modes:
         stp[mode] = []
         for eos_mode in eos:
             ban = eos_mode == "banned"
-            for set_idx, prompts in enumerate(encoded):
+            for set_idx, prompts in zip(set_names or range(len(encoded)), encoded, strict=True):
                 plain, answers = [], []
-                for i, p in enumerate(prompts):
+                for i, p in enumerate(prompts if with_stp else ()):
                     out = first.generate_plain(p, mode=mode, seed=seed + i, ban_eos=ban, **kw)
                     plain.append(out.stats)
                     answers.append(_answer(first, out.ids))
                     bar.update()
-                st = _pool(plain, 1, answers)
-                stp[mode].append({"prompt_set": set_idx, "eos": eos_mode, "mu_lat": st["mu_lat"],
-                                 "throughput": st["throughput"], "generated": st["generated"],
-                                 "peak_mem_bytes": st["peak_mem_bytes"], **{k: st[k] for k in DEGENERACY_METRICS},
-                                 "per_prompt": _per_prompt(prompts, plain, answers, set_idx)})  # fmt: skip
+                st = _pool(plain, 1, answers) if with_stp else None
+                if st is not None:
+                    stp[mode].append({"prompt_set": set_idx, "eos": eos_mode, "mu_lat": st["mu_lat"],
+                                      "throughput": st["throughput"], "generated": st["generated"],
+                                      "peak_mem_bytes": st["peak_mem_bytes"], **{k: st[k] for k in DEGENERACY_METRICS},
+                                      "per_prompt": _per_prompt(prompts, plain, answers, set_idx)})  # fmt: skip
                 for name, model in models.items():
                     for extra in extra_tokens:
                         outs, answers = [], []
@@ -239,11 +248,12 @@ def evaluate_heads(
                             bar.update()
                         metrics = _pool(outs, model.window, answers)
                         per_prompt = _per_prompt(prompts, outs, answers, set_idx)
-                        metrics["stp_mu_lat"] = st["mu_lat"]
-                        metrics["stp_throughput"] = st["throughput"]
-                        metrics["speedup_vs_stp"] = metrics["throughput"] / st["throughput"]
-                        for k in DEGENERACY_METRICS:
-                            metrics[f"stp_{k}"] = st[k]
+                        if st is not None:
+                            metrics["stp_mu_lat"] = st["mu_lat"]
+                            metrics["stp_throughput"] = st["throughput"]
+                            metrics["speedup_vs_stp"] = metrics["throughput"] / st["throughput"]
+                            for k in DEGENERACY_METRICS:
+                                metrics[f"stp_{k}"] = st[k]
                         runs.append({
                             "head": name, **_describe(model), "mode": mode, "extra_token": extra, "eos": eos_mode,
                             "temperature": temperature, "top_p": top_p, "prompt_set": set_idx, "seed": seed,

@@ -12,6 +12,10 @@ under `checkpoint_dir`; a re-run with the same directory resumes from `last.ckpt
 `should_stop()` turns true (the sweep worker's SIGUSR1/SIGTERM), training saves a checkpoint at the
 next optimizer step and `preempted_exc` is raised instead of evaluating a half-trained head.
 
+After training, the stopping rule (`convergence`: held-out window NLL changed < 1 % over the last
+fifth of training) is checked on the logged `val_window_nll` history; `converged` (0/1) and
+`val_nll_change_last_fifth` go to the parent, `converged` to every child (0 = undertrained).
+
 Returns the objective metrics as means over the stored child runs ("<metric>" over all,
 "<mode>/<metric>" per mode). The sweep runner reads the child runs back itself as well.
 Leaves out: Optuna (sweeps/run.py) and the decoding metrics' definitions (mtpc.speculative).
@@ -26,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import tracking
-from mtpc.names import DECODE_MODES, GRID_PARAMS
+from mtpc.names import DECODE_MODES, DEV_SET_PREFIX, GRID_PARAMS
 
 
 def trial_config(train_config: dict[str, Any], *, tracking_uri: str | None = None, experiment: str | None = None,
@@ -61,10 +65,39 @@ def load_for_eval(head_dir: Path, model: Any):
     return MtpcModel.from_pretrained(head_dir, trust_remote_code=model.trust_remote_code, revision=model.revision)
 
 
+CONVERGENCE_FRACTION = 0.2  # the last fifth of training
+CONVERGENCE_TOLERANCE = 0.01  # < 1 % relative change of the held-out window NLL over it
+
+
+def convergence(history: list[tuple[int, float]], fraction: float = CONVERGENCE_FRACTION,
+                tolerance: float = CONVERGENCE_TOLERANCE) -> dict[str, float]:
+    """The stopping rule of docs/fidelity.md on a (step, val_window_nll) history.
+
+    With L the last validated step, v_L its value and v_ref the value at the last validation at or
+    before step (1 - fraction) L: change = |v_L - v_ref| / v_L; `converged` = 1 iff change < tolerance.
+    Without a validation inside [0, (1 - fraction) L] (or with fewer than two) the change is unknown
+    (NaN) and the head counts as not converged (undertrained).
+    """
+    pts = sorted((int(s), float(v)) for s, v in history)
+    if len(pts) < 2:
+        return {"val_nll_change_last_fifth": float("nan"), "converged": 0.0}
+    last_step, last = pts[-1]
+    before = [v for s, v in pts[:-1] if s <= (1 - fraction) * last_step]
+    if not before or last == 0:
+        return {"val_nll_change_last_fifth": float("nan"), "converged": 0.0}
+    change = abs(last - before[-1]) / abs(last)
+    return {"val_nll_change_last_fifth": change, "converged": float(change < tolerance)}
+
+
 def eval_passes(modes, temperatures) -> list[tuple[str, float]]:
     """(mode, temperature) pairs an evaluation runs: sampling at every temperature, greedy once (at
     the first temperature, which greedy ignores)."""
     return [(m, t) for i, t in enumerate(temperatures) for m in modes if m == "sample" or i == 0]
+
+
+def prompt_set_names(sets: int, dev_sets: int = 0) -> list[str]:
+    """"0".."sets-1" (reported), then "dev0".. (development prompts, disjoint from the reported ones)."""
+    return [str(i) for i in range(sets)] + [f"{DEV_SET_PREFIX}{i}" for i in range(dev_sets)]
 
 
 def training_axes(cfg: Any) -> dict[str, Any]:
@@ -85,8 +118,9 @@ def evaluate_head(head_dir: Path, cfg: Any, eval_config: dict[str, Any], *, pare
     from experiments.evaluate import evaluate_heads, load_prompt_sets, log_evaluation_to_mlflow, summarize
 
     model = load_for_eval(head_dir, cfg.model)
-    sets = load_prompt_sets(eval_config.get("prompts", "heldout"), eval_config.get("n_prompts", 8),
-                            eval_config.get("sets", 1), eval_config.get("seed", 0))
+    names = prompt_set_names(eval_config.get("sets", 1), eval_config.get("dev_sets", 0))
+    sets = load_prompt_sets(eval_config.get("prompts", "heldout"), eval_config.get("n_prompts", 8), len(names),
+                            eval_config.get("seed", 0))  # disjoint draws: dev prompts never overlap reported ones
     modes = tuple(eval_config.get("modes", DECODE_MODES))
     temperatures = tuple(eval_config.get("temperatures", (1.0,)))
     results = None
@@ -96,7 +130,7 @@ def evaluate_head(head_dir: Path, cfg: Any, eval_config: dict[str, Any], *, pare
             {"head": model}, sets, passes, (eval_config.get("extra_token", "keep"),),
             max_new_tokens=eval_config.get("max_new_tokens", 64), temperature=temperature,
             top_p=eval_config.get("top_p", 1.0), seed=eval_config.get("seed", 0),
-            eos=tuple(eval_config.get("eos", ("banned",))),
+            eos=tuple(eval_config.get("eos", ("banned",))), set_names=names, stp=eval_config.get("stp", True),
         )
         if results is None:
             results = res
@@ -164,8 +198,11 @@ def _train_and_evaluate(
     # children of an interrupted earlier attempt would be counted twice: drop them first
     tracking.discard_children(uri, exp_id, parent_run_id)
     modes = eval_config.get("modes", list(DECODE_MODES))
+    history = [(m.step, m.value) for m in tracking.client(uri).get_metric_history(parent_run_id, "val_window_nll")]
+    conv = convergence(history)  # the stopping rule: an undertrained head is reported as such
+    tracking.log_metrics(uri, parent_run_id, {k: v for k, v in conv.items() if v == v})
     evaluate_head(result.head_dir, cfg, eval_config, parent_run_id=parent_run_id, tracking_uri=uri,
-                  out=run_dir / "evaluation.json")
+                  out=run_dir / "evaluation.json", extra_params={"converged": int(conv["converged"])})
     out: dict[str, float] = {}
     runs = tracking.child_runs(uri, exp_id, parent_run_id)
     for key in ("mu_lat", "mu_acc", "tokens_per_cycle", "throughput", "speedup_vs_stp"):

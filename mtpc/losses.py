@@ -26,9 +26,12 @@ Memory: `chunk_size` positions at a time through `_ChunkedWindowLoss`, an autogr
 computes each chunk's gradients (head parameters and e) inside forward and stores only their
 sums, so nothing of size (positions x n x r x v) outlives a chunk. `chunk_size=None` is the naive
 version (everything materialised, plain autograd), kept as the reference. With a teacher the
-chunked path also keeps one (c, n, r, v) buffer per chunk (plus a (c, r, v) scratch row): the
-mixture rows q_j are formed in probability space from the leaf softmax the cross-entropy already
-holds, and the KL gradient for the leaf logits is written by hand into the same buffer.
+chunked path for full leaves still keeps one (c, n, r, v) buffer per chunk (plus a (c, r, v)
+scratch row): the mixture rows q_j are formed in probability space from the leaf softmax the
+cross-entropy already holds, and the KL gradient for the leaf logits is written by hand into the
+same buffer. App. G leaves go through autograd with `_MixtureCrossEntropy`, which holds one more
+(c, n, r, v) tensor per chunk. In probability space a mixture probability below the dtype's
+smallest normal (~1e-38 in float32) is clamped there; float64 is exact (the tests' 1e-10).
 
 Left out: the head itself (mtpc/heads.py), the backbone forward that produces e.
 """
@@ -171,20 +174,23 @@ def _mixture_rows(log_pi: Tensor, phi: Tensor, log_p: Tensor) -> tuple[Tensor, T
 
 class _MixtureCrossEntropy(torch.autograd.Function):
     """h = -sum_u p(u) log sum_a pi_a phi_a(u) per row, from log_pi (c, n, r), log_phi (c, n, r, v) and a
-    constant log_p (c, n, v) -> (c, n). Keeps no (c, n, r, v) tensor of its own: log_phi is the leaf
-    normaliser's output that autograd holds anyway; backward recomputes phi and turns it into the
-    gradient in place (log-space mixing would keep the (c, n, r, v) sum for its backward)."""
+    constant log_p (c, n, v) -> (c, n). Keeps one (c, n, r, v) tensor, phi = exp(log_phi), which
+    backward turns into the gradient in place (log-space mixing would keep the (c, n, r, v) sum
+    and its exp for backward; recomputing phi there instead cost ~20 % of the App. G loss's time).
+    One backward per forward (the chunked loss calls autograd.grad once per chunk)."""
 
     @staticmethod
     def forward(ctx, log_pi, log_phi, log_p):
-        pi, log_q, ratio, S = _mixture_rows(log_pi, log_phi.exp(), log_p)
-        ctx.save_for_backward(pi, log_phi, ratio, S)
+        phi = log_phi.exp()  # (c, n, r, v)
+        pi, log_q, ratio, S = _mixture_rows(log_pi, phi, log_p)
+        ctx.save_for_backward(pi, ratio, S)
+        ctx.phi = phi  # an intermediate, modified in place by backward: not a saved input/output
         return -(log_p.exp() * log_q).sum(-1)
 
     @staticmethod
     def backward(ctx, g):  # g (c, n)
-        pi, log_phi, ratio, S = ctx.saved_tensors
-        g_phi = log_phi.exp()  # (c, n, r, v) becomes -g pi_a phi_a(u) ratio(u) in place
+        pi, ratio, S = ctx.saved_tensors
+        g_phi, ctx.phi = ctx.phi, None  # (c, n, r, v) becomes -g pi_a phi_a(u) ratio(u) in place
         g_phi.mul_(ratio.unsqueeze(-2)).mul_((-g.unsqueeze(-1) * pi).unsqueeze(-1))
         return -g.unsqueeze(-1) * S, g_phi, None
 

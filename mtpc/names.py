@@ -146,6 +146,9 @@ def check_architecture(
 #: how EOS is treated during evaluation: banned (probability 0: every method generates the same
 #: lengths) or allowed (EOS stops an answer)
 EOS_MODES: tuple[str, ...] = ("banned", "allowed")
+#: prompt sets named DEV_SET_PREFIX + i are development prompts: used to choose settings (beta, a
+#: temperature, the best head), never reported; the others ("0", "1", ...) are the reported sets
+DEV_SET_PREFIX = "dev"
 #: params of every evaluation child run (copied from the trial, so children can be filtered alone)
 EVAL_PARAMS: tuple[str, ...] = (
     "backbone", "circuit", "window", "rank", "lora_depth", "mode", "extra_token", "eos", "temperature",

@@ -21,7 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import tracking
-from experiments.trial import eval_passes  # light: the trial's heavy imports are inside its functions
+from experiments.trial import (  # light: the trial's heavy imports are inside its functions
+    eval_passes,
+    prompt_set_names,
+)
 from mtpc.names import ACCEPTANCE_PREFIX
 from sweeps.spec import SweepSpec
 
@@ -58,6 +61,7 @@ def eval_config(spec: SweepSpec) -> dict[str, Any]:
         "modes": list(e.modes),
         "prompts": e.prompts,
         "sets": e.sets,
+        "dev_sets": e.dev_sets,
         "n_prompts": e.n_prompts,
         "max_new_tokens": e.max_new_tokens,
         "extra_token": e.extra_token,
@@ -65,6 +69,7 @@ def eval_config(spec: SweepSpec) -> dict[str, Any]:
         "top_p": e.top_p,
         "seed": e.seed,
         "eos": list(e.eos),
+        "stp": e.stp,
     }
 
 
@@ -161,7 +166,7 @@ def fixture_objective(ctx: TrialContext) -> None:
     e = spec.eval
     for mode, temperature in eval_passes(e.modes, e.temperatures):
         for eos in e.eos:
-            for ps in range(e.sets):  # prompt sets are numbered, as experiments.evaluate does
+            for ps in prompt_set_names(e.sets, e.dev_sets):  # named as experiments.trial names them
                 params = {
                     "backbone": spec.train.get("backbone", "fixture"), **point, "mode": mode,
                     "extra_token": e.extra_token, "eos": eos, "temperature": temperature, "prompt_set": ps,

@@ -67,6 +67,7 @@ class EvalSettings:
     modes: tuple[str, ...] = DECODE_MODES
     prompts: str = "heldout"  # `heldout` (the corpus' held-out prompts) or a .jsonl file
     sets: int = 1  # prompt sets per mode: one child run each (named by the evaluator)
+    dev_sets: int = 0  # extra, disjoint development sets ("dev0", ...): for choosing settings, never reported
     n_prompts: int = 8  # prompts per set
     max_new_tokens: int = 64
     extra_token: str = "keep"
@@ -74,6 +75,7 @@ class EvalSettings:
     top_p: float = 1.0
     seed: int = 0  # the evaluation's sampling seed (prompt i uses seed + i); the training seed is train_seed
     eos: tuple[str, ...] = ("banned",)  # EOS treatments evaluated: banned (equal lengths) and/or allowed
+    stp: bool = True  # run the plain model beside every head (speedup_vs_stp); false halves the evaluation
 
 
 @dataclass(frozen=True)
@@ -402,6 +404,7 @@ def parse_spec(raw: Any, path: Path, *, env: dict[str, str]) -> SweepSpec:
         modes=modes,
         prompts=ctx.str_(ev.get("prompts", d.prompts), "eval.prompts"),
         sets=ctx.int_(ev.get("sets", d.sets), "eval.sets", 1, 1000),
+        dev_sets=ctx.int_(ev.get("dev_sets", d.dev_sets), "eval.dev_sets", 0, 1000),
         n_prompts=ctx.int_(ev.get("n_prompts", d.n_prompts), "eval.n_prompts", 1, 100000),
         max_new_tokens=ctx.int_(ev.get("max_new_tokens", d.max_new_tokens), "eval.max_new_tokens", 1, 1_000_000),
         extra_token=ctx.choice(ev.get("extra_token", d.extra_token), "eval.extra_token", EXTRA_TOKEN_OPTIONS),
@@ -410,6 +413,7 @@ def parse_spec(raw: Any, path: Path, *, env: dict[str, str]) -> SweepSpec:
         top_p=ctx.float_(ev.get("top_p", d.top_p), "eval.top_p", 1e-6, 1.0),
         seed=ctx.int_(ev.get("seed", d.seed), "eval.seed", 0),
         eos=tuple(ctx.choice(x, "eval.eos", EOS_MODES) for x in ctx.list_(ev.get("eos", list(d.eos)), "eval.eos")),
+        stp=ctx.choice(ev.get("stp", d.stp), "eval.stp", (True, False)),
     )
     for name in ("temperatures", "eos"):
         values = getattr(evs, name)

@@ -99,3 +99,16 @@ def test_mlflow_child_runs_carry_eos_and_degeneracy(model_dir, tmp_path):
     assert all({"degenerate_fraction", "distinct_4gram_ratio", "stp_degenerate_fraction"} <= set(r.metrics) for r in runs)
     art = client.download_artifacts(ids[0], "per_prompt.json", str(tmp_path))
     assert json.loads(open(art).read())["per_prompt"][0]["prompt"] == 0
+
+
+def test_without_stp_the_heads_alone_and_named_sets(model_dir):
+    m = MtpcModel.from_pretrained(model_dir / "cp")
+    with_stp = evaluate_heads(m, [["one"], ["two"]], ("sample",), max_new_tokens=12, progress=False, set_names=["0", "dev0"])
+    alone = evaluate_heads(m, [["one"], ["two"]], ("sample",), max_new_tokens=12, progress=False, set_names=["0", "dev0"],
+                           stp=False)
+    assert [r["prompt_set"] for r in alone["runs"]] == ["0", "dev0"] and alone["stp"] == {"sample": []}
+    for a, b in zip(alone["runs"], with_stp["runs"], strict=True):
+        assert not any(k.startswith("stp_") or k == "speedup_vs_stp" for k in a["metrics"])
+        assert a["metrics"]["mu_acc"] == b["metrics"]["mu_acc"]  # the same seeded generations
+    with pytest.raises(ValueError, match="set_names"):
+        evaluate_heads(m, [["one"]], set_names=["0", "1"], progress=False)

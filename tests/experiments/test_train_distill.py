@@ -50,3 +50,16 @@ def test_distilled_head_ends_closer_to_the_backbone(tmp_path):
     assert kl.metrics["val_window_kl"] < 0.9 * ce.metrics["val_window_kl"], (kl.metrics, ce.metrics)
     assert kl.metrics["val_window_nll"] > ce.metrics["val_window_nll"]  # it learnt the teacher, not the data
     assert "train_window_kl" in kl.metrics and "train_window_kl" not in ce.metrics
+
+
+def test_convergence_rule_on_histories():
+    from experiments.trial import convergence
+
+    flat = [(0, 3.0), (40, 2.0), (80, 1.5), (160, 1.2), (200, 1.195)]
+    c = convergence(flat)
+    assert c["converged"] == 1.0 and c["val_nll_change_last_fifth"] == pytest.approx(0.005 / 1.195)
+    falling = [(0, 3.0), (80, 1.5), (160, 1.3), (200, 1.2)]
+    assert convergence(falling)["converged"] == 0.0  # 8 % over the last fifth: undertrained
+    late = [(170, 1.3), (200, 1.3)]  # no validation before step 160: unknown, counts as undertrained
+    assert convergence(late)["converged"] == 0.0 and convergence(late)["val_nll_change_last_fifth"] != convergence(late)["val_nll_change_last_fifth"]
+    assert convergence([(200, 1.0)])["converged"] == 0.0

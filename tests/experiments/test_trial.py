@@ -65,8 +65,11 @@ def test_run_trial_trains_evaluates_and_resumes(tmp_path, prompts, monkeypatch):
         ("greedy", "0"), ("greedy", "1"), ("sample", "0"), ("sample", "1")]
     assert sorted(k.info.run_name for k in kids) == [
         "cp-r2-n4-k0/greedy/set0", "cp-r2-n4-k0/greedy/set1", "cp-r2-n4-k0/sample/set0", "cp-r2-n4-k0/sample/set1"]
+    assert run.data.metrics["converged"] in (0.0, 1.0)  # the stopping rule was checked and logged
     for k in kids:
         assert k.data.params["circuit"] == "cp" and k.data.params["extra_token"] == "keep"
+        assert (k.data.params["kl_beta"], k.data.params["train_seed"], k.data.params["eos"]) == ("0.0", "0", "banned")
+        assert k.data.params["converged"] == str(int(run.data.metrics["converged"]))
         assert {"mu_lat", "mu_acc", "tokens_per_cycle", "throughput", "max_throughput", "speedup_vs_stp"} <= set(k.data.metrics)
     assert (ck / "evaluation.json").is_file()
     assert "MLFLOW_TRACKING_URI" not in os.environ  # the trial put the environment back

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from analysis.aggregate import aggregate, split_settings
+from analysis.filters import Filters
 from analysis.load import load
 from experiments.trial import eval_passes, trial_config
 from sweeps.spec import SpecError, grid_key, load_spec
@@ -73,12 +74,16 @@ def test_fixture_sweep_children_carry_the_axes_and_analysis_keeps_them_apart(tmp
     path = fixture_spec(tmp_path, "axes", tracking_uri=uri,
                         space={"kind": "grid", "slices": {"a": {"circuit": ["cp"], "rank": [4], "window": [4], "lora_depth": [0],
                                                                 "kl_beta": [0.0, 0.5], "train_seed": [0, 1]}}},
-                        eval={"modes": ["greedy", "sample"], "sets": 1, "temperatures": [1.0, 0.7], "eos": ["banned", "allowed"]})
+                        eval={"modes": ["greedy", "sample"], "sets": 1, "dev_sets": 1, "temperatures": [1.0, 0.7],
+                              "eos": ["banned", "allowed"]})
     r = run_cli([str(path), "--workers", "1"])
     assert r.returncode == 0, r.stderr[-3000:]
     result, _, _ = load(uri, "axes")
     df = result.runs
-    assert len(df) == 4 * 3 * 2  # grid points x (greedy, sample T=1, sample T=0.7) x eos
+    assert len(df) == 4 * 3 * 2  # grid points x (greedy, sample T=1, sample T=0.7) x eos; dev sets left out
+    assert set(df.prompt_set) == {"0"}
+    dev, _, _ = load(uri, "axes", Filters(prompt_sets="dev"))
+    assert len(dev.runs) == 4 * 3 * 2 and set(dev.runs.prompt_set) == {"dev0"}
     assert set(df.kl_beta) == {0.0, 0.5} and set(df.train_seed) == {0, 1} and set(df.eos) == {"banned", "allowed"}
     parts = split_settings(aggregate(df))
     assert len(parts) == 3 * 2  # (greedy, sample T=1, sample T=0.7) x eos

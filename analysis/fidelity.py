@@ -1,0 +1,345 @@
+"""`python -m analysis.fidelity`: the fidelity study's hypotheses and findings, decided from MLflow.
+
+    python -m analysis.fidelity --experiment mtpc-fidelity [--tracking-uri URI] [--out fidelity_results.md]
+
+Reads every finished evaluation child run of the experiment (reported and development prompt sets)
+and their per-prompt records (`per_prompt.json`), then, with the rule of analysis/bootstrap.py
+(paired bootstrap over prompts, 95 % interval excluding 1.0, two training seeds):
+
+- H1: sampling (T = 1, EOS banned) mu_acc of the distilled head >= 1.05x the cross-entropy head
+  at equal steps, for every circuit at n = 8 (k = 0). beta is chosen on the development sets
+  (the candidate kl_beta > 0 with the highest pooled dev mu_acc over all circuits) and is the same
+  for every circuit. Reproduced iff reproduced for every circuit.
+- H2: at n = 16 (k = 0), sampling T = 1: the best of cp / hmm / btree (chosen on the development
+  sets) >= 1.25x ff in mu_acc; heads trained with `--h2-kl-beta` (default 0: cross-entropy).
+- Findings: (a) cp mu_acc grows with r (largest r over smallest: interval > 1) and tails off (the
+  last doubling's interval includes 1, or its ratio is below the first step's); (b) at n = 16
+  btree and hmm each accept more than cp and ff (all four intervals > 1); (c) mu_lat of hmm above
+  every other circuit at n = 16 and btree's throughput the highest (intervals on per-prompt
+  seconds per cycle and bytes per second); (d) for ff and btree at n = 16, the best k in > 0
+  accepts more than k = 0 (interval > 1), "optimum at small k" only if the best k is not the
+  largest k measured (else "not measurable here": the grid stops at that k).
+- Undertrained heads (child param converged = 0) are listed; their figures are flagged.
+
+Selections (beta, the best head) read development sets only; every reported figure and decision
+reads the reported sets only. Writes Markdown (stdout or --out). Leaves out: figures (`python -m analysis`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from analysis.bootstrap import NOT_DECIDED, PairedSample, decide, paired_bootstrap  # noqa: E402
+from mtpc.names import CIRCUIT_KINDS, DEV_SET_PREFIX, PER_PROMPT_ARTIFACT  # noqa: E402
+
+#: per-prompt (numerator, denominator) of each ratio-of-pooled-means metric
+PARTS = {"mu_acc": ("accepted", "cycles"), "mu_lat": ("decode_s", "cycles"), "throughput": ("decode_generated", "decode_s")}
+H1_THRESHOLD, H2_THRESHOLD = 1.05, 1.25
+
+
+@dataclass(frozen=True)
+class Slice:
+    """What one comparison holds fixed: decoding mode, temperature (sampling only), EOS treatment."""
+
+    mode: str = "sample"
+    temperature: float | None = 1.0
+    eos: str = "banned"
+
+
+def is_dev(prompt_set: Any) -> bool:
+    return str(prompt_set).startswith(DEV_SET_PREFIX)
+
+
+def select(df: pd.DataFrame, sl: Slice, dev: bool, **config: Any) -> pd.DataFrame:
+    """Child runs of one configuration (any keys of the runs frame) in a slice, dev or reported sets."""
+    keep = (df["mode"] == sl.mode) & (df["eos"].fillna("banned") == sl.eos)
+    if sl.mode == "sample" and sl.temperature is not None:
+        keep &= np.isclose(df["temperature"].astype(float), sl.temperature)
+    keep &= df["prompt_set"].map(is_dev) == dev
+    for k, v in config.items():
+        col = df[k]
+        keep &= np.isclose(col.astype(float), float(v)) if isinstance(v, float) else (col == v)
+    return df[keep.to_numpy(dtype=bool)]
+
+
+def _records(runs: pd.DataFrame, per_prompt: dict[str, list[dict]]) -> dict[tuple[int, str, int], dict]:
+    """(train_seed, prompt_set, prompt) -> record, over the given runs."""
+    out = {}
+    for rid, seed in zip(runs["run_id"], runs["train_seed"].fillna(0).astype(int), strict=True):
+        for rec in per_prompt.get(rid, []):
+            out[(seed, str(rec["prompt_set"]), int(rec["prompt"]))] = rec
+    return out
+
+
+def paired(df: pd.DataFrame, per_prompt: dict[str, list[dict]], a: dict, b: dict, sl: Slice,
+           metric: str = "mu_acc", dev: bool = False) -> list[PairedSample]:
+    """One PairedSample per training seed that both configurations have, over the prompts both saw."""
+    ra, rb = _records(select(df, sl, dev, **a), per_prompt), _records(select(df, sl, dev, **b), per_prompt)
+    num, den = PARTS[metric]
+    out = []
+    for seed in sorted({k[0] for k in ra} & {k[0] for k in rb}):
+        keys = sorted(k for k in ra if k[0] == seed and k in rb)
+        if not keys:
+            continue
+        for k in keys:
+            if ra[k]["prompt_sha"] != rb[k]["prompt_sha"]:
+                raise ValueError(f"prompt {k[1:]} differs between {a} and {b} (prompt_sha): not a paired comparison")
+        out.append(PairedSample(*(np.array([recs[k][f] for k in keys], dtype=float)
+                                  for recs, f in ((ra, num), (ra, den), (rb, num), (rb, den)))))
+    return out
+
+
+def pooled(df: pd.DataFrame, per_prompt: dict[str, list[dict]], config: dict, sl: Slice, metric: str = "mu_acc",
+           dev: bool = True) -> float:
+    """The ratio of pooled per-prompt sums of one configuration (all seeds) — for selections on dev sets."""
+    recs = list(_records(select(df, sl, dev, **config), per_prompt).values())
+    num, den = PARTS[metric]
+    d = sum(r[den] for r in recs)
+    return sum(r[num] for r in recs) / d if d else math.nan
+
+
+def _configs(df: pd.DataFrame, **fixed: Any) -> list[dict]:
+    sub = df
+    for k, v in fixed.items():
+        sub = sub[np.isclose(sub[k].astype(float), v)] if isinstance(v, float) else sub[sub[k] == v]
+    keys = ["circuit", "window", "rank", "lora_depth", "kl_beta"]
+    plain = lambda v: v.item() if hasattr(v, "item") else v  # noqa: E731  (numpy scalars print as np.int64(..))
+    return [{k: plain(v) for k, v in zip(keys, t, strict=True)} for t in sub[keys].drop_duplicates().itertuples(index=False)]
+
+
+def _cfg(c: dict) -> dict:
+    return {k: (float(v) if k == "kl_beta" else v) for k, v in c.items()}
+
+
+def _label(c: dict) -> str:
+    return f"{c['circuit']} n={c['window']} r={c['rank']} k={c['lora_depth']} β={c['kl_beta']:g}"
+
+
+def _row(name: str, dec, note: str = "") -> str:
+    r = dec.result
+    seeds = ", ".join(f"{x:.3f}" for x in r.per_seed)
+    return (f"| {name} | {r.ratio:.3f} | [{r.low:.3f}, {r.high:.3f}] | {seeds} | {r.prompts} | ≥ {dec.threshold:g} | "
+            f"**{dec.verdict}** | {dec.reason}{'; ' + note if note else ''} |")
+
+
+HEADER = "| comparison | ratio | 95 % interval | per seed | prompts/seed | threshold | verdict | reason |\n|:--|--:|--:|--:|--:|--:|:--|:--|"
+
+
+def _compare(df, pp, a, b, sl, threshold, name, metric="mu_acc", resamples=10_000) -> tuple[str, Any]:
+    samples = paired(df, pp, _cfg(a), _cfg(b), sl, metric)
+    if not samples:
+        return f"| {name} | – | – | – | 0 | ≥ {threshold:g} | **{NOT_DECIDED}** | no paired runs on the reported sets |", None
+    dec = decide(name, paired_bootstrap(samples, resamples=resamples), threshold)
+    return _row(name, dec), dec
+
+
+def h1(df, pp, resamples=10_000) -> tuple[list[str], str]:
+    sl = Slice()
+    n8 = df[(df["window"] == 8) & (df["lora_depth"] == 0)]
+    betas = sorted({b for b in n8["kl_beta"].dropna() if b > 0})
+    if not betas:
+        return ["no distilled heads (kl_beta > 0) at n = 8"], NOT_DECIDED
+    circuits = [c for c in CIRCUIT_KINDS if c in set(n8["circuit"])]
+
+    def dev_score(beta):
+        return np.nanmean([pooled(df, pp, _cfg(c), sl) for c in _configs(n8, kl_beta=beta)])
+
+    has_dev = bool(n8["prompt_set"].map(is_dev).any())
+    if not has_dev and len(betas) > 1:
+        return [f"kl_beta candidates {betas} but no development sets to choose among them"], NOT_DECIDED
+    beta = max(betas, key=dev_score) if has_dev else betas[0]
+    lines = [(f"beta chosen on the development sets: {beta:g} (pooled dev mu_acc " +
+              ", ".join(f"β={b:g}: {dev_score(b):.3f}" for b in betas) + ")") if has_dev
+             else f"beta = {beta:g}: the only candidate, fixed in advance (no development sets)", "", HEADER]
+    verdicts = []
+    for circ in circuits:
+        kl = [c for c in _configs(n8, circuit=circ, kl_beta=beta)]
+        ce = [c for c in _configs(n8, circuit=circ, kl_beta=0.0)]
+        if not kl or not ce:
+            lines.append(f"| {circ}: KL vs CE | – | – | – | 0 | ≥ {H1_THRESHOLD} | **{NOT_DECIDED}** | missing CE or KL head |")
+            verdicts.append(NOT_DECIDED)
+            continue
+        row, dec = _compare(df, pp, kl[0], ce[0], sl, H1_THRESHOLD, f"{circ} n=8: β={beta:g} vs CE", resamples=resamples)
+        lines.append(row)
+        verdicts.append(dec.verdict if dec else NOT_DECIDED)
+    overall = ("reproduced" if all(v == "reproduced" for v in verdicts)
+               else NOT_DECIDED if any(v == NOT_DECIDED for v in verdicts) else "not reproduced")
+    return lines, overall
+
+
+def h2(df, pp, kl_beta=0.0, resamples=10_000) -> tuple[list[str], str]:
+    sl = Slice()
+    n16 = df[(df["window"] == 16) & (df["lora_depth"] == 0) & np.isclose(df["kl_beta"].astype(float), kl_beta)]
+    ff = _configs(n16, circuit="ff")
+    rivals = [c for c in _configs(n16) if c["circuit"] in ("cp", "hmm", "btree")]
+    if not ff or not rivals:
+        return ["needs ff and at least one of cp/hmm/btree at n = 16, k = 0"], NOT_DECIDED
+    if len(rivals) > 1 and not n16["prompt_set"].map(is_dev).any():
+        return ["several of cp/hmm/btree but no development sets to choose the best"], NOT_DECIDED
+    scores = {_label(c): pooled(df, pp, _cfg(c), sl) for c in rivals}
+    best = max(rivals, key=lambda c: scores[_label(c)])
+    lines = [f"best of cp/hmm/btree on the development sets: {_label(best)} (pooled dev mu_acc "
+             + ", ".join(f"{k}: {v:.3f}" for k, v in scores.items()) + ")", "", HEADER]
+    row, dec = _compare(df, pp, best, ff[0], sl, H2_THRESHOLD, f"n=16: {best['circuit']} vs ff", resamples=resamples)
+    lines.append(row)
+    return lines, dec.verdict if dec else NOT_DECIDED
+
+
+def findings(df, pp, resamples=10_000) -> list[str]:
+    sl = Slice()
+    out = ["### (a) cp acceptance grows with r and tails off (n = 8, k = 0, CE)", "", HEADER]
+    cps = sorted(_configs(df[(df["window"] == 8) & (df["lora_depth"] == 0)], circuit="cp", kl_beta=0.0), key=lambda c: c["rank"])
+    if len(cps) >= 3:
+        row, grow = _compare(df, pp, cps[-1], cps[0], sl, 1.0, f"cp r={cps[-1]['rank']} vs r={cps[0]['rank']}", resamples=resamples)
+        out.append(row)
+        row1, first = _compare(df, pp, cps[1], cps[0], sl, 1.0, f"cp r={cps[1]['rank']} vs r={cps[0]['rank']}", resamples=resamples)
+        row2, last = _compare(df, pp, cps[-1], cps[-2], sl, 1.0, f"cp r={cps[-1]['rank']} vs r={cps[-2]['rank']}", resamples=resamples)
+        out += [row1, row2, ""]
+        if grow and first and last:
+            tails = last.result.low <= 1.0 or last.result.ratio < first.result.ratio
+            out.append(f"verdict (a): **{'reproduced' if grow.verdict == 'reproduced' and tails else 'not reproduced'}** "
+                       f"(grows: {grow.verdict}; tails off: {tails})")
+    else:
+        out.append(f"verdict (a): **{NOT_DECIDED}** (needs cp at >= 3 ranks, found {len(cps)})")
+    out += ["", "### (b) at n = 16 btree and hmm accept more than cp and ff", "", HEADER]
+    n16 = df[(df["window"] == 16) & (df["lora_depth"] == 0)]
+    by = {c["circuit"]: c for c in _configs(n16, kl_beta=0.0)}
+    verdicts = []
+    for a in ("btree", "hmm"):
+        for b in ("cp", "ff"):
+            if a in by and b in by:
+                row, dec = _compare(df, pp, by[a], by[b], sl, 1.0, f"{a} vs {b}", resamples=resamples)
+                out.append(row)
+                verdicts.append(dec.verdict if dec else NOT_DECIDED)
+    out.append("")
+    out.append(f"verdict (b): **{'reproduced' if verdicts and all(v == 'reproduced' for v in verdicts) else NOT_DECIDED if not verdicts else 'not reproduced'}**")
+    out += ["", "### (c) hmm has the highest latency, btree the best throughput (n = 16, per-prompt timings)", "", HEADER]
+    verdicts = []
+    for b in ("ff", "cp", "btree"):
+        if "hmm" in by and b in by:
+            row, dec = _compare(df, pp, by["hmm"], by[b], sl, 1.0, f"mu_lat hmm vs {b}", metric="mu_lat", resamples=resamples)
+            out.append(row)
+            verdicts.append(dec.verdict if dec else NOT_DECIDED)
+    for b in ("ff", "cp", "hmm"):
+        if "btree" in by and b in by:
+            row, dec = _compare(df, pp, by["btree"], by[b], sl, 1.0, f"throughput btree vs {b}", metric="throughput",
+                                resamples=resamples)
+            out.append(row)
+            verdicts.append(dec.verdict if dec else NOT_DECIDED)
+    out += ["", f"verdict (c): **{'reproduced' if verdicts and all(v == 'reproduced' for v in verdicts) else NOT_DECIDED if not verdicts else 'not reproduced'}**"
+            " (CPU timings: the head-to-backbone cost ratio differs from the paper's GPU setting)"]
+    out += ["", "### (d) LoRA depth raises acceptance with an optimum at small k (n = 16)", "", HEADER]
+    for circ in ("ff", "btree"):
+        ks = sorted(_configs(df[df["window"] == 16], circuit=circ, kl_beta=0.0), key=lambda c: c["lora_depth"])
+        if len(ks) < 2 or ks[0]["lora_depth"] != 0:
+            out.append(f"| {circ}: k > 0 vs k = 0 | – | – | – | 0 | > 1 | **{NOT_DECIDED}** | needs k = 0 and k > 0 |")
+            continue
+        best = max(ks[1:], key=lambda c: pooled(df, pp, _cfg(c), sl))  # chosen on dev
+        row, dec = _compare(df, pp, best, ks[0], sl, 1.0, f"{circ}: k={best['lora_depth']} (best on dev) vs k=0",
+                            resamples=resamples)
+        if dec is None or dec.verdict != "reproduced":
+            small = "– (no gain from k > 0 to place an optimum)"
+        elif best["lora_depth"] == ks[-1]["lora_depth"]:
+            small = "not measurable here (best k is the largest measured)"
+        else:
+            small = "yes"
+        out.append(row)
+        out.append(f"| {circ}: optimum at small k | | | | | | {small} | ks measured: {[c['lora_depth'] for c in ks]} |")
+    return out
+
+
+def undertrained(df: pd.DataFrame) -> list[str]:
+    if "converged" not in df.columns:
+        return ["(no `converged` param logged: the stopping rule was not checked)"]
+    bad = df[df["converged"] == 0]
+    keys = ["circuit", "window", "rank", "lora_depth", "kl_beta", "train_seed"]
+    rows = bad[keys].drop_duplicates().sort_values(keys)
+    if rows.empty:
+        return ["every head met the stopping rule (held-out window NLL changed < 1 % over the last fifth)"]
+    return ["undertrained (stopping rule not met), their figures are marked so:"] + [
+        "- " + " ".join(f"{k}={v}" for k, v in zip(keys, r, strict=True)) for r in rows.itertuples(index=False)]
+
+
+def report(df: pd.DataFrame, pp: dict[str, list[dict]], h2_kl_beta: float = 0.0, resamples: int = 10_000) -> str:
+    l1, v1 = h1(df, pp, resamples)
+    l2, v2 = h2(df, pp, h2_kl_beta, resamples)
+    parts = ["# Fidelity study: decisions", "",
+             f"{len(df)} evaluation runs ({int(df['prompt_set'].map(is_dev).sum())} on development sets).", "",
+             f"## H1: distillation >= {H1_THRESHOLD}x CE (sampling mu_acc, n = 8, every circuit): **{v1}**", "", *l1, "",
+             f"## H2: best of cp/hmm/btree >= {H2_THRESHOLD}x ff (sampling mu_acc, n = 16): **{v2}**", "", *l2, "",
+             "## Findings", "", *findings(df, pp, resamples), "", "## Training", "", *undertrained(df), ""]
+    return "\n".join(parts)
+
+
+def load_per_prompt(client, run_ids: list[str]) -> dict[str, list[dict]]:
+    """The per-prompt records of each run that has the artifact (one progress bar, not MLflow's per file)."""
+    import os
+
+    from tqdm import tqdm
+
+    out = {}
+    key = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+    old = os.environ.get(key)
+    os.environ[key] = "false"
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            bar = tqdm(run_ids, desc="per-prompt records", unit="run", leave=False, file=sys.stderr,
+                       disable=len(run_ids) < 50 or not sys.stderr.isatty())
+            for i, rid in enumerate(bar):
+                if PER_PROMPT_ARTIFACT not in {f.path for f in client.list_artifacts(rid)}:
+                    continue
+                d = Path(tmp) / str(i)
+                d.mkdir()
+                path = client.download_artifacts(rid, PER_PROMPT_ARTIFACT, str(d))
+                out[rid] = json.loads(Path(path).read_text())["per_prompt"]
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import tracking
+    from analysis.filters import Filters
+    from analysis.load import AnalysisError, load
+
+    p = argparse.ArgumentParser(prog="python -m analysis.fidelity", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tracking-uri")
+    p.add_argument("--experiment", default="mtpc-fidelity")
+    p.add_argument("--out", type=Path, default=None, help="Markdown file (default: stdout)")
+    p.add_argument("--h2-kl-beta", type=float, default=0.0, help="training of the heads compared in H2 (0: CE)")
+    p.add_argument("--resamples", type=int, default=10_000)
+    args = p.parse_args(argv)
+    try:
+        result, client, _ = load(args.tracking_uri, args.experiment, Filters(prompt_sets="all"))
+        df = result.runs
+        sample = df[df["mode"] == "sample"]
+        text = report(df, load_per_prompt(client, list(sample["run_id"])), args.h2_kl_beta, args.resamples)
+    except (AnalysisError, tracking.TrackingError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.out:
+        args.out.write_text(text)
+        print(f"wrote {args.out}")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

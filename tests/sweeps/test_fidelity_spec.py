@@ -1,0 +1,74 @@
+"""sweeps/fidelity.yaml holds the study issue 14 asks for: RQ1 (cp at >= 3 ranks, n = 8), RQ2 (every
+circuit, n in {8, 16}), RQ3 (ff and btree, k in {0, 1, 2} at n = 16), CE and distilled heads at n = 8
+for every circuit at equal steps, two training seeds for every configuration, 3 reported sets of
+>= 32 prompts x 128 bytes plus development sets, greedy + sampling at T = 1 and T < 1, validation
+often enough for the stopping rule; and every point's training config validates. A slow test
+dry-runs it end to end on the debug backbone with a tiny override."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+from mtpc.names import CIRCUIT_KINDS
+from sweeps.spec import load_spec
+from tests.sweep_helpers import fresh_tracking_uri, run_cli
+
+SPEC = "sweeps/fidelity.yaml"
+
+
+def test_the_grid_covers_every_question_with_two_seeds():
+    spec = load_spec(SPEC, env={})
+    pts = spec.grid
+    configs = defaultdict(set)
+    for p in pts:
+        configs[(p["circuit"], p["rank"], p["window"], p["lora_depth"], p["kl_beta"])].add(p["train_seed"])
+    assert all(seeds == {0, 1} for seeds in configs.values()), configs
+    ce = {c for c in configs if c[4] == 0.0}
+    assert {r for c, r, n, k, b in ce if c == "cp" and n == 8 and k == 0} >= {2, 8, 32}  # RQ1 / (a)
+    for n in (8, 16):  # RQ2
+        assert {c for c, r, w, k, b in ce if w == n and k == 0} == set(CIRCUIT_KINDS)
+    for circ in ("ff", "btree"):  # RQ3
+        assert {k for c, r, w, k, b in ce if c == circ and w == 16} == {0, 1, 2}
+    kl = {c for c in configs if c[4] > 0}
+    for circ in CIRCUIT_KINDS:  # H1: CE and distilled twins at n = 8
+        twins = {(r, k) for c, r, w, k, b in kl if c == circ and w == 8}
+        assert twins and twins <= {(r, k) for c, r, w, k, b in ce if c == circ and w == 8}
+    assert len({b for *_, b in kl}) >= 2  # beta is chosen on dev among candidates
+    steps = spec.train["trainer"]["max_steps"]
+    every = spec.train["trainer"]["val_check_interval"]
+    assert every <= 0.8 * steps and steps % every == 0  # a validation at the start of the last fifth
+    e = spec.eval
+    assert e.sets >= 3 and e.n_prompts >= 32 and e.max_new_tokens == 128 and e.dev_sets >= 1
+    assert set(e.modes) == {"greedy", "sample"} and 1.0 in e.temperatures and len([t for t in e.temperatures if t < 1]) >= 2
+    assert e.eos == ("banned",)
+
+
+def test_every_point_validates_as_a_training_config(tmp_path):
+    from sweeps.run import validate_trial_configs
+
+    assert validate_trial_configs(load_spec(SPEC, env={}, overrides={"output_dir": str(tmp_path)})) == 44
+
+
+@pytest.mark.slow
+def test_dry_run_on_the_debug_backbone(tmp_path):
+    """The whole pipeline on the tiny backbone: one point per slice kind, both seeds, the decision CLI."""
+    uri = fresh_tracking_uri(tmp_path / "mlflow")
+    sets = [
+        f"output_dir={tmp_path / 'out'}", f"mlflow.tracking_uri={uri}", "train.config=debug",
+        "train.trainer={max_steps: 5, val_check_interval: 1, max_epochs: 1}", "train.run={checkpoint_every_n_steps: 0}",
+        "space.slices={ce: {circuit: [ff, cp], rank: [4], window: [8], lora_depth: [0], train_seed: [0, 1]},"
+        " kl: {circuit: [ff, cp], rank: [4], window: [8], lora_depth: [0], kl_beta: [0.5], train_seed: [0, 1]}}",
+        "eval.n_prompts=2", "eval.max_new_tokens=8", "eval.temperatures=[1.0, 0.5]",
+    ]
+    r = run_cli([SPEC, "--workers", "2", *[x for s in sets for x in ("--set", s)]], timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from analysis.fidelity import main
+
+    out = tmp_path / "fidelity.md"
+    assert main(["--tracking-uri", uri, "--experiment", "mtpc-fidelity", "--out", str(out), "--resamples", "200"]) == 0
+    text = out.read_text()
+    assert "## H1" in text and "beta chosen on the development sets: 0.5" in text
+    assert "| ff n=8: β=0.5 vs CE |" in text and "| cp n=8: β=0.5 vs CE |" in text  # decided on both seeds' prompts
+    assert "## Training" in text
