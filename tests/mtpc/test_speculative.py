@@ -303,21 +303,38 @@ def _trained_head_dirs(limit=4):
     return dirs[:limit]
 
 
+def _heads_on_default(bb):
+    """Trained head exports in the cache if any, else heads started from the shipped model's own
+    unembedding (every kind; greedy identity does not depend on how good the head is)."""
+    from mtpc.heads import HeadConfig, MtpcHead
+
+    dirs = _trained_head_dirs()
+    if dirs:
+        return [MtpcModel.from_pretrained(d, backbone=bb) for d in dirs]
+    models = []
+    for kind in CIRCUIT_KINDS:
+        cfg = HeadConfig(kind=kind, window=4, rank=1 if kind == "ff" else 2, vocab=bb.vocab_size,
+                         hidden=bb.hidden_size, lora_depth=0, backbone=bb.name)
+        head = MtpcHead(cfg)
+        head.init_from_unembeddings(bb.lm_head_weight.detach(), generator=torch.Generator().manual_seed(0))
+        models.append(MtpcModel.from_components(bb, head))
+    return models
+
+
 @pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.skipif(not _trained_head_dirs(), reason="no trained head exported under cache_dir()/heads yet")
-def test_greedy_with_trained_heads_equals_plain_greedy_float32(engine):
-    """The embedded default model (float32) with whatever trained heads exist: byte-identical greedy output."""
+def test_greedy_on_the_shipped_default_equals_plain_greedy_float32(engine):
+    """The shipped default model (float32) with trained heads (or heads started from its
+    unembedding): byte-identical greedy output, keep and drop, and some drafts accepted."""
     from mtpc.backbones import load_backbone
 
     bb = load_backbone("default", engine=engine)
     prompts = ["How do I sort a list in Python?", "Write a haiku about the sea."]
     accepted = 0
-    for d in _trained_head_dirs():
-        m = MtpcModel.from_pretrained(d, backbone=bb)
+    for m in _heads_on_default(bb):
         for p in prompts:
             plain = m.generate_plain(p, max_new_tokens=24, ban_eos=True)
             for extra in ("keep", "drop"):
                 out = m.generate(p, max_new_tokens=24, extra_token=extra, ban_eos=True)
-                assert out.ids.tolist() == plain.ids.tolist(), (d.name, extra, p)
+                assert out.ids.tolist() == plain.ids.tolist(), (m.head.config.kind, extra, p)
                 accepted += out.stats.mu_acc * out.stats.cycles
     assert accepted > 0
