@@ -523,16 +523,16 @@ loads these files after checking them against `MANIFEST.json`.
   held out); every byte of the chat-templated training conversations is a training target.
 - **Training**: next-byte cross-entropy, AdamW (lr {c['lr']}, cosine to {c['min_lr_ratio']}x, weight decay
   {c['weight_decay']}), {m['steps']} steps of {c['batch_size']} x {c['seq_len']} bytes
-  ({m['train_bytes_seen']:,} bytes seen, {m['train_documents_cut_at_row_ends']} documents cut at row ends),
+  ({m['train_bytes_seen']:,} bytes seen, {m['train_documents_cut_at_row_ends']} row ends inside a document across the packed corpus),
   {c['precision']}, on {where}, {m['train_active_minutes']:.1f} active minutes
   ({m['train_bytes_per_second']:,.0f} bytes/s).
 - **Held-out**: {m['shipped_heldout_bits_per_byte']:.3f} bits/byte on all bytes and
   {m['shipped_heldout_bits_per_assistant_byte']:.3f} on assistant bytes, {m['shipped_heldout_bytes_scored']:,} bytes at
   2048-byte context, scored with these weights as loaded.
 - **Intended use**: a stand-in verifier for measuring speculative decoding (acceptance, speed,
-  exactness) on real text in tests, demos and CPU sweeps. It is a tiny model: answers are fluent
-  in places, often wrong, and repetitive under greedy decoding — see docs/backbones.md for the
-  measured degenerate fraction and sample answers. Not for any use where its text matters.
+  exactness) in tests, demos and CPU sweeps. It is a tiny, undertrained model: greedy answers
+  often fall into loops and sampled answers are word-like gibberish — see docs/backbones.md for
+  the measured degenerate fraction and sample answers. Not for any use where its text matters.
 - **Reproduce**: `{m['command']}` (git {str(m.get('git_sha'))[:12]}), then
   `{m['ship_command']}`. Full metrics, the loss curve and the hardware: `pretrain_metrics.json`.
 """
