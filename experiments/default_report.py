@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in DECODE_MODES:
         texts = answers(model, tok, prompts, sample=mode == "sample")
         report[mode] = {**degeneracy_metrics(texts),
-                        "first_answers": [{"prompt": p[:200], "answer": t.decode("utf-8", "replace")} for p, t in zip(prompts[:5], texts[:5])]}
+                        "first_answers": [{"prompt": p[:200], "answer": t.decode("utf-8", "replace")} for p, t in zip(prompts[:5], texts[:5], strict=True)]}
     report.update(minutes=(time.monotonic() - t0) / 60, hardware=hardware(),
                   command="python -m experiments.default_report " + " ".join(argv if argv is not None else sys.argv[1:]))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
