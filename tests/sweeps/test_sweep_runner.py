@@ -48,7 +48,10 @@ def _dead_pid() -> int:
 
 @pytest.mark.slow
 def test_local_workers_run_each_point_once_and_rerun_adds_nothing(tmp_path, tracking_uri):
-    spec_path = fixture_spec(tmp_path, "local2", tracking_uri=tracking_uri, fixture={"steps": 2, "fail": [{"circuit": "hmm", "rank": 4}]})
+    # 2 s per step: a trial outlasts a worker's start-up, so the second worker finds work (with
+    # instant trials the first worker could finish all four before the second had started)
+    spec_path = fixture_spec(tmp_path, "local2", tracking_uri=tracking_uri,
+                             fixture={"steps": 2, "step_seconds": 2.0, "fail": [{"circuit": "hmm", "rank": 4}]})
     spec = load_spec(spec_path, env={})
     r = run_cli([str(spec_path), "--workers", "2"])
     assert r.returncode == 0, r.stderr[-3000:]
