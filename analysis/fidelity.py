@@ -152,7 +152,6 @@ def h1(df, pp, resamples=10_000) -> tuple[list[str], str]:
     betas = sorted({b for b in n8["kl_beta"].dropna() if b > 0})
     if not betas:
         return ["no distilled heads (kl_beta > 0) at n = 8"], NOT_DECIDED
-    circuits = [c for c in CIRCUIT_KINDS if c in set(n8["circuit"])]
 
     def dev_score(beta):
         return np.nanmean([pooled(df, pp, _cfg(c), sl) for c in _configs(n8, kl_beta=beta)])
@@ -161,11 +160,14 @@ def h1(df, pp, resamples=10_000) -> tuple[list[str], str]:
     if not has_dev and len(betas) > 1:
         return [f"kl_beta candidates {betas} but no development sets to choose among them"], NOT_DECIDED
     beta = max(betas, key=dev_score) if has_dev else betas[0]
-    lines = [(f"beta chosen on the development sets: {beta:g} (pooled dev mu_acc " +
-              ", ".join(f"β={b:g}: {dev_score(b):.3f}" for b in betas) + ")") if has_dev
-             else f"beta = {beta:g}: the only candidate, fixed in advance (no development sets)", "", HEADER]
+    if len(betas) == 1:
+        chosen = f"beta = {beta:g}: the only candidate, fixed in advance (nothing chosen on the development sets)"
+    else:
+        chosen = (f"beta chosen on the development sets: {beta:g} (pooled dev mu_acc " +
+                  ", ".join(f"β={b:g}: {dev_score(b):.3f}" for b in betas) + ")")
+    lines = [chosen, "", HEADER]
     verdicts = []
-    for circ in circuits:
+    for circ in CIRCUIT_KINDS:  # "every circuit": a circuit without both heads leaves H1 undecided
         kl = [c for c in _configs(n8, circuit=circ, kl_beta=beta)]
         ce = [c for c in _configs(n8, circuit=circ, kl_beta=0.0)]
         if not kl or not ce:

@@ -101,6 +101,9 @@ def test_without_dev_sets_a_single_beta_is_fixed_in_advance_and_choices_are_refu
     assert verdict == "not decided" and "no development sets" in lines[0]
     one = df[df.kl_beta != 1.0]
     lines, verdict = fidelity.h1(one, pp, resamples=500)
-    assert lines[0].startswith("beta = 0.5: the only candidate") and verdict == "reproduced"
+    assert lines[0].startswith("beta = 0.5: the only candidate")
+    assert any(x.startswith("| cp n=8: β=0.5 vs CE |") and "**reproduced**" in x for x in lines), lines
+    # H1 is for every circuit: cp alone reproduces its row but leaves the hypothesis undecided
+    assert verdict == "not decided" and sum("missing CE or KL head" in x for x in lines) == 3, lines
     assert fidelity.h2(df, pp, resamples=200)[1] == "not decided"
 

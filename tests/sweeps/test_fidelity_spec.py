@@ -16,6 +16,7 @@ from sweeps.spec import load_spec
 from tests.sweep_helpers import fresh_tracking_uri, run_cli
 
 SPEC = "sweeps/fidelity.yaml"
+CPU_SPEC = "sweeps/fidelity_cpu.yaml"
 
 
 def test_the_grid_covers_every_question_with_two_seeds():
@@ -51,6 +52,29 @@ def test_every_point_validates_as_a_training_config(tmp_path):
     assert validate_trial_configs(load_spec(SPEC, env={}, overrides={"output_dir": str(tmp_path)})) == 44
 
 
+def test_the_cpu_variant_decides_h1_and_h2_with_two_seeds(tmp_path):
+    """sweeps/fidelity_cpu.yaml (the study as run on the CPU): CE and distilled twins for every circuit
+    at n = 8, every circuit at n = 16, two seeds everywhere, the prompt sets issue 14 asks for, the
+    priority order H1 (cp, btree) before H2 before the rest, and every point validates."""
+    from sweeps.run import validate_trial_configs
+
+    spec = load_spec(CPU_SPEC, env={}, overrides={"output_dir": str(tmp_path)})
+    configs = defaultdict(set)
+    for p in spec.grid:
+        configs[(p["circuit"], p["window"], p["kl_beta"])].add(p["train_seed"])
+    assert all(seeds == {0, 1} for seeds in configs.values()), configs
+    for circ in CIRCUIT_KINDS:
+        assert (circ, 8, 0.0) in configs and (circ, 8, 0.5) in configs and (circ, 16, 0.0) in configs
+    order = [(p["circuit"], p["window"]) for p in spec.grid]
+    assert order.index(("btree", 8)) < order.index(("ff", 16)) < order.index(("ff", 8))
+    e = spec.eval
+    assert e.sets >= 3 and e.n_prompts >= 32 and e.max_new_tokens == 128 and e.dev_sets == 1
+    assert e.modes == ("sample",) and e.temperatures == (1.0,)
+    steps, every = spec.train["trainer"]["max_steps"], spec.train["trainer"]["val_check_interval"]
+    assert every <= 0.8 * steps and steps % every == 0
+    assert validate_trial_configs(spec) == len(spec.grid)
+
+
 @pytest.mark.slow
 def test_dry_run_on_the_debug_backbone(tmp_path):
     """The whole pipeline on the tiny backbone: one point per slice kind, both seeds, the decision CLI."""
@@ -69,6 +93,6 @@ def test_dry_run_on_the_debug_backbone(tmp_path):
     out = tmp_path / "fidelity.md"
     assert main(["--tracking-uri", uri, "--experiment", "mtpc-fidelity", "--out", str(out), "--resamples", "200"]) == 0
     text = out.read_text()
-    assert "## H1" in text and "beta chosen on the development sets: 0.5" in text
+    assert "## H1" in text and "beta = 0.5: the only candidate, fixed in advance" in text
     assert "| ff n=8: β=0.5 vs CE |" in text and "| cp n=8: β=0.5 vs CE |" in text  # decided on both seeds' prompts
     assert "## Training" in text
