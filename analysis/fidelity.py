@@ -275,14 +275,58 @@ def undertrained(df: pd.DataFrame) -> list[str]:
         "- " + " ".join(f"{k}={v}" for k, v in zip(keys, r, strict=True)) for r in rows.itertuples(index=False)]
 
 
-def report(df: pd.DataFrame, pp: dict[str, list[dict]], h2_kl_beta: float = 0.0, resamples: int = 10_000) -> str:
+TRAINING_COLUMNS = ("val_window_nll", "val_window_kl", "val_nll_1", "val_kl_1", "val_stp_nll")
+
+
+def trial_frame(client, experiment_ids: list[str]) -> pd.DataFrame:
+    """One row per finished trial (parent) run: its grid point and final held-out training metrics."""
+    import tracking
+
+    rows = []
+    for r in tracking.iter_runs(client, experiment_ids, "attributes.status = 'FINISHED'"):
+        if "mtpc.grid_key" not in r.data.tags or "val_window_nll" not in r.data.metrics:
+            continue
+        p, m = r.data.params, r.data.metrics
+        window = int(p["window"])
+        row = {"circuit": p["circuit"], "window": window, "rank": int(p["rank"]), "lora_depth": int(p["lora_depth"]),
+               "kl_beta": float(p.get("kl_beta", 0.0)), "train_seed": int(p.get("train_seed", 0)),
+               "val_nll_n": m.get(f"val_nll_{window}", math.nan), "val_kl_n": m.get(f"val_kl_{window}", math.nan),
+               "converged": m.get("converged", math.nan)}
+        row.update({k: m.get(k, math.nan) for k in TRAINING_COLUMNS})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def training_table(trials: pd.DataFrame) -> list[str]:
+    """Held-out per-position NLL and KL(p || q) to the verifier (nats) per configuration, mean ± std over
+    training seeds: the window NLL the heads were trained to lower, and the KL that decides acceptance."""
+    if trials.empty:
+        return ["(no finished trial runs with held-out training metrics)"]
+    cols = ["val_window_nll", "val_nll_1", "val_nll_n", "val_window_kl", "val_kl_1", "val_kl_n"]
+    keys = ["window", "circuit", "rank", "lora_depth", "kl_beta"]
+    out = ["held-out validation at the end of training, in nats (mean ± std over seeds): `val_window_*` summed "
+           "over the n window positions, `_1` and `_n` the first and last position alone; the frozen backbone's "
+           f"own next-byte NLL on the same windows (STP): {trials['val_stp_nll'].mean():.3f}", "",
+           "| n | circuit | r | k | β | seeds | " + " | ".join(cols) + " |",
+           "|--:|:--|--:|--:|--:|--:|" + "--:|" * len(cols)]
+    order = {c: i for i, c in enumerate(CIRCUIT_KINDS)}
+    groups = sorted(trials.groupby(keys), key=lambda g: (g[0][0], order.get(g[0][1], 9), g[0][2], g[0][3], g[0][4]))
+    for (n, circ, r, k, b), g in groups:
+        cells = [f"{g[c].mean():.3f} ± {g[c].std(ddof=1):.3f}" if len(g) > 1 else f"{g[c].mean():.3f}" for c in cols]
+        out.append(f"| {n} | {circ} | {r} | {k} | {b:g} | {len(g)} | " + " | ".join(cells) + " |")
+    return out
+
+
+def report(df: pd.DataFrame, pp: dict[str, list[dict]], h2_kl_beta: float = 0.0, resamples: int = 10_000,
+           trials: pd.DataFrame | None = None) -> str:
     l1, v1 = h1(df, pp, resamples)
     l2, v2 = h2(df, pp, h2_kl_beta, resamples)
     parts = ["# Fidelity study: decisions", "",
              f"{len(df)} evaluation runs ({int(df['prompt_set'].map(is_dev).sum())} on development sets).", "",
              f"## H1: distillation >= {H1_THRESHOLD}x CE (sampling mu_acc, n = 8, every circuit): **{v1}**", "", *l1, "",
              f"## H2: best of cp/hmm/btree >= {H2_THRESHOLD}x ff (sampling mu_acc, n = 16): **{v2}**", "", *l2, "",
-             "## Findings", "", *findings(df, pp, resamples), "", "## Training", "", *undertrained(df), ""]
+             "## Findings", "", *findings(df, pp, resamples), "", "## Training", "", *undertrained(df), "",
+             *(training_table(trials) + [""] if trials is not None else [])]
     return "\n".join(parts)
 
 
@@ -318,7 +362,7 @@ def load_per_prompt(client, run_ids: list[str]) -> dict[str, list[dict]]:
 def main(argv: list[str] | None = None) -> int:
     import tracking
     from analysis.filters import Filters
-    from analysis.load import AnalysisError, load
+    from analysis.load import AnalysisError, load, resolve_experiment
 
     p = argparse.ArgumentParser(prog="python -m analysis.fidelity", description=__doc__.split("\n\n")[0])
     p.add_argument("--tracking-uri")
@@ -331,7 +375,9 @@ def main(argv: list[str] | None = None) -> int:
         result, client, _ = load(args.tracking_uri, args.experiment, Filters(prompt_sets="all"))
         df = result.runs
         sample = df[df["mode"] == "sample"]
-        text = report(df, load_per_prompt(client, list(sample["run_id"])), args.h2_kl_beta, args.resamples)
+        ids = [e.experiment_id for e in resolve_experiment(client, args.experiment)]
+        text = report(df, load_per_prompt(client, list(sample["run_id"])), args.h2_kl_beta, args.resamples,
+                      trials=trial_frame(client, ids))
     except (AnalysisError, tracking.TrackingError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

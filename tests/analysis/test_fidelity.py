@@ -107,3 +107,17 @@ def test_without_dev_sets_a_single_beta_is_fixed_in_advance_and_choices_are_refu
     assert verdict == "not decided" and sum("missing CE or KL head" in x for x in lines) == 3, lines
     assert fidelity.h2(df, pp, resamples=200)[1] == "not decided"
 
+
+
+def test_training_table_orders_configurations_and_averages_seeds():
+    rows = []
+    for circ, n, nll in (("btree", 16, 50.0), ("ff", 8, 24.0), ("cp", 8, 23.0)):
+        for seed, d in ((0, -0.5), (1, 0.5)):
+            rows.append({"circuit": circ, "window": n, "rank": 8, "lora_depth": 0, "kl_beta": 0.0, "train_seed": seed,
+                         "val_window_nll": nll + d, "val_window_kl": 7.0, "val_nll_1": 2.2, "val_kl_1": 0.1,
+                         "val_stp_nll": 2.1, "val_nll_n": 3.3, "val_kl_n": 1.2, "converged": 1})
+    lines = fidelity.training_table(pd.DataFrame(rows))
+    body = [x for x in lines if x.startswith("| 8 ") or x.startswith("| 16 ")]
+    assert [x.split(" | ")[1] for x in body] == ["ff", "cp", "btree"]  # n first, then the circuit order
+    assert "| 23.000 ± 0.707 |" in body[1] and "STP): 2.100" in lines[0]
+    assert fidelity.training_table(pd.DataFrame())[0].startswith("(no finished trial runs")
