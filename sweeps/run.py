@@ -42,7 +42,7 @@ from typing import Any
 
 import tracking
 from sweeps.liveness import Owner, gone_workers
-from sweeps.spec import SpecError, SweepSpec, load_spec
+from sweeps.spec import SpecError, SweepSpec, load_spec, parse_sets
 from sweeps.study import (
     StorageError,
     check_storage,
@@ -176,14 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec key (YAML value), e.g. train.backbone=default")
     a = ap.parse_args(argv)
     try:
-        import yaml
-
-        overrides = {}
-        for kv in a.set:
-            if "=" not in kv:
-                raise SpecError(f"--set {kv!r}: expected KEY=VALUE")
-            k, v = kv.split("=", 1)
-            overrides[k] = yaml.safe_load(v)
+        overrides = parse_sets(a.set)
         spec = load_spec(a.spec, overrides=overrides)
         extra = [x for kv in a.set for x in ("--set", kv)]
         if a.max_trials is not None:

@@ -323,6 +323,19 @@ def load_spec(path: str | Path, *, env: dict[str, str] | None = None, overrides:
     return parse_spec(raw, path, env=env)
 
 
+def parse_sets(pairs: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` strings -> {dotted key: YAML value}."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for kv in pairs:
+        if "=" not in kv:
+            raise SpecError(f"--set {kv!r}: expected KEY=VALUE")
+        k, v = kv.split("=", 1)
+        out[k] = yaml.safe_load(v)
+    return out
+
+
 def apply_overrides(raw: dict, overrides: dict[str, Any]) -> dict:
     """Set dotted keys (`train.backbone`, `eval.n_prompts`) in a copy of the raw spec."""
     raw = json.loads(json.dumps(raw))
