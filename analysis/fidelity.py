@@ -168,15 +168,18 @@ def h1(df, pp, resamples=10_000) -> tuple[list[str], str]:
     lines = [chosen, "", HEADER]
     verdicts = []
     for circ in CIRCUIT_KINDS:  # "every circuit": a circuit without both heads leaves H1 undecided
-        kl = [c for c in _configs(n8, circuit=circ, kl_beta=beta)]
-        ce = [c for c in _configs(n8, circuit=circ, kl_beta=0.0)]
-        if not kl or not ce:
+        # twins: the CE head of the same rank (a CE rank sweep at n = 8 must not stand in for it)
+        pairs = [(kl, ce) for kl in _configs(n8, circuit=circ, kl_beta=beta)
+                 for ce in _configs(n8, circuit=circ, rank=kl["rank"], kl_beta=0.0)]
+        if not pairs:
             lines.append(f"| {circ}: KL vs CE | – | – | – | 0 | ≥ {H1_THRESHOLD} | **{NOT_DECIDED}** | missing CE or KL head |")
             verdicts.append(NOT_DECIDED)
             continue
-        row, dec = _compare(df, pp, kl[0], ce[0], sl, H1_THRESHOLD, f"{circ} n=8: β={beta:g} vs CE", resamples=resamples)
-        lines.append(row)
-        verdicts.append(dec.verdict if dec else NOT_DECIDED)
+        for kl, ce in pairs:
+            rank = f" r={kl['rank']}" if circ != "ff" else ""
+            row, dec = _compare(df, pp, kl, ce, sl, H1_THRESHOLD, f"{circ} n=8{rank}: β={beta:g} vs CE", resamples=resamples)
+            lines.append(row)
+            verdicts.append(dec.verdict if dec else NOT_DECIDED)
     overall = ("reproduced" if all(v == "reproduced" for v in verdicts)
                else NOT_DECIDED if any(v == NOT_DECIDED for v in verdicts) else "not reproduced")
     return lines, overall

@@ -102,7 +102,7 @@ def test_without_dev_sets_a_single_beta_is_fixed_in_advance_and_choices_are_refu
     one = df[df.kl_beta != 1.0]
     lines, verdict = fidelity.h1(one, pp, resamples=500)
     assert lines[0].startswith("beta = 0.5: the only candidate")
-    assert any(x.startswith("| cp n=8: β=0.5 vs CE |") and "**reproduced**" in x for x in lines), lines
+    assert any(x.startswith("| cp n=8 r=8: β=0.5 vs CE |") and "**reproduced**" in x for x in lines), lines
     # H1 is for every circuit: cp alone reproduces its row but leaves the hypothesis undecided
     assert verdict == "not decided" and sum("missing CE or KL head" in x for x in lines) == 3, lines
     assert fidelity.h2(df, pp, resamples=200)[1] == "not decided"
@@ -121,3 +121,12 @@ def test_training_table_orders_configurations_and_averages_seeds():
     assert [x.split(" | ")[1] for x in body] == ["ff", "cp", "btree"]  # n first, then the circuit order
     assert "| 23.000 ± 0.707 |" in body[1] and "STP): 2.100" in lines[0]
     assert fidelity.training_table(pd.DataFrame())[0].startswith("(no finished trial runs")
+
+
+def test_h1_compares_each_distilled_head_with_the_ce_head_of_its_own_rank():
+    # a CE rank sweep at n = 8 beside the twins: r = 32 CE accepts more than r = 8 KL, r = 2 less
+    rates = {("cp", 8, 8, 0, 0.0): 1.0, ("cp", 8, 8, 0, 0.5): 1.2, ("cp", 8, 32, 0, 0.0): 1.3, ("cp", 8, 2, 0, 0.0): 0.8}
+    df, pp = make(rates)
+    lines, _ = fidelity.h1(df, pp, resamples=500)
+    rows = [x for x in lines if x.startswith("| cp ")]
+    assert len(rows) == 1 and rows[0].startswith("| cp n=8 r=8: β=0.5 vs CE | 1.19"), rows

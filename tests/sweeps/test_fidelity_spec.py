@@ -94,5 +94,5 @@ def test_dry_run_on_the_debug_backbone(tmp_path):
     assert main(["--tracking-uri", uri, "--experiment", "mtpc-fidelity", "--out", str(out), "--resamples", "200"]) == 0
     text = out.read_text()
     assert "## H1" in text and "beta = 0.5: the only candidate, fixed in advance" in text
-    assert "| ff n=8: β=0.5 vs CE |" in text and "| cp n=8: β=0.5 vs CE |" in text  # decided on both seeds' prompts
+    assert "| ff n=8: β=0.5 vs CE |" in text and "| cp n=8 r=4: β=0.5 vs CE |" in text  # decided on both seeds' prompts
     assert "## Training" in text
