@@ -230,7 +230,9 @@ def best_configuration(setting: Setting, part: pd.DataFrame) -> str:
     text = f"{row['throughput_mean']:.1f}" + (f" ± {std:.1f}" if math.isfinite(std) else "")
     line = (
         f"best [{setting.title()}]: {row['circuit']} n={row['window']} r={row['rank']} k={row['lora_depth']}"
-        f" — throughput {text} B/s, mu_acc {row['mu_acc_mean']:.2f}, mu_lat {row['mu_lat_mean'] * 1000:.2f} ms"
+        + "".join(f" {tag}={row[col]:g}" for col, tag in (("kl_beta", "β"), ("train_seed", "seed"))
+                  if col in row.index and pd.notna(row[col]))
+        + f" — throughput {text} B/s, mu_acc {row['mu_acc_mean']:.2f}, mu_lat {row['mu_lat_mean'] * 1000:.2f} ms"
     )
     sp = row.get("speedup_vs_stp_mean", float("nan"))
     if sp is not None and math.isfinite(sp):

@@ -126,6 +126,11 @@ def test_table_values_bold_and_stp_row(evals, setting_part):
     line = tables.best_configuration(setting, part)
     assert f"{best['circuit']} n={best['window']} r={best['rank']} k={best['lora_depth']}" in line
     assert f"{best['throughput_mean']:.1f}" in line
+    if "kl_beta" in part.columns and pd.notna(best.get("kl_beta")):  # CE and distilled heads told apart
+        assert f" β={best['kl_beta']:g}" in line
+    twin = part.copy()
+    twin["kl_beta"], twin["train_seed"] = 0.5, 1
+    assert " β=0.5 seed=1 — " in tables.best_configuration(setting, twin)
 
 
 def test_table_stp_row_and_its_x_stp_column_agree(evals):
