@@ -136,10 +136,7 @@ def pareto_figure(setting: Setting, part: pd.DataFrame, width: float = COLUMN_WI
         )  # fmt: skip
         # n/r/k labels (only the front when crowded), placed to avoid points and each other
         show = np.ones(len(x), bool) if labelled else front
-        texts = [
-            f"{part.iloc[i]['window']}/{part.iloc[i]['rank']}/{part.iloc[i]['lora_depth']}"
-            for i in range(len(x))
-        ]
+        texts = [point_label(part.iloc[i]) for i in range(len(x))]
         front_lines = [ln for ln in ax.lines if ln.get_gid() == "pareto-front"]
         _place_labels(ax, x, y, texts, show, avoid=[leg], lines=front_lines)
     return fig
@@ -150,6 +147,18 @@ _LABEL_OFFSETS = (  # (dx, dy) in points, horizontal alignment, vertical alignme
     (-3, -1.5, "right", "top"), (0, 4, "center", "bottom"), (0, -4, "center", "top"),
     (6, 5, "left", "bottom"), (6, -5, "left", "top"), (-6, 5, "right", "bottom"), (-6, -5, "right", "top"),
 )  # fmt: skip
+
+
+def point_label(row) -> str:
+    """n/r/k, then β<kl_beta> for a distilled head and s<seed> for a training seed > 0 (CE and
+    distilled twins, and seeds, would otherwise carry the same label)."""
+    text = f"{row['window']}/{row['rank']}/{row['lora_depth']}"
+    beta, seed = row.get("kl_beta"), row.get("train_seed")
+    if beta is not None and pd.notna(beta) and float(beta) > 0:
+        text += f" β{float(beta):g}"
+    if seed is not None and pd.notna(seed) and int(seed) > 0:
+        text += f" s{int(seed)}"
+    return text
 
 
 def _place_labels(

@@ -48,6 +48,9 @@ def test_ce_and_kl_runs_and_seeds_are_never_averaged_and_eos_splits_settings():
     header = next(line for line in md.splitlines() if line.startswith("| n |"))
     assert header.endswith("| degenerate |") and "| β | seed |" in header
     assert "warning" not in md and tables.degeneracy_warning(table) is None
+    # the figure's point labels tell the twins and seeds apart too
+    labels = {pareto_plot.point_label(r) for _, r in part.iterrows()}
+    assert {"8/32/0", "8/32/0 s1", "8/32/0 β0.5", "8/32/0 β0.5 s1"} <= labels, labels
 
 
 def test_one_training_variant_shows_no_extra_key_columns():
