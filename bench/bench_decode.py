@@ -53,7 +53,8 @@ from mtpc.paths import cache_dir  # noqa: E402
 SECTIONS = ("engine", "bf16", "heads")
 BARS = {"step_over_floor": 1.15, "k1_draft_top_adds": 0.15, "cycle_over_hf_generate_step": 1.15}
 
-REPORT = ("mu_acc", "tokens_per_cycle", "mu_lat", "throughput", "speedup_vs_stp", "speedup_vs_ff")
+REPORT = ("mu_acc", "tokens_per_cycle", "mu_lat", "throughput", "speedup_vs_stp", "speedup_vs_ff",
+          "degenerate_fraction", "distinct_4gram_ratio")  # degeneracy beside every acceptance figure
 
 
 def find_head(heads_dir: Path, kind: str, window: int) -> Path | None:
@@ -266,7 +267,8 @@ def heads_section(args) -> dict:
             print(
                 f"n={window:2d} {row['circuit']:>5} {row['mode']:>6}/{row['extra_token']:<4} "
                 f"mu_acc={row['mu_acc']:.2f} tpc={row['tokens_per_cycle']:.2f} mu_lat={row['mu_lat'] * 1e3:.1f}ms "
-                f"speedup_vs_stp={row['speedup_vs_stp']:.2f} speedup_vs_ff={row['speedup_vs_ff']:.2f} ({row['source'][:7]})",
+                f"speedup_vs_stp={row['speedup_vs_stp']:.2f} speedup_vs_ff={row['speedup_vs_ff']:.2f} "
+                f"degenerate={row['degenerate_fraction']:.2f} distinct4={row['distinct_4gram_ratio']:.2f} ({row['source'][:7]})",
                 flush=True,
             )
         out["windows"][str(window)] = {"rows": rows, "stp": res["stp"], "runs": res["runs"]}

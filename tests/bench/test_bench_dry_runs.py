@@ -45,3 +45,18 @@ def test_bench_decode_engine_section(tmp_path):
     assert eng["identity"]["compact"]["spec_eq_plain"] == 1 and eng["identity"]["compact"]["plain_eq_hf"] == 1
     assert all(v > 0 for v in eng["step_ms"].values())
     sys.modules.pop("bench_decode", None)
+
+
+def test_bench_decode_heads_section_reports_degeneracy_beside_acceptance(tmp_path):
+    import bench_decode
+
+    out = tmp_path / "decode.json"
+    argv = ["--sections", "heads", "--heads-dir", str(tmp_path / "no-heads"), "--windows", "4", "--num-prompts", "1",
+            "--sets", "1", "--max-new-tokens", "8", "--out", str(out)]  # fmt: skip
+    assert bench_decode.main(argv) == 0
+    rows = json.loads(out.read_text())["heads"]["windows"]["4"]["rows"]
+    assert {r["circuit"] for r in rows} == set(CIRCUIT_KINDS) and {r["source"] for r in rows} == {"random"}
+    for r in rows:
+        assert 0.0 <= r["degenerate_fraction"] <= 1.0 and 0.0 < r["distinct_4gram_ratio"] <= 1.0
+        assert r["mu_acc"] >= 0 and r["speedup_vs_stp"] > 0
+    sys.modules.pop("bench_decode", None)
