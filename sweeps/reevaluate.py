@@ -46,9 +46,10 @@ def _pass_of(params: dict[str, str]) -> tuple[str, float | None]:
     return (mode, None) if mode == "greedy" else (mode, float(params.get("temperature", "nan")))
 
 
-def plan(spec, uri: str, keys: set[str] | None = None) -> tuple[list[Job], list[str]]:
+def plan(spec, uri: str, keys: set[str] | None = None, *, delete_partial: bool = True) -> tuple[list[Job], list[str]]:
     """The jobs (trials with missing passes) and the grid keys that have no finished trial head.
-    Deletes the child runs of partial passes (an interrupted earlier run of this command)."""
+    Deletes the child runs of partial passes (an interrupted earlier run of this command) unless
+    `delete_partial` is false (a dry run changes nothing)."""
     ev = eval_config(spec)
     names = set(prompt_set_names(ev["sets"], ev["dev_sets"]))
     wanted = eval_passes(ev["modes"], ev["temperatures"])
@@ -76,7 +77,7 @@ def plan(spec, uri: str, keys: set[str] | None = None) -> tuple[list[Job], list[
             done = {r.data.params.get("prompt_set") for r in runs if r.info.status == "FINISHED"}
             if names <= done:
                 continue
-            for r in runs:  # partial: redo the whole pass
+            for r in runs if delete_partial else ():  # partial: redo the whole pass
                 client.delete_run(r.info.run_id)
             todo.append((mode, temperature))
         if todo:
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         if spec.grid is None:
             raise SpecError(f"{args.spec}: space.kind must be grid (trials are found by grid key)")
         uri = spec.tracking_uri
-        jobs, missing = plan(spec, uri, set(args.keys.split(",")) if args.keys else None)
+        jobs, missing = plan(spec, uri, set(args.keys.split(",")) if args.keys else None, delete_partial=not args.dry_run)
     except (SpecError, tracking.TrackingError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -60,6 +60,9 @@ def test_adds_a_greedy_pass_once_and_redoes_a_partial_one(tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
     MlflowClient(uri).delete_run(greedy[0].info.run_id)  # as if interrupted after one prompt set
+    capsys.readouterr()
+    assert main([str(spec), "--set", "eval.modes=[greedy]", "--dry-run"]) == 0  # lists, deletes nothing
+    assert "1 trial head(s)" in capsys.readouterr().out and len(_by_mode(uri)["greedy"]) == 1
     assert main([str(spec), "--set", "eval.modes=[greedy]"]) == 0
     again = _by_mode(uri)["greedy"]
     assert len(again) == 2 and not {g.info.run_id for g in again} & {g.info.run_id for g in greedy}
