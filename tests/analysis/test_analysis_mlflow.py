@@ -256,3 +256,16 @@ def test_module_cli_unreachable_server_is_a_clear_error(tmp_path):
     assert proc.returncode == 1, proc.stderr
     assert "cannot reach the MLflow tracking store 'http://127.0.0.1:9' (from --tracking-uri)" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_documented_script_runs_the_same_cli_without_shadowing_pypi_modules(tmp_path):
+    """`python analysis/pareto.py` (the product's command) is `python -m analysis`: same parser, and
+    run as a script its directory does not shadow installed modules (analysis/tables.py vs `tables`)."""
+    repo = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "analysis/pareto.py", "--help"], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "usage: python -m analysis" in r.stdout and "--tracking-uri" in r.stdout
+    r = subprocess.run([sys.executable, "analysis/pareto.py", "--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}",
+                        "--experiment", "nothing", "--out", str(tmp_path / "o")],
+                       cwd=repo, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.strip().startswith("error:") and "Traceback" not in r.stderr, r.stderr[-2000:]
