@@ -59,6 +59,11 @@ class Slice:
     eos: str = "banned"
 
 
+#: selections (beta, the best head, the best k) always read the development sets in this slice, so a
+#: reading at another temperature (`--temperature`) compares the same heads the T = 1 study chose
+SELECT = Slice()
+
+
 def is_dev(prompt_set: Any) -> bool:
     return str(prompt_set).startswith(DEV_SET_PREFIX)
 
@@ -146,15 +151,14 @@ def _compare(df, pp, a, b, sl, threshold, name, metric="mu_acc", resamples=10_00
     return _row(name, dec), dec
 
 
-def h1(df, pp, resamples=10_000) -> tuple[list[str], str]:
-    sl = Slice()
+def h1(df, pp, resamples=10_000, sl: Slice = SELECT) -> tuple[list[str], str]:
     n8 = df[(df["window"] == 8) & (df["lora_depth"] == 0)]
     betas = sorted({b for b in n8["kl_beta"].dropna() if b > 0})
     if not betas:
         return ["no distilled heads (kl_beta > 0) at n = 8"], NOT_DECIDED
 
     def dev_score(beta):
-        return np.nanmean([pooled(df, pp, _cfg(c), sl) for c in _configs(n8, kl_beta=beta)])
+        return np.nanmean([pooled(df, pp, _cfg(c), SELECT) for c in _configs(n8, kl_beta=beta)])
 
     has_dev = bool(n8["prompt_set"].map(is_dev).any())
     if not has_dev and len(betas) > 1:
@@ -185,8 +189,7 @@ def h1(df, pp, resamples=10_000) -> tuple[list[str], str]:
     return lines, overall
 
 
-def h2(df, pp, kl_beta=0.0, resamples=10_000) -> tuple[list[str], str]:
-    sl = Slice()
+def h2(df, pp, kl_beta=0.0, resamples=10_000, sl: Slice = SELECT) -> tuple[list[str], str]:
     n16 = df[(df["window"] == 16) & (df["lora_depth"] == 0) & np.isclose(df["kl_beta"].astype(float), kl_beta)]
     ff = _configs(n16, circuit="ff")
     rivals = [c for c in _configs(n16) if c["circuit"] in ("cp", "hmm", "btree")]
@@ -194,7 +197,7 @@ def h2(df, pp, kl_beta=0.0, resamples=10_000) -> tuple[list[str], str]:
         return ["needs ff and at least one of cp/hmm/btree at n = 16, k = 0"], NOT_DECIDED
     if len(rivals) > 1 and not n16["prompt_set"].map(is_dev).any():
         return ["several of cp/hmm/btree but no development sets to choose the best"], NOT_DECIDED
-    scores = {_label(c): pooled(df, pp, _cfg(c), sl) for c in rivals}
+    scores = {_label(c): pooled(df, pp, _cfg(c), SELECT) for c in rivals}
     best = max(rivals, key=lambda c: scores[_label(c)])
     lines = [f"best of cp/hmm/btree on the development sets: {_label(best)} (pooled dev mu_acc "
              + ", ".join(f"{k}: {v:.3f}" for k, v in scores.items()) + ")", "", HEADER]
@@ -203,8 +206,7 @@ def h2(df, pp, kl_beta=0.0, resamples=10_000) -> tuple[list[str], str]:
     return lines, dec.verdict if dec else NOT_DECIDED
 
 
-def findings(df, pp, resamples=10_000) -> list[str]:
-    sl = Slice()
+def findings(df, pp, resamples=10_000, sl: Slice = SELECT) -> list[str]:
     out = ["### (a) cp acceptance grows with r and tails off (n = 8, k = 0, CE)", "", HEADER]
     cps = sorted(_configs(df[(df["window"] == 8) & (df["lora_depth"] == 0)], circuit="cp", kl_beta=0.0), key=lambda c: c["rank"])
     if len(cps) >= 3:
@@ -252,7 +254,7 @@ def findings(df, pp, resamples=10_000) -> list[str]:
         if len(ks) < 2 or ks[0]["lora_depth"] != 0:
             out.append(f"| {circ}: k > 0 vs k = 0 | – | – | – | 0 | > 1 | **{NOT_DECIDED}** | needs k = 0 and k > 0 |")
             continue
-        best = max(ks[1:], key=lambda c: pooled(df, pp, _cfg(c), sl))  # chosen on dev
+        best = max(ks[1:], key=lambda c: pooled(df, pp, _cfg(c), SELECT))  # chosen on dev
         row, dec = _compare(df, pp, best, ks[0], sl, 1.0, f"{circ}: k={best['lora_depth']} (best on dev) vs k=0",
                             resamples=resamples)
         if dec is None or dec.verdict != "reproduced":
@@ -321,14 +323,17 @@ def training_table(trials: pd.DataFrame) -> list[str]:
 
 
 def report(df: pd.DataFrame, pp: dict[str, list[dict]], h2_kl_beta: float = 0.0, resamples: int = 10_000,
-           trials: pd.DataFrame | None = None) -> str:
-    l1, v1 = h1(df, pp, resamples)
-    l2, v2 = h2(df, pp, h2_kl_beta, resamples)
-    parts = ["# Fidelity study: decisions", "",
+           trials: pd.DataFrame | None = None, temperature: float = 1.0) -> str:
+    sl = Slice(temperature=temperature)
+    l1, v1 = h1(df, pp, resamples, sl)
+    l2, v2 = h2(df, pp, h2_kl_beta, resamples, sl)
+    title = "# Fidelity study: decisions" + ("" if sl == SELECT else
+                                             f" read at sampling T = {temperature:g} (selections on the T = 1 development sets)")
+    parts = [title, "",
              f"{len(df)} evaluation runs ({int(df['prompt_set'].map(is_dev).sum())} on development sets).", "",
              f"## H1: distillation >= {H1_THRESHOLD}x CE (sampling mu_acc, n = 8, every circuit): **{v1}**", "", *l1, "",
              f"## H2: best of cp/hmm/btree >= {H2_THRESHOLD}x ff (sampling mu_acc, n = 16): **{v2}**", "", *l2, "",
-             "## Findings", "", *findings(df, pp, resamples), "", "## Training", "", *undertrained(df), "",
+             "## Findings", "", *findings(df, pp, resamples, sl), "", "## Training", "", *undertrained(df), "",
              *(training_table(trials) + [""] if trials is not None else [])]
     return "\n".join(parts)
 
@@ -373,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="Markdown file (default: stdout)")
     p.add_argument("--h2-kl-beta", type=float, default=0.0, help="training of the heads compared in H2 (0: CE)")
     p.add_argument("--resamples", type=int, default=10_000)
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="read the comparisons at this sampling temperature (the hypotheses are stated at 1; "
+                        "selections always read the T = 1 development sets)")
     args = p.parse_args(argv)
     try:
         result, client, _ = load(args.tracking_uri, args.experiment, Filters(prompt_sets="all"))
@@ -380,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         sample = df[df["mode"] == "sample"]
         ids = [e.experiment_id for e in resolve_experiment(client, args.experiment)]
         text = report(df, load_per_prompt(client, list(sample["run_id"])), args.h2_kl_beta, args.resamples,
-                      trials=trial_frame(client, ids))
+                      trials=trial_frame(client, ids), temperature=args.temperature)
     except (AnalysisError, tracking.TrackingError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -130,3 +130,18 @@ def test_h1_compares_each_distilled_head_with_the_ce_head_of_its_own_rank():
     lines, _ = fidelity.h1(df, pp, resamples=500)
     rows = [x for x in lines if x.startswith("| cp ")]
     assert len(rows) == 1 and rows[0].startswith("| cp n=8 r=8: β=0.5 vs CE | 1.19"), rows
+
+
+def test_a_reading_at_another_temperature_compares_its_runs_and_keeps_the_t1_dev_choices():
+    t1, pp = make(PAPER)
+    low = {k: (v * 1.5 if k[0] == "ff" else v) for k, v in PAPER.items()}  # at T = 0.8 ff is best
+    t08, pp08 = make(low)
+    t08 = t08[~t08.prompt_set.map(fidelity.is_dev)].assign(temperature=0.8)  # reported sets only
+    t08["run_id"] = t08["run_id"] + "-T0.8"
+    pp.update({k + "-T0.8": v for k, v in pp08.items()})
+    df = pd.concat([t1, t08], ignore_index=True)
+    assert fidelity.h2(df, pp, resamples=300)[1] == "reproduced"  # the stated hypothesis reads T = 1
+    lines, verdict = fidelity.h2(df, pp, resamples=300, sl=fidelity.Slice(temperature=0.8))
+    assert "btree n=16" in lines[0] and verdict == "not reproduced", lines  # the same T = 1 dev choice
+    text = fidelity.report(df, pp, resamples=200, temperature=0.8)
+    assert text.startswith("# Fidelity study: decisions read at sampling T = 0.8")
