@@ -163,12 +163,14 @@ def h1(df, pp, resamples=10_000, sl: Slice = SELECT) -> tuple[list[str], str]:
     has_dev = bool(n8["prompt_set"].map(is_dev).any())
     if not has_dev and len(betas) > 1:
         return [f"kl_beta candidates {betas} but no development sets to choose among them"], NOT_DECIDED
-    beta = max(betas, key=dev_score) if has_dev else betas[0]
     if len(betas) == 1:
+        beta = betas[0]
         chosen = f"beta = {beta:g}: the only candidate, fixed in advance (nothing chosen on the development sets)"
-    else:
+    else:  # several candidates: has_dev holds here
+        scores = {b: dev_score(b) for b in betas}
+        beta = max(betas, key=scores.__getitem__)
         chosen = (f"beta chosen on the development sets: {beta:g} (pooled dev mu_acc " +
-                  ", ".join(f"β={b:g}: {dev_score(b):.3f}" for b in betas) + ")")
+                  ", ".join(f"β={b:g}: {v:.3f}" for b, v in scores.items()) + ")")
     lines = [chosen, "", HEADER]
     verdicts = []
     for circ in CIRCUIT_KINDS:  # "every circuit": a circuit without both heads leaves H1 undecided
@@ -295,8 +297,7 @@ def trial_frame(client, experiment_ids: list[str]) -> pd.DataFrame:
         window = int(p["window"])
         row = {"circuit": p["circuit"], "window": window, "rank": int(p["rank"]), "lora_depth": int(p["lora_depth"]),
                "kl_beta": float(p.get("kl_beta", 0.0)), "train_seed": int(p.get("train_seed", 0)),
-               "val_nll_n": m.get(f"val_nll_{window}", math.nan), "val_kl_n": m.get(f"val_kl_{window}", math.nan),
-               "converged": m.get("converged", math.nan)}
+               "val_nll_n": m.get(f"val_nll_{window}", math.nan), "val_kl_n": m.get(f"val_kl_{window}", math.nan)}
         row.update({k: m.get(k, math.nan) for k in TRAINING_COLUMNS})
         rows.append(row)
     return pd.DataFrame(rows)

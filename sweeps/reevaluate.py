@@ -41,15 +41,17 @@ class Job:
     passes: tuple[tuple[str, float], ...]  # the (mode, temperature) passes still missing
 
 
-def _pass_of(params: dict[str, str]) -> tuple[str, float | None]:
-    mode = params.get("mode", "")
-    return (mode, None) if mode == "greedy" else (mode, float(params.get("temperature", "nan")))
+def _pass_of(mode: str, temperature: Any) -> tuple[str, float | None]:
+    """A pass's identity: greedy ignores the temperature."""
+    return (mode, None) if mode == "greedy" else (mode, float(temperature))
 
 
 def plan(spec, uri: str, keys: set[str] | None = None, *, delete_partial: bool = True) -> tuple[list[Job], list[str]]:
     """The jobs (trials with missing passes) and the grid keys that have no finished trial head.
     Deletes the child runs of partial passes (an interrupted earlier run of this command) unless
     `delete_partial` is false (a dry run changes nothing)."""
+    from experiments.mlflow_run import RUN_ID_FILE
+
     ev = eval_config(spec)
     names = set(prompt_set_names(ev["sets"], ev["dev_sets"]))
     wanted = eval_passes(ev["modes"], ev["temperatures"])
@@ -60,8 +62,8 @@ def plan(spec, uri: str, keys: set[str] | None = None, *, delete_partial: bool =
         key = grid_key(point)
         if keys is not None and key not in keys:
             continue
-        run_dir = spec.output_dir / "checkpoints" / spec.study / key
-        id_file = run_dir / "mlflow_run_id.txt"
+        run_dir = spec.trial_dir(key)
+        id_file = run_dir / RUN_ID_FILE
         if exp is None or not (run_dir / "head" / "head.safetensors").is_file() or not id_file.is_file():
             missing.append(key)
             continue
@@ -72,8 +74,9 @@ def plan(spec, uri: str, keys: set[str] | None = None, *, delete_partial: bool =
         children = tracking.child_runs(uri, exp.experiment_id, parent, finished_only=False)
         todo = []
         for mode, temperature in wanted:
-            want = _pass_of({"mode": mode, "temperature": str(temperature)})
-            runs = [r for r in children if _pass_of(r.data.params) == want]
+            want = _pass_of(mode, temperature)
+            runs = [r for r in children
+                    if _pass_of(r.data.params.get("mode", ""), r.data.params.get("temperature", "nan")) == want]
             done = {r.data.params.get("prompt_set") for r in runs if r.info.status == "FINISHED"}
             if names <= done:
                 continue

@@ -128,6 +128,10 @@ class SweepSpec:
     max_retries: int = 1  # re-enqueues of a trial whose worker died
     stale_after_s: float = 900.0  # a RUNNING trial without heartbeat for this long counts as dead
 
+    def trial_dir(self, key: str) -> Path:
+        """Where the trial of grid point `key` keeps its checkpoint, head and run id (a re-run resumes there)."""
+        return self.output_dir / "checkpoints" / self.study / key
+
     @property
     def directions(self) -> list[str]:
         return [o.direction for o in self.objectives]
@@ -325,8 +329,6 @@ def load_spec(path: str | Path, *, env: dict[str, str] | None = None, overrides:
 
 def parse_sets(pairs: list[str]) -> dict[str, Any]:
     """`--set KEY=VALUE` strings -> {dotted key: YAML value}."""
-    import yaml
-
     out: dict[str, Any] = {}
     for kv in pairs:
         if "=" not in kv:

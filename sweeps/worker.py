@@ -195,7 +195,7 @@ def run_one(spec: SweepSpec, study, trial_id: int, exp_id: str, me: Owner, stop:
         ctx = TrialContext(
             spec=spec, point=point, trial_number=number, tracking_uri=uri, experiment_id=exp_id,
             parent_run_id=parent, parent_run_name=run_name,
-            checkpoint_dir=spec.output_dir / "checkpoints" / spec.study / key,
+            checkpoint_dir=spec.trial_dir(key),
             should_stop=stop, set_attr=lambda k, v: storage.set_trial_user_attr(trial_id, k, v),
         )
         run_objective(ctx)
