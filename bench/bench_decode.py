@@ -9,7 +9,8 @@ Sections (each run in this process, 1 intra-op thread; the JSON keeps sections n
   random-weight Llama of its shape, vocab 320, d 512, 4 layers, 8 heads, 2 kv heads,
   intermediate 1024), side by side, interleaved round by round: the weight-read floor of a step
   (one matrix-vector product per weight), our plain step (compact engine, k = 0, and with the k = 1
-  LoRA draft top, low-rank and merged), the HF-layer adapter's step, one step of Hugging Face
+  LoRA draft top, low-rank and merged; the default views weight layout and the packed one side
+  by side for the step, the verify and the cycle), the HF-layer adapter's step, one step of Hugging Face
   `generate` (greedy, EOS suppressed), the verify pass at n = 8 / 16, head + draft per circuit,
   and the speculative cycle of a btree head n = 8, r = 8, App. G leaves, k = 0; greedy outputs of
   HF generate, our plain decoding and our speculative decoding compared byte for byte. Times are
@@ -127,6 +128,7 @@ def engine_section(args) -> dict:
     engines = {
         "compact_k0": LlamaEngine(bb0, cap), "compact_k1": LlamaEngine(bb1, cap),
         "compact_k1_merged": LlamaEngine(bb1, cap, lora="merged"), "hf_k0": AdapterEngine(hf0), "hf_k1": AdapterEngine(hf1),
+        "compact_k0_packed": LlamaEngine(bb0, cap, weights="packed"), "compact_k1_packed": LlamaEngine(bb1, cap, weights="packed"),
     }  # fmt: skip
     if args.compile:
         engines["compact_k0_compiled"] = LlamaEngine(bb0, cap, compile=True)
@@ -140,12 +142,17 @@ def engine_section(args) -> dict:
         steps = et.timed({"floor": et.weight_floor(model)} | {k: et.engine_call(e, one, P) for k, e in engines.items()},
                          args.reps, R, clock=clock)  # fmt: skip
         out["step_ms"] = steps["ms"]
-        ver = {"step": et.engine_call(engines["compact_k0"], one, P)}
+        ver = {"step": et.engine_call(engines["compact_k0"], one, P),
+               "step_packed": et.engine_call(engines["compact_k0_packed"], one, P)}  # fmt: skip
         for n in (8, 16):
-            ver[f"verify_{n}"] = et.engine_call(engines["compact_k0"], torch.randint(0, 256, (n,), generator=g), P)
+            ids_n = torch.randint(0, 256, (n,), generator=g)
+            ver[f"verify_{n}"] = et.engine_call(engines["compact_k0"], ids_n, P)
+            ver[f"verify_{n}_packed"] = et.engine_call(engines["compact_k0_packed"], ids_n, P)
         vres = et.timed(ver, args.reps, R, clock=clock)
         out["verify_ms"] = vres["ms"]
         out["verify_over_step"] = {n: et.ratio(vres, f"verify_{n}", "step") for n in (8, 16)}
+        out["verify_over_step_packed"] = {n: et.ratio(vres, f"verify_{n}_packed", "step_packed") for n in (8, 16)}
+        out["packed_verify_over_views_verify"] = {n: et.ratio(vres, f"verify_{n}_packed", f"verify_{n}") for n in (8, 16)}
         hidden = engines["compact_k0"].feed(one).draft_hidden[-1].clone()
         engines["compact_k0"].crop(P)
         hd = {}
@@ -157,7 +164,8 @@ def engine_section(args) -> dict:
 
     # the cycle, our plain step and one HF generate step, interleaved per round
     head = et.make_head(bb0, "btree", 8, 8, 16)
-    models = {"compact": MtpcModel(bb0, head), "hf": MtpcModel(hf0, head)}
+    models = {"compact": MtpcModel(bb0, head), "compact_packed": MtpcModel(bb0, head, weights="packed"),
+              "hf": MtpcModel(hf0, head)}  # fmt: skip
     if args.compile:
         models["compact_compiled"] = MtpcModel(bb0, head, compile=True)
     hf_fns = et.hf_generate_step(model, prompt, new, eos)
@@ -201,7 +209,12 @@ def engine_section(args) -> dict:
          "plain_step_over_hf_generate_step": per_round("plain_step_compact", "hf_generate_step"),
          "cycle_over_hf_generate_step": per_round("cycle_compact", "hf_generate_step"),
          "cycle_over_plain_step": per_round("cycle_compact", "plain_step_compact"),
-         "hf_engine_cycle_over_hf_generate_step": per_round("cycle_hf", "hf_generate_step")}  # fmt: skip
+         "hf_engine_cycle_over_hf_generate_step": per_round("cycle_hf", "hf_generate_step"),
+         "packed_step_over_floor": et.ratio(steps, "compact_k0_packed", "floor"),
+         "packed_k1_draft_top_adds": et.ratio(steps, "compact_k1_packed", "compact_k0_packed") - 1,
+         "packed_step_over_views_step": et.ratio(steps, "compact_k0_packed", "compact_k0"),
+         "packed_cycle_over_hf_generate_step": per_round("cycle_compact_packed", "hf_generate_step"),
+         "packed_cycle_over_views_cycle": per_round("cycle_compact_packed", "cycle_compact")}  # fmt: skip
     if args.compile:
         r["compiled_step_over_floor"] = et.ratio(steps, "compact_k0_compiled", "floor")
         r["compiled_k1_draft_top_adds"] = et.ratio(steps, "compact_k1_compiled", "compact_k0_compiled") - 1

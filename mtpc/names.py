@@ -25,6 +25,9 @@ EXTRA_TOKEN_OPTIONS: tuple[str, ...] = ("keep", "drop")
 DECODE_ENGINES: tuple[str, ...] = ("auto", "compact", "hf")
 #: how the compact engine runs the LoRA draft top: lowrank (s B (A x) beside the shared W) or merged
 DRAFT_LORA_MODES: tuple[str, ...] = ("lowrank", "merged")
+#: how the compact engine holds the base weights: views (the HF parameters as they are, (out, in);
+#: the default) or packed (one transposed (in, out) copy, q|k|v and gate|up fused: fewer products)
+ENGINE_WEIGHT_LAYOUTS: tuple[str, ...] = ("views", "packed")
 #: the axes of a sweep grid point (and the architecture params of a trial), in grid-key order
 GRID_PARAMS: tuple[str, ...] = ("circuit", "rank", "window", "lora_depth")
 #: training axes a grid may vary beside the architecture, with their defaults: kl_beta (weight of the

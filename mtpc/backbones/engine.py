@@ -105,7 +105,7 @@ def make_engine(
 
     draft: False gives the verifier alone (plain decoding pays for no draft top).
     cuda_graphs: capture the compact step / verify on CUDA (None: on when the device is CUDA).
-    kw: `LlamaEngine` options (static, lora).
+    kw: `LlamaEngine` options (static, lora, compile, weights).
     """
     if getattr(backbone, "engine", "hf") == "compact":
         from mtpc.backbones.llama import LlamaEngine

@@ -2,8 +2,13 @@
 
 `LlamaEngine` runs a transformers Llama (`LlamaForCausalLM`: the embedded default byte Llama,
 Llama-3.2 with `llama3` RoPE scaling) wrapped in a `BackboneAdapter` with its own small forward
-in the style of gpt-fast's model.py, reading the HF parameters and the adapter's peft LoRA
-matrices as they are (views: nothing is copied unless `lora="merged"`):
+in the style of gpt-fast's model.py, reading the adapter's peft LoRA matrices as they are (views)
+and the base weights in one of two layouts: `weights="views"` (the default) multiplies by the
+HF parameters themselves (nothing copied unless `lora="merged"`), `"packed"` by one transposed
+copy with q|k|v and gate|up side by side (fewer, row-major products; the base weights' memory
+doubles; rebuilt at `reset` when a source tensor changed in place). In isolation an 8-row
+product over an (in, out) matrix costs ~0.6x one over (out, in) on this CPU's BLAS, but inside
+the decoding loop packed measured no faster (bench_decode's engine section reports both):
 
     embed -> layers[0, L-k)                         trunk, one batch row
           -> layers[L-k, L) on rows [verify, draft] both tops in one pass: one weight read;
@@ -20,6 +25,8 @@ default slices the caches to the live length (views) and skips the mask for one 
 Numerics follow transformers' Llama: RMSNorm in float32 then cast, cos/sin from float32
 frequencies cast to the model dtype, sdpa with scale head_dim**-0.5, peft's LoRA dtype rules;
 float64 outputs agree with the HF (sdpa) forward to ~1e-13 (tests/mtpc/test_llama_engine.py).
+In float32 the packed products round differently from HF's (out, in) ones (~1e-5 on logits of
+size ~10), as an n-row product already rounds differently from a 1-row one in either layout.
 
 `llama_unsupported(model)` names the first thing this forward does not implement (another model
 class, biases, an activation other than silu, RoPE types other than default / llama3, config
@@ -38,7 +45,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from mtpc.backbones.engine import StepOutput
-from mtpc.names import DRAFT_LORA_MODES
+from mtpc.names import DRAFT_LORA_MODES, ENGINE_WEIGHT_LAYOUTS
 
 ROPE_TYPES = ("default", "llama3")  # the rotary variants this forward implements
 # config keys a saved LlamaConfig may carry beyond LlamaConfig().to_dict() that change nothing here
@@ -198,17 +205,26 @@ class _Lora:
 
 @dataclass
 class _Layer:
-    """Views of one decoder layer's weights; `lora` (draft row) and `merged` only in the top."""
+    """One decoder layer's weights; `lora` (draft row) and `merged` only in the top.
+
+    w: the HF parameters by name (q k v o gate up down: (out, in) views), always kept: the views
+    layout multiplies by them, the packed one was built from them. packed (layout "packed" only):
+    group -> one (in, out) contiguous copy of its members side by side (qkv, o, gu, down), so
+    that a group is one row-major product whose outputs are column slices. merged (lora="merged"):
+    group or name -> (2, ...) [W, W + s B A] in the layout's orientation."""
 
     ln1: Tensor
     ln2: Tensor
-    w: dict[str, Tensor]  # q k v o gate up down: (out, in) views of the HF parameters
+    w: dict[str, Tensor]
     lora: dict[str, _Lora]
-    merged: dict[str, Tensor]  # name -> (2, out, in) [W, W + s B A] (lora="merged" only)
+    merged: dict[str, Tensor]
+    packed: dict[str, Tensor]
 
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
+# the packed layout's groups: members side by side along the output axis (one product each)
+_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gu": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 
 
 def _peft_lora(module: Any) -> _Lora | None:
@@ -228,7 +244,28 @@ def _base_weight(module: Any) -> Tensor:
     return getattr(module, "base_layer", module).weight.detach()
 
 
-def _layer(hf_layer: Any, draft_layer: Any | None, lora_mode: str) -> _Layer:
+def _merge(wt: Tensor, lo: _Lora | None) -> Tensor:
+    """W + s B A formed in the wider of the two dtypes (as peft's merge); W itself without a LoRA."""
+    if lo is None:
+        return wt
+    dt = torch.promote_types(wt.dtype, lo.a.dtype)
+    return (wt.to(dt) + lo.b.to(dt) @ lo.a.to(dt) * lo.scale).to(wt.dtype)
+
+
+def _add_lora(y: Tensor, x: Tensor, lo: _Lora) -> None:
+    """y[1] += s B (A x[1]) in place: the draft row's LoRA (y may be a column slice of a group)."""
+    if lo.a.dtype == y.dtype:  # two BLAS calls
+        y[1].addmm_(F.linear(x[1], lo.a), lo.b.t(), alpha=lo.scale)
+    else:  # float32 LoRA under a half-precision backbone: peft's casts (result + lora_B(lora_A(x)) * scaling)
+        y[1:] += F.linear(F.linear(x[1:].to(lo.a.dtype), lo.a), lo.b) * lo.scale
+
+
+def _pack(mats: list[Tensor]) -> Tensor:
+    """(out_i, in) matrices -> one (in, sum out_i) contiguous copy: x @ it == cat(x W_i^T) bit for bit."""
+    return torch.cat(mats, dim=0).t().contiguous()
+
+
+def _layer(hf_layer: Any, draft_layer: Any | None, lora_mode: str, layout: str) -> _Layer:
     attn, mlp = hf_layer.self_attn, hf_layer.mlp
     w = {n: getattr(attn, n).weight.detach() for n in _ATTN} | {
         n: getattr(mlp, n).weight.detach() for n in _MLP
@@ -244,20 +281,21 @@ def _layer(hf_layer: Any, draft_layer: Any | None, lora_mode: str) -> _Layer:
             lo = _peft_lora(mod)
             if lo is not None:
                 lora[n] = lo
+    packed = {g: _pack([w[n] for n in ms]) for g, ms in _GROUPS.items()} if layout == "packed" else {}
     merged = {}
-    if lora_mode == "merged" and draft_layer is not None:
-        for n, wt in w.items():
-            if n in lora:  # W + s B A, formed in the wider of the two dtypes (as peft's merge)
-                lo, dt = lora[n], torch.promote_types(wt.dtype, lora[n].a.dtype)
-                merged[n] = torch.stack([wt, (wt.to(dt) + lo.b.to(dt) @ lo.a.to(dt) * lo.scale).to(wt.dtype)])
-            else:
-                merged[n] = torch.stack([wt, wt])  # a copy: the draft top's merged weights
+    if lora_mode == "merged" and draft_layer is not None:  # a copy: the draft top's merged weights
+        if layout == "packed":
+            for g, ms in _GROUPS.items():
+                merged[g] = torch.stack([packed[g], _pack([_merge(w[n], lora.get(n)) for n in ms])])
+        else:
+            merged = {n: torch.stack([wt, _merge(wt, lora.get(n))]) for n, wt in w.items()}
     return _Layer(
         hf_layer.input_layernorm.weight.detach(),
         hf_layer.post_attention_layernorm.weight.detach(),
         w,
         lora,
         merged,
+        packed,
     )
 
 
@@ -276,8 +314,16 @@ class LlamaEngine:
     static: fixed-shape attention over the whole capacity (default: on CUDA). cuda_graphs:
     capture `feed` per input length T on its first use (CUDA and static only). lora:
     "lowrank" (s B (A x) beside the shared W) or "merged" (a stacked copy [W, W + s B A]).
-    compile: run the forward through torch.compile (dynamic shapes). Off by default: on the
-    shared 2-core CPU it compiled for 60-630 s and gave no reliable gain (docs/decoding.md).
+    compile: run the decoding calls (T <= 64 new positions after a prefill: the 1-byte step, the
+    n-byte verify) through torch.compile with static shapes (implies static=True; one graph per
+    T, compiled on its first use; on the CPU with inductor's C++ wrapper, which leaves out most
+    of the per-kernel Python overhead). The prefill runs eagerly. Fusion rounds differently from
+    eager (~1e-6 on float32 logits). Off by default: each T compiles for seconds (needs a C++
+    compiler on the CPU).
+    weights: "views" (multiply by the HF parameters as they are; None means this) or "packed"
+    (one transposed, fused copy: q|k|v and gate|up as one product each; the base weights' memory
+    doubles; measured side by side in bench_decode, not faster there on the 2-core CPU). A packed
+    (or merged) copy is rebuilt at `reset` when a source tensor changed in place (its version moved).
     """
 
     def __init__(
@@ -289,45 +335,66 @@ class LlamaEngine:
         cuda_graphs: bool = False,
         lora: str = "lowrank",
         compile: bool = False,
+        weights: str | None = None,
     ):
         reason = llama_unsupported(adapter.model)
         if reason:
             raise ValueError(f"compact Llama forward: {reason}; use engine='hf'")
         if lora not in DRAFT_LORA_MODES:
             raise ValueError(f"lora={lora!r}: expected one of {DRAFT_LORA_MODES}")
+        if weights is not None and weights not in ENGINE_WEIGHT_LAYOUTS:
+            raise ValueError(f"weights={weights!r}: expected one of {ENGINE_WEIGHT_LAYOUTS} or None")
         model = adapter.model
         self.args = LlamaArgs.from_config(model.config)
         self.name = getattr(adapter, "name", "")
-        inner = model.model
+        self._model = model
         self.k = adapter.lora_depth if (draft and adapter.lora_depth > 0) else 0
         self.split = self.args.n_layers - self.k
-        draft_top = adapter.draft_top if self.k else None
-        self.layers = [
-            _layer(
-                inner.layers[i],
-                draft_top.layers[str(i)] if (draft_top is not None and i >= self.split) else None,
-                lora,
-            )
-            for i in range(self.args.n_layers)
-        ]
+        self._draft_top = adapter.draft_top if self.k else None
         self.lora_mode = lora
-        self.embed = inner.embed_tokens.weight.detach()  # (v, d)
-        self.norm = inner.norm.weight.detach()  # (d,)
-        self.lm_head = model.get_output_embeddings().weight.detach()  # (v, d)
-        self.device, self.dtype = self.lm_head.device, self.lm_head.dtype
-        self.static = (self.device.type == "cuda") if static is None else static
+        self.embed = model.model.embed_tokens.weight.detach()  # (v, d)
+        self.device, self.dtype = self.embed.device, self.embed.dtype
+        self.layout = weights or "views"
+        self._build_weights()
+        if compile and static is False:
+            raise ValueError("compile=True needs static shapes: pass static=True or None")
+        self.static = (self.device.type == "cuda" or compile) if static is None else static
         self.cuda_graphs = bool(cuda_graphs and self.static and self.device.type == "cuda")
         self.scale = self.args.head_dim**-0.5
         self.n_rep = self.args.n_heads // self.args.n_kv_heads
         self.capacity = 0
         self.length = 0
         self.calls = 0
-        if compile:
-            self._forward = torch.compile(self._forward, dynamic=True)
+        self._compiled = None
+        if compile:  # fixed shapes per T: no dynamic-shape guards, no recompiles as the length grows
+            opts = {"cpp_wrapper": True} if self.device.type == "cpu" else {}
+            self._compiled = torch.compile(self._forward, dynamic=False, options=opts)
         self._graphs: dict[int, Any] = {}  # input length T -> CapturedFn
         self.graph_errors: dict[int, str] = {}
         if capacity:
             self.reset(capacity)
+
+    def _build_weights(self) -> None:
+        inner, top = self._model.model, self._draft_top
+        self.layers = [
+            _layer(
+                inner.layers[i],
+                top.layers[str(i)] if (top is not None and i >= self.split) else None,
+                self.lora_mode,
+                self.layout,
+            )
+            for i in range(self.args.n_layers)
+        ]
+        self.norm = inner.norm.weight.detach()  # (d,)
+        self.lm_head = self._model.get_output_embeddings().weight.detach()  # (v, d)
+        self.lm_head_t = self.lm_head.t().contiguous() if self.layout == "packed" else None  # (d, v)
+        copies = self.layout == "packed" or (self.lora_mode == "merged" and self.k > 0)
+        sources = [self.lm_head] + [t for L in self.layers for t in list(L.w.values()) + [q for lo in L.lora.values() for q in (lo.a, lo.b)]]  # fmt: skip
+        self._sources = [(t, t._version, t.data_ptr()) for t in sources] if copies else []
+
+    def _stale(self) -> bool:
+        """A source of a packed / merged copy was changed in place (or replaced) since the copy."""
+        return any(t._version != ver or t.data_ptr() != ptr for t, ver, ptr in self._sources)
 
     # -- state ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -339,6 +406,9 @@ class LlamaEngine:
             )
         self.length = 0
         self.calls = 0
+        if self._sources and self._stale():
+            self._build_weights()
+            self._graphs.clear()  # captured graphs read the old copies
         if capacity <= self.capacity:
             return
         cap = min(_round_up(capacity, 256), self.args.max_context)
@@ -372,6 +442,8 @@ class LlamaEngine:
             )
         if self.cuda_graphs and start > 0 and T <= 64:  # decoding calls; the prefill runs eagerly
             out = self._graphed(ids, start)
+        elif self._compiled is not None and start > 0 and T <= 64:  # start=0: unused with pos, so no int guard
+            out = self._compiled(ids, self.positions[start : start + T].clone(), 0)
         elif self.static:
             out = self._forward(ids, self.positions[start : start + T], start)
         else:
@@ -398,32 +470,50 @@ class LlamaEngine:
                 x = x.expand(2, T, x.shape[-1])  # rows: verifier top, draft top (same trunk output)
             x = self._block(x, layer, self.kv[i], cos, sin, mask, pos, start)
         h = rms_norm(x, self.norm, self.args.norm_eps)  # (rows, T, d)
-        return StepOutput(F.linear(h[0], self.lm_head), h[-1])  # (T, v), (T, d)
+        logits = torch.mm(h[0], self.lm_head_t) if self.lm_head_t is not None else F.linear(h[0], self.lm_head)
+        return StepOutput(logits, h[-1])  # (T, v), (T, d)
 
     def _linear(self, x: Tensor, layer: _Layer, name: str) -> Tensor:
+        """views layout: x W^T for one HF name (+ the draft row's LoRA)."""
         if layer.merged:
             return torch.matmul(x, layer.merged[name].transpose(-1, -2))  # (2, T, out)
         y = F.linear(x, layer.w[name])
         lo = layer.lora.get(name)
-        if lo is None:
-            return y
-        if lo.a.dtype == y.dtype:  # draft row += scaling * B (A x), two BLAS calls
-            y[1].addmm_(F.linear(x[1], lo.a), lo.b.t(), alpha=lo.scale)
-        else:  # float32 LoRA under a half-precision backbone: peft's casts (result + lora_B(lora_A(x)) * scaling)
-            y[1:] += F.linear(F.linear(x[1:].to(lo.a.dtype), lo.a), lo.b) * lo.scale
+        if lo is not None:
+            _add_lora(y, x, lo)
         return y
+
+    def _group(self, x: Tensor, layer: _Layer, group: str) -> tuple[Tensor, ...]:
+        """The outputs of a group's members (q k v / o / gate up / down) for x (rows, T, in)."""
+        members = _GROUPS[group]
+        if self.layout == "views":
+            return tuple(self._linear(x, layer, n) for n in members)
+        if layer.merged:
+            y = torch.matmul(x, layer.merged[group])  # (2, T, in) @ (2, in, out): one batched product
+        else:
+            y = torch.matmul(x, layer.packed[group])  # (rows, T, out): one product, column slices below
+        outs, at = [], 0
+        for n in members:
+            width = layer.w[n].shape[0]
+            part = y[..., at : at + width]
+            lo = layer.lora.get(n) if not layer.merged else None
+            if lo is not None:
+                _add_lora(part, x, lo)
+            outs.append(part)
+            at += width
+        return tuple(outs)
 
     def _block(self, x, layer, kv, cos, sin, mask, pos, start):
         B, T, _ = x.shape
         a = self.args
         h = rms_norm(x, layer.ln1, a.norm_eps)
-        q, k, v = (self._linear(h, layer, n) for n in ("q_proj", "k_proj", "v_proj"))
+        q, k, v = self._group(h, layer, "qkv")
         if T == 1:  # one query: (B, 1, h hd) already is the grouped layout (B, h_kv, n_rep, hd), a view
             q = q.view(B, a.n_kv_heads, self.n_rep, a.head_dim)
             k, v = (t.view(B, a.n_kv_heads, 1, a.head_dim) for t in (k, v))
         else:
-            q = q.view(B, T, a.n_heads, a.head_dim).transpose(1, 2)  # (B, h, T, hd)
-            k, v = (t.view(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2) for t in (k, v))  # (B, h_kv, T, hd)
+            q = q.reshape(B, T, a.n_heads, a.head_dim).transpose(1, 2)  # (B, h, T, hd)
+            k, v = (t.reshape(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2) for t in (k, v))  # (B, h_kv, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kc, vc = kv
         if pos is None:
@@ -439,10 +529,12 @@ class LlamaEngine:
             y = y.view(B, 1, a.n_heads * a.head_dim)
         else:
             y = self._attend(q, kc, vc, mask).transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim)
-        x = x + self._linear(y, layer, "o_proj")
+        (o,) = self._group(y, layer, "o")
+        x = x + o
         h = rms_norm(x, layer.ln2, a.norm_eps)
-        g = self._linear(h, layer, "gate_proj")
-        return x + self._linear(F.silu(g) * self._linear(h, layer, "up_proj"), layer, "down_proj")
+        g, u = self._group(h, layer, "gu")
+        (down,) = self._group(F.silu(g) * u, layer, "down")
+        return x + down
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         if self.n_rep == 1:

@@ -232,11 +232,15 @@ class MtpcModel:
 
     cuda_graphs: capture step, verify and head + draft on CUDA with the compact engine
     (None: on when the backbone is on CUDA and its engine is "compact"). compile: the compact
-    engine's forward through torch.compile (worth it on the CPU for long generations; the first
-    call compiles for tens of seconds).
+    engine's forward through torch.compile (the first call compiles for tens of seconds or more).
+    weights: the compact engine's weight layout ("views", the default, or "packed"; see
+    mtpc/backbones/llama.py). Both are passed to every engine this model builds.
     """
 
-    def __init__(self, backbone: Any, head: nn.Module, cuda_graphs: bool | None = None, compile: bool = False):
+    def __init__(
+        self, backbone: Any, head: nn.Module, cuda_graphs: bool | None = None, compile: bool = False,
+        weights: str | None = None,
+    ):  # fmt: skip
         cfg = head.config
         if cfg.window < 2:
             raise ValueError(f"head: speculative decoding needs window >= 2, got {cfg.window}")
@@ -252,7 +256,10 @@ class MtpcModel:
         self.window = cfg.window
         compact_cuda = getattr(backbone, "engine", "hf") == "compact" and backbone.device.type == "cuda"
         self.cuda_graphs = compact_cuda if cuda_graphs is None else bool(cuda_graphs and compact_cuda)
-        self._engine_kw = {"compile": True} if compile and getattr(backbone, "engine", "hf") == "compact" else {}
+        compact = getattr(backbone, "engine", "hf") == "compact"
+        if weights is not None and not compact:
+            raise ValueError(f"weights={weights!r}: only the compact engine has a weight layout (this backbone's is 'hf')")
+        self._engine_kw = ({"compile": True} if compile and compact else {}) | ({"weights": weights} if weights else {})
         self._engines: dict[bool, Any] = {}  # draft top or not -> engine (caches kept between calls)
         self._gen = torch.Generator(device=backbone.device)  # re-seeded per call; captured graphs advance it
         self._graphed_draft = (
@@ -374,7 +381,7 @@ class MtpcModel:
         eng = self._engines.get(draft)
         if eng is None:
             eng = self._engines[draft] = make_engine(
-                self.backbone, capacity, draft=draft, cuda_graphs=self.cuda_graphs
+                self.backbone, capacity, draft=draft, cuda_graphs=self.cuda_graphs, **self._engine_kw
             )
         eng.reset(capacity)
         return eng
