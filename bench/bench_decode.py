@@ -144,15 +144,24 @@ def engine_section(args) -> dict:
         out["step_ms"] = steps["ms"]
         ver = {"step": et.engine_call(engines["compact_k0"], one, P),
                "step_packed": et.engine_call(engines["compact_k0_packed"], one, P)}  # fmt: skip
+        ids_n = {n: torch.randint(0, 256, (n,), generator=g) for n in (8, 16)}
         for n in (8, 16):
-            ids_n = torch.randint(0, 256, (n,), generator=g)
-            ver[f"verify_{n}"] = et.engine_call(engines["compact_k0"], ids_n, P)
-            ver[f"verify_{n}_packed"] = et.engine_call(engines["compact_k0_packed"], ids_n, P)
+            ver[f"verify_{n}"] = et.engine_call(engines["compact_k0"], ids_n[n], P)
+            ver[f"verify_{n}_packed"] = et.engine_call(engines["compact_k0_packed"], ids_n[n], P)
         vres = et.timed(ver, args.reps, R, clock=clock)
         out["verify_ms"] = vres["ms"]
         out["verify_over_step"] = {n: et.ratio(vres, f"verify_{n}", "step") for n in (8, 16)}
         out["verify_over_step_packed"] = {n: et.ratio(vres, f"verify_{n}_packed", "step_packed") for n in (8, 16)}
         out["packed_verify_over_views_verify"] = {n: et.ratio(vres, f"verify_{n}_packed", f"verify_{n}") for n in (8, 16)}
+        if args.compile:  # compiled step and verifies beside the eager verifies
+            comp = engines["compact_k0_compiled"]
+            ver_c = {"step_compiled": et.engine_call(comp, one, P)}
+            ver_c |= {f"verify_{n}_compiled": et.engine_call(comp, ids_n[n], P) for n in (8, 16)}
+            ver_c |= {f"verify_{n}": ver[f"verify_{n}"] for n in (8, 16)}
+            cres = et.timed(ver_c, args.reps, R, clock=clock)
+            out["verify_ms_compiled"] = cres["ms"]
+            out["verify_over_step_compiled"] = {n: et.ratio(cres, f"verify_{n}_compiled", "step_compiled") for n in (8, 16)}
+            out["compiled_verify_over_eager_verify"] = {n: et.ratio(cres, f"verify_{n}_compiled", f"verify_{n}") for n in (8, 16)}
         hidden = engines["compact_k0"].feed(one).draft_hidden[-1].clone()
         engines["compact_k0"].crop(P)
         hd = {}
