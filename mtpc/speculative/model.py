@@ -227,12 +227,42 @@ class GraphedDraft:
         return self._eager(hidden, prefix, greedy)
 
 
+class CompiledDraft:
+    """head + greedy draft through torch.compile (static shapes, inductor's C++ wrapper on the
+    CPU): one compiled function per (prefix or not) case, built on first use.
+
+    Plugs into the loop as head_fn (`head`: passes the hidden state through) and drafter. Only
+    greedy drafts are compiled: a sampled draft draws from the model's generator, which stays
+    eager. Any draft is valid for exactness (the verifier decides), so the ~1e-6 rounding of the
+    fused kernels cannot change the output; the conditionals a greedy cycle returns are unused.
+    """
+
+    def __init__(self, head_fn: Any, circuit: Any, generator: torch.Generator | None, device: torch.device):
+        self.head_fn, self.circuit, self.generator = head_fn, circuit, generator
+        opts = {"cpp_wrapper": True} if device.type == "cpu" else {}
+        self._fn = torch.compile(self._greedy, dynamic=False, options=opts)
+
+    def head(self, hidden: Tensor) -> dict[str, Tensor]:
+        return {"hidden": hidden}
+
+    def _greedy(self, hidden: Tensor, prefix: Tensor | None):
+        return self.circuit._draft(self.head_fn(hidden), prefix, generator=None, greedy=True)
+
+    def __call__(
+        self, theta: dict[str, Tensor], prefix: Tensor | None, greedy: bool
+    ) -> tuple[Tensor, Tensor]:
+        if greedy:
+            return self._fn(theta["hidden"], prefix)
+        return self.circuit._draft(self.head_fn(theta["hidden"]), prefix, generator=self.generator, greedy=False)
+
+
 class MtpcModel:
     """A frozen backbone, an MtPC head and exact self-speculative decoding (batch 1).
 
     cuda_graphs: capture step, verify and head + draft on CUDA with the compact engine
     (None: on when the backbone is on CUDA and its engine is "compact"). compile: the compact
-    engine's forward through torch.compile (the first call compiles for tens of seconds or more).
+    engine's decoding calls and, without CUDA graphs, the greedy head + draft (`CompiledDraft`)
+    through torch.compile with static shapes (each new shape compiles for seconds).
     weights: the compact engine's weight layout ("views", the default, or "packed"; see
     mtpc/backbones/llama.py). Both are passed to every engine this model builds.
     """
@@ -264,6 +294,11 @@ class MtpcModel:
         self._gen = torch.Generator(device=backbone.device)  # re-seeded per call; captured graphs advance it
         self._graphed_draft = (
             GraphedDraft(self._head_fn, self.circuit, self._gen) if self.cuda_graphs else None
+        )
+        self._compiled_draft = (
+            CompiledDraft(self._head_fn, self.circuit, self._gen, backbone.device)
+            if compile and not self.cuda_graphs
+            else None
         )
 
     # -- construction ---------------------------------------------------------------------------
@@ -418,6 +453,9 @@ class MtpcModel:
         head_fn, drafter = self.head.decoder().params, CircuitDrafter(self.circuit, gen)  # decoder checked once per call
         if self._graphed_draft is not None:
             head_fn, drafter = self._graphed_draft.head, self._graphed_draft
+        elif self._compiled_draft is not None:
+            self._compiled_draft.generator = gen
+            head_fn, drafter = self._compiled_draft.head, self._compiled_draft
         out, st = speculative_decode(
             engine, head_fn, drafter, self.window, ids, cfg, TorchChooser(gen), self._sync()
         )

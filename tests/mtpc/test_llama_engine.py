@@ -335,7 +335,7 @@ def test_mtpc_model_passes_weights_and_compile_to_its_engines(monkeypatch):
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
     MtpcModel(bb, m.head, compile=True).engine(True, 16)
-    assert seen == [{"dynamic": False, "options": {"cpp_wrapper": True}}]
+    assert seen == [{"dynamic": False, "options": {"cpp_wrapper": True}}] * 2  # the greedy draft, the engine
     hf = BackboneAdapter.from_hf(bb.model, lora_depth=1, engine="hf")
     with pytest.raises(ValueError, match="weights='views'.*compact engine"):
         MtpcModel(hf, m.head, weights="views")
@@ -353,3 +353,25 @@ def test_compiled_engine_equals_hf_over_steps_and_crops():
     _run_script(engine, bb, vocab=16, atol=1e-5)
     with pytest.raises(ValueError, match="compile=True needs static shapes"):
         LlamaEngine(bb, 40, compile=True, static=False)
+
+
+@pytest.mark.slow
+def test_compiled_model_decodes_as_the_eager_one():
+    """MtpcModel(compile=True): compiled engine calls and compiled greedy head + draft give the
+    eager model's greedy and seeded sampled outputs (float64), and the compiled draft is used."""
+    from mtpc import MtpcModel
+
+    bb = _adapter(_model(), 1)
+    spec = {"kind": "btree", "window": 3, "rank": 2, "lora_depth": 1}
+    eager = MtpcModel.from_components(bb, spec)
+    comp = MtpcModel(bb, eager.head, compile=True)
+    calls = []
+    inner = comp._compiled_draft._fn
+    comp._compiled_draft._fn = lambda *a: calls.append(1) or inner(*a)
+    prompt = torch.tensor([1, 2, 3])
+    for mode in ("greedy", "sample"):
+        a = eager.generate(prompt, 12, mode=mode, seed=3).ids.tolist()
+        b = comp.generate(prompt, 12, mode=mode, seed=3).ids.tolist()
+        assert a == b, mode
+    assert comp.generate(prompt, 12).ids.tolist() == eager.generate_plain(prompt, 12).ids.tolist()
+    assert calls and comp.engine(True, 32)._compiled is not None
