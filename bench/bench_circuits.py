@@ -33,17 +33,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mtpc.circuits import build_circuit  # noqa: E402
 from mtpc.names import CIRCUIT_KINDS, point_rank  # noqa: E402
+from tracking.runs import cpu_model  # noqa: E402
 
 
 def machine() -> dict:
-    model = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = cpu_model() or platform.processor() or ""
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
     except OSError:

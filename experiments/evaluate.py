@@ -52,6 +52,7 @@ from mtpc.names import (
     PER_PROMPT_ARTIFACT,
 )
 from mtpc.textstats import degeneracy_metrics, degenerate
+from tracking.runs import cpu_model
 
 SUMMARY_METRICS = EVAL_METRICS
 
@@ -63,18 +64,6 @@ def hardware() -> str:
     else:
         dev = f"CPU {cpu_model() or platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
     return f"{dev}; torch {torch.__version__}; python {platform.python_version()}"
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo ("" where there is none): timings on a shared
-    cloud host move with it (cache sizes), so every result names it."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 # --------------------------------------------------------------------------------------- prompts

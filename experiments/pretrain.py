@@ -45,7 +45,7 @@ from mtpc.data import (
     sharegpt_corpus,
 )
 from mtpc.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, ByteTokenizer
-from tracking.runs import git_sha
+from tracking.runs import cpu_model, git_sha
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 CONFIGS = {"cpu": CONFIG_DIR / "pretrain_cpu.yaml", "gpu": CONFIG_DIR / "pretrain_gpu.yaml"}
@@ -417,14 +417,7 @@ def hardware() -> dict:
     import transformers
 
     info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "cpu_count": os.cpu_count(), "cpu": platform.processor() or platform.machine()}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+            "cpu_count": os.cpu_count(), "cpu": cpu_model() or platform.processor() or platform.machine()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["cuda"] = torch.version.cuda

@@ -33,6 +33,18 @@ MAX_TAG_CHARS = 5000
 # ------------------------------------------------------------------------------ run description
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ("" where there is none): timings on a shared
+    cloud host move with it (cache sizes), so results name it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def git_sha(root: Path = REPO) -> str:
     """The checkout's commit, `-dirty` when tracked files changed; else `.device/GIT_SHA` (the
     device machine's copy has no .git; experiments.device_prep writes it); else "unknown"."""
