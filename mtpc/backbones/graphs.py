@@ -1,4 +1,5 @@
-"""`CapturedFn`: a function of fixed-shape tensors captured once as a CUDA graph and replayed.
+"""`CapturedFn`: a function of fixed-shape tensors captured once as a CUDA graph and replayed;
+`compile_static`: the same kind of function through torch.compile with static shapes.
 
 Used for the compact engine's 1-byte step and n-byte verify (llama.py) and for head + draft
 (speculative/model.py). The inputs are copied into static buffers, the graph is replayed, and
@@ -7,7 +8,9 @@ they need across calls by cloning. Each graph has its own memory pool (they are 
 any order). A random generator the function draws from must be passed so the graph advances it.
 
 UNVERIFIED: this machine has no GPU; bench/bench_gpu.py checks replay == eager on CUDA.
-Leaves out: torch.compile (mode="reduce-overhead" would do the same with guards).
+`compile_static(fn, device)` is what `compile=True` uses (the compact engine's decoding calls,
+the greedy head + draft): dynamic=False, one graph per input shape, and on the CPU inductor's
+C++ wrapper (most of the per-kernel Python overhead gone; needs a C++ compiler).
 """
 
 from __future__ import annotations
@@ -44,3 +47,9 @@ class CapturedFn:
             buf.copy_(t)
         self.graph.replay()
         return self.static_out
+
+
+def compile_static(fn: Callable, device: torch.device) -> Callable:
+    """fn through torch.compile with static shapes (a graph per input shape, compiled on first use)."""
+    opts = {"cpp_wrapper": True} if torch.device(device).type == "cpu" else {}
+    return torch.compile(fn, dynamic=False, options=opts)

@@ -219,6 +219,7 @@ class _Layer:
     lora: dict[str, _Lora]
     merged: dict[str, Tensor]
     packed: dict[str, Tensor]
+    widths: dict[str, list[int]]  # group -> its members' output widths (the packed column split)
 
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -296,6 +297,7 @@ def _layer(hf_layer: Any, draft_layer: Any | None, lora_mode: str, layout: str) 
         lora,
         merged,
         packed,
+        {g: [w[n].shape[0] for n in ms] for g, ms in _GROUPS.items()},
     )
 
 
@@ -367,8 +369,9 @@ class LlamaEngine:
         self.calls = 0
         self._compiled = None
         if compile:  # fixed shapes per T: no dynamic-shape guards, no recompiles as the length grows
-            opts = {"cpp_wrapper": True} if self.device.type == "cpu" else {}
-            self._compiled = torch.compile(self._forward, dynamic=False, options=opts)
+            from mtpc.backbones.graphs import compile_static
+
+            self._compiled = compile_static(self._forward, self.device)
         self._graphs: dict[int, Any] = {}  # input length T -> CapturedFn
         self.graph_errors: dict[int, str] = {}
         if capacity:
@@ -388,9 +391,12 @@ class LlamaEngine:
         self.norm = inner.norm.weight.detach()  # (d,)
         self.lm_head = self._model.get_output_embeddings().weight.detach()  # (v, d)
         self.lm_head_t = self.lm_head.t().contiguous() if self.layout == "packed" else None  # (d, v)
-        copies = self.layout == "packed" or (self.lora_mode == "merged" and self.k > 0)
-        sources = [self.lm_head] + [t for L in self.layers for t in list(L.w.values()) + [q for lo in L.lora.values() for q in (lo.a, lo.b)]]  # fmt: skip
-        self._sources = [(t, t._version, t.data_ptr()) for t in sources] if copies else []
+        # what the copies were made from: the base weights (packed), the top's LoRA too (merged)
+        merged = any(L.merged for L in self.layers)
+        base = [self.lm_head] + [t for L in self.layers for t in L.w.values()]
+        lora = [q for L in self.layers for lo in L.lora.values() for q in (lo.a, lo.b)]
+        sources = (base if self.layout == "packed" or merged else []) + (lora if merged else [])
+        self._sources = [(t, t._version, t.data_ptr()) for t in sources]
 
     def _stale(self) -> bool:
         """A source of a packed / merged copy was changed in place (or replaced) since the copy."""
@@ -492,16 +498,13 @@ class LlamaEngine:
             y = torch.matmul(x, layer.merged[group])  # (2, T, in) @ (2, in, out): one batched product
         else:
             y = torch.matmul(x, layer.packed[group])  # (rows, T, out): one product, column slices below
-        outs, at = [], 0
-        for n in members:
-            width = layer.w[n].shape[0]
-            part = y[..., at : at + width]
-            lo = layer.lora.get(n) if not layer.merged else None
-            if lo is not None:
-                _add_lora(part, x, lo)
-            outs.append(part)
-            at += width
-        return tuple(outs)
+        parts = y.split(layer.widths[group], dim=-1)  # column views, one per member
+        if not layer.merged:
+            for n, part in zip(members, parts, strict=True):
+                lo = layer.lora.get(n)
+                if lo is not None:
+                    _add_lora(part, x, lo)
+        return parts
 
     def _block(self, x, layer, kv, cos, sin, mask, pos, start):
         B, T, _ = x.shape

@@ -229,7 +229,7 @@ class GraphedDraft:
 
 class CompiledDraft:
     """head + greedy draft through torch.compile (static shapes, inductor's C++ wrapper on the
-    CPU): one compiled function per (prefix or not) case, built on first use.
+    CPU; `compile_static`): a graph per (prefix or not) case, compiled on first use.
 
     Plugs into the loop as head_fn (`head`: passes the hidden state through) and drafter. Only
     greedy drafts are compiled: a sampled draft draws from the model's generator, which stays
@@ -239,8 +239,9 @@ class CompiledDraft:
 
     def __init__(self, head_fn: Any, circuit: Any, generator: torch.Generator | None, device: torch.device):
         self.head_fn, self.circuit, self.generator = head_fn, circuit, generator
-        opts = {"cpp_wrapper": True} if device.type == "cpu" else {}
-        self._fn = torch.compile(self._greedy, dynamic=False, options=opts)
+        from mtpc.backbones.graphs import compile_static
+
+        self._fn = compile_static(self._greedy, device)
 
     def head(self, hidden: Tensor) -> dict[str, Tensor]:
         return {"hidden": hidden}
@@ -453,8 +454,7 @@ class MtpcModel:
         head_fn, drafter = self.head.decoder().params, CircuitDrafter(self.circuit, gen)  # decoder checked once per call
         if self._graphed_draft is not None:
             head_fn, drafter = self._graphed_draft.head, self._graphed_draft
-        elif self._compiled_draft is not None:
-            self._compiled_draft.generator = gen
+        elif self._compiled_draft is not None:  # it holds self._gen, the generator `gen` is
             head_fn, drafter = self._compiled_draft.head, self._compiled_draft
         out, st = speculative_decode(
             engine, head_fn, drafter, self.window, ids, cfg, TorchChooser(gen), self._sync()
