@@ -111,6 +111,9 @@ def _eos(model) -> int:
     return int(eos[0] if isinstance(eos, (list, tuple)) else (eos if eos is not None else 257))
 
 
+LAYOUTS = ("onednn", "views", "packed")  # the compact engine's weight layouts; the first is the CPU default
+
+
 def engine_section(args) -> dict:
     from mtpc.backbones import AdapterEngine, BackboneAdapter, LlamaEngine
 
@@ -125,37 +128,48 @@ def engine_section(args) -> dict:
     hf0 = BackboneAdapter.from_hf(model, lora_depth=0, engine="hf")
     hf1 = BackboneAdapter.from_hf(model, lora_depth=1, lora_rank=16, engine="hf")
     hf1.load_lora_state_dict(bb1.lora_state_dict())
-    engines = {
-        "compact_k0": LlamaEngine(bb0, cap), "compact_k1": LlamaEngine(bb1, cap),
-        "compact_k1_merged": LlamaEngine(bb1, cap, lora="merged"), "hf_k0": AdapterEngine(hf0), "hf_k1": AdapterEngine(hf1),
-        "compact_k0_packed": LlamaEngine(bb0, cap, weights="packed"), "compact_k1_packed": LlamaEngine(bb1, cap, weights="packed"),
-    }  # fmt: skip
-    if args.compile:
+    default = LlamaEngine(bb0, cap).layout
+    engines = {"hf_k0": AdapterEngine(hf0), "hf_k1": AdapterEngine(hf1)}
+    for lay in LAYOUTS:  # compact_k0 / _k1 / _k1_merged: the default layout; other layouts suffixed
+        sfx = "" if lay == default else f"_{lay}"
+        engines[f"compact_k0{sfx}"] = LlamaEngine(bb0, cap, weights=lay)
+        engines[f"compact_k1{sfx}"] = LlamaEngine(bb1, cap, weights=lay)
+        engines[f"compact_k1_merged{sfx}"] = LlamaEngine(bb1, cap, lora="merged", weights=lay)
+    if args.compile:  # torch.compile runs the views layout (oneDNN's blocked weights do not lower)
         engines["compact_k0_compiled"] = LlamaEngine(bb0, cap, compile=True)
         engines["compact_k1_compiled"] = LlamaEngine(bb1, cap, compile=True)
     for e in engines.values():
         et.prefilled(e, prompt, cap)
     one, g = torch.tensor([65]), torch.Generator().manual_seed(1)
     out: dict = {"model": label, "context": P, "new_tokens": new, "rounds": R, "clock": args.clock,
-                 "weight_mb": et.weight_bytes(model) / 1e6}  # fmt: skip
+                 "weight_mb": et.weight_bytes(model) / 1e6, "default_layout": default}  # fmt: skip
+    floors = et.weight_floors(model)  # one product per weight, per kernel; a plain read
     with torch.inference_mode():
-        steps = et.timed({"floor": et.weight_floor(model)} | {k: et.engine_call(e, one, P) for k, e in engines.items()},
-                         args.reps, R, clock=clock)  # fmt: skip
-        out["step_ms"] = steps["ms"]
-        ver = {"step": et.engine_call(engines["compact_k0"], one, P),
-               "step_packed": et.engine_call(engines["compact_k0_packed"], one, P)}  # fmt: skip
+        steps = et.timed(floors | {k: et.engine_call(e, one, P) for k, e in engines.items()}, args.reps, R, clock=clock)
+        best = min((k for k in floors if k != "read"), key=lambda k: steps["ms"][k])
+        steps["rounds_ms"]["floor"] = steps["rounds_ms"][best]  # the fastest product kernel: the floor
+        out["step_ms"] = steps["ms"] | {"floor": steps["ms"][best]}
+        out["floor_kernel"] = best
         ids_n = {n: torch.randint(0, 256, (n,), generator=g) for n in (8, 16)}
-        for n in (8, 16):
-            ver[f"verify_{n}"] = et.engine_call(engines["compact_k0"], ids_n[n], P)
-            ver[f"verify_{n}_packed"] = et.engine_call(engines["compact_k0_packed"], ids_n[n], P)
+        ver = {}
+        for lay in LAYOUTS:
+            sfx = "" if lay == default else f"_{lay}"
+            e = engines[f"compact_k0{sfx}"]
+            ver[f"step{sfx}"] = et.engine_call(e, one, P)
+            ver |= {f"verify_{n}{sfx}": et.engine_call(e, ids_n[n], P) for n in (8, 16)}
         vres = et.timed(ver, args.reps, R, clock=clock)
         out["verify_ms"] = vres["ms"]
-        out["verify_over_step"] = {n: et.ratio(vres, f"verify_{n}", "step") for n in (8, 16)}
-        out["verify_over_step_packed"] = {n: et.ratio(vres, f"verify_{n}_packed", "step_packed") for n in (8, 16)}
-        out["packed_verify_over_views_verify"] = {n: et.ratio(vres, f"verify_{n}_packed", f"verify_{n}") for n in (8, 16)}
-        if args.compile:  # compiled step and verifies beside the eager verifies
+        for lay in LAYOUTS:
+            sfx = "" if lay == default else f"_{lay}"
+            out[f"verify_over_step{sfx}"] = {n: et.ratio(vres, f"verify_{n}{sfx}", f"step{sfx}") for n in (8, 16)}
+        for lay in LAYOUTS:
+            if lay != default:
+                out[f"{lay}_verify_over_{default}_verify"] = {
+                    n: et.ratio(vres, f"verify_{n}_{lay}", f"verify_{n}") for n in (8, 16)
+                }  # fmt: skip
+        if args.compile:  # compiled step and verifies beside the default layout's eager ones
             comp = engines["compact_k0_compiled"]
-            ver_c = {"step_compiled": et.engine_call(comp, one, P)}
+            ver_c = {"step_compiled": et.engine_call(comp, one, P), "step": ver["step"]}
             ver_c |= {f"verify_{n}_compiled": et.engine_call(comp, ids_n[n], P) for n in (8, 16)}
             ver_c |= {f"verify_{n}": ver[f"verify_{n}"] for n in (8, 16)}
             cres = et.timed(ver_c, args.reps, R, clock=clock)
@@ -173,8 +187,9 @@ def engine_section(args) -> dict:
 
     # the cycle, our plain step and one HF generate step, interleaved per round
     head = et.make_head(bb0, "btree", 8, 8, 16)
-    models = {"compact": MtpcModel(bb0, head), "compact_packed": MtpcModel(bb0, head, weights="packed"),
-              "hf": MtpcModel(hf0, head)}  # fmt: skip
+    models = {"compact": MtpcModel(bb0, head)}
+    models |= {f"compact_{lay}": MtpcModel(bb0, head, weights=lay) for lay in LAYOUTS if lay != default}
+    models["hf"] = MtpcModel(hf0, head)
     if args.compile:
         models["compact_compiled"] = MtpcModel(bb0, head, compile=True)
     hf_fns = et.hf_generate_step(model, prompt, new, eos)
@@ -210,6 +225,7 @@ def engine_section(args) -> dict:
 
     # ratios and bars (each variant against the floor / HF step timed in the same rounds)
     r = {"step_over_floor": et.ratio(steps, "compact_k0", "floor"),
+         "step_over_read": et.ratio(steps, "compact_k0", "read"),
          "k1_draft_top_adds": et.ratio(steps, "compact_k1", "compact_k0") - 1,
          "k1_merged_draft_top_adds": et.ratio(steps, "compact_k1_merged", "compact_k0") - 1,
          "step_over_adapter_step": et.ratio(steps, "compact_k0", "hf_k0"),
@@ -218,12 +234,17 @@ def engine_section(args) -> dict:
          "plain_step_over_hf_generate_step": per_round("plain_step_compact", "hf_generate_step"),
          "cycle_over_hf_generate_step": per_round("cycle_compact", "hf_generate_step"),
          "cycle_over_plain_step": per_round("cycle_compact", "plain_step_compact"),
-         "hf_engine_cycle_over_hf_generate_step": per_round("cycle_hf", "hf_generate_step"),
-         "packed_step_over_floor": et.ratio(steps, "compact_k0_packed", "floor"),
-         "packed_k1_draft_top_adds": et.ratio(steps, "compact_k1_packed", "compact_k0_packed") - 1,
-         "packed_step_over_views_step": et.ratio(steps, "compact_k0_packed", "compact_k0"),
-         "packed_cycle_over_hf_generate_step": per_round("cycle_compact_packed", "hf_generate_step"),
-         "packed_cycle_over_views_cycle": per_round("cycle_compact_packed", "cycle_compact")}  # fmt: skip
+         "hf_engine_cycle_over_hf_generate_step": per_round("cycle_hf", "hf_generate_step")}  # fmt: skip
+    r |= {f"floor_{k}_over_floor": et.ratio(steps, k, "floor") for k in floors}
+    for lay in LAYOUTS:
+        if lay == default:
+            continue
+        r[f"{lay}_step_over_floor"] = et.ratio(steps, f"compact_k0_{lay}", "floor")
+        r[f"{lay}_k1_draft_top_adds"] = et.ratio(steps, f"compact_k1_{lay}", f"compact_k0_{lay}") - 1
+        r[f"{lay}_step_over_{default}_step"] = et.ratio(steps, f"compact_k0_{lay}", "compact_k0")
+        r[f"{lay}_cycle_over_hf_generate_step"] = per_round(f"cycle_compact_{lay}", "hf_generate_step")
+        r[f"{lay}_cycle_over_{default}_cycle"] = per_round(f"cycle_compact_{lay}", "cycle_compact")
+        r[f"{lay}_plain_step_over_hf_generate_step"] = per_round(f"plain_step_compact_{lay}", "hf_generate_step")
     if args.compile:
         r["compiled_step_over_floor"] = et.ratio(steps, "compact_k0_compiled", "floor")
         r["compiled_k1_draft_top_adds"] = et.ratio(steps, "compact_k1_compiled", "compact_k0_compiled") - 1
@@ -235,7 +256,7 @@ def engine_section(args) -> dict:
         for k, b in BARS.items():
             out["bars"][f"compiled_{k}"] = {"bar": b, "value": r[f"compiled_{k}"], "met": r[f"compiled_{k}"] <= b}
 
-    # greedy outputs: HF generate == our plain == our speculative (keep and drop), both engines
+    # greedy outputs: HF generate == our plain == our speculative (keep and drop), every engine
     prompts = et.random_prompts(args.identity_prompts, 64, seed=args.seed + 1)
     out["identity"] = {name: et.greedy_identity(m, prompts, new, hf_model=model, eos=eos) for name, m in models.items()}
     return out
@@ -252,12 +273,16 @@ def bf16_section(args) -> dict:
     prompts = et.random_prompts(args.bf16_prompts, 64, seed=args.seed + 2)
     for dtype, tag in ((torch.bfloat16, "bfloat16"), (torch.float32, "float32_control")):
         model, label = load_engine_model(args.model, dtype=dtype)
-        for engine in ("compact", "hf"):
-            bb = BackboneAdapter.from_hf(model, name=label, engine=engine)
+        # compact: its default layout (oneDNN's products on the CPU), compact_views: the HF weights
+        for engine, weights in (("compact", None), ("compact_views", "views"), ("hf", None)):
+            bb = BackboneAdapter.from_hf(model, name=label, engine=engine.split("_")[0])
             for window in (8, 16):
-                m = MtpcModel(bb, et.stp_copy_head(bb, window))  # drafts what the model says: many acceptances
-                out[f"{tag}_{engine}_n{window}"] = et.bf16_divergence(m, prompts, args.new_tokens)
-                print(f"bf16 section: {tag} {engine} n={window}: {out[f'{tag}_{engine}_n{window}']['fraction_differ']:.2f} differ", flush=True)
+                m = MtpcModel(bb, et.stp_copy_head(bb, window), weights=weights)  # drafts what the model says
+                res = et.bf16_divergence(m, prompts, args.new_tokens)
+                if engine == "compact":
+                    res["layout"] = m.engine(True, 8).layout
+                out[f"{tag}_{engine}_n{window}"] = res
+                print(f"bf16 section: {tag} {engine} n={window}: {res['fraction_differ']:.2f} differ", flush=True)
     out["model"] = label
     out["head"] = "cp r = 2 initialised from the lm_head (noise 0.5), k = 0"
     return out

@@ -110,6 +110,37 @@ def weight_floor(model) -> Callable[[], None]:
     return run
 
 
+def weight_floors(model) -> dict[str, Callable[[], None]]:
+    """Floors of a step, each reading every step weight once: "mkl_mv" (`weight_floor`: one
+    F.linear of one row per HF weight), "onednn_mv" (one oneDNN product of one row per fused
+    group, q|k|v o gate|up down and the lm_head, as the "onednn" engine layout holds them; where
+    oneDNN runs) and "read" (a sum over each weight: a plain read, no product)."""
+    from mtpc.backbones.llama import _ATTN, _GROUPS, _onednn, _onednn_pack, onednn_unsupported
+
+    ws = step_weights(model)
+    out = {"mkl_mv": weight_floor(model)}
+    if onednn_unsupported(ws[0].device, ws[0].dtype) is None:
+        mats = []
+        for layer in model.model.layers:
+            w = {n: getattr(layer.self_attn if n in _ATTN else layer.mlp, n).weight.detach() for g in _GROUPS.values() for n in g}
+            mats += [_onednn_pack([w[n] for n in ms]) for ms in _GROUPS.values()]
+        mats.append(_onednn_pack([model.get_output_embeddings().weight.detach()]))
+        xs = [torch.randn(1, m.shape[1], dtype=ws[0].dtype) for m in mats]
+
+        def onednn_mv():
+            for x, m in zip(xs, mats, strict=True):
+                _onednn(x, m)
+
+        out["onednn_mv"] = onednn_mv
+
+    def read():
+        for w in ws:
+            w.sum()
+
+    out["read"] = read
+    return out
+
+
 def weight_bytes(model) -> int:
     return sum(w.numel() * w.element_size() for w in step_weights(model))
 

@@ -25,9 +25,11 @@ EXTRA_TOKEN_OPTIONS: tuple[str, ...] = ("keep", "drop")
 DECODE_ENGINES: tuple[str, ...] = ("auto", "compact", "hf")
 #: how the compact engine runs the LoRA draft top: lowrank (s B (A x) beside the shared W) or merged
 DRAFT_LORA_MODES: tuple[str, ...] = ("lowrank", "merged")
-#: how the compact engine holds the base weights: views (the HF parameters as they are, (out, in);
-#: the default) or packed (one transposed (in, out) copy, q|k|v and gate|up fused: fewer products)
-ENGINE_WEIGHT_LAYOUTS: tuple[str, ...] = ("views", "packed")
+#: how the compact engine holds the base weights: views (the HF parameters as they are, (out, in)),
+#: packed (one transposed (in, out) copy, q|k|v and gate|up fused: fewer products) or onednn (the
+#: same groups in oneDNN's blocked format, multiplied by oneDNN: CPU, float32 / bf16 only, the
+#: default there; elsewhere views is)
+ENGINE_WEIGHT_LAYOUTS: tuple[str, ...] = ("views", "packed", "onednn")
 #: the axes of a sweep grid point (and the architecture params of a trial), in grid-key order
 GRID_PARAMS: tuple[str, ...] = ("circuit", "rank", "window", "lora_depth")
 #: training axes a grid may vary beside the architecture, with their defaults: kl_beta (weight of the

@@ -3,12 +3,15 @@
 `LlamaEngine` runs a transformers Llama (`LlamaForCausalLM`: the embedded default byte Llama,
 Llama-3.2 with `llama3` RoPE scaling) wrapped in a `BackboneAdapter` with its own small forward
 in the style of gpt-fast's model.py, reading the adapter's peft LoRA matrices as they are (views)
-and the base weights in one of two layouts: `weights="views"` (the default) multiplies by the
-HF parameters themselves (nothing copied unless `lora="merged"`), `"packed"` by one transposed
-copy with q|k|v and gate|up side by side (fewer, row-major products; the base weights' memory
-doubles; rebuilt at `reset` when a source tensor changed in place). In isolation an 8-row
-product over an (in, out) matrix costs ~0.6x one over (out, in) on this CPU's BLAS, but inside
-the decoding loop packed measured no faster (bench_decode's engine section reports both):
+and the base weights in one of three layouts (`weights=`; None picks "onednn" where it runs, else
+"views"): `"views"` multiplies by the HF parameters themselves (nothing copied unless
+`lora="merged"`); `"packed"` by one transposed copy with q|k|v and gate|up side by side (fewer,
+row-major products); `"onednn"` (CPU, float32 / bf16) by the same groups reordered once into
+oneDNN's blocked format and multiplied by oneDNN (`torch.ops.mkldnn._linear_pointwise`). The two
+copies double the base weights' memory and are rebuilt at `reset` when a source tensor changed in
+place. On the 2-core CPU (AMD EPYC, bench_decode's engine section) oneDNN's products read the
+weights at ~2x the speed of MKL's F.linear for one row and ~2.3x for 8 rows, so the step costs
+0.63x and the 8-byte verify 0.55x the views layout's; packed sits between:
 
     embed -> layers[0, L-k)                         trunk, one batch row
           -> layers[L-k, L) on rows [verify, draft] both tops in one pass: one weight read;
@@ -26,7 +29,9 @@ Numerics follow transformers' Llama: RMSNorm in float32 then cast, cos/sin from 
 frequencies cast to the model dtype, sdpa with scale head_dim**-0.5, peft's LoRA dtype rules;
 float64 outputs agree with the HF (sdpa) forward to ~1e-13 (tests/mtpc/test_llama_engine.py).
 In float32 the packed products round differently from HF's (out, in) ones (~1e-5 on logits of
-size ~10), as an n-row product already rounds differently from a 1-row one in either layout.
+size ~10), as an n-row product already rounds differently from a 1-row one in either layout;
+oneDNN's by ~4e-5 on the default model's logits (tested against HF to 1e-4 in float32: it has
+no float64, so the float64 tests run the views layout).
 
 `llama_unsupported(model)` names the first thing this forward does not implement (another model
 class, biases, an activation other than silu, RoPE types other than default / llama3, config
@@ -208,16 +213,17 @@ class _Layer:
     """One decoder layer's weights; `lora` (draft row) and `merged` only in the top.
 
     w: the HF parameters by name (q k v o gate up down: (out, in) views), always kept: the views
-    layout multiplies by them, the packed one was built from them. packed (layout "packed" only):
-    group -> one (in, out) contiguous copy of its members side by side (qkv, o, gu, down), so
-    that a group is one row-major product whose outputs are column slices. merged (lora="merged"):
-    group or name -> (2, ...) [W, W + s B A] in the layout's orientation."""
+    layout multiplies by them, the packed ones were built from them. packed (layouts "packed" and
+    "onednn"): group -> one copy of its members side by side (qkv, o, gu, down), so that a group
+    is one product whose outputs are column slices: (in, out) contiguous ("packed") or oneDNN's
+    blocked format ("onednn"). merged (lora="merged"): group or name -> (2, ...) [W, W + s B A]
+    in the layout's orientation ("onednn": a pair of blocked copies)."""
 
     ln1: Tensor
     ln2: Tensor
     w: dict[str, Tensor]
     lora: dict[str, _Lora]
-    merged: dict[str, Tensor]
+    merged: dict[str, Any]
     packed: dict[str, Tensor]
     widths: dict[str, list[int]]  # group -> its members' output widths (the packed column split)
 
@@ -266,6 +272,33 @@ def _pack(mats: list[Tensor]) -> Tensor:
     return torch.cat(mats, dim=0).t().contiguous()
 
 
+# oneDNN's blocked weight format is chosen for a batch-size hint; 16 rows served the 1-byte step
+# and the 8- / 16-byte verify best on the 2-core CPU (bench/bench_decode.py times the layouts)
+ONEDNN_BATCH_HINT = 16
+
+
+def onednn_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the "onednn" layout cannot run here (one line), or None."""
+    if device.type != "cpu":
+        return f"weights='onednn' runs on the CPU only (the backbone is on {device})"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"weights='onednn' needs float32 or bfloat16 weights (got {dtype}; oneDNN has no float64)"
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return "weights='onednn': this torch build has no oneDNN (mkldnn) linear"
+    return None
+
+
+def _onednn_pack(mats: list[Tensor]) -> Tensor:
+    """(out_i, in) matrices -> one oneDNN-blocked copy of cat(W_i): `_onednn(x, it)` == cat(x W_i^T)."""
+    return torch.ops.mkldnn._reorder_linear_weight(torch.cat(mats, dim=0), ONEDNN_BATCH_HINT)
+
+
+def _onednn(x: Tensor, packed: Tensor) -> Tensor:
+    """x (..., in) times a `_onednn_pack`ed weight: (..., out). A row's product came out the same
+    bits whether the call held 1 or 8 rows (MKL's sgemm here does not); attention still differs."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
 def _layer(hf_layer: Any, draft_layer: Any | None, lora_mode: str, layout: str) -> _Layer:
     attn, mlp = hf_layer.self_attn, hf_layer.mlp
     w = {n: getattr(attn, n).weight.detach() for n in _ATTN} | {
@@ -282,10 +315,14 @@ def _layer(hf_layer: Any, draft_layer: Any | None, lora_mode: str, layout: str) 
             lo = _peft_lora(mod)
             if lo is not None:
                 lora[n] = lo
-    packed = {g: _pack([w[n] for n in ms]) for g, ms in _GROUPS.items()} if layout == "packed" else {}
-    merged = {}
+    pack = {"packed": _pack, "onednn": _onednn_pack}.get(layout)
+    packed = {g: pack([w[n] for n in ms]) for g, ms in _GROUPS.items()} if pack else {}
+    merged: dict[str, Any] = {}
     if lora_mode == "merged" and draft_layer is not None:  # a copy: the draft top's merged weights
-        if layout == "packed":
+        if layout == "onednn":  # (verifier, draft) blocked copies: one product per top row
+            for g, ms in _GROUPS.items():
+                merged[g] = (packed[g], _onednn_pack([_merge(w[n], lora.get(n)) for n in ms]))
+        elif layout == "packed":
             for g, ms in _GROUPS.items():
                 merged[g] = torch.stack([packed[g], _pack([_merge(w[n], lora.get(n)) for n in ms])])
         else:
@@ -322,10 +359,11 @@ class LlamaEngine:
     of the per-kernel Python overhead). The prefill runs eagerly. Fusion rounds differently from
     eager (~1e-6 on float32 logits). Off by default: each T compiles for seconds (needs a C++
     compiler on the CPU).
-    weights: "views" (multiply by the HF parameters as they are; None means this) or "packed"
-    (one transposed, fused copy: q|k|v and gate|up as one product each; the base weights' memory
-    doubles; measured side by side in bench_decode, not faster there on the 2-core CPU). A packed
-    (or merged) copy is rebuilt at `reset` when a source tensor changed in place (its version moved).
+    weights: "views" (multiply by the HF parameters as they are), "packed" (one transposed, fused
+    copy: q|k|v and gate|up as one product each) or "onednn" (the same groups in oneDNN's blocked
+    format: CPU, float32 / bf16, not with compile); None: "onednn" where it runs, else "views".
+    A packed, oneDNN (or merged) copy doubles the base weights' memory and is rebuilt at `reset`
+    when a source tensor changed in place (its version moved).
     """
 
     def __init__(
@@ -356,10 +394,19 @@ class LlamaEngine:
         self.lora_mode = lora
         self.embed = model.model.embed_tokens.weight.detach()  # (v, d)
         self.device, self.dtype = self.embed.device, self.embed.dtype
-        self.layout = weights or "views"
-        self._build_weights()
         if compile and static is False:
             raise ValueError("compile=True needs static shapes: pass static=True or None")
+        if weights == "onednn":
+            reason = onednn_unsupported(self.device, self.dtype) or (
+                "weights='onednn' does not combine with compile=True (use views or packed)" if compile else None
+            )
+            if reason:
+                raise ValueError(f"compact Llama forward: {reason}")
+        elif weights is None:  # oneDNN's products where they run (CPU, float32 / bf16), else the HF views
+            ok = not compile and onednn_unsupported(self.device, self.dtype) is None
+            weights = "onednn" if ok else "views"
+        self.layout = weights
+        self._build_weights()
         self.static = (self.device.type == "cuda" or compile) if static is None else static
         self.cuda_graphs = bool(cuda_graphs and self.static and self.device.type == "cuda")
         self.scale = self.args.head_dim**-0.5
@@ -391,11 +438,12 @@ class LlamaEngine:
         self.norm = inner.norm.weight.detach()  # (d,)
         self.lm_head = self._model.get_output_embeddings().weight.detach()  # (v, d)
         self.lm_head_t = self.lm_head.t().contiguous() if self.layout == "packed" else None  # (d, v)
+        self.lm_head_p = _onednn_pack([self.lm_head]) if self.layout == "onednn" else None
         # what the copies were made from: the base weights (packed), the top's LoRA too (merged)
         merged = any(L.merged for L in self.layers)
         base = [self.lm_head] + [t for L in self.layers for t in L.w.values()]
         lora = [q for L in self.layers for lo in L.lora.values() for q in (lo.a, lo.b)]
-        sources = (base if self.layout == "packed" or merged else []) + (lora if merged else [])
+        sources = (base if self.layout != "views" or merged else []) + (lora if merged else [])
         self._sources = [(t, t._version, t.data_ptr()) for t in sources]
 
     def _stale(self) -> bool:
@@ -476,7 +524,12 @@ class LlamaEngine:
                 x = x.expand(2, T, x.shape[-1])  # rows: verifier top, draft top (same trunk output)
             x = self._block(x, layer, self.kv[i], cos, sin, mask, pos, start)
         h = rms_norm(x, self.norm, self.args.norm_eps)  # (rows, T, d)
-        logits = torch.mm(h[0], self.lm_head_t) if self.lm_head_t is not None else F.linear(h[0], self.lm_head)
+        if self.lm_head_p is not None:
+            logits = _onednn(h[0], self.lm_head_p)
+        elif self.lm_head_t is not None:
+            logits = torch.mm(h[0], self.lm_head_t)
+        else:
+            logits = F.linear(h[0], self.lm_head)
         return StepOutput(logits, h[-1])  # (T, v), (T, d)
 
     def _linear(self, x: Tensor, layer: _Layer, name: str) -> Tensor:
@@ -494,7 +547,12 @@ class LlamaEngine:
         members = _GROUPS[group]
         if self.layout == "views":
             return tuple(self._linear(x, layer, n) for n in members)
-        if layer.merged:
+        if self.layout == "onednn":
+            if layer.merged:  # one product per top row, each with its own weights
+                y = torch.stack([_onednn(x[0], layer.merged[group][0]), _onednn(x[1], layer.merged[group][1])])
+            else:
+                y = _onednn(x, layer.packed[group])  # (rows, T, out)
+        elif layer.merged:
             y = torch.matmul(x, layer.merged[group])  # (2, T, in) @ (2, in, out): one batched product
         else:
             y = torch.matmul(x, layer.packed[group])  # (rows, T, out): one product, column slices below

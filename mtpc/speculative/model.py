@@ -264,8 +264,9 @@ class MtpcModel:
     (None: on when the backbone is on CUDA and its engine is "compact"). compile: the compact
     engine's decoding calls and, without CUDA graphs, the greedy head + draft (`CompiledDraft`)
     through torch.compile with static shapes (each new shape compiles for seconds).
-    weights: the compact engine's weight layout ("views", the default, or "packed"; see
-    mtpc/backbones/llama.py). Both are passed to every engine this model builds.
+    weights: the compact engine's weight layout ("views", "packed" or "onednn"; None: oneDNN's
+    on the CPU in float32 / bf16 without compile, else views; see mtpc/backbones/llama.py). Both
+    are passed to every engine this model builds.
     """
 
     def __init__(

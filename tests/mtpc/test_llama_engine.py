@@ -4,9 +4,10 @@ Every segment (trunk / verifier top / draft top keys and values, p logits, the d
 state) equals the HF forward (sdpa attention: float64 throughout) to 1e-10 over a sequence of
 calls with prefill, 1-byte steps, n-byte verifies and crops, k in {0, 1, L}; llama3 RoPE scaling,
 grouped and plain attention, an explicit head_dim, tied embeddings; static shapes == sliced
-caches; merged LoRA == low-rank LoRA; both weight layouts (views of the HF parameters, copying
+caches; merged LoRA == low-rank LoRA; the weight layouts (views of the HF parameters, copying
 nothing, and the packed transposed copy, rebuilt when a source changes); unsupported configs are
-refused.
+refused. The oneDNN layout (the CPU float32 / bf16 default; oneDNN has no float64) is checked in
+float32 against the HF forward to 1e-4, with the same script, rebuilds and merged LoRA.
 """
 
 from __future__ import annotations
@@ -222,8 +223,8 @@ def test_packed_copy_layout_and_rebuild_after_in_place_changes():
 
 def test_default_weight_layout_and_bad_value():
     bb = _adapter(_model(), 0)
-    assert LlamaEngine(bb, 16).layout == "views"  # the default: no copy
-    with pytest.raises(ValueError, match=r"weights='transposed'.*views.*packed"):
+    assert LlamaEngine(bb, 16).layout == "views"  # the float64 default: no copy
+    with pytest.raises(ValueError, match=r"weights='transposed'.*views.*packed.*onednn"):
         LlamaEngine(bb, 16, weights="transposed")
 
 
@@ -375,3 +376,63 @@ def test_compiled_model_decodes_as_the_eager_one():
         assert a == b, mode
     assert comp.generate(prompt, 12).ids.tolist() == eager.generate_plain(prompt, 12).ids.tolist()
     assert calls and comp.engine(True, 32)._compiled is not None
+
+
+# ------------------------------------------------------------------ the oneDNN layout (float32, CPU)
+
+
+def _f32_adapter(k, seed=1, **kw):
+    bb = BackboneAdapter.from_hf(_model(**kw).float(), lora_depth=k, lora_rank=4)
+    randomize_lora(bb, seed=seed)
+    return bb
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("k", [0, 1, L])
+def test_onednn_layout_close_to_hf_in_float32(k, static):
+    """oneDNN has no float64: in float32 every segment stays within 1e-4 of the HF forward over the
+    script (prefill, steps, verifies, crops); a wrong group order or column split is off by O(1)."""
+    bb = _f32_adapter(k)
+    engine = LlamaEngine(bb, capacity=40, static=static)
+    assert engine.layout == "onednn" and engine.lm_head_p is not None  # the CPU float32 default
+    _run_script(engine, bb, vocab=16, atol=1e-4)
+
+
+@pytest.mark.parametrize("kw", [{"rope": LLAMA3, "max_context": 128}, {"heads": 4, "kv_heads": 1, "tie": True}],
+                         ids=["llama3-rope", "gqa4-tied"])  # fmt: skip
+def test_onednn_variants_close_to_hf(kw):
+    bb = _f32_adapter(1, **kw)
+    _run_script(LlamaEngine(bb, capacity=64, weights="onednn"), bb, vocab=16, atol=1e-4)
+
+
+def test_onednn_merged_lora_and_rebuild_after_in_place_changes():
+    bb = _f32_adapter(2)
+    model = bb.model
+    low, merged = LlamaEngine(bb, 32, weights="onednn"), LlamaEngine(bb, 32, weights="onednn", lora="merged")
+    ids = torch.randint(0, 16, (9,))
+    a, b = low.feed(ids), merged.feed(ids)
+    assert_close(b.draft_hidden, a.draft_hidden, rtol=0, atol=1e-4)
+    assert_close(b.p_logits, a.p_logits, rtol=0, atol=1e-4)
+    assert isinstance(merged.layers[-1].merged["qkv"], tuple) and not low.layers[-1].merged
+    with torch.no_grad():  # in place, as load_state_dict or an optimiser would
+        model.model.layers[0].self_attn.o_proj.weight.mul_(1.5)
+        bb.draft_top.layers[str(L - 1)].mlp.down_proj.lora_B["default"].weight.add_(0.3)
+    for e in (low, merged):
+        assert e._stale()
+        e.reset(32)
+        out = e.feed(ids)
+        with torch.inference_mode():
+            assert_close(out.p_logits, model(ids[None]).logits[0], rtol=0, atol=1e-4)
+            assert_close(out.draft_hidden, bb(ids[None]).draft_hidden[0], rtol=0, atol=1e-4)
+        assert (out.p_logits - a.p_logits).abs().max() > 1e-2 and not e._stale()
+
+
+def test_default_layout_per_dtype_and_refusals():
+    f64, f32 = _adapter(_model(), 0), _f32_adapter(0)
+    assert LlamaEngine(f64, 16).layout == "views"  # oneDNN has no float64
+    assert LlamaEngine(f32, 16).layout == "onednn"
+    assert LlamaEngine(f32, 16, compile=True).layout == "views"  # inductor does not lower oneDNN's weights
+    with pytest.raises(ValueError, match=r"weights='onednn' needs float32 or bfloat16.*float64"):
+        LlamaEngine(f64, 16, weights="onednn")
+    with pytest.raises(ValueError, match=r"weights='onednn' does not combine with compile=True"):
+        LlamaEngine(f32, 16, weights="onednn", compile=True)

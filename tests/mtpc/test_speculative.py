@@ -65,10 +65,16 @@ def _heads(bb, window, seed=0):
     return out
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+# every engine in float64, and the compact engine in float32, where its default layout is oneDNN's products
+ENGINE_DTYPES = [(e, torch.float64) for e in ENGINES] + [("compact", torch.float32)]
+
+
+@pytest.mark.parametrize("engine,dtype", ENGINE_DTYPES, ids=lambda v: str(v).replace("torch.", ""))
 @pytest.mark.parametrize("lora_depth", [0, 1])
-def test_greedy_equals_plain_greedy(lora_depth, engine):
-    bb = _peaked_backbone(lora_depth, engine=engine)
+def test_greedy_equals_plain_greedy(lora_depth, engine, dtype):
+    bb = _peaked_backbone(lora_depth, engine=engine, dtype=dtype)
+    if engine == "compact":
+        assert make_engine(bb, 8).layout == ("onednn" if dtype == torch.float32 else "views")
     hist = {2: torch.zeros(3, dtype=torch.long), 4: torch.zeros(5, dtype=torch.long)}
     for window in (2, 4):
         models = _heads(bb, window)
