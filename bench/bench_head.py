@@ -5,6 +5,8 @@ side by side in one process, round by round:
   old:        circuit._draft(circuit.normalize(head(e)), [c], g, greedy) (the loop's call before
               `decode_params`: the training forward, then normalize, then the fused draft)
   new:        dec.draft(e, [c], g, greedy), dec = head.decoder() (= circuit._draft(dec.params(e), ...))
+  addmm:      the same with HeadDecoder(head, onednn=False): MKL's addmm over a transposed copy
+              instead of oneDNN's product (the default on the CPU in float32), side by side
   new_greedy_x_only: dec.draft(e, [c], greedy=True, conditionals=False) (what greedy verification reads)
   new_params: dec.params(e) alone (the head part of `new`)
   draft_hot:  circuit._draft(params, [c], g, greedy) alone, on parameters just computed (hot)
@@ -45,7 +47,7 @@ from mtpc.names import DECODE_MODES
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_circuits import machine  # noqa: E402
 
-from mtpc.heads import HeadConfig, MtpcHead  # noqa: E402
+from mtpc.heads import HeadConfig, HeadDecoder, MtpcHead  # noqa: E402
 
 HEADS = [("cp", 16, 8), ("btree", 16, 8), ("btree", 16, 32), ("hmm", 16, 8), ("ff", 16, 1)]
 BAR_HEADS = {("cp", 16, 8), ("btree", 16, 8)}
@@ -96,7 +98,8 @@ def bench_head(kind, n, r, v, d, k, rounds, flush, step, seed=0) -> dict:
 
 
 def _bench_head(head, kind, n, r, v, d, k, rounds, flush, step, seed) -> dict:
-    c, dec = head.circuit, head.decoder()
+    c, dec = head.circuit, head.decoder()  # oneDNN's product where it runs (the default)
+    mkl = HeadDecoder(head, onednn=False)  # the addmm over a transposed copy, side by side
     nbytes = sum(p.numel() * p.element_size() for p in head.parameters())
     e = torch.randn(d, generator=torch.Generator().manual_seed(seed + 1))
     prefix = torch.tensor([7])
@@ -105,9 +108,11 @@ def _bench_head(head, kind, n, r, v, d, k, rounds, flush, step, seed) -> dict:
     for greedy, mode in ((False, "sample"), (True, "greedy")):
         paths[f"old_{mode}"] = lambda greedy=greedy: c._draft(c.normalize(head(e)), prefix, generator=g, greedy=greedy)
         paths[f"new_{mode}"] = lambda greedy=greedy: dec.draft(e, prefix, generator=g, greedy=greedy)
+        paths[f"addmm_{mode}"] = lambda greedy=greedy: mkl.draft(e, prefix, generator=g, greedy=greedy)
     paths["new_greedy_x_only"] = lambda: dec.draft(e, prefix, generator=g, greedy=True, conditionals=False)
     paths["old_params"] = lambda: c.normalize(head(e))
     paths["new_params"] = lambda: dec.params(e)
+    paths["addmm_params"] = lambda: mkl.params(e)
     q = dec.params(e)
     for greedy, mode in ((False, "sample"), (True, "greedy")):
         paths[f"draft_{mode}"] = lambda greedy=greedy: c._draft(q, prefix, generator=g, greedy=greedy)
@@ -131,7 +136,7 @@ def _bench_head(head, kind, n, r, v, d, k, rounds, flush, step, seed) -> dict:
                     cpu[(cond, name)].append(c1 - c0)
     size = flush.numel() * flush.element_size()
     row = {"kind": kind, "n": n, "r": r, "v": v, "d": d, "leaf_delta_rank": k, "dtype": "float32",
-           "params": sum(p.numel() for p in head.parameters()), "weight_bytes": nbytes}
+           "params": sum(p.numel() for p in head.parameters()), "weight_bytes": nbytes, "new_onednn": dec.onednn}
     for suffix, reads in (("", read), ("_cpu", read_cpu)):  # wall, and CPU time (robust to waiting for a core)
         bandwidth = size / statistics.median(reads)  # bytes / s
         row[f"read{suffix}_GBps"] = bandwidth / 1e9
@@ -145,6 +150,7 @@ def _bench_head(head, kind, n, r, v, d, k, rounds, flush, step, seed) -> dict:
             row[f"{cond}_new_{mode}_over_floor"] = row[f"{cond}_new_{mode}_ms"] / row["floor_ms"]
             row[f"{cond}_new_{mode}_cpu_over_floor_cpu"] = row[f"{cond}_new_{mode}_cpu_ms"] / row["floor_cpu_ms"]
             row[f"{cond}_old_over_new_{mode}"] = row[f"{cond}_old_{mode}_ms"] / row[f"{cond}_new_{mode}_ms"]
+            row[f"{cond}_new_over_addmm_{mode}"] = row[f"{cond}_new_{mode}_ms"] / row[f"{cond}_addmm_{mode}_ms"]
     for mode in ("sample", "greedy", "greedy_x_only"):
         row[f"bar_met_{mode}"] = row[f"loop_new_{mode}_ms"] <= row["bar_ms"]
         row[f"bar_met_{mode}_cpu"] = row[f"loop_new_{mode}_cpu_ms"] <= row["bar_cpu_ms"]
@@ -153,7 +159,7 @@ def _bench_head(head, kind, n, r, v, d, k, rounds, flush, step, seed) -> dict:
 
 def table(rows) -> str:
     cols = ["kind", "r", "read_GBps", "floor_ms", "bar_ms", "loop_old_sample_ms", "loop_new_sample_ms",
-            "loop_new_greedy_ms", "loop_new_greedy_x_only_ms", "loop_new_params_ms", "loop_draft_sample_ms",
+            "loop_addmm_greedy_ms", "loop_new_greedy_ms", "loop_new_greedy_x_only_ms", "loop_new_params_ms", "loop_draft_sample_ms",
             "cold_new_sample_ms", "read_cpu_GBps", "bar_cpu_ms", "loop_new_sample_cpu_ms", "loop_new_greedy_cpu_ms"]
     out = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
     for row in rows:

@@ -115,7 +115,8 @@ def weight_floors(model) -> dict[str, Callable[[], None]]:
     F.linear of one row per HF weight), "onednn_mv" (one oneDNN product of one row per fused
     group, q|k|v o gate|up down and the lm_head, as the "onednn" engine layout holds them; where
     oneDNN runs) and "read" (a sum over each weight: a plain read, no product)."""
-    from mtpc.backbones.llama import _ATTN, _GROUPS, _onednn, _onednn_pack, onednn_unsupported
+    from mtpc.backbones.llama import _ATTN, _GROUPS, _onednn_pack
+    from mtpc.kernels import onednn_linear, onednn_unsupported
 
     ws = step_weights(model)
     out = {"mkl_mv": weight_floor(model)}
@@ -129,7 +130,7 @@ def weight_floors(model) -> dict[str, Callable[[], None]]:
 
         def onednn_mv():
             for x, m in zip(xs, mats, strict=True):
-                _onednn(x, m)
+                onednn_linear(x, m)
 
         out["onednn_mv"] = onednn_mv
 

@@ -50,6 +50,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from mtpc.backbones.engine import StepOutput
+from mtpc.kernels import onednn_linear, onednn_pack, onednn_unsupported
 from mtpc.names import DRAFT_LORA_MODES, ENGINE_WEIGHT_LAYOUTS
 
 ROPE_TYPES = ("default", "llama3")  # the rotary variants this forward implements
@@ -272,31 +273,9 @@ def _pack(mats: list[Tensor]) -> Tensor:
     return torch.cat(mats, dim=0).t().contiguous()
 
 
-# oneDNN's blocked weight format is chosen for a batch-size hint; 16 rows served the 1-byte step
-# and the 8- / 16-byte verify best on the 2-core CPU (bench/bench_decode.py times the layouts)
-ONEDNN_BATCH_HINT = 16
-
-
-def onednn_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why the "onednn" layout cannot run here (one line), or None."""
-    if device.type != "cpu":
-        return f"weights='onednn' runs on the CPU only (the backbone is on {device})"
-    if dtype not in (torch.float32, torch.bfloat16):
-        return f"weights='onednn' needs float32 or bfloat16 weights (got {dtype}; oneDNN has no float64)"
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
-        return "weights='onednn': this torch build has no oneDNN (mkldnn) linear"
-    return None
-
-
 def _onednn_pack(mats: list[Tensor]) -> Tensor:
-    """(out_i, in) matrices -> one oneDNN-blocked copy of cat(W_i): `_onednn(x, it)` == cat(x W_i^T)."""
-    return torch.ops.mkldnn._reorder_linear_weight(torch.cat(mats, dim=0), ONEDNN_BATCH_HINT)
-
-
-def _onednn(x: Tensor, packed: Tensor) -> Tensor:
-    """x (..., in) times a `_onednn_pack`ed weight: (..., out). A row's product came out the same
-    bits whether the call held 1 or 8 rows (MKL's sgemm here does not); attention still differs."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    """(out_i, in) matrices -> one oneDNN-blocked copy of cat(W_i): `onednn_linear(x, it)` == cat(x W_i^T)."""
+    return onednn_pack(torch.cat(mats, dim=0))
 
 
 def _layer(hf_layer: Any, draft_layer: Any | None, lora_mode: str, layout: str) -> _Layer:
@@ -525,7 +504,7 @@ class LlamaEngine:
             x = self._block(x, layer, self.kv[i], cos, sin, mask, pos, start)
         h = rms_norm(x, self.norm, self.args.norm_eps)  # (rows, T, d)
         if self.lm_head_p is not None:
-            logits = _onednn(h[0], self.lm_head_p)
+            logits = onednn_linear(h[0], self.lm_head_p)
         elif self.lm_head_t is not None:
             logits = torch.mm(h[0], self.lm_head_t)
         else:
@@ -549,9 +528,9 @@ class LlamaEngine:
             return tuple(self._linear(x, layer, n) for n in members)
         if self.layout == "onednn":
             if layer.merged:  # one product per top row, each with its own weights
-                y = torch.stack([_onednn(x[0], layer.merged[group][0]), _onednn(x[1], layer.merged[group][1])])
+                y = torch.stack([onednn_linear(x[0], layer.merged[group][0]), onednn_linear(x[1], layer.merged[group][1])])
             else:
-                y = _onednn(x, layer.packed[group])  # (rows, T, out)
+                y = onednn_linear(x, layer.packed[group])  # (rows, T, out)
         elif layer.merged:
             y = torch.matmul(x, layer.merged[group])  # (2, T, in) @ (2, in, out): one batched product
         else:

@@ -293,6 +293,7 @@ class MtpcModel:
             raise ValueError(f"weights={weights!r}: only the compact engine has a weight layout (this backbone's is 'hf')")
         self._engine_kw = ({"compile": True} if compile and compact else {}) | ({"weights": weights} if weights else {})
         self._engines: dict[bool, Any] = {}  # draft top or not -> engine (caches kept between calls)
+        self._head_onednn = False if compile else None  # inductor does not lower oneDNN's blocked weights
         self._gen = torch.Generator(device=backbone.device)  # re-seeded per call; captured graphs advance it
         self._graphed_draft = (
             GraphedDraft(self._head_fn, self.circuit, self._gen) if self.cuda_graphs else None
@@ -411,7 +412,7 @@ class MtpcModel:
     def _head_fn(self, hidden: Tensor) -> dict[str, Tensor]:
         """Normalised circuit parameters for one context through the head's batch-1 decoding path
         (`MtpcHead.decoder`, equal to `circuit.normalize(head(e))`; built once per weights)."""
-        return self.head.decoder().params(hidden)
+        return self.head.decoder(self._head_onednn).params(hidden)
 
     def engine(self, draft: bool = True, capacity: int = 0) -> Any:
         """This model's engine (draft top or verifier only), reset to hold `capacity` positions."""
@@ -452,7 +453,7 @@ class MtpcModel:
         gen = self._generator(seed)
         _peak_mem_reset(self.device)
         engine = self.engine(True, ids.shape[0] + cfg.max_new_tokens + self.window)
-        head_fn, drafter = self.head.decoder().params, CircuitDrafter(self.circuit, gen)  # decoder checked once per call
+        head_fn, drafter = self.head.decoder(self._head_onednn).params, CircuitDrafter(self.circuit, gen)  # checked once per call
         if self._graphed_draft is not None:
             head_fn, drafter = self._graphed_draft.head, self._graphed_draft
         elif self._compiled_draft is not None:  # it holds self._gen, the generator `gen` is

@@ -158,3 +158,29 @@ def test_draft_reads_nothing_back(kind, greedy):
     with _HostReads() as probe:  # the counter sees a read
         prefix.tolist()
     assert probe.calls == ["tolist"]
+
+
+@pytest.mark.parametrize("kind", CIRCUIT_KINDS)
+@pytest.mark.parametrize("delta", [0, 2])
+def test_onednn_product_in_float32(kind, delta):
+    """On the CPU in float32 the decoder multiplies by oneDNN (the default there; not in float64):
+    its parameters equal the training path's and the addmm decoder's to float32 rounding, and a
+    sum bias the blocked product leaves out would show up as O(1)."""
+    head = make_head(kind, 8, delta=delta, dtype=torch.float32)
+    e = torch.randn(D)
+    dec, mkl = head.decoder(), head.decoder(onednn=False)
+    assert make_head(kind, 3).decoder().onednn is False  # float64: addmm
+    assert head.decoder() is not mkl and head.decoder().onednn is True
+    with torch.inference_mode():
+        got, ref, want = head.decoder().params(e), mkl.params(e), old_params(head, e)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0)
+        torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=0)
+    assert dec.onednn and not mkl.onednn
+    if head.sum_names:  # not vacuous: the sums carry biases that move the result
+        assert any(float(head.sum_bias[n].detach().abs().max()) > 0.1 for n in head.sum_names)
+
+
+def test_onednn_refused_where_it_cannot_run():
+    with pytest.raises(ValueError, match=r"head decoder: weights='onednn' needs float32 or bfloat16.*float64"):
+        make_head("cp", 3).decoder(onednn=True)

@@ -1,0 +1,48 @@
+"""oneDNN's row-vector products on the CPU, shared by the compact engine and the head decoder.
+
+At batch 1 a decoding step is reading weights. On the 2-core test CPU (AMD EPYC, one thread)
+MKL's `F.linear` / `addmm` read float32 weights at about half of memory speed, while oneDNN with
+the weight reordered once into its blocked format reads near it (one row: 1.0 ms against 2.25 ms
+for the default model's step weights; eight rows 1.6-1.9 against 4.3 ms; bench/bench_decode.py
+times both). In bf16 `F.linear` already calls oneDNN, so there the blocked copy changes nothing
+but the per-call reorder.
+
+    w = onednn_pack(W)              # W (out, in) float32 / bf16 CPU -> a blocked copy (a new tensor)
+    y = onednn_linear(x, w, bias)   # x (..., in) -> x W^T + bias (..., out)
+
+`onednn_unsupported(device, dtype)` says why this cannot run (not the CPU, float64, a torch
+without oneDNN) or None. Leaves out: CUDA (cuBLAS reads at speed there), autograd (decoding
+only), torch.compile (inductor does not lower the blocked weights).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# oneDNN's blocked weight format is chosen for a batch-size hint; 16 rows served the 1-byte step
+# and the 8- / 16-byte verify best on the 2-core CPU (one row as fast as with hint 1's gemv format)
+ONEDNN_BATCH_HINT = 16
+
+
+def onednn_unsupported(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Why oneDNN's products cannot run here (one line), or None."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return f"weights='onednn' runs on the CPU only (the weights are on {device})"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"weights='onednn' needs float32 or bfloat16 weights (got {dtype}; oneDNN has no float64)"
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return "weights='onednn': this torch build has no oneDNN (mkldnn) linear"
+    return None
+
+
+def onednn_pack(weight: Tensor) -> Tensor:
+    """W (out, in) -> a oneDNN-blocked copy for `onednn_linear` (the source is not kept)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ONEDNN_BATCH_HINT)
+
+
+def onednn_linear(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (..., in) -> x W^T (+ bias (out,)) (..., out) for a `onednn_pack`ed W. A row's product came
+    out the same bits whether the call held 1 or 8 rows (MKL's sgemm here does not)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
