@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     t0 = time.time()
     out = Path(a.out).resolve()
+    from experiments.quiet import quiet
+
+    quiet()  # MLflow's store set-up and Optuna's study lines: the demo prints its own
 
     import tracking
     from sweeps import run

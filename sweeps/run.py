@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-trials", type=int, default=None, help="a worker stops after this many trials")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec key (YAML value), e.g. train.backbone=default")
     a = ap.parse_args(argv)
+    from experiments.quiet import quiet
+
+    quiet()  # MLflow's store set-up and Optuna's study lines: the runner logs its own
     try:
         overrides = parse_sets(a.set)
         spec = load_spec(a.spec, overrides=overrides)

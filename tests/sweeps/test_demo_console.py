@@ -1,0 +1,24 @@
+"""The demo's console (`python -m sweeps.demo`, plumbing objective): exit 0, the four steps, and on
+stderr only the sweep's own `[sweeps ...]` lines — MLflow's store set-up and Optuna's study
+creation are silenced (experiments/quiet.py), every other message would show up here."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_fixture_demo_prints_only_its_own_lines(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "sweeps.demo", "--objective", "fixture", "--out", str(tmp_path / "demo")]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    foreign = [line for line in out.stderr.splitlines() if line.strip() and not line.startswith("[sweeps ")]
+    assert not foreign, "unlisted messages (silence them in experiments/quiet.py or print less):\n" + "\n".join(foreign)
+    assert "COMPLETE" in out.stderr and "trials: {'COMPLETE': 5}" in out.stdout
+    for step in ("2/4 sweep", "3/4 python -m analysis", "4/4 where things are"):
+        assert step in out.stdout
