@@ -436,3 +436,30 @@ def test_default_layout_per_dtype_and_refusals():
         LlamaEngine(f64, 16, weights="onednn")
     with pytest.raises(ValueError, match=r"weights='onednn' does not combine with compile=True"):
         LlamaEngine(f32, 16, weights="onednn", compile=True)
+
+
+@pytest.mark.parametrize("weights,dtype", [("onednn", torch.float32), ("packed", torch.float64), ("packed", torch.float32)])
+@pytest.mark.parametrize("k", [0, 1])
+def test_one_row_fast_path_gives_the_generic_blocks_bits(weights, dtype, k):
+    """The plain step's fast path (`_block_one`: trunk layers, one byte, fused layouts) computes
+    the same bits as the generic block, for the logits, the draft state and every cache."""
+    bb = _adapter(_model(), k) if dtype == torch.float64 else _f32_adapter(k)
+    fast, slow = LlamaEngine(bb, 40, weights=weights), LlamaEngine(bb, 40, weights=weights)
+    slow._one_row = False
+    calls = {"n": 0}
+    original = fast._block_one
+
+    def counting(*args):
+        calls["n"] += 1
+        return original(*args)
+
+    fast._block_one = counting
+    g = torch.Generator().manual_seed(3)
+    for T in (6, 1, 1, 3, 1, 1, 1):
+        ids = torch.randint(0, 16, (T,), generator=g)
+        a, b = fast.feed(ids), slow.feed(ids)
+        assert torch.equal(a.p_logits, b.p_logits) and torch.equal(a.draft_hidden, b.draft_hidden)
+    for (k1, v1), (k2, v2) in zip(fast.kv, slow.kv, strict=True):
+        assert torch.equal(k1[:, :, : fast.length], k2[:, :, : slow.length])
+        assert torch.equal(v1[:, :, : fast.length], v2[:, :, : slow.length])
+    assert calls["n"] == 5 * (L - k)  # five 1-byte calls, every trunk layer took the fast path
