@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -311,7 +312,18 @@ class HeadDecoder:
                 raise ValueError(f"head decoder: {reason}")
             self.onednn = reason is None if onednn is None else bool(onednn)
             # (N, d) blocked for oneDNN, or (d, N) for addmm; the copy is the head's size again
-            self.weight = onednn_pack(stacked) if self.onednn else stacked.t().contiguous()
+            self.weight = None
+            if self.onednn:
+                try:
+                    self.weight = onednn_pack(stacked)
+                except RuntimeError as err:  # a oneDNN build that cannot reorder here: addmm, unless asked for
+                    if onednn:
+                        raise
+                    self.onednn = False
+                    warnings.warn(f"head decoder: oneDNN could not reorder the weights ({err}); using addmm",
+                                  RuntimeWarning, stacklevel=2)  # fmt: skip
+            if self.weight is None:
+                self.weight = stacked.t().contiguous()
             del stacked
             self.bias = torch.zeros(1, width, dtype=self.dtype, device=device)  # (1, N): 0 for the leaves, b for the sums
             if sums:

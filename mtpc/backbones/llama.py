@@ -42,6 +42,7 @@ training (the HF adapter trains the LoRA), batches of several sequences, EvaByte
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -381,11 +382,21 @@ class LlamaEngine:
             )
             if reason:
                 raise ValueError(f"compact Llama forward: {reason}")
-        elif weights is None:  # oneDNN's products where they run (CPU, float32 / bf16), else the HF views
+        auto = weights is None
+        if auto:  # oneDNN's products where they run (CPU, float32 / bf16), else the HF views
             ok = not compile and onednn_unsupported(self.device, self.dtype) is None
             weights = "onednn" if ok else "views"
         self.layout = weights
-        self._build_weights()
+        self.layout_fallback: str | None = None  # why the automatic choice fell back to views
+        try:
+            self._build_weights()
+        except RuntimeError as e:  # a oneDNN build that cannot reorder here: the chosen default only
+            if not (auto and weights == "onednn"):
+                raise
+            self.layout, self.layout_fallback = "views", f"{type(e).__name__}: {e}"
+            warnings.warn(f"compact Llama forward: oneDNN could not reorder the weights ({self.layout_fallback}); "
+                          "using the views layout", RuntimeWarning, stacklevel=2)  # fmt: skip
+            self._build_weights()
         # the one-row fast path (`_block_one`): fused layouts, layers without LoRA (the trunk)
         self._one_row = self.layout != "views"
         self._mm = onednn_linear if self.layout == "onednn" else torch.matmul

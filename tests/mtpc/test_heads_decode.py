@@ -184,3 +184,20 @@ def test_onednn_product_in_float32(kind, delta):
 def test_onednn_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match=r"head decoder: weights='onednn' needs float32 or bfloat16.*float64"):
         make_head("cp", 3).decoder(onednn=True)
+
+
+def test_automatic_onednn_falls_back_to_addmm_when_oneDNN_cannot_reorder(monkeypatch):
+    import mtpc.heads as heads
+
+    def broken(weight):
+        raise RuntimeError("could not create a primitive")
+
+    monkeypatch.setattr(heads, "onednn_pack", broken)
+    head = make_head("cp", 4, dtype=torch.float32)
+    e = torch.randn(D)
+    with pytest.warns(RuntimeWarning, match="oneDNN could not reorder the weights"):
+        dec = heads.HeadDecoder(head)
+    assert dec.onednn is False
+    torch.testing.assert_close(dec.params(e)["leaves"], old_params(head, e)["leaves"], atol=1e-5, rtol=0)
+    with pytest.raises(RuntimeError, match="could not create a primitive"):
+        heads.HeadDecoder(head, onednn=True)

@@ -463,3 +463,19 @@ def test_one_row_fast_path_gives_the_generic_blocks_bits(weights, dtype, k):
         assert torch.equal(k1[:, :, : fast.length], k2[:, :, : slow.length])
         assert torch.equal(v1[:, :, : fast.length], v2[:, :, : slow.length])
     assert calls["n"] == 5 * (L - k)  # five 1-byte calls, every trunk layer took the fast path
+
+
+def test_automatic_onednn_choice_falls_back_to_views_when_oneDNN_cannot_reorder(monkeypatch):
+    import mtpc.backbones.llama as llama
+
+    def broken(weight):
+        raise RuntimeError("could not create a primitive")
+
+    monkeypatch.setattr(llama, "onednn_pack", broken)
+    bb = _f32_adapter(1)
+    with pytest.warns(RuntimeWarning, match="oneDNN could not reorder the weights"):
+        engine = LlamaEngine(bb, 32)  # the automatic choice falls back, and says why
+    assert engine.layout == "views" and "could not create a primitive" in engine.layout_fallback
+    _run_script(engine, bb, vocab=16, atol=1e-4)
+    with pytest.raises(RuntimeError, match="could not create a primitive"):
+        LlamaEngine(bb, 32, weights="onednn")  # asked for: the error stands
