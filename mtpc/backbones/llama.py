@@ -404,6 +404,8 @@ class LlamaEngine:
         self.static = (self.device.type == "cuda" or compile) if static is None else static
         self.cuda_graphs = bool(cuda_graphs and self.static and self.device.type == "cuda")
         self.scale = self.args.head_dim**-0.5
+        kw = {"dtype": self.dtype, "device": self.device}
+        self._mask_values = (torch.zeros((), **kw), torch.full((), float("-inf"), **kw))  # attend, masked
         self.n_rep = self.args.n_heads // self.args.n_kv_heads
         self.capacity = 0
         self.length = 0
@@ -513,6 +515,8 @@ class LlamaEngine:
             mask = self.positions[None, :] <= pos[:, None]  # (T, C) causal over the whole capacity
         if mask is not None and self.n_rep > 1:
             mask = mask.repeat(self.n_rep, 1)  # grouped-query rows r*T + t -> mask row t (see _attend)
+        if mask is not None:  # additive, once per call: sdpa would convert a bool mask in every layer
+            mask = torch.where(mask, self._mask_values[0], self._mask_values[1])
         one = T == 1 and pos is None and self._one_row  # the plain step's fast path (same bits)
         for i, layer in enumerate(self.layers):
             if i == self.split:
