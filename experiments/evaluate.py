@@ -267,7 +267,8 @@ def evaluate_heads(
         for r in runs:
             r["metrics"]["speedup_vs_ff"] = r["metrics"]["throughput"] / ref[at(r)]
     results = {
-        "hardware": hardware(),
+        # where and how it ran: the engine's weight layout changes latencies as much as the CPU does
+        "hardware": f"{hardware()}; engine {first.engine_label()}",
         "config": {
             "modes": list(modes), "extra_tokens": list(extra_tokens), "eos": list(eos), "sets": len(prompt_sets),
             "num_prompts": [len(ps) for ps in prompt_sets], "ff_head": ff_name, **kw, "seed": seed,

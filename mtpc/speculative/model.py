@@ -308,12 +308,12 @@ class MtpcModel:
     @classmethod
     def from_pretrained(
         cls, head_dir: str | Path, backbone: Any = None, *, cuda_graphs: bool | None = None, compile: bool = False,
-        **load_kw: Any,
+        weights: str | None = None, **load_kw: Any,
     ) -> MtpcModel:  # fmt: skip
         """Load a `save_head` export; the backbone is its recorded name/path unless one is given.
 
         load_kw go to `mtpc.backbones.load_backbone` when the backbone is loaded here (e.g.
-        engine="hf" to decode through the HF layers); cuda_graphs / compile: see the class.
+        engine="hf" to decode through the HF layers); cuda_graphs / compile / weights: see the class.
         """
         from mtpc.backbones import load_backbone
         from mtpc.heads import load_head
@@ -333,13 +333,15 @@ class MtpcModel:
         elif k > 0:
             raise ValueError(f"{head_dir}: lora_depth={k} but the export has no lora.safetensors")
         head = head.to(dtype=backbone.dtype)
-        return cls(backbone, head, cuda_graphs=cuda_graphs, compile=compile)
+        return cls(backbone, head, cuda_graphs=cuda_graphs, compile=compile, weights=weights)
 
     @classmethod
     def from_components(
-        cls, backbone: Any, head: nn.Module | dict, *, cuda_graphs: bool | None = None, compile: bool = False
-    ) -> MtpcModel:
-        """backbone: a transformers causal LM or an adapter; head: an MtpcHead or a dict for a fresh one."""
+        cls, backbone: Any, head: nn.Module | dict, *, cuda_graphs: bool | None = None, compile: bool = False,
+        weights: str | None = None,
+    ) -> MtpcModel:  # fmt: skip
+        """backbone: a transformers causal LM or an adapter; head: an MtpcHead or a dict for a fresh one;
+        cuda_graphs / compile / weights: see the class."""
         if isinstance(head, dict):
             lora_depth = int(head.get("lora_depth", 0))
             backbone = _wrap_backbone(backbone, lora_depth)
@@ -348,7 +350,7 @@ class MtpcModel:
             backbone = _wrap_backbone(backbone, head.config.lora_depth)
         else:
             raise ValueError(f"head: expected an MtpcHead or a dict spec, got {type(head).__name__}")
-        return cls(backbone, head, cuda_graphs=cuda_graphs, compile=compile)
+        return cls(backbone, head, cuda_graphs=cuda_graphs, compile=compile, weights=weights)
 
     # -- helpers --------------------------------------------------------------------------------
     @property
@@ -413,6 +415,14 @@ class MtpcModel:
         """Normalised circuit parameters for one context through the head's batch-1 decoding path
         (`MtpcHead.decoder`, equal to `circuit.normalize(head(e))`; built once per weights)."""
         return self.head.decoder(self._head_onednn).params(hidden)
+
+    def engine_label(self) -> str:
+        """How this model decodes: "compact/<weight layout>" (e.g. "compact/onednn") or "hf". Latencies
+        compare only within one (an evaluation appends it to its hardware setting). Reads the verifier
+        engine a generation built (else builds it)."""
+        eng = self._engines.get(False) or self._engines.get(True) or self.engine(False, 0)
+        layout = getattr(eng, "layout", None)
+        return f"compact/{layout}" if layout else "hf"
 
     def engine(self, draft: bool = True, capacity: int = 0) -> Any:
         """This model's engine (draft top or verifier only), reset to hold `capacity` positions."""

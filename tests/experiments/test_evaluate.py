@@ -98,6 +98,8 @@ def test_mlflow_children_carry_params_and_metrics(exported, tmp_path):
         assert run.data.tags["mlflow.parentRunId"] == parent
         assert set(PARAMS) <= set(run.data.params) and run.data.params["trial"] == "7"
         assert run.data.params["circuit"] == "cp" and run.data.params["mode"] == "greedy"
+        # the engine is part of the setting: a float32 CPU backbone decodes on oneDNN's products
+        assert run.data.params["hardware"].endswith("; engine compact/onednn"), run.data.params["hardware"]
         assert {"mu_lat", "mu_acc", "throughput", "speedup_vs_stp", "acceptance_pos_2"} <= set(run.data.metrics)
     assert {client.get_run(r).data.params["prompt_set"] for r in ids} == {"0", "1"}
     # named for what they are (they were all `eval-head-greedy-keep-set<i>`, under every trial alike)

@@ -479,3 +479,14 @@ def test_automatic_onednn_choice_falls_back_to_views_when_oneDNN_cannot_reorder(
     _run_script(engine, bb, vocab=16, atol=1e-4)
     with pytest.raises(RuntimeError, match="could not create a primitive"):
         LlamaEngine(bb, 32, weights="onednn")  # asked for: the error stands
+
+
+def test_engine_label_names_the_engine_and_layout():
+    from mtpc import MtpcModel
+
+    spec = {"kind": "cp", "window": 3, "rank": 2}
+    assert MtpcModel.from_components(_f32_adapter(0), spec).engine_label() == "compact/onednn"
+    assert MtpcModel.from_components(_adapter(_model(), 0), spec).engine_label() == "compact/views"
+    assert MtpcModel.from_components(_f32_adapter(0), spec, weights="packed").engine_label() == "compact/packed"
+    hf = BackboneAdapter.from_hf(_model().float(), engine="hf")
+    assert MtpcModel.from_components(hf, spec).engine_label() == "hf"
