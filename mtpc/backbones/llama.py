@@ -11,7 +11,7 @@ oneDNN's blocked format and multiplied by oneDNN (`torch.ops.mkldnn._linear_poin
 copies double the base weights' memory and are rebuilt at `reset` when a source tensor changed in
 place. On the 2-core CPU (AMD EPYC, bench_decode's engine section) oneDNN's products read the
 weights at ~2x the speed of MKL's F.linear for one row and ~2.3x for 8 rows, so the step costs
-0.58-0.62x and the 8-byte verify 0.52-0.62x the views layout's; packed sits between:
+0.58-0.64x and the 8-byte verify 0.52-0.62x the views layout's; packed sits between:
 
     embed -> layers[0, L-k)                         trunk, one batch row
           -> layers[L-k, L) on rows [verify, draft] both tops in one pass: one weight read;
