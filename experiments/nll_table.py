@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of the head init and data order (name gets -seed<k>)")
     ap.add_argument("--table", action="store_true", help="only print the table from the results file")
     args = ap.parse_args(argv)
+    from experiments.quiet import quiet
+
+    quiet()
     if not args.table:
         for n in args.windows:
             for kind in args.kinds:

@@ -6,8 +6,8 @@ MLflow's store set-up lines, a deprecation inside Lightning, and transformers' p
 loading bars say nothing they can act on, so `quiet()` drops exactly the messages below (by logger
 and message start, warning category and message pattern, or progress-bar title) and nothing
 else: every other warning and log line still shows. Each CLI calls `quiet()` once at start
-(`experiments/train.py`, `experiments/evaluate.py`, `experiments/pretrain.py`, the sweep trial,
-`python -m sweeps.run` and `python -m sweeps.demo`);
+(`experiments/train.py`, `experiments/evaluate.py`, `experiments/pretrain.py`,
+`experiments/nll_table.py`, the sweep trial, `python -m sweeps.run` and `python -m sweeps.demo`);
 importing this module changes nothing. tests/experiments/test_quiet.py runs the debug training
 CLI and fails on any stderr line that is not the suite's own.
 Leaves out: the suite's own output, Lightning's training progress bar (that is progress).
