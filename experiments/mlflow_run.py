@@ -15,6 +15,7 @@ Leaves out: what is trained (train.py), the metrics Lightning logs during fit (t
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +29,27 @@ RUN_ID_FILE = "mlflow_run_id.txt"
 
 
 class _Logger(MLFlowLogger):
-    """MLFlowLogger that leaves a run it did not create (e.g. the sweep's trial run) open at the end."""
+    """MLFlowLogger that leaves a run it did not create (e.g. the sweep's trial run) open at the end,
+    and that leaves the process's tracking URI as it found it: Lightning's first `experiment` access
+    calls `mlflow.set_tracking_uri`, which also exports MLFLOW_TRACKING_URI — and that variable
+    outranks every configured URI in the tracking rule, so every later train / evaluate / sweep in
+    the process (and its subprocesses) would have logged into this run's store."""
 
     def __init__(self, *args: Any, owns_run: bool = True, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._owns_run = owns_run
+
+    @property
+    def experiment(self) -> Any:
+        if self._initialized:
+            return super().experiment
+        import mlflow
+
+        before = os.environ.get(tracking.TRACKING_ENV)
+        try:
+            return super().experiment  # the client is bound to this run's URI; the global is not needed
+        finally:
+            mlflow.set_tracking_uri(before)  # None: MLflow's own default and no exported variable
 
     def finalize(self, status: str = "success") -> None:
         if self._owns_run:
