@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from mtpc.circuits import build_circuit
-from mtpc.kernels import onednn_linear, onednn_pack, onednn_unsupported
+from mtpc.kernels import onednn_linear, onednn_pack, use_onednn, warn_fallback
 from mtpc.names import ArchitectureError, check_architecture
 
 FORMAT_VERSION = 1
@@ -307,12 +306,8 @@ class HeadDecoder:
             sums = [head.sum_weight[name].view(-1, d) for name in self.sum_names]
             stacked = torch.cat([b.detach() for b in blocks + sums])  # (N, d)
             self.dtype, width, device = stacked.dtype, stacked.shape[0], stacked.device
-            reason = onednn_unsupported(stacked.device, self.dtype)
-            if onednn and reason:
-                raise ValueError(f"head decoder: {reason}")
-            self.onednn = reason is None if onednn is None else bool(onednn)
             # (N, d) blocked for oneDNN, or (d, N) for addmm; the copy is the head's size again
-            self.weight = None
+            self.onednn = use_onednn(onednn, device, self.dtype, "head decoder")
             if self.onednn:
                 try:
                     self.weight = onednn_pack(stacked)
@@ -320,9 +315,8 @@ class HeadDecoder:
                     if onednn:
                         raise
                     self.onednn = False
-                    warnings.warn(f"head decoder: oneDNN could not reorder the weights ({err}); using addmm",
-                                  RuntimeWarning, stacklevel=2)  # fmt: skip
-            if self.weight is None:
+                    warn_fallback("head decoder", err, "addmm")
+            if not self.onednn:
                 self.weight = stacked.t().contiguous()
             del stacked
             self.bias = torch.zeros(1, width, dtype=self.dtype, device=device)  # (1, N): 0 for the leaves, b for the sums

@@ -11,11 +11,14 @@ but the per-call reorder.
     y = onednn_linear(x, w, bias)   # x (..., in) -> x W^T + bias (..., out)
 
 `onednn_unsupported(device, dtype)` says why this cannot run (not the CPU, float64, a torch
-without oneDNN) or None. Leaves out: CUDA (cuBLAS reads at speed there), autograd (decoding
+without oneDNN) or None; `use_onednn` applies the rule the engine and the head decoder share
+(asked for / automatic / off), `warn_fallback` says when the automatic choice fell back. Leaves out: CUDA (cuBLAS reads at speed there), autograd (decoding
 only), torch.compile (inductor does not lower the blocked weights).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import Tensor
@@ -35,6 +38,22 @@ def onednn_unsupported(device: torch.device | str, dtype: torch.dtype) -> str | 
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return "weights='onednn': this torch build has no oneDNN (mkldnn) linear"
     return None
+
+
+def use_onednn(requested: bool | None, device: torch.device | str, dtype: torch.dtype, where: str) -> bool:
+    """Whether `where` multiplies by oneDNN: True (asked for: a ValueError naming `where` if it cannot
+    run here), None (wherever it runs), False (never)."""
+    reason = onednn_unsupported(device, dtype)
+    if requested and reason:
+        raise ValueError(f"{where}: {reason}")
+    return reason is None if requested is None else bool(requested)
+
+
+def warn_fallback(where: str, err: BaseException, instead: str) -> None:
+    """One RuntimeWarning: the automatic oneDNN choice of `where` failed (a oneDNN build or CPU that
+    cannot reorder the weights) and `instead` runs."""
+    warnings.warn(f"{where}: oneDNN could not reorder the weights ({type(err).__name__}: {err}); using {instead}",
+                  RuntimeWarning, stacklevel=3)  # fmt: skip
 
 
 def onednn_pack(weight: Tensor) -> Tensor:

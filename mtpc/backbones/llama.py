@@ -42,7 +42,6 @@ training (the HF adapter trains the LoRA), batches of several sequences, EvaByte
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +50,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from mtpc.backbones.engine import StepOutput
-from mtpc.kernels import onednn_linear, onednn_pack, onednn_unsupported
+from mtpc.kernels import onednn_linear, onednn_pack, use_onednn, warn_fallback
 from mtpc.names import DRAFT_LORA_MODES, ENGINE_WEIGHT_LAYOUTS
 
 ROPE_TYPES = ("default", "llama3")  # the rotary variants this forward implements
@@ -376,16 +375,12 @@ class LlamaEngine:
         self.device, self.dtype = self.embed.device, self.embed.dtype
         if compile and static is False:
             raise ValueError("compile=True needs static shapes: pass static=True or None")
-        if weights == "onednn":
-            reason = onednn_unsupported(self.device, self.dtype) or (
-                "weights='onednn' does not combine with compile=True (use views or packed)" if compile else None
-            )
-            if reason:
-                raise ValueError(f"compact Llama forward: {reason}")
         auto = weights is None
-        if auto:  # oneDNN's products where they run (CPU, float32 / bf16), else the HF views
-            ok = not compile and onednn_unsupported(self.device, self.dtype) is None
-            weights = "onednn" if ok else "views"
+        if weights == "onednn" or auto:  # auto: oneDNN's products where they run, else the HF views
+            if compile and weights:
+                raise ValueError("compact Llama forward: weights='onednn' does not combine with compile=True (use views or packed)")
+            wanted = use_onednn(True if weights else None, self.device, self.dtype, "compact Llama forward")
+            weights = "onednn" if wanted and not compile else "views"
         self.layout = weights
         self.layout_fallback: str | None = None  # why the automatic choice fell back to views
         try:
@@ -394,8 +389,7 @@ class LlamaEngine:
             if not (auto and weights == "onednn"):
                 raise
             self.layout, self.layout_fallback = "views", f"{type(e).__name__}: {e}"
-            warnings.warn(f"compact Llama forward: oneDNN could not reorder the weights ({self.layout_fallback}); "
-                          "using the views layout", RuntimeWarning, stacklevel=2)  # fmt: skip
+            warn_fallback("compact Llama forward", e, "the views layout")
             self._build_weights()
         # the one-row fast path (`_block_one`): fused layouts, layers without LoRA (the trunk)
         self._one_row = self.layout != "views"
@@ -433,8 +427,8 @@ class LlamaEngine:
         ]
         self.norm = inner.norm.weight.detach()  # (d,)
         self.lm_head = self._model.get_output_embeddings().weight.detach()  # (v, d)
-        self.lm_head_t = self.lm_head.t().contiguous() if self.layout == "packed" else None  # (d, v)
-        self.lm_head_p = _onednn_pack([self.lm_head]) if self.layout == "onednn" else None
+        pack = {"packed": _pack, "onednn": _onednn_pack}.get(self.layout)
+        self.lm_head_packed = pack([self.lm_head]) if pack else None  # (d, v) or blocked: the layout's copy
         # what the copies were made from: the base weights (packed), the top's LoRA too (merged)
         merged = any(L.merged for L in self.layers)
         base = [self.lm_head] + [t for L in self.layers for t in L.w.values()]
@@ -526,10 +520,8 @@ class LlamaEngine:
             else:
                 x = self._block(x, layer, self.kv[i], cos, sin, mask, pos, start)
         h = rms_norm(x, self.norm, self.args.norm_eps)  # (rows, T, d)
-        if self.lm_head_p is not None:
-            logits = onednn_linear(h[0], self.lm_head_p)
-        elif self.lm_head_t is not None:
-            logits = torch.mm(h[0], self.lm_head_t)
+        if self.lm_head_packed is not None:
+            logits = self._mm(h[0], self.lm_head_packed)
         else:
             logits = F.linear(h[0], self.lm_head)
         return StepOutput(logits, h[-1])  # (T, v), (T, d)
@@ -549,15 +541,12 @@ class LlamaEngine:
         members = _GROUPS[group]
         if self.layout == "views":
             return tuple(self._linear(x, layer, n) for n in members)
-        if self.layout == "onednn":
-            if layer.merged:  # one product per top row, each with its own weights
-                y = torch.stack([onednn_linear(x[0], layer.merged[group][0]), onednn_linear(x[1], layer.merged[group][1])])
-            else:
-                y = onednn_linear(x, layer.packed[group])  # (rows, T, out)
-        elif layer.merged:
-            y = torch.matmul(x, layer.merged[group])  # (2, T, in) @ (2, in, out): one batched product
+        if not layer.merged:
+            y = self._mm(x, layer.packed[group])  # (rows, T, out): one product, column slices below
+        elif self.layout == "onednn":  # one product per top row, each with its own weights
+            y = torch.stack([onednn_linear(x[0], layer.merged[group][0]), onednn_linear(x[1], layer.merged[group][1])])
         else:
-            y = torch.matmul(x, layer.packed[group])  # (rows, T, out): one product, column slices below
+            y = torch.matmul(x, layer.merged[group])  # (2, T, in) @ (2, in, out): one batched product
         parts = y.split(layer.widths[group], dim=-1)  # column views, one per member
         if not layer.merged:
             for n, part in zip(members, parts, strict=True):

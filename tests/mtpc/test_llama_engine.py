@@ -169,7 +169,7 @@ def test_views_not_copies_and_lora_updates_are_seen():
     model = _model()
     bb = _adapter(model, 1)
     engine = LlamaEngine(bb, 32, weights="views")
-    assert engine.lm_head_t is None and not engine.layers[0].packed and not engine._sources
+    assert engine.lm_head_packed is None and not engine.layers[0].packed and not engine._sources
     assert engine.layers[0].w["q_proj"].data_ptr() == model.model.layers[0].self_attn.q_proj.weight.data_ptr()
     assert engine.lm_head.data_ptr() == model.lm_head.weight.data_ptr()
     peft_a = bb.draft_top.layers[str(L - 1)].self_attn.q_proj.lora_A["default"].weight
@@ -394,7 +394,7 @@ def test_onednn_layout_close_to_hf_in_float32(k, static):
     script (prefill, steps, verifies, crops); a wrong group order or column split is off by O(1)."""
     bb = _f32_adapter(k)
     engine = LlamaEngine(bb, capacity=40, static=static)
-    assert engine.layout == "onednn" and engine.lm_head_p is not None  # the CPU float32 default
+    assert engine.layout == "onednn" and engine.lm_head_packed is not None  # the CPU float32 default
     _run_script(engine, bb, vocab=16, atol=1e-4)
 
 
