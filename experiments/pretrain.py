@@ -17,21 +17,22 @@ ignores SIGSTOP pauses. Leaves out: MtPC heads and LoRA (experiments/train.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import random
 import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import lightning as L
 import torch
 import yaml
-from lightning.pytorch.plugins.environments import LightningEnvironment
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mtpc.backbones import pretrained_model_dir
@@ -66,7 +67,15 @@ class PretrainConfig:
     max_context: int = 4096
     """max_position_embeddings of the saved model (rotary; longer than seq_len)."""
     seq_len: int = 512
+    """Bytes per training row in the main phase."""
     batch_size: int = 4
+    final_seq_len: int | None = None
+    """Rows of this length in the final phase (e.g. 2048: the context the evaluation uses); None:
+    one phase. The final phase is also the learning-rate decay (warmup-stable-decay)."""
+    final_batch_size: int | None = None
+    """Rows per step in the final phase (None: batch_size)."""
+    final_fraction: float = 0.15
+    """Share of the budget (steps or active minutes) taken by the final phase / the decay."""
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
@@ -77,7 +86,13 @@ class PretrainConfig:
     each step counts its wall time, clipped to 3x the running typical step, so a run paused with
     SIGSTOP (to time something else on the machine) does not spend its budget while stopped."""
     snapshot_minutes: float = 0.0
-    """Every this many active minutes save the model to `<out>.snapshot/` (0: never)."""
+    """Every this many active minutes snapshot the whole run state to the run directory (0: only at
+    the end and on SIGTERM/SIGINT; without a run directory: never)."""
+    eval_minutes: float = 0.0
+    """Every this many active minutes score the held-out slice (0: only at the end)."""
+    stop_gain_per_hour: float = 0.0
+    """Enter the final phase early once held-out bits per assistant byte improved by less than this
+    over the last active hour (0: never; needs eval_minutes)."""
     log_every: int = 25
     """Steps between progress lines / loss-curve points."""
     train_data: str = "sharegpt"
@@ -87,12 +102,12 @@ class PretrainConfig:
     """Held-out conversations (or a `*.u8.xz` stream); None: the corpus's own held-out split
     (sharegpt) or the hash split."""
     heldout_rows: int = 32
-    """Rows of seq_len held-out bytes scored for the reported bits/byte."""
+    """Rows of held-out bytes (at final_seq_len, else seq_len) scored for the reported bits/byte."""
     accelerator: str = "cpu"
     precision: str = "32-true"
     num_threads: int | None = None
-    """torch threads; None = torch's default (one per core). On a CPU shared with other jobs 1 is
-    faster (measured here under load ~9 on 2 cores: 5.8 s per step with 1 thread, 17.5 s with 2)."""
+    """torch threads; None = torch's default (one per core). A snapshot resumes only with the
+    thread count it was written with (reductions split differently across threads)."""
     compile: bool = False
     """torch.compile the model for training (GPU; on the CPU it was not measured to help)."""
     seed: int = 0
@@ -121,8 +136,18 @@ class PretrainConfig:
             bad("snapshot_minutes", "must be >= 0 (0: no snapshots)")
         if self.accelerator not in ("cpu", "gpu", "cuda", "auto"):
             bad("accelerator", "must be one of cpu, gpu, cuda, auto")
-        if self.precision not in ("32-true", "bf16-mixed", "16-mixed", "bf16-true"):
-            bad("precision", "must be one of 32-true, bf16-mixed, 16-mixed, bf16-true")
+        if self.precision not in ("32-true", "bf16-mixed"):
+            bad("precision", "must be one of 32-true, bf16-mixed")
+        if self.final_seq_len is not None and not (isinstance(self.final_seq_len, int) and 2 <= self.final_seq_len <= self.max_context):
+            bad("final_seq_len", f"must be None or an int in [2, max_context={self.max_context}]")
+        if self.final_batch_size is not None and not (isinstance(self.final_batch_size, int) and self.final_batch_size >= 1):
+            bad("final_batch_size", "must be None or a positive int")
+        if not 0 <= self.final_fraction < 1:
+            bad("final_fraction", "must be in [0, 1)")
+        if self.eval_minutes < 0 or self.stop_gain_per_hour < 0:
+            bad("eval_minutes", f"and stop_gain_per_hour={self.stop_gain_per_hour} must be >= 0")
+        if self.stop_gain_per_hour and not self.eval_minutes:
+            bad("stop_gain_per_hour", "needs eval_minutes > 0 (the gain is measured on the held-out evaluations)")
 
     def llama_config(self) -> LlamaConfig:
         cfg = LlamaConfig(
@@ -204,103 +229,6 @@ def next_byte_nll(model: LlamaForCausalLM, input_ids: torch.Tensor, doc_ids: tor
     return nll, int(keep.sum())
 
 
-# ---------------------------------------------------------------------------------------------
-# Lightning
-# ---------------------------------------------------------------------------------------------
-class ByteLM(L.LightningModule):
-    """Next-byte training of a LlamaForCausalLM with a cosine schedule over steps or time."""
-
-    def __init__(self, cfg: PretrainConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.model = LlamaForCausalLM(cfg.llama_config())
-        # compiled forward kept outside the module tree (no second copy of the parameters in it)
-        object.__setattr__(self, "_forward_model", torch.compile(self.model) if cfg.compile else self.model)
-        self.active_seconds = 0.0  # wall time of the steps, pauses clipped (see max_minutes)
-        self._last: float | None = None
-        self._typical: float | None = None
-
-    def training_step(self, batch, batch_idx):
-        input_ids, doc_ids = batch
-        nll, n = next_byte_nll(self._forward_model, input_ids, doc_ids)
-        loss = nll / max(n, 1)
-        self.log("bpb", loss / math.log(2), prog_bar=True)
-        return loss
-
-    def on_train_start(self):
-        self._last = time.monotonic()
-
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        now = time.monotonic()
-        dt, self._last = now - self._last, now
-        counted = dt if self._typical is None else min(dt, 3 * self._typical)
-        self._typical = counted if self._typical is None else 0.9 * self._typical + 0.1 * counted
-        self.active_seconds += counted
-        if self.progress(self.trainer.global_step) >= 1.0:
-            self.trainer.should_stop = True
-
-    def progress(self, step: int) -> float:
-        """Fraction of the run done: the further of step and active-time progress."""
-        return min(1.0, max(step / self.cfg.max_steps, self.active_seconds / 60 / self.cfg.max_minutes))
-
-    def configure_optimizers(self):
-        cfg = self.cfg
-        decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
-        other = [p for n, p in self.model.named_parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}],
-            lr=cfg.lr,
-            betas=(0.9, 0.95),
-        )
-
-        def factor(step: int) -> float:
-            if step < cfg.warmup_steps:
-                return (step + 1) / (cfg.warmup_steps + 1)
-            cos = 0.5 * (1 + math.cos(math.pi * self.progress(step)))
-            return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos
-
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-
-class _Progress(L.Callback):
-    """Every `every` steps: one plain line (logs of background runs have no progress bar) and a
-    loss-curve point (mean train bits/byte since the last point); snapshots every
-    `snapshot_minutes` of active time to `snapshot_dir`."""
-
-    def __init__(self, cfg: PretrainConfig, snapshot_dir: Path | None):
-        self.cfg = cfg
-        self.snapshot_dir = snapshot_dir
-        self.curve: list[dict] = []
-        self._losses: list[float] = []
-        self._next_snapshot = cfg.snapshot_minutes * 60 if cfg.snapshot_minutes else math.inf
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        step = trainer.global_step
-        self._losses.append(float(outputs["loss"]) / math.log(2))
-        if step % self.cfg.log_every == 0 or module.progress(step) >= 1.0:
-            point = {
-                "step": step,
-                "train_bytes": step * self.cfg.batch_size * self.cfg.seq_len,
-                "train_bits_per_byte": sum(self._losses) / len(self._losses),
-                "lr": trainer.optimizers[0].param_groups[0]["lr"],
-                "active_minutes": module.active_seconds / 60,
-            }
-            self._losses = []
-            self.curve.append(point)
-            rate = point["train_bytes"] / max(module.active_seconds, 1e-9)
-            print(f"step {step}: train bits/byte {point['train_bits_per_byte']:.3f}, {rate:,.0f} bytes/s, "
-                  f"{module.progress(step):.0%} of budget", flush=True)
-        if self.snapshot_dir is not None and module.active_seconds >= self._next_snapshot:
-            self._next_snapshot += self.cfg.snapshot_minutes * 60
-            tmp = self.snapshot_dir.with_name(self.snapshot_dir.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            module.model.save_pretrained(tmp, safe_serialization=True)
-            (tmp / "snapshot.json").write_text(json.dumps({"step": step, "loss_curve": self.curve}) + "\n")
-            shutil.rmtree(self.snapshot_dir, ignore_errors=True)
-            tmp.rename(self.snapshot_dir)
-
-
 @torch.no_grad()
 def heldout_bits_per_byte(model: LlamaForCausalLM, rows, batch_size: int = 8) -> dict[str, float]:
     """Bits per byte on held-out packed rows: all present targets, and assistant bytes only."""
@@ -324,52 +252,225 @@ def heldout_bits_per_byte(model: LlamaForCausalLM, rows, batch_size: int = 8) ->
     }
 
 
-def pretrain(cfg: PretrainConfig, out_dir: str | Path) -> dict:
-    """Train, evaluate and save to `out_dir` (written whole or not at all); returns the metrics."""
+# ---------------------------------------------------------------------------------------------
+# the training loop (plain PyTorch: see docs/backbones.md "Pre-training speed" for why not Lightning)
+# ---------------------------------------------------------------------------------------------
+STATE_FILE = "state.pt"
+"""The resumable snapshot inside a run directory: weights, optimiser, step, phase, curve, evaluations."""
+
+
+class _Rows:
+    """One phase's training rows and its seeded, resumable order: batch `i` of the phase is rows
+    perm_e[b*B:(b+1)*B] with e = i // batches_per_epoch, perm_e = randperm(rows, seed + 1009 e);
+    the last partial batch of an epoch is dropped (every row at most once per epoch)."""
+
+    def __init__(self, rows, batch_size: int, seed: int):
+        # compact copies (vocab 320 fits int16, per-row document numbers int32): the whole corpus stays in memory
+        self.input_ids, self.doc_ids = rows.input_ids.to(torch.int16), rows.doc_ids.to(torch.int32)
+        self.batch_size, self.seed, self.cut_documents = batch_size, seed, rows.cut_documents
+        self.per_epoch = len(rows) // batch_size
+        if self.per_epoch == 0:
+            raise ValueError(f"fewer than batch_size={batch_size} training rows of {rows.input_ids.shape[1]} bytes")
+        self._epoch, self._perm = -1, None
+
+    def batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        epoch, b = divmod(i, self.per_epoch)
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._perm = torch.randperm(len(self.input_ids), generator=torch.Generator().manual_seed(self.seed + 1009 * epoch))
+        idx = self._perm[b * self.batch_size : (b + 1) * self.batch_size]
+        return self.input_ids[idx].long(), self.doc_ids[idx].long()
+
+
+def lr_factor(cfg: PretrainConfig, step: int, progress: float) -> float:
+    """Warm-up, then constant, then a linear decay to `min_lr_ratio` over the final phase
+    (warmup-stable-decay: the run's length need not be known while it is stable)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / (cfg.warmup_steps + 1)
+    start = 1.0 - cfg.final_fraction
+    if progress <= start or cfg.final_fraction == 0:
+        return 1.0
+    t = min(1.0, (progress - start) / cfg.final_fraction)
+    return 1.0 - (1.0 - cfg.min_lr_ratio) * t
+
+
+class _Clock:
+    """Active seconds of the optimisation steps: each step counts its wall time clipped to 3x the
+    running typical step, so SIGSTOP pauses (a benchmark timing something) do not spend the budget."""
+
+    def __init__(self, seconds: float = 0.0):
+        self.seconds, self._typical = seconds, None
+
+    def add(self, dt: float) -> None:
+        counted = dt if self._typical is None else min(dt, 3 * self._typical)
+        self._typical = counted if self._typical is None else 0.9 * self._typical + 0.1 * counted
+        self.seconds += counted
+
+
+def _save_state(run_dir: Path, state: dict) -> None:
+    """Atomic on the run directory's filesystem: temp file beside it, fsync, rename."""
+    tmp = run_dir / f".{STATE_FILE}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, run_dir / STATE_FILE)
+
+
+def config_key(cfg: PretrainConfig) -> dict:
+    """The fields a resumed run must share with its snapshot (the budget and the cadences may change)."""
+    free = {"max_steps", "max_minutes", "snapshot_minutes", "log_every", "eval_minutes", "stop_gain_per_hour", "heldout_data"}
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in free}
+
+
+def pretrain(cfg: PretrainConfig, out_dir: str | Path, run_dir: str | Path | None = None) -> dict:
+    """Train, evaluate and save to `out_dir` (written whole or not at all); returns the metrics.
+
+    With `run_dir` the run snapshots its whole state there (`state.pt`, every `snapshot_minutes`
+    of active time and at the end) and resumes from it when started again with the same config:
+    a run killed and resumed takes the same steps on the same rows as an uninterrupted one."""
     cfg.validate()
     out_dir = Path(out_dir)
     wall0 = time.monotonic()
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-    tok = ByteTokenizer()
+    torch.manual_seed(cfg.seed)
+    device = torch.device("cuda" if cfg.accelerator in ("gpu", "cuda") else "cpu")
     train, heldout = _conversations(cfg)
-    rows_needed = cfg.max_steps * cfg.batch_size
-    train_rows = _packed(cfg.train_data, train, cfg.seq_len, rows_needed, cfg.seed)
-    held_rows = _packed(cfg.heldout_data, heldout, cfg.seq_len, cfg.heldout_rows, None)
-    dataset = torch.utils.data.TensorDataset(train_rows.input_ids, train_rows.doc_ids)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, drop_last=True)
-    if len(loader) == 0:
-        raise ValueError(f"train_data={cfg.train_data!r}: fewer than batch_size={cfg.batch_size} rows of {cfg.seq_len} bytes")
-    module = ByteLM(cfg)
-    progress = _Progress(cfg, out_dir.with_name(out_dir.name + ".snapshot") if cfg.snapshot_minutes else None)
-    trainer = L.Trainer(
-        accelerator=cfg.accelerator,
-        devices=1,
-        precision=cfg.precision,
-        max_steps=cfg.max_steps,
-        max_epochs=-1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        log_every_n_steps=10,
-        gradient_clip_val=1.0,
-        plugins=[LightningEnvironment()],  # never mistake a one-task SLURM job for a multi-process run
-        callbacks=[progress],
-        enable_progress_bar=False,
-    )
-    trainer.fit(module, loader)
-    model = module.model.float()
-    metrics = heldout_bits_per_byte(model, held_rows)
-    bytes_per_second = int(trainer.global_step) * cfg.batch_size * cfg.seq_len / max(module.active_seconds, 1e-9)
+    random.Random(cfg.seed).shuffle(train)
+    phases = [(cfg.seq_len, cfg.batch_size)]
+    if cfg.final_seq_len:
+        phases.append((cfg.final_seq_len, cfg.final_batch_size or cfg.batch_size))
+    budget_bytes = cfg.max_steps * max(b * s for s, b in phases)
+    rows = [_Rows(_packed(cfg.train_data, train, s, -(-budget_bytes // s), None), b, cfg.seed + 7919 * p)
+            for p, (s, b) in enumerate(phases)]
+    held = heldout_rows(cfg, cfg.heldout_rows, cfg.final_seq_len or cfg.seq_len, heldout)
+
+    model = LlamaForCausalLM(cfg.llama_config()).to(device)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(0.9, 0.95))
+    state = {"step": 0, "phase": 0, "phase_start": 0, "active_seconds": 0.0, "budget_minutes": cfg.max_minutes,
+             "curve": [], "evals": []}
+    run_dir = Path(run_dir) if run_dir is not None else None
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if (run_dir / STATE_FILE).is_file():
+            snap = torch.load(run_dir / STATE_FILE, map_location=device, weights_only=True)
+            if snap["config_key"] != config_key(cfg):
+                diff = sorted(k for k in config_key(cfg) if snap["config_key"].get(k) != config_key(cfg)[k])
+                raise ValueError(f"{run_dir / STATE_FILE}: a snapshot of another run (differs in {diff}); "
+                                 f"use another run directory or the same config")
+            if snap["num_threads"] != torch.get_num_threads():
+                raise ValueError(f"{run_dir / STATE_FILE}: written with {snap['num_threads']} torch threads, now "
+                                 f"{torch.get_num_threads()}; resume with the same num_threads")
+            model.load_state_dict(snap["model"])
+            opt.load_state_dict(snap["optimizer"])
+            state = snap["state"]
+            print(f"resumed {run_dir} at step {state['step']} ({state['active_seconds'] / 60:.1f} active minutes)", flush=True)
+    compiled = torch.compile(model) if cfg.compile else model
+    clock = _Clock(state["active_seconds"])
+    autocast = cfg.precision == "bf16-mixed"
+
+    def progress(step: int) -> float:
+        return min(1.0, max(step / cfg.max_steps, clock.seconds / 60 / state["budget_minutes"]))
+
+    def snapshot() -> None:
+        if run_dir is not None:
+            state["active_seconds"] = clock.seconds
+            _save_state(run_dir, {"model": model.state_dict(), "optimizer": opt.state_dict(), "state": state,
+                                  "config_key": config_key(cfg), "num_threads": torch.get_num_threads()})
+
+    def evaluate() -> None:
+        t = time.monotonic()
+        res = heldout_bits_per_byte(model, held)
+        model.train()
+        state["evals"].append({"step": state["step"], "active_minutes": clock.seconds / 60,
+                               "train_bytes": state.get("bytes", 0), **res})
+        print(f"step {state['step']}: held-out bits/byte {res['heldout_bits_per_byte']:.3f} "
+              f"(assistant {res['heldout_bits_per_assistant_byte']:.3f}), {time.monotonic() - t:.0f} s", flush=True)
+
+    def plateaued() -> bool:
+        """Held-out assistant bits/byte gained < stop_gain_per_hour over the last active hour."""
+        ev = state["evals"]
+        if not cfg.stop_gain_per_hour or len(ev) < 2 or ev[-1]["active_minutes"] < 60:
+            return False
+        past = [e for e in ev if e["active_minutes"] <= ev[-1]["active_minutes"] - 60]
+        if not past:
+            return False
+        gain = past[-1]["heldout_bits_per_assistant_byte"] - ev[-1]["heldout_bits_per_assistant_byte"]
+        hours = (ev[-1]["active_minutes"] - past[-1]["active_minutes"]) / 60
+        return gain / hours < cfg.stop_gain_per_hour
+
+    model.train()
+    next_snapshot = clock.seconds + cfg.snapshot_minutes * 60 if cfg.snapshot_minutes else math.inf
+    next_eval = (len(state["evals"]) + 1) * cfg.eval_minutes * 60 if cfg.eval_minutes else math.inf
+    losses = state.setdefault("losses", [])  # train bits/byte since the last curve point (kept across resumes)
+    stop_signal: list[int] = []
+    old = {s: signal.signal(s, lambda n, f: stop_signal.append(n)) for s in (signal.SIGTERM, signal.SIGINT)
+           if threading.current_thread() is threading.main_thread()}
+    try:
+        while progress(state["step"]) < 1.0 and not stop_signal:
+            t0 = time.monotonic()
+            if len(phases) > 1 and state["phase"] == 0 and progress(state["step"]) >= 1.0 - cfg.final_fraction:
+                state["phase"], state["phase_start"] = 1, state["step"]
+                print(f"step {state['step']}: final phase, {phases[1][1]} x {phases[1][0]} bytes", flush=True)
+            seq, bsz = phases[state["phase"]]
+            ids, doc = rows[state["phase"]].batch(state["step"] - state["phase_start"])
+            ids, doc = ids.to(device), doc.to(device)
+            for g in opt.param_groups:
+                g["lr"] = cfg.lr * lr_factor(cfg, state["step"], progress(state["step"]))
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                nll, n = next_byte_nll(compiled, ids, doc)
+            loss = nll / max(n, 1)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()) / math.log(2))
+            state["step"] += 1
+            state["bytes"] = state.get("bytes", 0) + seq * bsz
+            clock.add(time.monotonic() - t0)
+            step = state["step"]
+            if step % cfg.log_every == 0 or progress(step) >= 1.0:
+                point = {"step": step, "train_bytes": state["bytes"], "seq_len": seq,
+                         "train_bits_per_byte": sum(losses) / len(losses), "lr": opt.param_groups[0]["lr"],
+                         "active_minutes": clock.seconds / 60}
+                losses.clear()
+                state["curve"].append(point)
+                print(f"step {step}: train bits/byte {point['train_bits_per_byte']:.3f}, "
+                      f"{state['bytes'] / max(clock.seconds, 1e-9):,.0f} bytes/s, {progress(step):.0%} of budget", flush=True)
+            if clock.seconds >= next_eval:
+                next_eval += cfg.eval_minutes * 60
+                evaluate()
+                if state["phase"] == 0 and plateaued() and len(phases) > 1:
+                    # enter the final phase now: the remaining budget is final_fraction of the whole
+                    state["budget_minutes"] = clock.seconds / 60 / (1.0 - cfg.final_fraction)
+                    print(f"step {step}: held-out gain < {cfg.stop_gain_per_hour} bits/byte per hour; "
+                          f"finishing in {state['budget_minutes'] * cfg.final_fraction:.0f} active minutes", flush=True)
+            if clock.seconds >= next_snapshot:
+                next_snapshot += cfg.snapshot_minutes * 60
+                snapshot()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    state["active_seconds"] = clock.seconds
+    snapshot()
+    if stop_signal:
+        raise Interrupted(stop_signal[0], state["step"], run_dir)
+    model = model.float()
+    metrics = heldout_bits_per_byte(model, held)
+    seen = state["bytes"]
+    bytes_per_second = seen / max(clock.seconds, 1e-9)
     flops = model_flops_per_byte(model, cfg)
     peak = peak_flops()
     metrics.update(
-        steps=int(trainer.global_step),
-        train_bytes_seen=int(trainer.global_step) * cfg.batch_size * cfg.seq_len,
-        train_rows=len(train_rows),
-        train_documents_cut_at_row_ends=train_rows.cut_documents,
-        train_active_minutes=module.active_seconds / 60,
+        steps=state["step"],
+        train_bytes_seen=seen,
+        train_rows=sum(len(r.input_ids) for r in rows),
+        train_documents_cut_at_row_ends=sum(r.cut_documents for r in rows),
+        train_active_minutes=clock.seconds / 60,
         train_bytes_per_second=bytes_per_second,
         model_flops_per_byte=flops,
         train_flops_per_second=flops * bytes_per_second,
@@ -383,16 +484,26 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path) -> dict:
         command=" ".join(["python", "-m", "experiments.pretrain", *sys.argv[1:]]),
         git_sha=git_sha(),
         config=dataclasses.asdict(cfg),
-        loss_curve=progress.curve,
+        loss_curve=state["curve"],
+        heldout_curve=state["evals"],
     )
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
+    ByteTokenizer().save_pretrained(tmp)
     (tmp / METRICS_FILE).write_text(json.dumps(metrics, indent=2) + "\n")
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return metrics
+
+
+class Interrupted(RuntimeError):
+    """SIGTERM / SIGINT stopped the run after its snapshot was written (exit code 128 + signal)."""
+
+    def __init__(self, signum: int, step: int, run_dir: Path | None):
+        where = f"; resume by running the same command (snapshot in {run_dir})" if run_dir else " (no run directory: nothing kept)"
+        super().__init__(f"stopped by signal {signum} at step {step}{where}")
+        self.signum = signum
 
 
 def model_flops_per_byte(model: LlamaForCausalLM, cfg: PretrainConfig) -> float:
@@ -439,11 +550,13 @@ SHARD_BYTES = 15_000_000  # < 16 MiB per file
 CARD_FILE = "MODEL_CARD.md"
 
 
-def heldout_rows(cfg: PretrainConfig, rows: int, seq_len: int = 2048):
+def heldout_rows(cfg: PretrainConfig, rows: int, seq_len: int = 2048, conversations: list[dict] | None = None):
     """The fixed held-out slice: the held-out conversations in corpus order, packed at `seq_len`."""
     if cfg.heldout_data is not None and cfg.heldout_data.endswith(STREAM_SUFFIX):
         return pack_stream(read_stream(cfg.heldout_data), seq_len, max_rows=rows)
-    if cfg.heldout_data is not None:
+    if conversations is not None:
+        heldout = conversations
+    elif cfg.heldout_data is not None:
         heldout = load_messages(cfg.heldout_data)
     elif cfg.train_data == "sharegpt":
         heldout = sharegpt_corpus(progress=False).heldout
@@ -531,6 +644,19 @@ loads these files after checking them against `MANIFEST.json`.
 """
 
 
+@contextlib.contextmanager
+def background(on: bool, run_dir: str | None):
+    """Lowest priority and the PID file `cache_dir()/pretrain.pid` (removed on the way out) while `on`."""
+    if not on:
+        yield
+        return
+    from experiments.background import register
+
+    os.nice(19)
+    with register(run_dir):
+        yield
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.pretrain", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="auto", help="cpu, gpu, auto (gpu if CUDA is available) or a YAML path")
@@ -542,6 +668,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="no training: ship the model trained into MODEL_DIR (its pretrain_metrics.json) to --out")
     ap.add_argument("--ship-rows", type=int, default=SHIP_ROWS, help="held-out rows of 2048 bytes scored when shipping")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field (YAML value)")
+    ap.add_argument("--run-dir", default=None,
+                    help="snapshot the whole run state here and resume from it when started again (same config)")
+    ap.add_argument("--background", action="store_true",
+                    help="run at the lowest CPU priority and register in cache_dir()/pretrain.pid, so the suite's "
+                         "benchmarks pause it (SIGSTOP/SIGCONT) while they time")
     args = ap.parse_args(argv)
     from experiments.quiet import quiet
 
@@ -576,8 +707,12 @@ def main(argv: list[str] | None = None) -> int:
     from filelock import FileLock
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out.parent / f"{out.name}.lock")):
-        metrics = pretrain(cfg, out)
+    with FileLock(str(out.parent / f"{out.name}.lock")), background(args.background, args.run_dir):
+        try:
+            metrics = pretrain(cfg, out, run_dir=args.run_dir)
+        except Interrupted as e:
+            print(f"experiments.pretrain: {e}", file=sys.stderr)
+            return 128 + e.signum
         if args.ship:
             model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
             metrics = ship(model, out, metrics, rows=args.ship_rows)

@@ -1,14 +1,22 @@
 """Pre-training the embedded default: shipped configs validate, a tiny run saves a loadable model."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import experiments.pretrain as pt
 from mtpc.backbones import load_backbone
 from mtpc.tokenizer import VOCAB_SIZE, ByteTokenizer
 
+REPO = Path(__file__).resolve().parents[2]
 TINY = dict(
     hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, max_context=128,
     seq_len=32, batch_size=4, max_steps=6, warmup_steps=2, heldout_rows=4, max_minutes=2.0,
@@ -96,3 +104,105 @@ def test_ship_writes_shards_manifest_and_loads_by_label(tmp_path, monkeypatch):
     shard.write_bytes(shard.read_bytes()[:-1] + b"\0")
     with pytest.raises(ValueError, match=f"{shard.name} does not match its SHA-256"):
         shipped.verify_shipped(dest)
+
+
+# ---------------------------------------------------------------------------------------------
+# exact resume, signals, and the pause that benchmarks take
+# ---------------------------------------------------------------------------------------------
+def _tiny_yaml(tmp_path, **extra):
+    cfg = dict(TINY, final_seq_len=64, final_batch_size=2, final_fraction=0.3, max_minutes=60.0,
+               log_every=2, num_threads=1, train_data=str(_corpus(tmp_path / "d.jsonl")))
+    cfg.update({"max_steps": 14, **extra})
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _run(args, **kw):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MTPC_CACHE_DIR": kw.pop("cache")}
+    return subprocess.Popen([sys.executable, "-m", "experiments.pretrain", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_killed_and_resumed_equals_uninterrupted(tmp_path):
+    """kill -9 after a mid-run snapshot, start the same command again: the same steps on the same rows
+    (both phases), bit for bit the uninterrupted run's weights and loss curve."""
+    conf = _tiny_yaml(tmp_path, snapshot_minutes=1e-9)  # a snapshot after every step
+    cache = str(tmp_path / "cache")
+    ref = _run(["--config", str(conf), "--out", str(tmp_path / "ref"), "--run-dir", str(tmp_path / "ref_run")], cache=cache)
+    assert ref.wait(timeout=300) == 0, ref.stdout.read()
+    run = tmp_path / "run"
+    p = _run(["--config", str(conf), "--out", str(tmp_path / "out"), "--run-dir", str(run)], cache=cache)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if (run / pt.STATE_FILE).is_file() and torch.load(run / pt.STATE_FILE, weights_only=True)["state"]["step"] >= 5:
+            break
+        time.sleep(0.05)
+    p.kill()
+    p.wait()
+    killed_at = torch.load(run / pt.STATE_FILE, weights_only=True)["state"]["step"]
+    assert 5 <= killed_at < 14 and not (tmp_path / "out").exists()
+    p = _run(["--config", str(conf), "--out", str(tmp_path / "out"), "--run-dir", str(run)], cache=cache)
+    out = p.communicate(timeout=300)[0]
+    assert p.returncode == 0 and f"resumed {run} at step {killed_at}" in out, out
+    a, b = _weights(tmp_path / "ref"), _weights(tmp_path / "out")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ma, mb = (json.loads((tmp_path / d / pt.METRICS_FILE).read_text()) for d in ("ref", "out"))
+    strip = lambda curve: [(c["step"], c["seq_len"], c["train_bits_per_byte"], c["lr"]) for c in curve]
+    assert strip(ma["loss_curve"]) == strip(mb["loss_curve"]) and {c["seq_len"] for c in ma["loss_curve"]} == {32, 64}
+    # another config in the same run directory is refused, naming what differs
+    conf2 = _tiny_yaml(tmp_path, lr=0.01)
+    p = _run(["--config", str(conf2), "--out", str(tmp_path / "o2"), "--run-dir", str(run), "--force"], cache=cache)
+    out = p.communicate(timeout=300)[0]
+    assert p.returncode != 0 and "a snapshot of another run (differs in ['lr'])" in out, out
+
+
+@pytest.mark.slow
+def test_sigterm_snapshots_once_and_exits_nonzero(tmp_path):
+    conf = _tiny_yaml(tmp_path, max_steps=100000)
+    run = tmp_path / "run"
+    p = _run(["--config", str(conf), "--out", str(tmp_path / "out"), "--run-dir", str(run)], cache=str(tmp_path / "c"))
+    for line in p.stdout:  # wait for the loop to run
+        if line.startswith("step 4:"):
+            break
+    p.send_signal(signal.SIGTERM)
+    out = p.communicate(timeout=120)[0]
+    assert p.returncode == 128 + signal.SIGTERM, out
+    assert "stopped by signal" in out and "resume by running the same command" in out
+    step = torch.load(run / pt.STATE_FILE, weights_only=True)["state"]["step"]
+    assert step >= 4 and not (tmp_path / "out").exists()
+
+
+def test_paused_stops_and_continues_a_live_pretraining(tmp_path, monkeypatch):
+    """`paused()` SIGSTOPs the process the pid file names only if it is a live experiments.pretrain,
+    and SIGCONTs it afterwards; nested pauses continue it once, at the outermost exit."""
+    from experiments import background
+
+    monkeypatch.setenv("MTPC_CACHE_DIR", str(tmp_path))
+    state = lambda pid: Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "experiments.pretrain"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / background.PID_FILE).write_text(json.dumps({"pid": other.pid, "run_dir": None}))
+        with background.paused():  # not a pre-training: never signalled
+            assert state(other.pid) in "SR"
+        (tmp_path / background.PID_FILE).write_text(json.dumps({"pid": sleeper.pid, "run_dir": None}))
+        with background.paused():
+            assert state(sleeper.pid) == "T"
+            with background.paused():
+                assert state(sleeper.pid) == "T"
+            assert state(sleeper.pid) == "T"
+        time.sleep(0.05)
+        assert state(sleeper.pid) in "SR"
+    finally:
+        sleeper.kill()
+        other.kill()
+    with background.paused():  # the pid file names a dead process: nothing happens
+        pass
