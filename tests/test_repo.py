@@ -1,5 +1,5 @@
 """Repository hygiene: the library stays pure, every source file says what it holds, and the
-README's file map lists every file (so the map cannot silently go stale)."""
+docs/FILES.md lists every file (so the map cannot silently go stale)."""
 
 from __future__ import annotations
 
@@ -75,8 +75,8 @@ def test_every_python_file_opens_with_a_docstring():
     assert not missing, f"files without an opening docstring: {missing}"
 
 
-def test_readme_file_map_lists_every_file():
-    readme = (ROOT / "README.md").read_text()
+def test_file_map_lists_every_file():
+    readme = (ROOT / "docs" / "FILES.md").read_text()
     mapped = set(re.findall(r"`([\w./-]+)`", readme))
     missing = []
     for rel in _tracked_files():
@@ -84,4 +84,4 @@ def test_readme_file_map_lists_every_file():
             continue
         if rel not in mapped:
             missing.append(rel)
-    assert not missing, f"README.md file map lacks: {missing}"
+    assert not missing, f"docs/FILES.md lacks: {missing}"
