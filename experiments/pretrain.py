@@ -337,7 +337,8 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, run_dir: str | Path | Non
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(cfg.seed)
-    device = torch.device("cuda" if cfg.accelerator in ("gpu", "cuda") else "cpu")
+    cuda = cfg.accelerator in ("gpu", "cuda") or (cfg.accelerator == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if cuda else "cpu")
     train, heldout = _conversations(cfg)
     random.Random(cfg.seed).shuffle(train)
     phases = [(cfg.seq_len, cfg.batch_size)]

@@ -126,19 +126,21 @@ def http_get(url: str, timeout: float = 2.0) -> bytes:
         return r.read()
 
 
-def start_server(tmp: Path, port: int | None = None) -> tuple[subprocess.Popen, str]:
+def start_server(tmp: Path, port: int | None = None, backend: str | None = None) -> tuple[subprocess.Popen, str]:
     """What docs/sweeps.md documents: an `mlflow server` on 127.0.0.1 with a sqlite backend in
-    `tmp` and artifacts served from a local directory, in its own session (pid = group id).
-    A second start on the same `tmp` and `port` serves the same store again."""
+    `tmp` (or the `backend` store URL, e.g. PostgreSQL) and artifacts served from a local directory,
+    in its own session (pid = group id). A second start on the same `tmp` and `port` serves the same
+    store again."""
     port = port or free_port()
     uri = f"http://127.0.0.1:{port}"
-    if not (tmp / "mlflow.db").exists():
+    tmp.mkdir(parents=True, exist_ok=True)
+    if backend is None and not (tmp / "mlflow.db").exists():
         fresh_tracking_uri(tmp)  # an already-migrated schema, so the server starts sooner
     env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
     log = open(tmp / "server.log", "a")  # noqa: SIM115 (closed with the process)
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{tmp / 'mlflow.db'}", "--artifacts-destination", str(tmp / "artifacts"),
+         "--backend-store-uri", backend or f"sqlite:///{tmp / 'mlflow.db'}", "--artifacts-destination", str(tmp / "artifacts"),
          "--workers", "1"],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )
