@@ -71,34 +71,45 @@ def use_it_snippets(readme: str) -> list[str]:
     return [textwrap.dedent(b) for b in re.findall(r"^```python\n(.*?)^```", m.group(1), re.MULTILINE | re.DOTALL)]
 
 
-def _demo_lora_point(out: Path):
-    """(grid key, spec, grid point) of the demo's LoRA trial when the demo writes to `out`."""
-    from mtpc.names import grid_key
+def _demo_spec(out: Path):
     from sweeps.demo import SMOKE, demo_overrides
     from sweeps.spec import load_spec
 
-    spec = load_spec(SMOKE, overrides=demo_overrides(out, "trial"))
-    point = next(p for p in spec.grid if p["circuit"] == "cp" and p["lora_depth"] > 0)
-    return grid_key(point), spec, point
+    return load_spec(SMOKE, overrides=demo_overrides(out, "trial"))
+
+
+def test_readme_loads_the_head_the_demo_prints(monkeypatch):
+    """`make demo` (from the repository root, `--out runs/demo`) prints this path; the snippet uses it."""
+    from sweeps.demo import _shown, example_head
+
+    monkeypatch.chdir(ROOT)
+    shown = _shown(example_head(_demo_spec(ROOT / "runs" / "demo")))
+    assert shown == "runs/demo/checkpoints/mtpc-demo/cp-r4-n4-k1/head"
+    assert f'MtpcModel.from_pretrained("{shown}")' in use_it_snippets((ROOT / "README.md").read_text())[0]
 
 
 @pytest.mark.slow
-def test_readme_use_it_snippets_run_after_the_demo(tmp_path):
+def test_readme_use_it_snippets_run_after_the_demo(tmp_path, monkeypatch):
     """The snippets load a head where `make demo` (run from the repository root, `--out runs/demo`)
     leaves it; the test trains that head the way the demo's trial does (the demo's spec, config and
     grid point; 2 steps on generated chats instead of 200 on ShareGPT) into the same relative path
-    under a temporary working directory, then runs every snippet there in a fresh interpreter."""
+    under a temporary working directory (and cache), then runs every snippet there in a fresh
+    interpreter."""
     from experiments.train import train_head
     from experiments.trial import trial_config
+    from mtpc.names import grid_key
+    from sweeps.demo import example_head
     from sweeps.objectives import train_config
 
     snippets = use_it_snippets((ROOT / "README.md").read_text())
     assert snippets, 'README.md: no ```python block under "## Use it"'
-    key, spec, point = _demo_lora_point(tmp_path / "runs" / "demo")
-    head_dir = spec.trial_dir(key) / "head"
+    monkeypatch.setenv("MTPC_CACHE_DIR", str(tmp_path / "cache"))
+    spec = _demo_spec(tmp_path / "runs" / "demo")
+    head_dir = example_head(spec)
     rel = head_dir.relative_to(tmp_path).as_posix()
     assert rel in snippets[0], f"the first snippet should load the demo's head {rel!r}"
-    cfg = trial_config(train_config(spec, point), run_dir=spec.trial_dir(key))
+    point = next(p for p in spec.grid if spec.trial_dir(grid_key(p)) == head_dir.parent)
+    cfg = trial_config(train_config(spec, point), run_dir=head_dir.parent)
     train_head(cfg, {"run.tracking": False, "trainer.max_steps": 2, "trainer.enable_progress_bar": False,
                      "data.source": "debug", "data.seq_len": 64, "trainer.limit_val_batches": 1})
     assert (head_dir / "config.json").is_file()
