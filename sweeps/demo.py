@@ -1,11 +1,14 @@
 """`make demo` (= `python -m sweeps.demo`): the whole suite once, on the 2-core CPU.
 
-1. ensure the embedded default model and its data exist (pre-trains once, ~10 min; cached under
-   `mtpc.paths.cache_dir()`),
-2. run `sweeps/smoke.yaml` locally, overridden to train on the embedded default model
-   (`train.config=default`, sized to fit the time budget),
+1. check the shipped default model (`mtpc/default_model/`, committed: no pre-training) against its
+   manifest and build the bundled ShareGPT corpus once (cached under `mtpc.paths.cache_dir()`),
+2. run `sweeps/smoke.yaml` locally, overridden to train on the default model
+   (`train.config=default`: 200 steps of 2 x 512 bytes per head; the spec's evaluation: one prompt
+   set of `eval.n_prompts` held-out prompts x `eval.max_new_tokens` bytes, greedy and sampling),
 3. run `python -m analysis` (Pareto fronts, figures, tables) on the results,
-4. print where the Optuna journal, the MLflow store and the figures are, and how to open the UI.
+4. print where the Optuna journal, the MLflow store, the trained heads (one per grid point, in
+   `<out>/checkpoints/mtpc-demo/<grid key>/head`, loadable with `MtpcModel.from_pretrained`) and the
+   figures are, and how to open the UI.
 
 Everything goes under `--out` (default `runs/demo`), the MLflow store too: the demo sets the spec's
 `mlflow.tracking_uri` to `sqlite:///<out>/mlflow.db` (MLFLOW_TRACKING_URI still wins).
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -26,12 +30,26 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "sweeps" / "smoke.yaml"
 # smoke.yaml's training section swapped for the embedded default model; experiments/configs/default.yaml
-# is already sized for a shared 2-core CPU (30 steps); k > 0 points train LoRA from the start
+# is already sized for a shared 2-core CPU (200 steps); k > 0 points train LoRA from the start
 DEMO_TRAIN = {"config": "default", "model": {"lora_start_epoch": 0}}
 
 
 def _step(msg: str, t0: float) -> None:
     print(f"\n== [{time.time() - t0:6.0f} s] {msg}", flush=True)
+
+
+def example_head(spec) -> Path:
+    """The head directory of the demo's LoRA point (the first grid point when there is none)."""
+    from mtpc.names import grid_key
+
+    point = next((p for p in spec.grid if p.get("lora_depth", 0) > 0), spec.grid[0])
+    return spec.trial_dir(grid_key(point)) / "head"
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the working directory when it lies below it (as a user would type it)."""
+    rel = os.path.relpath(path)
+    return path.as_posix() if rel.startswith("..") else Path(rel).as_posix()
 
 
 def demo_overrides(out: Path, objective: str) -> dict:
@@ -98,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     _step("4/4 where things are", t0)
     print(f"Optuna study     : {spec.study} in {spec.storage}")
     print(f"MLflow store     : {spec.tracking_uri} (experiment {spec.experiment})")
-    print(f"checkpoints/heads: {out / 'checkpoints' / spec.study}")
+    print(f"checkpoints/heads: {out / 'checkpoints' / spec.study}/<grid key>/head")
+    head = example_head(spec)
+    if (head / "config.json").is_file():
+        print(f"load a head      : MtpcModel.from_pretrained(\"{_shown(head)}\")")
     print(f"figures, tables  : {fig_dir}")
     print(f"open the UI      : mlflow ui --backend-store-uri {spec.tracking_uri} --host 127.0.0.1 --port 5000")
     print("                   then browse http://127.0.0.1:5000")
