@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast demo bench bench-circuits bench-head bench-loss bench-decode pretrain device-prep lint clean-cache
+.PHONY: setup setup-compat test test-compat test-fast demo bench bench-circuits bench-head bench-loss bench-decode pretrain device-prep lint clean-cache
 
 setup: $(VENV)/.installed
 
@@ -22,6 +22,27 @@ $(VENV)/.installed: pyproject.toml
 test: setup
 	@set +e; $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests — failing"; exit 1; fi; exit $$rc
+
+# The oldest supported transformers (pyproject.toml states the range) in a second venv: the real-model
+# conformance tests (tokenkit's byte Llama code imports only under transformers 4.x) and the backbone/decoding
+# tests they rest on. COMPAT_PINS are the releases that go with that transformers.
+COMPAT_VENV ?= .venv-compat
+COMPAT_PY := $(COMPAT_VENV)/bin/python
+COMPAT_PINS ?= transformers==4.48.3 tokenizers==0.21.4 'huggingface-hub<1' peft==0.14.0
+COMPAT_TESTS ?= tests/mtpc/test_backbones.py tests/mtpc/test_llama_engine.py tests/mtpc/test_decoding_engines.py \
+	tests/mtpc/test_tokenizer.py tests/mtpc/test_tpu_llama.py
+
+setup-compat: $(COMPAT_VENV)/.installed
+
+$(COMPAT_VENV)/.installed: pyproject.toml Makefile
+	@test -x $(COMPAT_PY) || $(PYTHON) -m venv $(COMPAT_VENV)
+	@$(COMPAT_PY) -c "import torch" 2>/dev/null || $(COMPAT_PY) -m pip install "$(TORCH_SPEC)"
+	$(COMPAT_PY) -m pip install -e '.[dev]' $(COMPAT_PINS)
+	@touch $@
+
+test-compat: setup-compat
+	@set +e; $(COMPAT_PY) -m pytest -p no:cacheprovider -m "not slow or realmodel" $(COMPAT_TESTS) $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-compat: pytest collected no tests — failing"; exit 1; fi; exit $$rc
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow and not slurm" $(PYTEST_ARGS)

@@ -42,6 +42,19 @@ def tiny_llama_config(
     return cfg
 
 
+def set_rope(cfg: LlamaConfig, rope: dict) -> None:
+    """Give cfg the rotary parameters `rope` (with rope_theta) as the installed transformers reads
+    them: 5.x's `rope_parameters`, 4.x's `rope_scaling` + `rope_theta`."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        cfg.rope_parameters = dict(rope)
+    else:
+        cfg.rope_theta = rope["rope_theta"]
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        cfg.rope_scaling = None if scaling.get("rope_type", "default") == "default" and len(scaling) <= 1 else scaling
+
+
 def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float64, **cfg_kw) -> LlamaForCausalLM:
     """A random tiny Llama in eval mode; weights scaled up so the layers matter numerically."""
     torch.manual_seed(seed)

@@ -10,7 +10,9 @@ for that exact one), "evabyte" (EvaByte/EvaByte-SFT), "llama3-byte"
 Nobody's code runs without consent: a checkpoint that ships its own modelling code (an `auto_map`
 in its config.json, e.g. EvaByte) is refused unless `trust_remote_code=True`, and for a hub id also
 `revision=<40-hex commit hash>` (the commit whose code was reviewed; a branch can move). A local
-directory needs only `trust_remote_code=True`: the code is the one on disk. `check_remote_code`
+directory needs only `trust_remote_code=True`: the code is the one on disk. tokenkit's byte Llama
+(`model_type: tpu_llama`, e.g. "llama3-byte") is the exception: the suite implements it
+(`tpu_llama.py`) and loads its weights by name, so its `auto_map` code never runs and needs no consent. `check_remote_code`
 states the rule; the training config calls it too, before any weights are read. The adapter classes live in `base.py`
 (Llama architecture) and `evabyte.py`; the decoding engines in `engine.py` (protocol, HF layers)
 and `llama.py` (the compact Llama forward), CUDA graph capture in `graphs.py`.
@@ -28,6 +30,7 @@ from mtpc.backbones.base import BackboneAdapter, KVStore, SplitCache, SplitOutpu
 from mtpc.backbones.engine import AdapterEngine, Engine, StepOutput, make_engine
 from mtpc.backbones.evabyte import EvaByteAdapter, EvaByteCache
 from mtpc.backbones.llama import LlamaEngine
+from mtpc.backbones.tpu_llama import ExpandedLlamaForCausalLM, is_tpu_llama, load_tpu_llama, tpu_llama_config
 from mtpc.backbones.shipped import DEFAULT, SHIPPED_DIR, check_backbone_label, verify_shipped
 from mtpc.paths import cache_dir
 
@@ -46,6 +49,7 @@ __all__ = [
     "StepOutput",
     "EvaByteAdapter",
     "EvaByteCache",
+    "ExpandedLlamaForCausalLM",
     "KVStore",
     "SplitCache",
     "SplitOutput",
@@ -112,7 +116,7 @@ def check_remote_code(
             f"backbone {name_or_path!r}: trust_remote_code=True runs the Python code of the hub repository, so pin "
             f"the commit you reviewed: revision='<40-hex commit hash>' (training config: model.revision), got {revision!r}"
         )
-    if not trust_remote_code and config is not None and config.get("auto_map"):
+    if not trust_remote_code and config is not None and config.get("auto_map") and not is_tpu_llama(config):
         raise ValueError(
             f"backbone {name_or_path!r}: the checkpoint ships its own modelling code (config.json auto_map), which runs "
             "only with consent: pass trust_remote_code=True (and for a hub id revision='<40-hex commit hash>'); in a "
@@ -164,8 +168,9 @@ def load_backbone(
     except (OSError, ValueError) as e:
         raise ValueError(f"backbone {label!r}: cannot read its config from {source!r} ({e})") from e
     check_remote_code(source, trust_remote_code, revision, raw)
+    native = is_tpu_llama(raw)  # tokenkit's byte Llama: its auto_map code is never run (tpu_llama.py)
     try:
-        config = AutoConfig.from_pretrained(source, **hub)
+        config = tpu_llama_config(raw, where=f"backbone {label!r}")[0] if native else AutoConfig.from_pretrained(source, **hub)
     except (OSError, ValueError) as e:
         raise ValueError(f"backbone {label!r}: cannot read its config from {source!r} ({e})") from e
     vocab = getattr(config, "vocab_size", None)
@@ -183,7 +188,10 @@ def load_backbone(
     if attn_implementation is not None:
         kw["attn_implementation"] = attn_implementation
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, **kw)
+        if native:
+            model = load_tpu_llama(source, raw, **kw)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(source, **kw)
     except OSError as e:
         raise ValueError(f"backbone {label!r}: cannot load weights from {source!r} ({e})") from e
     model.eval()

@@ -9,7 +9,7 @@
 
 `verify_hidden` is e_t, the lm_head input (post-final-norm), never `hidden_states[-1]`. The draft
 top's modules are shallow clones that share every base weight with the verifier top (no copy of
-the weights); peft injects LoRA into the clones only (`layers_to_transform`), so both tops run on
+the weights); peft injects LoRA into the clones only (the draft top holds nothing else), so both tops run on
 the same trunk output in one call, each with its own KV cache. With k = 0 the draft reads the
 verifier's hidden state. The backbone is frozen; only the LoRA parameters train.
 
@@ -20,7 +20,8 @@ LoRA (and trains it); the HF-layer path stays for other architectures and `engin
 Caches are plain per-segment key/value stores (`KVStore`, duck-typed as the `Cache.update` that
 transformers' attention calls), grouped in `SplitCache` so that `crop` rolls back all three
 segments together. Rotary positions are `cache.length + arange(T)`; batch rows share one length
-(no left padding). Leaves out: EvaByte (see `evabyte.py`), loading by name (see `__init__.py`).
+(no left padding). A tokenkit byte Llama (`model.model.expand_embed_tokens`, see tpu_llama.py)
+adds its expanded-id embedding, from each row's ids since position 0 (kept in the cache). Leaves out: EvaByte (see `evabyte.py`), loading by name (see `__init__.py`).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class SplitCache:
         self.verify = KVStore()
         self.draft = KVStore()
         self.length = 0  # positions fed so far (same for every segment)
+        self.expand: list[Any] | None = None  # per row: the ids fed so far (tokenkit's expanded ids, tpu_llama.py)
 
     def crop(self, length: int) -> None:
         """Forget every position >= `length` (roll back rejected drafts) in all three caches."""
@@ -87,6 +89,8 @@ class SplitCache:
             raise ValueError(f"crop: length={length} must lie in [0, cache.length={self.length}]")
         for store in (self.trunk, self.verify, self.draft):
             store.crop(length)
+        for state in self.expand or ():
+            state.crop(length)
         self.length = length
 
 
@@ -263,6 +267,16 @@ class BackboneAdapter(nn.Module):
         inner = self.model.model
         T = input_ids.shape[1]
         h = self.model.get_input_embeddings()(input_ids)  # (B, T, d)
+        expand = getattr(inner, "expand_embed_tokens", None)  # tokenkit's byte Llama (tpu_llama.py)
+        if expand is not None:
+            states = None
+            if cache is not None:
+                if cache.expand is None:
+                    from mtpc.backbones.tpu_llama import ExpandState
+
+                    cache.expand = [ExpandState(expand.table) for _ in range(input_ids.shape[0])]
+                states = cache.expand
+            h = h + expand(expand.rows(input_ids, states))
         pos = torch.arange(past, past + T, device=h.device).unsqueeze(0)  # (1, T)
         pe = inner.rotary_emb(h, pos)
         mask = None
@@ -294,7 +308,7 @@ class BackboneAdapter(nn.Module):
 
 
 def build_lora_top(clones: dict[int, nn.Module], rank: int, alpha: float | None, dropout: float, targets) -> _DraftTop:
-    """peft LoRA on the clones of the top layers (`layers_to_transform` = their model indices)."""
+    """peft LoRA on the clones of the top layers (named `layers.<i>` by their model indices)."""
     from peft import LoraConfig, inject_adapter_in_model
 
     draft = _DraftTop(clones)
@@ -302,13 +316,13 @@ def build_lora_top(clones: dict[int, nn.Module], rank: int, alpha: float | None,
     chosen = [t for t in targets if t in present]
     if not chosen:
         raise ValueError(f"lora_targets: none of {list(targets)} is a Linear in the decoder layers ({sorted(present)})")
+    # every Linear of the clones is in the top, so no layers_to_transform: peft < 0.15 matches its
+    # layers_pattern only below a parent module ("x.layers.3."), never at the root of `draft`
     config = LoraConfig(
         r=rank,
         lora_alpha=alpha if alpha is not None else 2 * rank,
         lora_dropout=dropout,
         target_modules=chosen,
-        layers_to_transform=sorted(clones),
-        layers_pattern="layers",
     )
     draft = inject_adapter_in_model(config, draft)
     for n, p in draft.named_parameters():

@@ -33,6 +33,9 @@ size ~10), as an n-row product already rounds differently from a 1-row one in ei
 oneDNN's by ~4e-5 on the default model's logits (tested against HF to 1e-4 in float32: it has
 no float64, so the float64 tests run the views layout).
 
+tokenkit's byte Llama (`ExpandedLlamaForCausalLM`, tpu_llama.py) adds its expanded-id embedding:
+`feed` computes the new positions' e_t from the ids fed so far (O(maxlen) each, cut at crops).
+
 `llama_unsupported(model)` names the first thing this forward does not implement (another model
 class, biases, an activation other than silu, RoPE types other than default / llama3, config
 fields it does not know, LoRA variants); `load_backbone` then keeps the HF-layer path. Leaves out:
@@ -88,13 +91,13 @@ class LlamaArgs:
         reason = config_unsupported(config)
         if reason:
             raise ValueError(f"compact Llama forward: {reason}")
-        rope = dict(getattr(config, "rope_parameters", None) or {})
+        rope = rope_parameters(config)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         args = cls(
             vocab=config.vocab_size, dim=config.hidden_size, n_layers=config.num_hidden_layers,
             n_heads=config.num_attention_heads, n_kv_heads=config.num_key_value_heads or config.num_attention_heads,
             head_dim=head_dim, intermediate=config.intermediate_size, norm_eps=config.rms_norm_eps,
-            rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+            rope_theta=float(rope["rope_theta"]),
             max_context=int(config.max_position_embeddings), rope_type=rope.get("rope_type", "default"),
         )  # fmt: skip
         if args.rope_type == "llama3":
@@ -103,6 +106,25 @@ class LlamaArgs:
             args.rope_high_freq_factor = float(rope["high_freq_factor"])
             args.rope_original_max = int(rope["original_max_position_embeddings"])
         return args
+
+
+def _transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The rotary parameters with rope_theta, as the installed transformers reads them: 5.x's
+    `rope_parameters`, or 4.x's `rope_scaling` (None for the default) and `rope_theta`."""
+    if _transformers_major() >= 5:
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+    else:
+        rope = dict(getattr(config, "rope_scaling", None) or {})
+    if "type" in rope:  # the old spelling of rope_type
+        rope.setdefault("rope_type", rope.pop("type"))
+    rope.setdefault("rope_theta", float(getattr(config, "rope_theta", None) or 10000.0))
+    return rope
 
 
 def config_unsupported(config: Any) -> str | None:
@@ -115,7 +137,7 @@ def config_unsupported(config: Any) -> str | None:
     for key, want in checks:
         if getattr(config, key, want) != want:
             return f"config field {key}={getattr(config, key)!r} is not implemented (expected {want!r})"
-    rope = dict(getattr(config, "rope_parameters", None) or {})
+    rope = rope_parameters(config)
     if rope.get("rope_type", "default") not in ROPE_TYPES:
         return f"config field rope_parameters.rope_type={rope.get('rope_type')!r} is not implemented (expected one of {ROPE_TYPES})"
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
@@ -132,6 +154,8 @@ def config_unsupported(config: Any) -> str | None:
     if extra_rope:
         return f"config field(s) rope_parameters.{extra_rope} are not implemented"
     known = set(LlamaConfig().to_dict()) | _HARMLESS_KEYS
+    if _transformers_major() < 5:
+        known.add("rope_parameters")  # a 5.x config.json read by 4.x: unknown to its Llama, ignored by both
     extra = sorted(k for k in config.to_dict() if k not in known)
     if extra:
         return f"config field(s) {extra} are not implemented by the compact forward"
@@ -140,8 +164,11 @@ def config_unsupported(config: Any) -> str | None:
 
 def llama_unsupported(model: Any) -> str | None:
     """Why `model` (an HF causal LM) cannot take the compact path (one line), or None."""
+    from mtpc.backbones.tpu_llama import ExpandedLlamaForCausalLM
+
     cls = type(model)
-    if cls.__name__ != "LlamaForCausalLM" or not cls.__module__.startswith("transformers."):
+    stock = cls.__name__ == "LlamaForCausalLM" and cls.__module__.startswith("transformers.")
+    if not stock and cls is not ExpandedLlamaForCausalLM:
         return f"model class {cls.__module__}.{cls.__name__} is not transformers' LlamaForCausalLM"
     return config_unsupported(model.config)
 
@@ -372,6 +399,9 @@ class LlamaEngine:
         self._draft_top = adapter.draft_top if self.k else None
         self.lora_mode = lora
         self.embed = model.model.embed_tokens.weight.detach()  # (v, d)
+        # tokenkit's byte Llama: + expand_embed_tokens(e_t), e_t from the ids fed so far (tpu_llama.py)
+        self.expand = getattr(model.model, "expand_embed_tokens", None)
+        self._expand_state = None
         self.device, self.dtype = self.embed.device, self.embed.dtype
         if compile and static is False:
             raise ValueError("compile=True needs static shapes: pass static=True or None")
@@ -450,6 +480,10 @@ class LlamaEngine:
             )
         self.length = 0
         self.calls = 0
+        if self.expand is not None:
+            from mtpc.backbones.tpu_llama import ExpandState
+
+            self._expand_state = ExpandState(self.expand.table)
         if self._sources and self._stale():
             self._build_weights()
             self._graphs.clear()  # captured graphs read the old copies
@@ -484,22 +518,29 @@ class LlamaEngine:
                 f"input: {start} cached + {T} new positions exceed the engine's capacity={self.capacity}; "
                 "call reset(capacity) with the sequence's full length first"
             )
+        eids = None
+        if self.expand is not None:  # O(maxlen) per new id; the history before `start` is kept
+            eids = torch.tensor(self._expand_state.feed(ids.tolist(), start), dtype=torch.long, device=ids.device)
         if self.cuda_graphs and start > 0 and T <= 64:  # decoding calls; the prefill runs eagerly
-            out = self._graphed(ids, start)
+            out = self._graphed(ids, start, eids)
         elif self._compiled is not None and start > 0 and T <= 64:  # start=0: unused with pos, so no int guard
-            out = self._compiled(ids, self.positions[start : start + T].clone(), 0)
+            out = self._compiled(ids, self.positions[start : start + T].clone(), 0, eids)
         elif self.static:
-            out = self._forward(ids, self.positions[start : start + T], start)
+            out = self._forward(ids, self.positions[start : start + T], start, eids)
         else:
-            out = self._forward(ids, None, start)
+            out = self._forward(ids, None, start, eids)
         self.length = start + T
         self.calls += 1
         return out
 
-    def _forward(self, ids: Tensor, pos: Tensor | None, start: int) -> StepOutput:
-        """pos: (T,) position tensor (static shapes) or None (slice the caches at host ints)."""
+    def _forward(self, ids: Tensor, pos: Tensor | None, start: int, eids: Tensor | None = None) -> StepOutput:
+        """pos: (T,) position tensor (static shapes) or None (slice the caches at host ints);
+        eids: (T,) expanded ids (tokenkit's byte Llama) or None."""
         T = ids.shape[0]
-        x = F.embedding(ids, self.embed).unsqueeze(0)  # (1, T, d)
+        x = F.embedding(ids, self.embed)
+        if eids is not None:
+            x = x + F.embedding(eids, self.expand.weight)
+        x = x.unsqueeze(0)  # (1, T, d)
         if pos is None:
             cos, sin = self.cos[start : start + T], self.sin[start : start + T]
             rows = self.positions[start : start + T, None]
@@ -619,21 +660,22 @@ class LlamaEngine:
         return y.view(B, H, T, hd)
 
     # -- CUDA graphs (unverified here: no GPU) ---------------------------------------------------
-    def _graphed(self, ids: Tensor, start: int) -> StepOutput:
+    def _graphed(self, ids: Tensor, start: int, eids: Tensor | None = None) -> StepOutput:
         """Replay the graph of this input length (captured on first use; eager if capture failed)."""
         from mtpc.backbones.graphs import CapturedFn
 
         T, pos = ids.shape[0], self.positions[start : start + ids.shape[0]]
+        inputs = (ids, pos) if eids is None else (ids, pos, eids)
         if T not in self._graphs and T not in self.graph_errors:
 
-            def fn(ids_buf, pos_buf):
-                out = self._forward(ids_buf, pos_buf, 0)
+            def fn(ids_buf, pos_buf, eids_buf=None):
+                out = self._forward(ids_buf, pos_buf, 0, eids_buf)
                 return out.p_logits, out.draft_hidden
 
             try:  # the warm-up and capture write this call's own keys/values at pos: idempotent
-                self._graphs[T] = CapturedFn(fn, (ids, pos))
+                self._graphs[T] = CapturedFn(fn, inputs)
             except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly, say why
                 self.graph_errors[T] = f"{type(e).__name__}: {e}"
         if T in self._graphs:
-            return StepOutput(*self._graphs[T](ids, pos))
-        return self._forward(ids, pos, start)
+            return StepOutput(*self._graphs[T](*inputs))
+        return self._forward(ids, pos, start, eids)

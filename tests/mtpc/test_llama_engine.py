@@ -18,9 +18,10 @@ from torch.testing import assert_close
 
 from mtpc.backbones import AdapterEngine, BackboneAdapter, LlamaEngine, load_backbone, make_engine
 from mtpc.backbones.llama import LlamaArgs, llama_unsupported, rope_inv_freq
-from tests.backbone_helpers import randomize_lora, tiny_llama
+from tests.backbone_helpers import randomize_lora, set_rope, tiny_llama
 
 L = 4
+ROPE_FIELD = "rope_parameters" if int(__import__("transformers").__version__.split(".")[0]) >= 5 else "rope_scaling"
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}  # fmt: skip
 
@@ -29,7 +30,7 @@ def _model(rope=None, **kw):
     m = tiny_llama(attn="sdpa", **kw)
     if rope is not None:  # rebuild with the rope parameters (the rotary buffers depend on them)
         cfg = m.config
-        cfg.rope_parameters = rope
+        set_rope(cfg, rope)
         from transformers import LlamaForCausalLM
 
         torch.manual_seed(0)
@@ -264,9 +265,9 @@ def test_capacity_reset_and_crop_errors():
         ("attention_bias", True, "attention_bias=True"),
         ("mlp_bias", True, "mlp_bias=True"),
         ("hidden_act", "gelu", "hidden_act='gelu'"),
-        ("rope_parameters", {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}, "rope_type='linear'"),
+        (ROPE_FIELD, {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}, "rope_type='linear'"),
         (
-            "rope_parameters",
+            ROPE_FIELD,
             {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
             "partial_rotary",
         ),
