@@ -30,8 +30,8 @@ from mtpc.backbones.base import BackboneAdapter, KVStore, SplitCache, SplitOutpu
 from mtpc.backbones.engine import AdapterEngine, Engine, StepOutput, make_engine
 from mtpc.backbones.evabyte import EvaByteAdapter, EvaByteCache
 from mtpc.backbones.llama import LlamaEngine
-from mtpc.backbones.tpu_llama import ExpandedLlamaForCausalLM, is_tpu_llama, load_tpu_llama, tpu_llama_config
 from mtpc.backbones.shipped import DEFAULT, SHIPPED_DIR, check_backbone_label, verify_shipped
+from mtpc.backbones.tpu_llama import ExpandedLlamaForCausalLM, is_tpu_llama, load_tpu_llama, tpu_llama_config
 from mtpc.paths import cache_dir
 
 ALIASES = {
@@ -169,10 +169,13 @@ def load_backbone(
         raise ValueError(f"backbone {label!r}: cannot read its config from {source!r} ({e})") from e
     check_remote_code(source, trust_remote_code, revision, raw)
     native = is_tpu_llama(raw)  # tokenkit's byte Llama: its auto_map code is never run (tpu_llama.py)
-    try:
-        config = tpu_llama_config(raw, where=f"backbone {label!r}")[0] if native else AutoConfig.from_pretrained(source, **hub)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"backbone {label!r}: cannot read its config from {source!r} ({e})") from e
+    if native:  # every TPULlamaConfig field implemented or refused here, one line
+        config = tpu_llama_config(raw, where=f"backbone {label!r}")[0]
+    else:
+        try:
+            config = AutoConfig.from_pretrained(source, **hub)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"backbone {label!r}: cannot read its config from {source!r} ({e})") from e
     vocab = getattr(config, "vocab_size", None)
     if vocab is None or (vocab > MAX_BYTE_VOCAB and not allow_non_byte):
         raise ValueError(

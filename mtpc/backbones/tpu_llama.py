@@ -56,9 +56,15 @@ _BOOKKEEPING = {
     "tokenizer_class", "_attn_implementation_autoset", "is_encoder_decoder", "is_decoder", "add_cross_attention",
     "tie_encoder_decoder", "chunk_size_feed_forward", "problem_type", "id2label", "label2id", "prefix",
     "sep_token_id", "decoder_start_token_id", "task_specific_params", "finetuning_task", "torchscript",
-    "pruned_heads", "cross_attention_hidden_size", "tf_legacy_loss", "use_bfloat16",
+    "pruned_heads", "cross_attention_hidden_size", "tf_legacy_loss", "use_bfloat16", "_commit_hash",
 }  # fmt: skip
 _EXPAND_FIELDS = ("expand_input_ids", "expand_input_ids_maxlen", "expand_input_ids_vocab_size", "expand_input_ids_dict")
+
+
+def _transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
 
 
 def is_tpu_llama(raw: dict[str, Any] | None) -> bool:
@@ -224,13 +230,13 @@ def tpu_llama_config(raw: dict[str, Any], where: str = "tpu_llama") -> tuple[Lla
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"{where}: config field rope_scaling.rope_type={rope_type!r} is not implemented (expected one of {ROPE_TYPES})")
     kw = {k: raw[k] for k in _LLAMA_FIELDS if k in raw}
-    kw["rope_theta"] = float(raw.get("rope_theta", 10000.0))
-    if rope:
-        rope = {k: v for k, v in rope.items() if k != "type"} | {"rope_type": rope_type}
-        kw["rope_scaling"] = rope
+    theta = float(raw.get("rope_theta", 10000.0))
+    rope = {k: v for k, v in rope.items() if k != "type"} | {"rope_type": rope_type}
+    if _transformers_major() >= 5:
+        kw["rope_parameters"] = {**rope, "rope_theta": theta}
+    else:
+        kw["rope_theta"], kw["rope_scaling"] = theta, (rope if rope_type != "default" else None)
     config = LlamaConfig(**kw)
-    if getattr(config, "rope_parameters", None) is not None and rope:  # transformers 5: rope_parameters
-        config.rope_parameters = {**rope, "rope_theta": kw["rope_theta"]}
     expand = None
     if raw.get("expand_input_ids", False):
         expand = {k: raw.get(k) for k in _EXPAND_FIELDS}
