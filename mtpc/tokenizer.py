@@ -14,7 +14,12 @@ assistant contents and their closing EOS (what a chat model must learn to produc
 are written by the template and never scored.
 
 Also holds `HFChatTokenizer`, a thin wrapper that gives a Hugging Face tokenizer (real checkpoints
-ship their own tokenizer and template) the same methods. Leaves out: any learned vocabulary.
+ship their own tokenizer and template) the same methods. A byte-level one (every ordinary token
+one byte in the GPT-2 byte-to-character mapping, as a byte-converted Llama-3 tokenizer: 256 bytes
++ Llama-3 specials) keeps raw bytes exact: bytes map to ids one to one (invalid UTF-8 included),
+and the chat template's text is split at special tokens and its other characters turned back
+into the bytes they stand for (bytes in message contents pass the template as surrogate escapes).
+Leaves out: any learned vocabulary.
 """
 
 from __future__ import annotations
@@ -160,6 +165,30 @@ class ByteTokenizer:
         return cls()
 
 
+def byte_to_char() -> dict[int, str]:
+    """The GPT-2 / ByteLevel mapping of the 256 bytes to printable characters (tokenizers' ByteLevel)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def _byte_ids(hf: Any) -> list[int] | None:
+    """ids of bytes 0..255 when every ordinary token of `hf` is one ByteLevel byte character, else None."""
+    try:
+        vocab, added = hf.get_vocab(), hf.get_added_vocab()
+    except (AttributeError, NotImplementedError):
+        return None
+    chars = byte_to_char()
+    ordinary = {t for t in vocab if t not in added}
+    if ordinary != set(chars.values()):
+        return None
+    return [vocab[chars[b]] for b in range(256)]
+
+
 class HFChatTokenizer:
     """A Hugging Face tokenizer behind the `ByteTokenizer` methods (real checkpoints).
 
@@ -174,20 +203,59 @@ class HFChatTokenizer:
         self.pad_token_id = hf_tokenizer.pad_token_id
         self.bos_token_id = hf_tokenizer.bos_token_id
         self.eos_token_id = hf_tokenizer.eos_token_id
+        self.byte_ids = _byte_ids(hf_tokenizer)  # byte -> id for a byte-level tokenizer, else None
+        self._id_byte = {i: b for b, i in enumerate(self.byte_ids or ())}
+        self._specials: dict[str, int] = {}
+        self._special_re = None
+        if self.byte_ids is not None:
+            import re
+
+            self._specials = dict(hf_tokenizer.get_added_vocab())
+            names = sorted(self._specials, key=len, reverse=True)
+            self._special_re = re.compile("(" + "|".join(re.escape(n) for n in names) + ")") if names else None
 
     def encode(self, text: str | bytes) -> list[int]:
+        if self.byte_ids is not None:  # raw bytes one to one (str: UTF-8, surrogate escapes back to their bytes)
+            data = text if isinstance(text, (bytes, bytearray)) else text.encode("utf-8", "surrogateescape")
+            return [self.byte_ids[b] for b in data]
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int], keep_special: bool = False) -> bytes:
-        return self.decode_text(ids, keep_special).encode("utf-8")
+        if self.byte_ids is None:
+            return self.decode_text(ids, keep_special).encode("utf-8")
+        names = {i: t for t, i in self._specials.items()}
+        out = bytearray()
+        for i in ids.tolist() if hasattr(ids, "tolist") else ids:
+            b = self._id_byte.get(int(i))
+            if b is not None:
+                out.append(b)
+            elif int(i) not in names:
+                raise ValueError(f"ids: id {int(i)} is neither a byte nor a special token of this tokenizer")
+            elif keep_special:
+                out += names[int(i)].encode("utf-8")
+        return bytes(out)
 
     def decode_text(self, ids: Sequence[int], keep_special: bool = False) -> str:
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        if self.byte_ids is not None:
+            return self.decode(ids, keep_special).decode("utf-8", errors="replace")
         return self.hf.decode(ids, skip_special_tokens=not keep_special)
 
     def _render(self, messages: Sequence[dict], add_generation_prompt: bool) -> list[int]:
+        if self.byte_ids is not None:  # the template's text, split at special tokens, back to bytes
+            msgs = [
+                {**m, "content": m["content"].decode("utf-8", "surrogateescape")}
+                if isinstance(m["content"], (bytes, bytearray)) else m
+                for m in messages
+            ]  # fmt: skip
+            text = self.hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
+            pieces = self._special_re.split(text) if self._special_re is not None else [text]
+            ids: list[int] = []
+            for j, piece in enumerate(pieces):
+                ids += [self._specials[piece]] if j % 2 else self.encode(piece)
+            return ids
         out = self.hf.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=add_generation_prompt)
         if isinstance(out, dict) or hasattr(out, "keys"):
             out = out["input_ids"]
@@ -209,7 +277,7 @@ class HFChatTokenizer:
         return ids, mask
 
     def render_prompt(self, user_text: str | bytes, system: str | None = None) -> list[int]:
-        if isinstance(user_text, bytes):
+        if isinstance(user_text, bytes) and self.byte_ids is None:
             user_text = user_text.decode("utf-8", errors="replace")
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": user_text}

@@ -134,3 +134,38 @@ def tokenkit_model(directory: Path):
     assert type(model).__name__ == "TPULlamaForCausalLM"
     assert not any(info.values()), f"tokenkit's code and the fixture disagree on weight names: {info}"
     return model.eval()
+
+
+#: Llama-3's special tokens in its order (ids 128000..128255 there; 256.. after the 256 bytes here)
+LLAMA3_SPECIALS = [
+    "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>", "<|start_header_id|>", "<|end_header_id|>",
+    "<|eom_id|>", "<|eot_id|>", "<|python_tag|>", *[f"<|reserved_special_token_{i}|>" for i in range(3, 248)],
+]  # fmt: skip
+#: Llama-3-Instruct's chat template (the 8B model's; 3.2's adds tool and date blocks around the same turns)
+LLAMA3_CHAT_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    "+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
+    "{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+
+def llama3_byte_tokenizer():
+    """A byte-converted Llama-3 tokenizer built with `tokenizers`: the 256 bytes as tokens (ByteLevel
+    characters, no merges), then Llama-3's 256 specials (vocab 512), its chat template, eos <|eot_id|>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from mtpc.tokenizer import byte_to_char
+
+    chars = byte_to_char()
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(LLAMA3_SPECIALS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+        pad_token="<|finetune_right_pad_id|>", chat_template=LLAMA3_CHAT_TEMPLATE,
+    )  # fmt: skip

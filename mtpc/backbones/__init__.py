@@ -124,13 +124,18 @@ def check_remote_code(
         )
 
 
-def _load_tokenizer(source: str, trust_remote_code: bool, revision: str | None) -> Any:
+def _load_tokenizer(source: str, trust_remote_code: bool, revision: str | None, native: bool = False) -> Any:
+    """native: tokenkit's byte Llama, whose fast tokenizer loads directly (AutoTokenizer would read the
+    model's config.json and ask to run its auto_map code)."""
     from mtpc.tokenizer import ByteTokenizer, HFChatTokenizer
 
     if Path(source).is_dir() and ByteTokenizer.is_saved_in(source):
         return ByteTokenizer.from_pretrained(source)
     try:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+        if native:
+            return HFChatTokenizer(PreTrainedTokenizerFast.from_pretrained(source, revision=revision))
 
         return HFChatTokenizer(AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, revision=revision))
     except Exception:  # no tokenizer files: tiny test checkpoints; callers pass ids themselves
@@ -200,7 +205,7 @@ def load_backbone(
     model.eval()
     if device is not None:
         model.to(device)
-    tokenizer = _load_tokenizer(source, trust_remote_code, revision)
+    tokenizer = _load_tokenizer(source, trust_remote_code, revision, native=native)
     if getattr(config, "model_type", "") == "evabyte":
         if engine == "compact":
             raise ValueError(
