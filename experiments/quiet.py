@@ -81,4 +81,6 @@ def quiet() -> None:
         from transformers.utils import logging as hf_logging
     except ImportError:  # pragma: no cover - transformers is a dependency of the library
         return
-    hf_logging.set_tqdm_hook(_bar)
+    set_hook = getattr(hf_logging, "set_tqdm_hook", None)  # transformers 5 (4.x draws no weight-loading bar)
+    if set_hook is not None:
+        set_hook(_bar)

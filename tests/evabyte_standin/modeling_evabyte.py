@@ -54,6 +54,7 @@ class EvaByteConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.rope_theta = rope_theta
         self.rms_norm_eps = rms_norm_eps
+        kw.setdefault("tie_word_embeddings", False)  # 8 x 320 lm_head rows; transformers 4.x ties by default
         super().__init__(**kw)
 
 
