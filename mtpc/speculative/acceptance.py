@@ -4,7 +4,8 @@ Holds: the target distribution p (temperature, top-p and an optional EOS ban app
 verifier's logits, never to the draft), the per-position acceptance probability
 min(1, p(d) / q(d)), the distribution of the accepted length, the residual distribution
 normalise(max(0, p - q)), and the two verification functions `greedy_verify` and
-`sample_verify`. Randomness enters only through a `Chooser` (probs -> index), so tests can
+`sample_verify`, which test only the window positions `testable_drafts` allows (the remaining
+byte budget and an allowed stop id end a window early). Randomness enters only through a `Chooser` (probs -> index), so tests can
 replace it by an enumerator and obtain exact output distributions (tests/test_acceptance.py).
 Everything stays on the tensors' device: with `TorchChooser` the verification reads nothing
 back to the host (the decoding loop reads the accepted count once per cycle).
@@ -119,14 +120,39 @@ def residual_distribution(p: Tensor, q: Tensor) -> Tensor:  # (..., v) x2 -> (..
     return torch.where(mass > 0, r / mass.clamp_min(torch.finfo(r.dtype).tiny), p)
 
 
-def greedy_verify(draft: Tensor, target_ids: Tensor) -> tuple[Tensor, Tensor]:
+def stop_hits(ids: Tensor, stop_id: int | None) -> Tensor:  # (...) -> (...) bool
+    """Which ids end a generation (an allowed EOS); all False when nothing stops it. The one place
+    that knows the stop rule on the device (the host side is `loop._finish`)."""
+    if stop_id is None:
+        return torch.zeros_like(ids, dtype=torch.bool)
+    return ids == stop_id
+
+
+def testable_drafts(draft: Tensor, budget: int, stop_id: int | None) -> Tensor:  # (..., m) -> (..., m) bool
+    """The drafted positions a cycle may test: the first `budget` (what the remaining byte budget
+    lets the cycle emit), up to and including the first stop id (nothing after it is emitted).
+
+    A prefix of the window (True then False); a cycle that tests only these never counts a byte it
+    does not emit. On the device, no host read.
+    """
+    m = draft.shape[-1]
+    ok = torch.arange(m, device=draft.device) < budget
+    hit = stop_hits(draft, stop_id).to(torch.int64)
+    return ok & ((hit.cumsum(-1) - hit) == 0)  # no stop id strictly before
+
+
+def greedy_verify(draft: Tensor, target_ids: Tensor, testable: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Greedy rule: accept while draft[j] == argmax p_j; the extra token is argmax p at the stop.
 
     draft (m,), target_ids (m+1,) = argmax of each verifier row -> (s, extra token), 0-d tensors
-    on the device (nothing is read back).
+    on the device (nothing is read back). testable (m,) bool (`testable_drafts`): test no further
+    than its last True; after accepting all of those, the extra token is argmax of the next row.
     """
     m = draft.shape[0]
-    mismatch = (draft != target_ids[:m]).to(torch.int64)  # (m,)
+    mismatch = draft != target_ids[:m]  # (m,)
+    if testable is not None:
+        mismatch = mismatch | ~testable
+    mismatch = mismatch.to(torch.int64)
     # s = index of the first mismatch, or m if none (argmax of a cumsum > 0 needs a sentinel)
     s = torch.cat([mismatch, mismatch.new_ones(1)]).argmax()
     return s, target_ids.gather(0, s.view(1))[0]
@@ -137,16 +163,21 @@ def sample_verify(
     p: Tensor,  # (m+1, v) target probabilities
     q: Tensor,  # (m, v) draft conditionals (probabilities) of the drafted tokens' positions
     choose: Chooser,
+    testable: Tensor | None = None,  # (m,) bool, `testable_drafts`
 ) -> tuple[int | Tensor, int | Tensor]:
     """Speculative sampling: returns (s accepted drafts, extra token), as `choose` returns them.
 
     The extra token is sampled from normalise(max(0, p_s - q_s)) after a rejection at s, and
-    from p_m after full acceptance (q's row m is taken as zero, so the residual there is p_m);
-    every emitted token is then distributed as under p. No host read when `choose` returns tensors.
+    from p_s after accepting every testable draft (q's row there is taken as zero, so the
+    residual is p_s: a shorter window); every emitted token is then distributed as under p.
+    Untested drafts get acceptance probability 0. No host read when `choose` returns tensors.
     """
     m = draft.shape[0]
     a = acceptance_probs(p[:m], q, draft)
+    tested = torch.ones(m, dtype=torch.bool, device=p.device) if testable is None else testable
+    a = torch.where(tested, a, torch.zeros_like(a))
     s = choose(acceptance_length_distribution(a))
     at = as_index(s, p.device)
-    q_s = torch.cat([q, q.new_zeros(1, q.shape[-1])]).index_select(0, at)  # (1, v); zeros at s = m
+    q_rows = torch.cat([q * tested.unsqueeze(-1).to(q.dtype), q.new_zeros(1, q.shape[-1])])  # zero past the window
+    q_s = q_rows.index_select(0, at)  # (1, v)
     return s, choose(residual_distribution(p.index_select(0, at), q_s)[0])

@@ -16,6 +16,13 @@ feeds it; verifier row j is p for window position j+2, tested against row j+2 of
 conditionals; the extra token (residual after a rejection, bonus after full acceptance)
 becomes the next c; every cache is cropped to a + 1 + s.
 
+The end of a generation. A cycle tests only the drafts it could emit (`testable_drafts`): at most
+budget - 1 of them (keep; budget for drop), budget = max_new_tokens - bytes emitted so far, and
+none after an allowed EOS; after accepting all of those the extra token comes from the next
+verifier row (a shorter window: still exact). The window fed is always n bytes (fixed shapes);
+only the test stops early. So every count (accepted, tested, emitted) is of bytes the generation
+returns, and nothing is truncated afterwards. An accepted EOS ends the cycle without its extra token.
+
 The drop cycle (Algorithm 2). The caches hold bytes up to a and the verifier row for x_{a+1}
 is known. The draft d_1..d_n is sampled from theta_a without prefix; d_1 is tested against
 that row, d_{j+1} against row j of the call; after s >= 1 acceptances the extra token is
@@ -45,6 +52,7 @@ from mtpc.speculative.acceptance import (
     greedy_verify,
     sample_verify,
     target_probs,
+    testable_drafts,
 )
 
 __all__ = ["AdapterEngine", "CircuitDrafter", "DecodeConfig", "DecodeStats", "Engine", "StepOutput",
@@ -110,7 +118,7 @@ class DecodeStats:
     prefill_s: float = 0.0
     cycle_s: list[float] = field(default_factory=list)  # one entry per cycle (prefill excluded)
     accepted: list[int] = field(default_factory=list)  # s per cycle
-    emitted: list[int] = field(default_factory=list)  # bytes emitted per cycle (before truncation)
+    emitted: list[int] = field(default_factory=list)  # bytes each cycle added to the output
     tested_at: list[int] = field(default_factory=list)  # (n,) tests at each window position
     accepted_at: list[int] = field(default_factory=list)  # (n,) acceptances at each window position
     generated: int = 0  # bytes returned, prefill byte included
@@ -147,7 +155,8 @@ def _pick(logits: Tensor, cfg: DecodeConfig, choose: Chooser) -> int | Tensor:
 
 
 def _finish(out: list[int], new: list[int], cfg: DecodeConfig) -> bool:
-    """Append `new` to `out` up to max_new_tokens and the first stop id; True when generation ends."""
+    """Append `new` to `out` up to max_new_tokens and the first stop id (the host side of the stop
+    rule; `acceptance.stop_hits` is the device side); True when generation ends."""
     for t in new:
         out.append(t)
         if len(out) >= cfg.max_new_tokens or (cfg.stop_id is not None and t == cfg.stop_id):
@@ -204,15 +213,18 @@ def speculative_decode(
     out: list[int] = []
     dev = prompt.device
 
-    def verify(draft: Tensor, p_logits: Tensor, log_q: Tensor) -> tuple[list[int], Tensor]:
-        """draft (m,), p_logits (m+1, v), log_q (m, v) -> ([s, extra, *draft] on the host, extra (1,) on the device)."""
+    def verify(draft: Tensor, p_logits: Tensor, log_q: Tensor, budget: int) -> tuple[list[int], Tensor]:
+        """draft (m,), p_logits (m+1, v), log_q (m, v); test at most `budget` drafts and none past an
+        allowed EOS -> ([s, extra, testable count, *draft] on the host, extra (1,) on the device)."""
+        ok = testable_drafts(draft, budget, cfg.stop_id)  # (m,)
         if greedy:
-            s, extra = greedy_verify(draft, greedy_target(p_logits, cfg.banned))
+            s, extra = greedy_verify(draft, greedy_target(p_logits, cfg.banned), ok)
         else:
             p = target_probs(p_logits, cfg.temperature, cfg.top_p, cfg.banned)
-            s, extra = sample_verify(draft, p, log_q.exp().to(p.dtype), choose)
+            s, extra = sample_verify(draft, p, log_q.exp().to(p.dtype), choose, ok)
         extra = as_index(extra, dev)
-        return torch.cat([as_index(s, dev), extra, draft]).tolist(), extra  # the cycle's one host read
+        count = ok.sum().view(1)
+        return torch.cat([as_index(s, dev), extra, count, draft]).tolist(), extra  # the cycle's one host read
 
     t0 = _clock(sync)
     step = engine.feed(prompt)
@@ -232,30 +244,31 @@ def speculative_decode(
         if cfg.extra_token == "keep":
             x, log_q = drafter(theta, c, greedy)  # (n,), (n, v)
             step = engine.feed(x)
-            got, c = verify(x[1:], step.p_logits, log_q[1:])
-            s, extra = got[0], got[1]
+            got, c = verify(x[1:], step.p_logits, log_q[1:], cfg.max_new_tokens - len(out) - 1)
+            s, extra, testable = got[0], got[1], got[2]
             engine.crop(a1 + 1 + s)
-            new = got[2 : 2 + s] + [extra]
+            new = got[3 : 3 + s] + [extra]
             last_h = step.draft_hidden[s]
-            tested_from, tested = 1, min(s + 1, window - 1)
+            tested_from, tested = 1, min(s + 1, testable)
         else:
             x, log_q = drafter(theta, None, greedy)  # (n,), (n, v)
             step = engine.feed(x)
             p_logits = torch.cat([last_p.unsqueeze(0), step.p_logits])  # (n+1, v)
-            got, extra_t = verify(x, p_logits, log_q)
-            s, extra = got[0], got[1]
+            got, extra_t = verify(x, p_logits, log_q, cfg.max_new_tokens - len(out))
+            s, extra, testable = got[0], got[1], got[2]
             if s >= 1:  # Algorithm 2: keep the accepted drafts, throw the extra token away
                 engine.crop(a1 + s)
-                new = got[2 : 2 + s]
+                new = got[3 : 3 + s]
                 last_p, last_h = step.p_logits[s - 1].clone(), step.draft_hidden[s - 1]
             else:  # nothing accepted: keep the correction token and pay an extra call for its state
                 engine.crop(a1)
                 new = [extra]
                 step = engine.feed(extra_t)
                 last_p, last_h = step.p_logits[0].clone(), step.draft_hidden[0]
-            tested_from, tested = 0, min(s + 1, window)
+            tested_from, tested = 0, min(s + 1, testable)
+        before = len(out)
         done = _finish(out, new, cfg)
-        stats.record_cycle(_clock(sync) - t0, s, len(new), tested_from, tested)
+        stats.record_cycle(_clock(sync) - t0, s, len(out) - before, tested_from, tested)
     stats.generated = len(out)
     stats.decode_generated = len(out) - prefill_out
     stats.backbone_calls = engine.calls

@@ -234,3 +234,78 @@ def test_markov_keep_is_exact_with_temperature_and_top_p():
     assert total_variation(keep, plain) < 1e-12
     untempered = markov_sequence_distribution(TRANSITION, first=2, length=3)
     assert total_variation(plain, untempered) > 0.05  # the options did change the target
+
+
+# ------------------------------------------------------------- the end of a generation
+
+# a deterministic greedy path 1 -> 2 -> 0 -> 0 ...: with EOS = 0 allowed it stops inside a window
+EOS_CHAIN = torch.tensor([[0.80, 0.10, 0.10], [0.05, 0.15, 0.80], [0.60, 0.30, 0.10]], dtype=torch.float64)
+
+
+def _oracle_drafter(transition):
+    """Drafts the chain's own greedy path from c (every draft matches greedy verification)."""
+
+    def draft(theta, prefix, greedy):
+        x = prefix.tolist()
+        while len(x) < theta["n"]:
+            x.append(int(transition[x[-1]].argmax()))
+        return torch.tensor(x), transition[torch.tensor([0] + x[:-1])].log()  # rows: the chain's conditionals
+
+    return draft
+
+
+def _oracle_run(n, T, eos_id=None, prompt=(0, 2)):
+    cfg = DecodeConfig(max_new_tokens=T, mode="greedy", eos_id=eos_id)
+    return speculative_decode(
+        MarkovEngine(EOS_CHAIN), lambda h: {"n": n}, _oracle_drafter(EOS_CHAIN), n, torch.tensor(prompt), cfg,
+        lambda p: int(p.argmax()),
+    )
+
+
+def test_windows_stop_at_the_byte_budget():
+    """Every draft matches: with 5 bytes left after the prefill byte the cycles test only what
+    they can emit (n = 4: 3 drafts, then a window capped at 0 drafts), so the counts add up to the
+    bytes returned. Before the cap the last cycle counted 3 accepted drafts it then truncated."""
+    out, st = _oracle_run(n=4, T=6, prompt=(0, 1))  # greedy path from 1: c = 2, then 0 0 0 ...
+    assert out == [2, 0, 0, 0, 0, 0]
+    assert st.accepted == [3, 0] and st.emitted == [4, 1]
+    assert st.tested_at == [0, 1, 1, 1] and st.accepted_at == [0, 1, 1, 1]
+    assert sum(st.accepted) + len(st.accepted) == st.decode_generated == sum(st.emitted) == 5
+
+
+def test_windows_stop_at_an_allowed_eos():
+    """EOS = 0 is the first draft after c = 2: it is accepted, the generation ends there and
+    nothing after it is tested (greedy verification used to match on past the EOS: s = 3)."""
+    out, st = _oracle_run(n=4, T=10, eos_id=0, prompt=(0, 1))
+    assert out == [2, 0]
+    assert st.accepted == [1] and st.emitted == [1] and st.tested_at == [0, 1, 0, 0]
+    out, st = _oracle_run(n=4, T=10, eos_id=None, prompt=(0, 1))  # EOS not a stop: windows run to the budget
+    assert len(out) == 10 and st.accepted == [3, 3, 0]
+
+
+@pytest.mark.parametrize("eos_id", [None, 0])
+def test_sampled_counts_are_of_emitted_bytes_on_every_path(eos_id):
+    """Every random path of keep sampling with a window longer than the budget (n = 4, T = 3):
+    accepted drafts + cycles (one extra token each, unless an accepted EOS ended the cycle) = the
+    bytes the cycles returned; tests stop at the budget and at the first EOS."""
+    cfg = DecodeConfig(max_new_tokens=3, mode="sample", eos_id=eos_id)
+    head_fn = _markov_draft_head(4)
+    paths = []
+
+    def program(choose):
+        out, st = speculative_decode(MarkovEngine(TRANSITION), head_fn, dense_drafter(choose), 4,
+                                     torch.tensor((0, 2)), cfg, choose)  # fmt: skip
+        paths.append((out, st))
+        return tuple(out)
+
+    enumerate_outcomes(program)
+    assert len(paths) > 20 and any(sum(st.accepted) >= 1 for _, st in paths)
+    for out, st in paths:
+        # only the last cycle may end without its extra token: on an accepted EOS
+        no_extra = int(bool(st.accepted) and eos_id is not None and st.emitted[-1] == st.accepted[-1] >= 1)
+        assert no_extra == 0 or out[-1] == eos_id
+        assert sum(st.emitted) == st.decode_generated == len(out) - 1
+        assert sum(st.accepted) + len(st.accepted) - no_extra == st.decode_generated, (out, st.accepted)
+        assert sum(st.tested_at) <= sum(st.accepted) + len(st.accepted)
+        if eos_id is not None:
+            assert eos_id not in out[:-1]  # stops at the first EOS
