@@ -2,7 +2,8 @@
 
 `acceptance.py`: the acceptance rule as pure functions; `loop.py`: the keep / drop cycles and
 the plain baseline against an `Engine` that owns the caches; `model.py`: `MtpcModel`, the
-public API, and its per-generation metrics.
+public API, and its per-generation metrics; `offline.py`: the keep cycle's acceptance counts
+from one teacher-forced pass over the plain model's text (no decoding).
 """
 
 from mtpc.speculative.loop import DecodeConfig, plain_decode, speculative_decode

@@ -1,0 +1,405 @@
+"""Offline acceptance: the keep cycle's counts from one teacher-forced pass, without decoding.
+
+Speculative output is the plain model's output (greedy: the same bytes; sampling: the same
+distribution), so given the plain continuation y of a prompt every keep cycle (DESIGN section 3:
+state i, c = y_i emitted, draft [c, d_2..d_n] from theta = head(draft-top state before c), s
+accepted, next state i + 1 + s) follows from quantities one teacher-forced pass over prompt + y
+gives at every position at once:
+
+- greedy: s = leading matches of greedy(theta_i, prefix=[y_i]) (the circuit's fused greedy
+  draft, as the loop drafts) with y_{i+1}, y_{i+2}, ... Deterministic: the loop's cycles, cycle
+  for cycle.
+- sampling (temperature, top-p on p only): given y, the loop's acceptances are independent with
+  P(s >= j | y) = prod_{w=1..j} min(1, q_w / p_w), q_w the circuit's conditional of y_{i+w} given
+  y_i..y_{i+w-1} (from theta_i), p_w the tempered / top-p / EOS-banned verifier probability of
+  y_{i+w}. The cycle starts form a Markov chain along y; expected cycles, accepted drafts,
+  tests and acceptances per window position and the accepted-length histogram follow exactly by
+  a forward pass over the states (the draft randomness integrated out: the loop's mean, less variance).
+
+The loop's rules are mirrored: y_0 comes from the prefill (no cycle); a cycle at i tests at most
+min(n - 1, budget - 1, T - 1 - i) drafts (budget = max_new_tokens - i - 1 bytes left; T - 1 - i:
+an allowed EOS ends y, and the loop tests nothing past it); the generation ends when y's last
+byte is emitted. `extra_token="drop"` is not exact and stays online-only (refused here).
+
+API (one pass per prompt set, then a cheap call per head; heads compared on the same texts):
+
+    cfg = DecodeConfig(max_new_tokens=256, mode="sample", temperature=1.0, top_p=1.0,
+                       eos_id=backbone.eos_token_id, ban_eos=True)
+    ys = continuations(backbone, prompts, cfg, seeds=[seed + i for i in range(len(prompts))])
+    tf = teacher_force(backbone, prompts, ys, cfg)        # one pass (k = 0: every head; else one
+                                                          # per LoRA top: the draft top's states)
+    for head in heads:                                    # same lora_depth (and LoRA) as `backbone`
+        per_prompt = offline_acceptance(tf, head)         # [OfflineStats] in prompt order
+        metrics = pool_offline(per_prompt)                # mu_acc, tokens_per_cycle, cycles,
+                                                          # generated, per_position_acceptance,
+                                                          # accepted_length_histogram
+
+`OfflineStats` carries the `GenerationStats` names that do not need a clock (mu_acc,
+tokens_per_cycle, cycles, generated, decode_generated, tested_at, accepted_at,
+per_position_acceptance, accepted_length_histogram); under sampling they are expectations
+(floats). `continuations` decodes at batch 1 with `plain_decode` (prompt i with seeds[i], as
+`MtpcModel.generate_plain(seed=...)`). The pass runs the adapter's `forward` (HF layers) on
+right-padded batches sorted by length.
+
+Leaves out: timing (mu_lat and throughput come from the online loop on a subset), the loop itself
+(loop.py), the acceptance rule's online form (acceptance.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mtpc.speculative.acceptance import TorchChooser, greedy_target, stop_hits, target_probs
+from mtpc.speculative.loop import DecodeConfig, plain_decode
+
+__all__ = ["OfflineStats", "TeacherForced", "continuations", "offline_acceptance", "pool_offline", "teacher_force",
+           "token_conditionals"]  # fmt: skip
+
+
+@dataclass
+class TeacherForced:
+    """One teacher-forced pass over a prompt set's continuations (reused by every head evaluated on it).
+
+    Per prompt with T continuation bytes: `hidden` (T - 1, d), the draft top's state at the byte
+    before y_i for each cycle start i = 0..T-2 (the prompt's last byte for i = 0), the head's
+    input; `log_p` (T,) log p(y_t) under cfg's temperature / top-p / ban (sampling; None when
+    greedy); `argmax_agrees` (T,) whether y_t is the argmax of the pass's verifier row (greedy:
+    False marks a near-tie that rounding decided differently, or a continuation that is not
+    greedy; None when sampling).
+    """
+
+    cfg: DecodeConfig
+    lora_depth: int
+    prompts: list[Tensor]
+    continuations: list[list[int]]
+    hidden: list[Tensor]
+    log_p: list[Tensor] | None
+    argmax_agrees: list[Tensor] | None
+
+
+@dataclass
+class OfflineStats:
+    """One prompt's keep-cycle counts (exact for greedy, expectations given y for sampling).
+
+    Window positions are 0-based as in `DecodeStats` (position 0 holds c and is never tested).
+    """
+
+    window: int
+    mode: str
+    cycles: float
+    accepted: float  # accepted drafts, summed over cycles
+    tested_at: list[float]  # (n,)
+    accepted_at: list[float]  # (n,)
+    accepted_length_histogram: list[float]  # (n+1,) cycles with s = 0..n
+    generated: int  # bytes of the continuation (the prefill byte included)
+    decode_generated: int  # bytes the cycles emitted (generated - 1)
+    accepted_per_cycle: list[int] | None = None  # greedy: s of each cycle, in order
+    extra_token: str = "keep"
+    per_position_acceptance: list[float | None] = field(default_factory=list)  # (n,) None = never tested
+
+    def __post_init__(self):
+        if not self.per_position_acceptance:
+            self.per_position_acceptance = [
+                a / t if t > 0 else None for a, t in zip(self.accepted_at, self.tested_at, strict=True)
+            ]
+
+    @property
+    def mu_acc(self) -> float:
+        return self.accepted / self.cycles if self.cycles else 0.0
+
+    @property
+    def tokens_per_cycle(self) -> float:
+        return self.decode_generated / self.cycles if self.cycles else 0.0
+
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self, key)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"mu_acc": self.mu_acc, "tokens_per_cycle": self.tokens_per_cycle}
+
+
+def _refuse_drop(cfg: DecodeConfig) -> None:
+    if cfg.extra_token != "keep":
+        raise ValueError(
+            f"extra_token={cfg.extra_token!r}: offline acceptance mirrors the keep cycle only (drop is not "
+            "exact, so the plain model's text does not determine its cycles); evaluate drop online"
+        )
+
+
+# ----------------------------------------------------------------------------- continuations
+
+
+@torch.inference_mode()
+def continuations(
+    backbone: Any, prompts: list[Tensor], cfg: DecodeConfig, seeds: list[int] | None = None
+) -> list[list[int]]:
+    """The plain model's continuation of each prompt (batch 1, `plain_decode` on the verifier engine).
+
+    seeds: one per prompt for sampling (prompt i draws from a generator seeded with seeds[i], as
+    `MtpcModel.generate_plain(seed=seeds[i])`); ignored when greedy.
+    """
+    from mtpc.backbones.engine import make_engine
+
+    if cfg.mode == "sample" and (seeds is None or len(seeds) != len(prompts)):
+        raise ValueError(f"seeds: sampling needs one seed per prompt ({len(prompts)}), got {seeds!r}")
+    gen = torch.Generator(device=backbone.device)
+    out = []
+    for i, prompt in enumerate(prompts):
+        if seeds is not None:
+            gen.manual_seed(int(seeds[i]))
+        engine = make_engine(backbone, prompt.shape[0] + cfg.max_new_tokens + 1, draft=False)
+        ids, _ = plain_decode(engine, prompt.to(backbone.device), cfg, TorchChooser(gen))
+        out.append(ids)
+    return out
+
+
+# ----------------------------------------------------------------------------- the pass
+
+
+def _check_continuations(prompts: list[Tensor], ys: list[list[int]], cfg: DecodeConfig, vocab: int,
+                         max_context: int) -> None:  # fmt: skip
+    if len(prompts) != len(ys):
+        raise ValueError(f"continuations: {len(ys)} for {len(prompts)} prompts")
+    for b, (prompt, y) in enumerate(zip(prompts, ys, strict=True)):
+        if prompt.dim() != 1 or prompt.numel() == 0 or prompt.dtype.is_floating_point:
+            raise ValueError(f"prompts[{b}]: expected a non-empty 1-D integer tensor, got {prompt.dtype} "
+                             f"{tuple(prompt.shape)}")  # fmt: skip
+        if not 1 <= len(y) <= cfg.max_new_tokens:
+            raise ValueError(
+                f"continuations[{b}]: {len(y)} bytes; expected 1..max_new_tokens={cfg.max_new_tokens}"
+            )
+        if min(y) < 0 or max(y) >= vocab:
+            raise ValueError(f"continuations[{b}]: ids must lie in [0, {vocab})")
+        stops = stop_hits(torch.tensor(y), cfg.stop_id).nonzero().flatten().tolist()
+        if stops and stops[0] != len(y) - 1:
+            raise ValueError(f"continuations[{b}]: the stop id {cfg.stop_id} at byte {stops[0]} is not the last "
+                             f"byte ({len(y)}); decoding ends there")  # fmt: skip
+        if len(y) < cfg.max_new_tokens and not stops:
+            raise ValueError(f"continuations[{b}]: {len(y)} < max_new_tokens={cfg.max_new_tokens} bytes and no "
+                             f"stop id at the end: not a finished generation under this config")  # fmt: skip
+        if prompt.shape[0] + len(y) > max_context:
+            raise ValueError(f"continuations[{b}]: prompt ({prompt.shape[0]}) + {len(y)} bytes exceed the "
+                             f"backbone's max_context={max_context}")  # fmt: skip
+
+
+@torch.inference_mode()
+def teacher_force(
+    backbone: Any,
+    prompts: list[Tensor],
+    continuations: list[list[int]],
+    cfg: DecodeConfig,
+    batch_size: int = 8,
+) -> TeacherForced:
+    """One forward pass (trunk, verifier top, draft top) over every prompt + continuation.
+
+    batch_size: sequences per call (sorted by length, right-padded: causal attention never reads
+    the padding). Raises ValueError for a continuation the config could not have produced
+    (too long, unfinished, bytes after a stop id, a byte of probability 0 when sampling).
+    """
+    _refuse_drop(cfg)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    _check_continuations(prompts, continuations, cfg, backbone.vocab_size, backbone.max_context)
+    dev = backbone.device
+    n_prompts = len(prompts)
+    hidden: list[Tensor | None] = [None] * n_prompts
+    log_p: list[Tensor | None] = [None] * n_prompts
+    agrees: list[Tensor | None] = [None] * n_prompts
+    seqs = [torch.cat([p.to(dev, torch.long), torch.tensor(y[:-1], dtype=torch.long, device=dev)])
+            for p, y in zip(prompts, continuations, strict=True)]  # fmt: skip  # the last byte needs no state
+    order = sorted(range(n_prompts), key=lambda b: seqs[b].shape[0])
+    for start in range(0, n_prompts, batch_size):
+        rows = order[start : start + batch_size]
+        width = max(seqs[b].shape[0] for b in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
+        for r, b in enumerate(rows):
+            ids[r, : seqs[b].shape[0]] = seqs[b]
+        out = backbone(ids)
+        for r, b in enumerate(rows):
+            L, T = prompts[b].shape[0], len(continuations[b])
+            hidden[b] = out.draft_hidden[r, L - 1 : L + T - 2].clone()  # (T-1, d)
+            logits = backbone.stp_logits(
+                out.verify_hidden[r, L - 1 : L + T - 1]
+            )  # (T, v): rows for y_0..y_{T-1}
+            y = torch.tensor(continuations[b], dtype=torch.long, device=dev)
+            if cfg.mode == "greedy":
+                agrees[b] = greedy_target(logits, cfg.banned) == y
+            else:
+                p = target_probs(logits, cfg.temperature, cfg.top_p, cfg.banned).gather(-1, y.unsqueeze(-1))[
+                    :, 0
+                ]
+                if bool((p <= 0).any()):
+                    t = int((p <= 0).nonzero()[0])
+                    raise ValueError(
+                        f"continuations[{b}]: byte {t} (id {int(y[t])}) has probability 0 under temperature="
+                        f"{cfg.temperature}, top_p={cfg.top_p}, ban_eos={cfg.ban_eos}: not sampled with this config"
+                    )
+                log_p[b] = p.log()
+    greedy = cfg.mode == "greedy"
+    return TeacherForced(
+        cfg=cfg,
+        lora_depth=backbone.lora_depth,
+        prompts=[p.clone() for p in prompts],
+        continuations=[list(y) for y in continuations],
+        hidden=hidden,  # type: ignore[arg-type]
+        log_p=None if greedy else log_p,  # type: ignore[arg-type]
+        argmax_agrees=agrees if greedy else None,  # type: ignore[arg-type]
+    )
+
+
+# ----------------------------------------------------------------------------- per head
+
+
+def token_conditionals(circuit: Any, q: dict[str, Tensor], x: Tensor) -> Tensor:  # (..., n) -> (..., n)
+    """log q(x_i | x_<i) at the given tokens: `circuit._conditionals(q, x)` gathered at x, without
+    forming the (..., n, v) rows (from the circuit's leaf context: logsumexp of the state posterior
+    plus the leaf scores of x). q normalised, as `circuit.normalize` returns it."""
+    w, _, scores = circuit._leaf_context(q, x)
+    return torch.logsumexp(w.log_softmax(-1) + scores, dim=-1)
+
+
+def _windows(y: Tensor, n: int) -> Tensor:  # (T,) -> (T-1, n): row i = y_i..y_{i+n-1}, 0 past the end
+    T = y.shape[0]
+    padded = torch.cat([y, y.new_zeros(n)])
+    return padded.unfold(0, n, 1)[: T - 1]
+
+
+def _alphas(tf: TeacherForced, head: Any, chunk: int) -> list[tuple[Tensor, Tensor]]:
+    """Per prompt (alpha (T-1, n-1) float64, cap (T-1,)): alpha[i, w-1] is the probability that the
+    cycle starting at i accepts its w-th draft given it accepted the ones before (greedy: 0 or 1),
+    0 past the cycle's last test; cap[i] the number of drafts it may test."""
+    circuit, n = head.circuit, head.config.window
+    cfg, greedy = tf.cfg, tf.cfg.mode == "greedy"
+    dev = next(head.parameters()).device
+    ys = [torch.tensor(y, dtype=torch.long, device=dev) for y in tf.continuations]
+    starts = [b for b, y in enumerate(ys) if y.shape[0] >= 2]
+    if not starts:
+        return [(torch.zeros(0, n - 1, dtype=torch.float64), torch.zeros(0, dtype=torch.long)) for _ in ys]
+    win = torch.cat([_windows(ys[b], n) for b in starts])  # (N, n)
+    h = torch.cat([tf.hidden[b].to(dev) for b in starts])  # (N, d)
+    if not greedy:
+        lp = torch.cat([torch.cat([tf.log_p[b][1:].to(dev, torch.float64), torch.zeros(n, dtype=torch.float64,
+                                   device=dev)]).unfold(0, n - 1, 1)[: ys[b].shape[0] - 1] for b in starts])  # fmt: skip
+    # the cycle at i tests at most min(n - 1, budget - 1, T - 1 - i) drafts
+    cap = torch.cat([
+        torch.clamp(torch.minimum(cfg.max_new_tokens - 2 - torch.arange(ys[b].shape[0] - 1, device=dev),
+                                  ys[b].shape[0] - 1 - torch.arange(ys[b].shape[0] - 1, device=dev)), max=n - 1)
+        for b in starts
+    ])  # fmt: skip
+    out = torch.empty(win.shape[0], n - 1, dtype=torch.float64, device=dev)
+    for lo in range(0, win.shape[0], chunk):
+        sl = slice(lo, lo + chunk)
+        theta = circuit.normalize(head(h[sl]))
+        if greedy:
+            x, _ = circuit._draft(theta, win[sl, :1], greedy=True, conditionals=False)  # (c, n)
+            out[sl] = (x[:, 1:] == win[sl, 1:]).to(torch.float64)
+        else:
+            log_q = token_conditionals(circuit, theta, win[sl])[:, 1:].to(torch.float64)  # (c, n-1)
+            # min(1, q / p); a row after a byte of q = 0 is undefined (NaN) and never reached: 0
+            out[sl] = torch.exp(torch.clamp(log_q - lp[sl], max=0.0)).nan_to_num(nan=0.0)
+    out = torch.where(torch.arange(n - 1, device=dev) < cap.unsqueeze(-1), out, torch.zeros_like(out))
+    split = iter(out.cpu().split([ys[b].shape[0] - 1 for b in starts]))
+    caps = iter(cap.cpu().split([ys[b].shape[0] - 1 for b in starts]))
+    result, caps_out = [], []
+    for y in ys:
+        if y.shape[0] >= 2:
+            result.append(next(split))
+            caps_out.append(next(caps))
+        else:
+            result.append(torch.zeros(0, n - 1, dtype=torch.float64))
+            caps_out.append(torch.zeros(0, dtype=torch.long))
+    return list(zip(result, caps_out, strict=True))
+
+
+def _chain(alpha: Tensor, cap: Tensor, n: int) -> dict[str, Any]:
+    """The Markov chain of cycle starts along one continuation: alpha (starts, n-1), cap (starts,)
+    with starts = T - 1 possible cycle starts -> expected counts (exact 0/1 paths when alpha is 0/1)."""
+    import numpy as np
+
+    a = alpha.numpy()
+    starts, m = a.shape
+    surv = np.concatenate([np.ones((starts, 1)), np.cumprod(a, -1)], -1)  # (starts, m+1) P(s >= k)
+    p_s = surv - np.concatenate([surv[:, 1:], np.zeros((starts, 1))], -1)  # (starts, m+1) P(s = k)
+    visit = np.zeros(starts + m + 1)
+    visit[0] = 1.0 if starts else 0.0
+    for i in range(starts):  # a cycle at i moves to i + 1 + s; states >= T - 1 end the generation
+        if visit[i] != 0.0:
+            visit[i + 1 : i + m + 2] += visit[i] * p_s[i]
+    v = visit[:starts, None]
+    tested_mask = (
+        np.arange(1, m + 1)[None, :] <= cap.numpy()[:, None]
+    )  # window position w tested iff w <= cap
+    tested = (v * surv[:, :m] * tested_mask).sum(0)  # position w: tested when s >= w - 1
+    acc_at = (v * surv[:, 1:]).sum(0)  # position w: accepted when s >= w
+    hist = (v * p_s).sum(0)
+    return {
+        "cycles": float(v.sum()),
+        "accepted": float(acc_at.sum()),
+        "tested_at": [0.0, *tested.tolist()],
+        "accepted_at": [0.0, *acc_at.tolist()],
+        "accepted_length_histogram": [*hist.tolist(), 0.0],  # s = 0..n-1 (and n, reached by drop only)
+    }
+
+
+def _greedy_path(alpha: Tensor) -> list[int]:
+    """s of each cycle along the deterministic path (alpha 0/1)."""
+    out, i = [], 0
+    lead = torch.cumprod(alpha, -1).sum(-1).round().long().tolist()  # leading acceptances per start
+    while i < alpha.shape[0]:
+        out.append(lead[i])
+        i += 1 + lead[i]
+    return out
+
+
+@torch.inference_mode()
+def offline_acceptance(tf: TeacherForced, head: Any, chunk: int = 2048) -> list[OfflineStats]:
+    """Per prompt (in order) the keep cycle's counts for `head` on the pass's continuations.
+
+    head: an `MtpcHead` with the pass's lora_depth (its LoRA must be the one the pass ran with);
+    chunk: cycle starts per head call (bounds the (chunk, n, r, v) leaves in memory).
+    """
+    _refuse_drop(tf.cfg)
+    cfg_h = head.config
+    if cfg_h.lora_depth != tf.lora_depth:
+        raise ValueError(f"head: lora_depth={cfg_h.lora_depth}, but the pass ran with lora_depth={tf.lora_depth} "
+                         "(one pass per LoRA top)")  # fmt: skip
+    if cfg_h.window < 2:
+        raise ValueError(f"head: speculative decoding needs window >= 2, got {cfg_h.window}")
+    if tf.hidden and tf.hidden[0].shape[-1] != cfg_h.hidden:
+        raise ValueError(f"head: hidden={cfg_h.hidden}, but the pass's states have {tf.hidden[0].shape[-1]}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    n, greedy = cfg_h.window, tf.cfg.mode == "greedy"
+    stats = []
+    for y, (alpha, cap) in zip(tf.continuations, _alphas(tf, head, chunk), strict=True):
+        c = _chain(alpha, cap, n)
+        stats.append(OfflineStats(window=n, mode=tf.cfg.mode, generated=len(y), decode_generated=len(y) - 1,
+                                  accepted_per_cycle=_greedy_path(alpha) if greedy else None, **c))  # fmt: skip
+    return stats
+
+
+def pool_offline(stats: list[OfflineStats]) -> dict[str, Any]:
+    """One prompt set's acceptance metrics under the evaluation's names (ratios of sums over prompts,
+    as the online pooling): mu_acc, tokens_per_cycle, cycles, generated, decode_generated,
+    per_position_acceptance, accepted_length_histogram (expected counts under sampling)."""
+    if not stats:
+        raise ValueError("stats: need at least one prompt")
+    n = stats[0].window
+    cycles = sum(s.cycles for s in stats)
+    tested = [sum(s.tested_at[i] for s in stats) for i in range(n)]
+    accepted = [sum(s.accepted_at[i] for s in stats) for i in range(n)]
+    return {
+        "mu_acc": sum(s.accepted for s in stats) / cycles if cycles else float("nan"),
+        "tokens_per_cycle": sum(s.decode_generated for s in stats) / cycles if cycles else float("nan"),
+        "cycles": cycles,
+        "generated": sum(s.generated for s in stats),
+        "decode_generated": sum(s.decode_generated for s in stats),
+        "per_position_acceptance": [a / t if t > 0 else None for a, t in zip(accepted, tested, strict=True)],
+        "accepted_length_histogram": [
+            sum(s.accepted_length_histogram[k] for s in stats) for k in range(n + 1)
+        ],
+    }
