@@ -56,7 +56,7 @@ from mtpc.speculative.acceptance import (
 )
 
 __all__ = ["AdapterEngine", "CircuitDrafter", "DecodeConfig", "DecodeStats", "Engine", "StepOutput",
-           "plain_decode", "speculative_decode"]  # fmt: skip
+           "plain_decode", "plain_decode_batch", "speculative_decode"]  # fmt: skip
 
 
 # head_fn: draft hidden (d,) -> normalised circuit parameters for that context
@@ -189,6 +189,35 @@ def plain_decode(
     stats.decode_generated = len(out) - 1
     stats.backbone_calls = engine.calls
     return out, stats
+
+
+def plain_decode_batch(
+    engine: Any,
+    prompts: list[Tensor],  # each (P_b,)
+    cfg: DecodeConfig,
+    choosers: list[Chooser],
+) -> list[list[int]]:
+    """Plain decoding of several prompts at once (a `LlamaBatchEngine`: `prefill(prompts, new_tokens)`
+    and `step(ids (B,))`, each -> p logits (B, v)). Row b draws with choosers[b] (one per row, as
+    batch-1 `plain_decode` with its own chooser); every row stops as batch 1 does (max_new_tokens,
+    the first stop id) and is ignored after that while the others run on. One host read per step."""
+    if len(choosers) != len(prompts):
+        raise ValueError(f"choosers: one per prompt ({len(prompts)}), got {len(choosers)}")
+    out: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    logits = engine.prefill(prompts, cfg.max_new_tokens)
+    while True:
+        if cfg.mode == "greedy":
+            picked = greedy_target(logits, cfg.banned)  # (B,)
+        else:
+            probs = target_probs(logits, cfg.temperature, cfg.top_p, cfg.banned)
+            picked = torch.cat([as_index(choose(probs[b]), logits.device) for b, choose in enumerate(choosers)])
+        for b, t in enumerate(picked.tolist()):  # the step's one host read
+            if not done[b]:
+                done[b] = _finish(out[b], [t], cfg)
+        if all(done):
+            return out
+        logits = engine.step(picked)
 
 
 def speculative_decode(

@@ -38,7 +38,8 @@ API (one pass per prompt set, then a cheap call per head; heads compared on the 
 tokens_per_cycle, cycles, generated, decode_generated, tested_at, accepted_at,
 per_position_acceptance, accepted_length_histogram); under sampling they are expectations
 (floats). `continuations` decodes at batch 1 with `plain_decode` (prompt i with seeds[i], as
-`MtpcModel.generate_plain(seed=...)`). The pass runs the adapter's `forward` (HF layers) on
+`MtpcModel.generate_plain(seed=...)`), or `batch_size` prompts at once on the compact Llama
+forward (mtpc/backbones/llama_batch.py). The pass runs the adapter's `forward` (HF layers) on
 right-padded batches sorted by length.
 
 Leaves out: timing (mu_lat and throughput come from the online loop on a subset), the loop itself
@@ -135,24 +136,56 @@ def _refuse_drop(cfg: DecodeConfig) -> None:
 
 @torch.inference_mode()
 def continuations(
-    backbone: Any, prompts: list[Tensor], cfg: DecodeConfig, seeds: list[int] | None = None
+    backbone: Any,
+    prompts: list[Tensor],
+    cfg: DecodeConfig,
+    seeds: list[int] | None = None,
+    batch_size: int = 1,
 ) -> list[list[int]]:
-    """The plain model's continuation of each prompt (batch 1, `plain_decode` on the verifier engine).
+    """The plain model's continuation of each prompt (the verifier alone).
 
     seeds: one per prompt for sampling (prompt i draws from a generator seeded with seeds[i], as
-    `MtpcModel.generate_plain(seed=seeds[i])`); ignored when greedy.
+    `MtpcModel.generate_plain(seed=seeds[i])`); ignored when greedy. batch_size: prompts decoded
+    at once on the compact Llama forward (`LlamaBatchEngine`; equal to batch 1 in float64, near-ties
+    may differ in float32); 1 (default) runs `plain_decode` per prompt, as `generate_plain` does.
+    A backbone without the compact forward (EvaByte, engine="hf") decodes at batch 1 and warns.
     """
+    import warnings
+
     from mtpc.backbones.engine import make_engine
 
     if cfg.mode == "sample" and (seeds is None or len(seeds) != len(prompts)):
         raise ValueError(f"seeds: sampling needs one seed per prompt ({len(prompts)}), got {seeds!r}")
-    gen = torch.Generator(device=backbone.device)
-    out = []
-    for i, prompt in enumerate(prompts):
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if batch_size > 1 and getattr(backbone, "engine", "hf") != "compact":
+        warnings.warn(f"continuations: batch_size={batch_size} needs the compact Llama forward; this backbone "
+                      f"decodes through {getattr(backbone, 'engine', 'hf')!r}: batch 1", stacklevel=2)  # fmt: skip
+        batch_size = 1
+    dev = backbone.device
+
+    def chooser(i: int) -> TorchChooser:
+        gen = torch.Generator(device=dev)
         if seeds is not None:
             gen.manual_seed(int(seeds[i]))
+        return TorchChooser(gen)
+
+    if batch_size > 1:
+        from mtpc.backbones.llama_batch import LlamaBatchEngine
+        from mtpc.speculative.loop import plain_decode_batch
+
+        engine = LlamaBatchEngine(backbone)
+        out: list[list[int]] = []
+        for lo in range(0, len(prompts), batch_size):
+            rows = range(lo, min(lo + batch_size, len(prompts)))
+            out += plain_decode_batch(
+                engine, [prompts[i].to(dev) for i in rows], cfg, [chooser(i) for i in rows]
+            )
+        return out
+    out = []
+    for i, prompt in enumerate(prompts):
         engine = make_engine(backbone, prompt.shape[0] + cfg.max_new_tokens + 1, draft=False)
-        ids, _ = plain_decode(engine, prompt.to(backbone.device), cfg, TorchChooser(gen))
+        ids, _ = plain_decode(engine, prompt.to(dev), cfg, chooser(i))
         out.append(ids)
     return out
 

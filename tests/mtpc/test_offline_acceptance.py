@@ -205,6 +205,10 @@ def test_continuations_are_generate_plains_and_pool_uses_the_metric_names():
     ys = continuations(bb, prompts, cfg, seeds=[7, 8, 9])
     for p, y, seed in zip(prompts, ys, [7, 8, 9], strict=True):
         assert y == m.generate_plain(p, max_new_tokens=10, mode="sample", seed=seed).ids.tolist()
+    assert continuations(bb, prompts, cfg, seeds=[7, 8, 9], batch_size=2) == ys  # float64: batch B == batch 1
+    hf = _peaked_backbone(0, vocab=6, engine="hf")  # no compact forward: batch 1, said so
+    with pytest.warns(UserWarning, match="batch_size=2 needs the compact Llama forward"):
+        assert continuations(hf, prompts, cfg, seeds=[7, 8, 9], batch_size=2) == ys
     pooled = pool_offline(offline_acceptance(teacher_force(bb, prompts, ys, cfg), m.head))
     assert {"mu_acc", "tokens_per_cycle"} <= set(EVAL_METRICS) & set(pooled)
     assert {"cycles", "generated", "per_position_acceptance", "accepted_length_histogram"} <= set(pooled)

@@ -1,0 +1,109 @@
+"""Several sequences at once on the compact Llama forward: the verifier alone, for plain decoding.
+
+`LlamaBatchEngine` reuses a verifier-only `LlamaEngine`'s weights and products (its layout, its
+`_group`) and keeps its own caches of shape (B, h_kv, C, hd). Prompts of different lengths are
+left-padded to a common length P: row b's real bytes sit at cache slots [pad_b, P), its RoPE
+positions are slot - pad_b (so every row sees the positions batch-1 decoding gives it) and an
+additive mask hides the padding slots from every query. Each `step` appends one byte per row at
+the same slot. Rows never interact; a finished row simply keeps decoding (the caller ignores it).
+
+Greedy decoding at batch B equals batch-1 plain decoding in float64 (tests/mtpc/test_llama_batch.py);
+in float32 a B-row product rounds differently from a 1-row one, so near-ties may go the other way.
+Leaves out: the draft top (speculative decoding stays batch 1), CUDA graphs, torch.compile, EvaByte.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from mtpc.backbones.llama import LlamaEngine, apply_rope, rms_norm, rope_table, signed_sin
+
+
+class LlamaBatchEngine:
+    """B sequences of the verifier on the compact Llama forward (see the module docstring).
+
+    adapter: a `BackboneAdapter` the compact forward implements; weights: the layout as for
+    `LlamaEngine` (None: its default)."""
+
+    def __init__(self, adapter: Any, weights: str | None = None):
+        self.eng = LlamaEngine(adapter, 0, draft=False, static=False, weights=weights)
+        self.args = self.eng.args
+        self.device, self.dtype = self.eng.device, self.eng.dtype
+        self.rows = 0
+        self.length = 0
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[Tensor], new_tokens: int) -> Tensor:
+        """Start B sequences (caches for new_tokens more bytes each); -> p logits (B, v) for each
+        row's next byte."""
+        if not prompts:
+            raise ValueError("prompts: need at least one")
+        a = self.args
+        P = max(p.shape[0] for p in prompts)
+        cap = P + new_tokens
+        if cap > a.max_context:
+            raise ValueError(f"prompt ({P}) + new_tokens ({new_tokens}) exceeds max_context={a.max_context}")
+        B = len(prompts)
+        kw = {"device": self.device, "dtype": self.dtype}
+        self.kv = [
+            (torch.zeros(B, a.n_kv_heads, cap, a.head_dim, **kw), torch.zeros(B, a.n_kv_heads, cap, a.head_dim, **kw))
+            for _ in range(a.n_layers)
+        ]  # fmt: skip
+        self.pad = torch.tensor([P - p.shape[0] for p in prompts], device=self.device)  # (B,)
+        ids = torch.zeros(B, P, dtype=torch.long, device=self.device)
+        for b, p in enumerate(prompts):
+            ids[b, P - p.shape[0] :] = p.to(self.device)
+        self.rows, self.length = B, 0
+        slots = torch.arange(cap, device=self.device)
+        self._key_ok = slots[None, :] >= self.pad[:, None]  # (B, C) real (not padding) slots
+        self._slots = slots
+        self.cos, sin = rope_table(a, P + new_tokens, self.device, self.dtype)  # (C, hd)
+        self.sin = signed_sin(sin)
+        return self._forward(ids)[:, -1]
+
+    @torch.inference_mode()
+    def step(self, ids: Tensor) -> Tensor:
+        """Append one byte per row, ids (B,); -> p logits (B, v) for the next."""
+        return self._forward(ids.view(self.rows, 1))[:, -1]
+
+    def _forward(self, ids: Tensor) -> Tensor:  # ids (B, T) -> logits (B, T, v)
+        e, a = self.eng, self.args
+        B, T = ids.shape
+        start, end = self.length, self.length + T
+        slots = self._slots[start:end]  # (T,)
+        pos = (slots[None, :] - self.pad[:, None]).clamp_min(0)  # (B, T) RoPE positions (padding: 0, unused)
+        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # (B, 1, T, hd)
+        keys_at = self._slots[None, None, :end]
+        allowed = self._key_ok[:, None, :end] & (
+            keys_at <= slots[None, :, None]
+        )  # (B, T, S) causal, real keys
+        allowed = allowed | (
+            keys_at == slots[None, :, None]
+        )  # a padding query sees itself: finite, never read
+        mask = torch.where(allowed, e._mask_values[0], e._mask_values[1]).unsqueeze(1)  # (B, 1, T, S)
+        x = F.embedding(ids, e.embed)  # (B, T, d)
+        for layer, (kc, vc) in zip(e.layers, self.kv, strict=True):
+            h = rms_norm(x, layer.ln1, a.norm_eps)
+            q, k, v = e._group(h, layer, "qkv")
+            q = q.reshape(B, T, a.n_heads, a.head_dim).transpose(1, 2)  # (B, h, T, hd)
+            k, v = (t.reshape(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2) for t in (k, v))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            kc[:, :, start:end] = k
+            vc[:, :, start:end] = v
+            keys, values = kc[:, :, :end], vc[:, :, :end]
+            if e.n_rep > 1:
+                keys, values = keys.repeat_interleave(e.n_rep, 1), values.repeat_interleave(e.n_rep, 1)
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=e.scale)
+            (o,) = e._group(y.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim), layer, "o")
+            x = x + o
+            h = rms_norm(x, layer.ln2, a.norm_eps)
+            g, u = e._group(h, layer, "gu")
+            (down,) = e._group(F.silu(g) * u, layer, "down")
+            x = x + down
+        self.length = end
+        h = rms_norm(x, e.norm, a.norm_eps)
+        return e._mm(h, e.lm_head_packed) if e.lm_head_packed is not None else F.linear(h, e.lm_head)
