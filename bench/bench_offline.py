@@ -1,0 +1,170 @@
+"""Offline (teacher-forced) acceptance against the online loop: wall time, where it goes, agreement.
+
+    python bench/bench_offline.py --out bench/results/offline_cpu.json            # 3 x 225 x 256, one head
+    python bench/bench_offline.py --heads 8 --no-online --out ...                  # per-head cost, 8 heads
+    python bench/bench_offline.py --tiny --prompts 4 --sets 1 --max-new-tokens 16  # dry run (random tiny Llama)
+
+For each mode (greedy, sampling at T = 1; EOS banned): the offline arm times `continuations`
+(plain decoding, `--batch` prompts at once on the compact forward), `teacher_force` (one pass)
+and `offline_acceptance` per head; the online arm (`--online`, default on) runs
+`MtpcModel.generate` on the same prompts with the same seeds for the first head. Beside the
+times it records the agreement of the two: greedy, the fraction of prompts whose offline cycles
+differ from the online loop's (float32: near-ties); sampling, the mean and 99 % interval of
+(online - offline expected) accepted drafts and cycles, paired by text (the online run's own
+text goes through one more pass for that). Heads: trained exports of the default model in the
+cache when present, else heads started from its unembedding (every kind in turn). One thread
+(`--threads`), as a sweep worker. Writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+KINDS = ("cp", "btree", "hmm", "ff")
+
+
+def _tiny_backbone():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mtpc.backbones import BackboneAdapter
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      bos_token_id=256, eos_token_id=257)  # fmt: skip
+    return BackboneAdapter.from_hf(LlamaForCausalLM(cfg).eval(), name="tiny-random")
+
+
+def _heads(bb, count: int, window: int):
+    from mtpc import MtpcModel
+    from mtpc.heads import HeadConfig, MtpcHead
+    from mtpc.paths import cache_dir
+
+    root = cache_dir() / "heads"
+    dirs = sorted(p for p in root.glob("default-*") if (p / "config.json").is_file()) if root.is_dir() else []
+    models = []
+    for d in dirs[:count] if bb.name != "tiny-random" else []:
+        m = MtpcModel.from_pretrained(d, backbone=bb)
+        if m.head.config.lora_depth == 0:
+            models.append(m)
+    for i in range(count - len(models)):
+        kind = KINDS[i % len(KINDS)]
+        cfg = HeadConfig(kind=kind, window=window, rank=1 if kind == "ff" else 8, vocab=bb.vocab_size,
+                         hidden=bb.hidden_size, backbone=bb.name)  # fmt: skip
+        head = MtpcHead(cfg)
+        head.init_from_unembeddings(bb.lm_head_weight.detach(), generator=torch.Generator().manual_seed(i))
+        models.append(MtpcModel.from_components(bb, head.to(bb.dtype)))
+    return models
+
+
+def _prompts(bb, args) -> list[list[torch.Tensor]]:
+    if args.tiny:
+        g = torch.Generator().manual_seed(0)
+        return [[torch.randint(0, 256, (int(torch.randint(8, 40, (1,), generator=g)),), generator=g)
+                 for _ in range(args.prompts)] for _ in range(args.sets)]  # fmt: skip
+    from experiments.evaluate import load_prompt_sets
+
+    sets = load_prompt_sets("heldout", num_prompts=args.prompts, sets=args.sets, seed=0)
+    tok = bb.tokenizer
+    return [[torch.tensor(tok.render_prompt(p), dtype=torch.long) for p in ps] for ps in sets]
+
+
+def _interval(d: list[float]) -> dict:
+    n = len(d)
+    mean = sum(d) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1)) if n > 1 else float("nan")
+    half = 2.5758 * sd / math.sqrt(n)
+    return {"mean": mean, "ci99": [mean - half, mean + half], "n": n}
+
+
+def measure(args) -> dict:
+    from mtpc.backbones import load_backbone
+    from mtpc.speculative.loop import DecodeConfig
+    from mtpc.speculative.offline import continuations, offline_acceptance, pool_offline, teacher_force
+
+    torch.set_num_threads(args.threads)
+    bb = _tiny_backbone() if args.tiny else load_backbone("default")
+    models = _heads(bb, args.heads, args.window)
+    sets = _prompts(bb, args)
+    out = {"backbone": bb.name, "heads": [m.head.config.kind for m in models], "sets": args.sets,
+           "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "batch": args.batch,
+           "threads": args.threads, "modes": {}}  # fmt: skip
+    for mode in ("greedy", "sample"):
+        cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, mode=mode, eos_id=bb.eos_token_id, ban_eos=True)
+        rec = {"continuations_s": 0.0, "pass_s": 0.0, "per_head_s": [0.0] * len(models), "online_s": 0.0,
+               "metrics": [], "greedy_prompts_differing": 0, "d_accepted": [], "d_cycles": []}  # fmt: skip
+        for prompts in sets:
+            seeds = list(range(len(prompts)))
+            t0 = time.perf_counter()
+            ys = continuations(bb, prompts, cfg, seeds=seeds, batch_size=args.batch)
+            t1 = time.perf_counter()
+            tf = teacher_force(bb, prompts, ys, cfg)
+            t2 = time.perf_counter()
+            rec["continuations_s"] += t1 - t0
+            rec["pass_s"] += t2 - t1
+            offline = []
+            for j, m in enumerate(models):
+                t = time.perf_counter()
+                offline.append(offline_acceptance(tf, m.head))
+                rec["per_head_s"][j] += time.perf_counter() - t
+            rec["metrics"].append([pool_offline(o) for o in offline])
+            if not args.online:
+                continue
+            m, texts, online = models[0], [], []
+            t = time.perf_counter()
+            for i, p in enumerate(prompts):
+                g = m.generate(p, max_new_tokens=args.max_new_tokens, mode=mode, seed=seeds[i], ban_eos=True)
+                texts.append(g.ids.tolist())
+                online.append(g.stats)
+            rec["online_s"] += time.perf_counter() - t
+            paired = offline_acceptance(teacher_force(bb, prompts, texts, cfg), m.head)  # on the loop's own texts
+            for st, off in zip(online, paired, strict=True):
+                if mode == "greedy":
+                    differs = st.accepted_length_histogram != off.accepted_length_histogram or st.cycles != off.cycles
+                    rec["greedy_prompts_differing"] += int(differs)
+                rec["d_accepted"].append(st.mu_acc * st.cycles - off.accepted)
+                rec["d_cycles"].append(st.cycles - off.cycles)
+        offline_one = rec["continuations_s"] + rec["pass_s"] + rec["per_head_s"][0]
+        rec["offline_one_head_s"] = offline_one
+        if args.online:
+            rec["speedup_one_head"] = rec["online_s"] / offline_one
+            rec["paired_accepted"] = _interval(rec.pop("d_accepted"))
+            rec["paired_cycles"] = _interval(rec.pop("d_cycles"))
+        else:
+            rec.pop("d_accepted"), rec.pop("d_cycles")
+        out["modes"][mode] = rec
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--sets", type=int, default=3)
+    p.add_argument("--prompts", type=int, default=225, help="prompts per set")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--heads", type=int, default=1, help="heads sharing one pass per prompt set")
+    p.add_argument("--window", type=int, default=8)
+    p.add_argument("--batch", type=int, default=16, help="prompts decoded at once for the continuations")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-online", dest="online", action="store_false", help="skip the online arm")
+    p.add_argument("--tiny", action="store_true", help="dry run on a random tiny Llama")
+    args = p.parse_args()
+    result = measure(args)
+    text = json.dumps(result, indent=1)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    print(json.dumps({m: {k: v for k, v in r.items() if k != "metrics"} for m, r in result["modes"].items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
