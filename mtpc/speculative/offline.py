@@ -255,16 +255,13 @@ def teacher_force(
         for r, b in enumerate(rows):
             L, T = prompts[b].shape[0], len(continuations[b])
             hidden[b] = out.draft_hidden[r, L - 1 : L + T - 2].clone()  # (T-1, d)
-            logits = backbone.stp_logits(
-                out.verify_hidden[r, L - 1 : L + T - 1]
-            )  # (T, v): rows for y_0..y_{T-1}
+            logits = backbone.stp_logits(out.verify_hidden[r, L - 1 : L + T - 1])  # (T, v): y_0..y_{T-1}
             y = torch.tensor(continuations[b], dtype=torch.long, device=dev)
             if cfg.mode == "greedy":
                 agrees[b] = greedy_target(logits, cfg.banned) == y
             else:
-                p = target_probs(logits, cfg.temperature, cfg.top_p, cfg.banned).gather(-1, y.unsqueeze(-1))[
-                    :, 0
-                ]
+                p = target_probs(logits, cfg.temperature, cfg.top_p, cfg.banned)
+                p = p.gather(-1, y.unsqueeze(-1))[:, 0]  # (T,) p(y_t)
                 if bool((p <= 0).any()):
                     t = int((p <= 0).nonzero()[0])
                     raise ValueError(
@@ -301,6 +298,14 @@ def _windows(y: Tensor, n: int) -> Tensor:  # (T,) -> (T-1, n): row i = y_i..y_{
     return padded.unfold(0, n, 1)[: T - 1]
 
 
+def _caps(T: int, max_new_tokens: int, n: int, device) -> Tensor:  # -> (T-1,)
+    """Drafts the cycle at each start i may test, as the loop's `testable_drafts`: n - 1, the
+    budget's max_new_tokens - i - 2 (it emits s + 1 bytes), and T - 1 - i (y ends there: at the
+    budget, or at an allowed EOS, past which the loop tests nothing)."""
+    i = torch.arange(T - 1, device=device)
+    return torch.minimum(torch.minimum(max_new_tokens - 2 - i, T - 1 - i), torch.full_like(i, n - 1))
+
+
 def _alphas(tf: TeacherForced, head: Any, chunk: int) -> list[tuple[Tensor, Tensor]]:
     """Per prompt (alpha (T-1, n-1) float64, cap (T-1,)): alpha[i, w-1] is the probability that the
     cycle starting at i accepts its w-th draft given it accepted the ones before (greedy: 0 or 1),
@@ -314,15 +319,9 @@ def _alphas(tf: TeacherForced, head: Any, chunk: int) -> list[tuple[Tensor, Tens
         return [(torch.zeros(0, n - 1, dtype=torch.float64), torch.zeros(0, dtype=torch.long)) for _ in ys]
     win = torch.cat([_windows(ys[b], n) for b in starts])  # (N, n)
     h = torch.cat([tf.hidden[b].to(dev) for b in starts])  # (N, d)
-    if not greedy:
-        lp = torch.cat([torch.cat([tf.log_p[b][1:].to(dev, torch.float64), torch.zeros(n, dtype=torch.float64,
-                                   device=dev)]).unfold(0, n - 1, 1)[: ys[b].shape[0] - 1] for b in starts])  # fmt: skip
-    # the cycle at i tests at most min(n - 1, budget - 1, T - 1 - i) drafts
-    cap = torch.cat([
-        torch.clamp(torch.minimum(cfg.max_new_tokens - 2 - torch.arange(ys[b].shape[0] - 1, device=dev),
-                                  ys[b].shape[0] - 1 - torch.arange(ys[b].shape[0] - 1, device=dev)), max=n - 1)
-        for b in starts
-    ])  # fmt: skip
+    cap = torch.cat([_caps(ys[b].shape[0], cfg.max_new_tokens, n, dev) for b in starts])  # (N,)
+    if not greedy:  # log p of the drafts each window tests: row i = log p(y_{i+1}..y_{i+n-1})
+        lp = torch.cat([_windows(tf.log_p[b].to(dev, torch.float64), n)[:, 1:] for b in starts])  # (N, n-1)
     out = torch.empty(win.shape[0], n - 1, dtype=torch.float64, device=dev)
     for lo in range(0, win.shape[0], chunk):
         sl = slice(lo, lo + chunk)
