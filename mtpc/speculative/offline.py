@@ -39,8 +39,9 @@ tokens_per_cycle, cycles, generated, decode_generated, tested_at, accepted_at,
 per_position_acceptance, accepted_length_histogram); under sampling they are expectations
 (floats). `continuations` decodes at batch 1 with `plain_decode` (prompt i with seeds[i], as
 `MtpcModel.generate_plain(seed=...)`), or `batch_size` prompts at once on the compact Llama
-forward (mtpc/backbones/llama_batch.py). The pass runs the adapter's `forward` (HF layers) on
-right-padded batches sorted by length.
+forward (mtpc/backbones/llama_batch.py). The pass runs on the compact Llama forward when the
+backbone has it (the loop's own engine, one sequence per call), else on the adapter's HF layers
+in right-padded batches sorted by length.
 
 Leaves out: timing (mu_lat and throughput come from the online loop on a subset), the loop itself
 (loop.py), the acceptance rule's online form (acceptance.py).
@@ -219,6 +220,32 @@ def _check_continuations(prompts: list[Tensor], ys: list[list[int]], cfg: Decode
                              f"backbone's max_context={max_context}")  # fmt: skip
 
 
+def _passes(backbone: Any, seqs: list[Tensor], batch_size: int):
+    """Yield (index, verifier logits (S, v), draft hidden (S, d)) per sequence: on the compact Llama forward one sequence per call (the loop's own engine: no
+    padding, its products and rounding), else the adapter's HF layers on right-padded batches
+    sorted by length (causal attention never reads the padding)."""
+    if getattr(backbone, "engine", "hf") == "compact":
+        from mtpc.backbones.engine import make_engine
+
+        engine = make_engine(backbone, max(s.shape[0] for s in seqs), draft=backbone.lora_depth > 0)
+        for b, seq in enumerate(seqs):
+            engine.reset(seq.shape[0])
+            step = engine.feed(seq)
+            yield b, step.p_logits, step.draft_hidden
+        return
+    order = sorted(range(len(seqs)), key=lambda b: seqs[b].shape[0])
+    for start in range(0, len(seqs), batch_size):
+        rows = order[start : start + batch_size]
+        ids = torch.zeros(
+            len(rows), max(seqs[b].shape[0] for b in rows), dtype=torch.long, device=seqs[0].device
+        )
+        for r, b in enumerate(rows):
+            ids[r, : seqs[b].shape[0]] = seqs[b]
+        out = backbone(ids)
+        for r, b in enumerate(rows):
+            yield b, backbone.stp_logits(out.verify_hidden[r]), out.draft_hidden[r]
+
+
 @torch.inference_mode()
 def teacher_force(
     backbone: Any,
@@ -229,8 +256,9 @@ def teacher_force(
 ) -> TeacherForced:
     """One forward pass (trunk, verifier top, draft top) over every prompt + continuation.
 
-    batch_size: sequences per call (sorted by length, right-padded: causal attention never reads
-    the padding). Raises ValueError for a continuation the config could not have produced
+    On the compact Llama forward (the loop's engine) one sequence per call; else the adapter's
+    HF layers, batch_size sequences per call (sorted by length, right-padded: causal attention
+    never reads the padding). Raises ValueError for a continuation the config could not have produced
     (too long, unfinished, bytes after a stop id, a byte of probability 0 when sampling).
     """
     _refuse_drop(cfg)
@@ -244,31 +272,23 @@ def teacher_force(
     agrees: list[Tensor | None] = [None] * n_prompts
     seqs = [torch.cat([p.to(dev, torch.long), torch.tensor(y[:-1], dtype=torch.long, device=dev)])
             for p, y in zip(prompts, continuations, strict=True)]  # fmt: skip  # the last byte needs no state
-    order = sorted(range(n_prompts), key=lambda b: seqs[b].shape[0])
-    for start in range(0, n_prompts, batch_size):
-        rows = order[start : start + batch_size]
-        width = max(seqs[b].shape[0] for b in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
-        for r, b in enumerate(rows):
-            ids[r, : seqs[b].shape[0]] = seqs[b]
-        out = backbone(ids)
-        for r, b in enumerate(rows):
-            L, T = prompts[b].shape[0], len(continuations[b])
-            hidden[b] = out.draft_hidden[r, L - 1 : L + T - 2].clone()  # (T-1, d)
-            logits = backbone.stp_logits(out.verify_hidden[r, L - 1 : L + T - 1])  # (T, v): y_0..y_{T-1}
-            y = torch.tensor(continuations[b], dtype=torch.long, device=dev)
-            if cfg.mode == "greedy":
-                agrees[b] = greedy_target(logits, cfg.banned) == y
-            else:
-                p = target_probs(logits, cfg.temperature, cfg.top_p, cfg.banned)
-                p = p.gather(-1, y.unsqueeze(-1))[:, 0]  # (T,) p(y_t)
-                if bool((p <= 0).any()):
-                    t = int((p <= 0).nonzero()[0])
-                    raise ValueError(
-                        f"continuations[{b}]: byte {t} (id {int(y[t])}) has probability 0 under temperature="
-                        f"{cfg.temperature}, top_p={cfg.top_p}, ban_eos={cfg.ban_eos}: not sampled with this config"
-                    )
-                log_p[b] = p.log()
+    for b, all_logits, draft_hidden in _passes(backbone, seqs, batch_size):
+        L, T = prompts[b].shape[0], len(continuations[b])
+        hidden[b] = draft_hidden[L - 1 : L + T - 2].clone()  # (T-1, d)
+        logits = all_logits[L - 1 : L + T - 1]  # (T, v): the rows for y_0..y_{T-1}
+        y = torch.tensor(continuations[b], dtype=torch.long, device=dev)
+        if cfg.mode == "greedy":
+            agrees[b] = greedy_target(logits, cfg.banned) == y
+        else:
+            p = target_probs(logits, cfg.temperature, cfg.top_p, cfg.banned)
+            p = p.gather(-1, y.unsqueeze(-1))[:, 0]  # (T,) p(y_t)
+            if bool((p <= 0).any()):
+                t = int((p <= 0).nonzero()[0])
+                raise ValueError(
+                    f"continuations[{b}]: byte {t} (id {int(y[t])}) has probability 0 under temperature="
+                    f"{cfg.temperature}, top_p={cfg.top_p}, ban_eos={cfg.ban_eos}: not sampled with this config"
+                )
+            log_p[b] = p.log()
     greedy = cfg.mode == "greedy"
     return TeacherForced(
         cfg=cfg,
