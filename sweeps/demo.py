@@ -5,10 +5,12 @@
 2. run `sweeps/smoke.yaml` locally, overridden to train on the default model
    (`train.config=default`: 200 steps of 2 x 512 bytes per head; the spec's evaluation: one prompt
    set of `eval.n_prompts` held-out prompts x `eval.max_new_tokens` bytes, greedy and sampling),
-3. run `python -m analysis` (Pareto fronts, figures, tables) on the results,
+3. run `python -m analysis` (Pareto fronts, figures, tables; logged to the sweep-level MLflow run
+   `pareto-summary` as well) on the results,
 4. print where the Optuna journal, the MLflow store, the trained heads (one per grid point, in
    `<out>/checkpoints/mtpc-demo/<grid key>/head`, loadable with `MtpcModel.from_pretrained`) and the
-   figures are, and how to open the UI.
+   figures are, and how to open the UI on the experiment's runs table (the saved view `compare
+   heads`: tracking/views.py).
 
 Everything goes under `--out` (default `runs/demo`), the MLflow store too: the demo sets the spec's
 `mlflow.tracking_uri` to `sqlite:///<out>/mlflow.db` (MLFLOW_TRACKING_URI still wins).
@@ -29,7 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "sweeps" / "smoke.yaml"
-# smoke.yaml's training section swapped for the embedded default model; experiments/configs/default.yaml
+# smoke.yaml's training section swapped for the shipped default model; experiments/configs/default.yaml
 # is already sized for a shared 2-core CPU (200 steps); k > 0 points train LoRA from the start
 DEMO_TRAIN = {"config": "default", "model": {"lora_start_epoch": 0}}
 
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: {verify_shipped()} ({SHIPPED_DIR})")
     _step(f"2/4 sweep {SMOKE.relative_to(REPO)} on the default model: {spec.n_trials} grid points, {a.workers} worker(s)", t0)
     try:
-        run.init(spec)
+        exp_id = run.init(spec)["experiment_id"]
         if a.workers == 1:
             rc = run.worker(spec)
         else:
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"load a head      : MtpcModel.from_pretrained(\"{_shown(head)}\")")
     print(f"figures, tables  : {fig_dir}")
     print(f"open the UI      : mlflow ui --backend-store-uri {spec.tracking_uri} --host 127.0.0.1 --port 5000")
-    print("                   then browse http://127.0.0.1:5000")
+    print(f"                   then browse {tracking.runs_url('http://127.0.0.1:5000', exp_id)}")
     print(f"demo took {time.time() - t0:.0f} s; exit code {rc}")
     failed = st["states"].get("FAIL", 0)
     if failed:
