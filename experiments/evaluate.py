@@ -404,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
         eos = _choices(args.eos, EOS_MODES, "--eos")
         for flag in ("head", "ff_head"):
             d = getattr(args, flag)
-            if d is not None and not (Path(d) / "config.json").is_file():
+            if d is not None and not Path(d).expanduser().is_dir():
+                raise ValueError(f"--{flag.replace('_', '-')}: {d!r} does not exist or is not a directory")
+            if d is not None and not (Path(d).expanduser() / "config.json").is_file():
                 raise ValueError(f"--{flag.replace('_', '-')}: {d!r} is not a head export (no config.json)")
         prompt_sets = load_prompt_sets(args.prompts, args.num_prompts, args.sets, args.seed)
         load_kw = {"device": args.device} if args.device else {}

@@ -211,7 +211,7 @@ def run_one(spec: SweepSpec, study, trial_id: int, exp_id: str, me: Owner, stop:
         tracking.terminate(uri, [parent], "FINISHED")
         hb.halt.set()
         study.tell(trial, values)
-        log(f"trial {number}: {key} COMPLETE {dict(zip([o.label for o in spec.objectives], values, strict=True))}")
+        log(f"trial {number}: {key} COMPLETE, " + ", ".join(f"{o.label} {v:.4g}" for o, v in zip(spec.objectives, values, strict=True)))
     except Preempted:
         hb.halt.set()
         raise
