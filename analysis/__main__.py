@@ -1,6 +1,7 @@
 """`python -m analysis`: figures and paper-style tables of a sweep, read from MLflow.
 
-Per setting (backbone, mode, extra_token, eos, temperature[, top_p, hardware]) it writes to --out:
+Per setting (backbone, mode, extra_token, eos, temperature[, top_p, hardware]) it writes to --out,
+<setting> being the mode and whatever else differs between the settings (`greedy`, `sample_T0.7`):
   pareto_<setting>.png/.pdf            mu_acc vs mu_lat, front, iso-throughput lines, STP
   throughput_vs_window_<setting>.*     when the window varies
   throughput_vs_lora_depth_<setting>.* when the LoRA depth varies
@@ -27,7 +28,7 @@ import sys
 from pathlib import Path
 
 import tracking
-from analysis.aggregate import aggregate, split_settings
+from analysis.aggregate import aggregate, short_slugs, split_settings
 from analysis.filters import Filters
 from analysis.hists import load_hists
 from analysis.load import AnalysisError, LoadResult, load
@@ -130,20 +131,19 @@ def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[
     hist_problems: list[str] = []
     md_all: list[str] = []
     tex_all: list[str] = []
-    for setting, part in parts:
-        slug = setting.slug()
+    for (setting, part), slug in zip(parts, short_slugs([s for s, _ in parts]), strict=True):
         written += style.save(pareto_plot.pareto_figure(setting, part), out, f"pareto_{slug}")
         for x in ("window", "lora_depth"):
             fig = plots.throughput_figure(setting, part, x=x)
             if fig is not None:
                 written += style.save(fig, out, f"throughput_vs_{x}_{slug}")
-        fig = plots.acceptance_figure(setting, part, top=top)
-        if fig is not None:
-            written += style.save(fig, out, f"acceptance_{slug}")
-        # histogram artifacts only of the configurations the plot shows (downloads are slow)
-        ids = [r for row, _, _ in plots.representatives(part, min(top, 4)) for r in row["run_ids"]]
+        # histogram artifacts only of the configurations the plots show (downloads are slow)
+        ids = [r for row, _, _ in plots.representatives(part, top) for r in row["run_ids"]]
         hists, problems = load_hists(client, ids) if client is not None else ({}, [])
         hist_problems += problems
+        fig = plots.acceptance_figure(setting, part, top=top, hists=hists)
+        if fig is not None:
+            written += style.save(fig, out, f"acceptance_{slug}")
         fig = plots.accepted_length_figure(setting, part, hists, top=min(top, 4))
         if fig is not None:
             written += style.save(fig, out, f"accepted_length_{slug}")
