@@ -1,6 +1,7 @@
 """`python -m analysis`: figures and paper-style tables of a sweep, read from MLflow.
 
-Per setting (backbone, mode, extra_token, eos, temperature[, top_p, hardware]) it writes to --out:
+Per setting (backbone, mode, extra_token, eos, temperature[, top_p, hardware]) it writes to --out,
+<setting> being the mode and whatever else differs between the settings (`greedy`, `sample_T0.7`):
   pareto_<setting>.png/.pdf            mu_acc vs mu_lat, front, iso-throughput lines, STP
   throughput_vs_window_<setting>.*     when the window varies
   throughput_vs_lora_depth_<setting>.* when the LoRA depth varies
@@ -10,7 +11,10 @@ Per setting (backbone, mode, extra_token, eos, temperature[, top_p, hardware]) i
                                        degenerate_fraction beside them
 plus tables.md, tables.tex and summary.csv for all settings, and prints the best configuration
 per setting, and a warning per setting whose acceptance comes from degenerate text
-(degenerate_fraction > 0.25). --log-to-mlflow attaches all of it to a summary run in the same experiment.
+(degenerate_fraction > 0.25). When the runs come from one experiment (a sweep), all of it is also
+logged as the artifacts of that experiment's sweep-level run `pareto-summary` (`--summary-run-name`;
+a later analysis replaces it: the earlier one is deleted); `--no-log-to-mlflow` writes files only,
+`--log-to-mlflow` makes a second experiment an error instead of a note.
 
 Errors (no match, unreachable store, ...) print one clear message and exit 1; runs missing a
 metric are listed and skipped. (A package entry point: run as a module, the package directory is
@@ -24,7 +28,7 @@ import sys
 from pathlib import Path
 
 import tracking
-from analysis.aggregate import aggregate, split_settings
+from analysis.aggregate import aggregate, short_slugs, split_settings
 from analysis.filters import Filters
 from analysis.hists import load_hists
 from analysis.load import AnalysisError, LoadResult, load
@@ -68,10 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--log-to-mlflow",
-        action="store_true",
-        help="attach figures and tables to a summary run in the experiment",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="attach figures and tables to the sweep-level summary run of the experiment (default: "
+        "when the runs come from one experiment)",
     )
-    p.add_argument("--summary-run-name", default="pareto-summary", help="name of that summary run")
+    p.add_argument("--summary-run-name", default="pareto-summary", help="name of that summary run (default: pareto-summary)")
     return p
 
 
@@ -125,20 +131,19 @@ def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[
     hist_problems: list[str] = []
     md_all: list[str] = []
     tex_all: list[str] = []
-    for setting, part in parts:
-        slug = setting.slug()
+    for (setting, part), slug in zip(parts, short_slugs([s for s, _ in parts]), strict=True):
         written += style.save(pareto_plot.pareto_figure(setting, part), out, f"pareto_{slug}")
         for x in ("window", "lora_depth"):
             fig = plots.throughput_figure(setting, part, x=x)
             if fig is not None:
                 written += style.save(fig, out, f"throughput_vs_{x}_{slug}")
-        fig = plots.acceptance_figure(setting, part, top=top)
-        if fig is not None:
-            written += style.save(fig, out, f"acceptance_{slug}")
-        # histogram artifacts only of the configurations the plot shows (downloads are slow)
-        ids = [r for row, _, _ in plots.representatives(part, min(top, 4)) for r in row["run_ids"]]
+        # histogram artifacts only of the configurations the plots show (downloads are slow)
+        ids = [r for row, _, _ in plots.representatives(part, top) for r in row["run_ids"]]
         hists, problems = load_hists(client, ids) if client is not None else ({}, [])
         hist_problems += problems
+        fig = plots.acceptance_figure(setting, part, top=top, hists=hists)
+        if fig is not None:
+            written += style.save(fig, out, f"acceptance_{slug}")
         fig = plots.accepted_length_figure(setting, part, hists, top=min(top, 4))
         if fig is not None:
             written += style.save(fig, out, f"accepted_length_{slug}")
@@ -181,10 +186,13 @@ def single_experiment(result: LoadResult) -> str:
 def log_summary(
     client, result: LoadResult, files: list[Path], args: argparse.Namespace, filters: Filters
 ) -> str:
-    """A summary run in the experiment holding the figures and tables as artifacts."""
-    run = client.create_run(
-        single_experiment(result), run_name=args.summary_run_name, tags={tracking.SUMMARY_TAG: "summary"}
-    )
+    """The sweep-level summary run of the experiment, holding the figures and tables as artifacts;
+    an earlier summary run of the same name is deleted (MLflow keeps it in its trash)."""
+    exp_id = single_experiment(result)
+    flt = f"tags.`{tracking.SUMMARY_TAG}` = 'summary' and attributes.run_name = '{args.summary_run_name}'"
+    for old in tracking.iter_runs(client, [exp_id], flt):
+        client.delete_run(old.info.run_id)
+    run = client.create_run(exp_id, run_name=args.summary_run_name, tags={tracking.SUMMARY_TAG: "summary"})
     run_id = run.info.run_id
     try:
         from mlflow.entities import Param
@@ -215,8 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result, client, uri = load(args.tracking_uri, args.experiment, filters)
         report_skips(result)
-        if args.log_to_mlflow:
+        log_to_mlflow = args.log_to_mlflow
+        if log_to_mlflow:
             single_experiment(result)  # fail before the slow part
+        elif log_to_mlflow is None:
+            log_to_mlflow = len(set(result.runs["experiment_id"])) == 1
+            if not log_to_mlflow:
+                print("note: figures and tables not logged to MLflow: the runs come from several experiments "
+                      "(pass --experiment)", file=sys.stderr)
         print(
             f"{len(result.runs)} evaluation run(s) from {', '.join(result.experiments)} at {uri} ({filters.describe()})"
         )
@@ -225,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         for line in best:
             print(line)
         print(f"wrote {len(files)} files to {out}/")
-        if args.log_to_mlflow:
+        if log_to_mlflow:
             run_id = log_summary(client, result, files, args, filters)
             print(f"logged figures and tables to MLflow run {run_id} ({args.summary_run_name})")
     except (AnalysisError, tracking.TrackingError) as exc:

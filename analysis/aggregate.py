@@ -72,6 +72,26 @@ class Setting:
         return re.sub(r"[^A-Za-z0-9._=-]+", "-", "_".join(parts)).strip("-")
 
 
+def short_slugs(settings: list[Setting]) -> list[str]:
+    """File-name parts for `settings`, as short as they can be and still unique: the mode, then only
+    what differs between the settings (temperature, extra token, EOS, top-p, backbone, hardware),
+    e.g. `greedy`, `sample`, `sample_T0.7`; the full `slug()` where that would not be unique."""
+    parts_of = (  # each: the file-name part of a setting (None: nothing to say)
+        lambda s: f"T{s.temperature:g}" if s.mode == "sample" and s.temperature is not None else None,
+        lambda s: s.extra_token,
+        lambda s: None if s.eos is None else f"eos-{s.eos}",
+        lambda s: f"p{s.top_p:g}" if s.mode == "sample" and s.top_p is not None else None,
+        lambda s: s.backbone,
+        lambda s: s.hardware,
+    )
+    varying = [f for f in parts_of if len({f(s) for s in settings} - {None}) > 1]
+    out = []
+    for s in settings:
+        parts = [s.mode] + [v for f in varying if (v := f(s)) is not None]
+        out.append(re.sub(r"[^A-Za-z0-9._=-]+", "-", "_".join(parts)).strip("-"))
+    return out if len(set(out)) == len(out) else [s.slug() for s in settings]
+
+
 def metric_columns(df: pd.DataFrame) -> list[str]:
     """The metric columns of a runs DataFrame: the named metrics plus acceptance_pos_<i>."""
     named = [m for m in (*REQUIRED_METRICS, *OPTIONAL_METRICS) if m in df.columns]

@@ -1,5 +1,6 @@
 """The accepted-length histogram artifact (`accepted_length_histogram.json`) of evaluation runs:
-parse its forms and download it for the runs a figure shows. No DataFrame, no plotting.
+parse its forms, download it for the runs a figure shows, and derive from it the drafts tested at
+each window position. No DataFrame, no plotting.
 """
 
 from __future__ import annotations
@@ -76,3 +77,24 @@ def load_hists(client, run_ids: list[str]) -> tuple[dict[str, np.ndarray], list[
         else:
             os.environ[key] = old
     return out, problems
+
+
+def drafts_tested(hist: np.ndarray, window: int, extra_token: str = "keep") -> np.ndarray:
+    """Drafts tested at each window position 1..n (index 0 = position 1) from the counts of
+    accepted lengths s, by the decoding loop's rule (mtpc/speculative/loop.py): with extra_token
+    keep, a cycle that accepts s drafts tested positions 2..min(s + 2, n); with drop, positions
+    1..min(s + 1, n). So position i was tested by the cycles with s >= i - 2 (keep) or
+    s >= i - 1 (drop); a position never tested counts 0."""
+    h = np.zeros(window + 2)
+    k = min(len(hist), window + 1)
+    h[:k] = np.asarray(hist, dtype=float)[:k]
+    at_least = np.cumsum(h[::-1])[::-1]  # at_least[j] = cycles with s >= j
+    shift = 2 if extra_token == "keep" else 1
+    out = np.zeros(window)
+    for i in range(1, window + 1):
+        j = i - shift
+        if extra_token == "keep" and i == 1:
+            continue  # position 1 is the verifier's own byte: never a tested draft
+        out[i - 1] = at_least[max(j, 0)]
+    return out
+

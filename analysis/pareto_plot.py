@@ -1,8 +1,15 @@
-"""The Pareto figure of one setting: mean accepted bytes per cycle mu_acc (x) against mean
-latency per cycle mu_lat (y, ms), error bars = std over prompt sets, marker/colour by circuit, n/r/k
-labels placed off the points, the Pareto front (mu_lat down, mu_acc up) as a line with outlined
-points, dashed iso-throughput lines tokens_per_cycle / mu_lat labelled in bytes/s, and the STP
-baseline (x = 0: one byte per cycle) with its own dotted iso-line.
+"""The Pareto figure of one setting: accepted bytes per cycle (x) against mean latency per cycle
+mu_lat (y, ms), error bars = std over prompt sets, marker/colour by circuit, n/r/k labels placed off
+the points, the Pareto front (mu_lat down, mu_acc up) as a line with outlined points, dashed
+iso-throughput lines labelled in bytes/s, and the STP baseline with its own dotted iso-line.
+
+One throughput: the logged `throughput` (bytes returned / decoding time, mean over prompt sets),
+the one the tables and the sweep objective give. A line of throughput T is y = (x + c) / T; a point
+sits at x = throughput × mu_lat − c, the accepted bytes per cycle as returned (= mu_acc unless the
+generation's last cycle was cut at max_new_tokens), so it lies on the line of its own throughput, and
+STP (one byte per cycle) on the line of the STP row's. Every drawn line is labelled (a line whose
+label would collide is not drawn); a point label that finds no free place is left out (the front's
+points are placed first).
 
 Artists carry `gid`s ("circuit-<c>", "errorbar-<c>" (error-bar containers: label "_errorbar-<c>"),
 "pareto-front", "iso-throughput", "iso-throughput-stp", "iso-label", "stp", "point-label") so tests
@@ -55,6 +62,12 @@ def iso_offset(setting: Setting, part: pd.DataFrame) -> float:
     return float(diff.mean()) if len(diff) else 1.0
 
 
+def returned_accepted(throughput: np.ndarray, mu_lat_s: np.ndarray, c: float) -> np.ndarray:
+    """Accepted bytes per cycle as returned, throughput × mu_lat − c: where a configuration sits so
+    that the iso-line of its logged throughput passes through it."""
+    return throughput * mu_lat_s - c
+
+
 def iso_levels(t_min: float, t_max: float, n: int = 5) -> np.ndarray:
     """Round throughput levels (bytes/s) spanning [t_min, t_max]."""
     if not (t_max > 0):
@@ -71,8 +84,9 @@ def pareto_figure(setting: Setting, part: pd.DataFrame, width: float = COLUMN_WI
     """mu_acc (x) vs mu_lat in ms (y) for one setting; `part` from `split_settings` (has on_front)."""
     with paper_style():
         fig, ax = plt.subplots(figsize=(width, HEIGHT_IN), layout="constrained")
-        x = part["mu_acc_mean"].to_numpy(dtype=float)
+        c = iso_offset(setting, part)
         y = part["mu_lat_mean"].to_numpy(dtype=float) * 1000.0
+        x = returned_accepted(part["throughput_mean"].to_numpy(dtype=float), y / 1000.0, c)
         xerr = nan0(part["mu_acc_std"].to_numpy(dtype=float))
         yerr = nan0(part["mu_lat_std"].to_numpy(dtype=float)) * 1000.0
         front = part["on_front"].to_numpy(dtype=bool)
@@ -107,13 +121,17 @@ def pareto_figure(setting: Setting, part: pd.DataFrame, width: float = COLUMN_WI
         xs, ys = list(x - xerr), list(y - yerr)
         xs_hi, ys_hi = list(x + xerr), list(y + yerr)
         stp_lat_ms = None
+        stp_rate = None
         if stp is not None:
-            stp_lat_ms = stp[0] * 1000.0
-            ax.scatter([0.0], [stp_lat_ms], marker="*", s=45, c="black", zorder=5, label="STP", gid="stp")
-            xs.append(0.0)
+            stp_lat_ms, stp_rate = stp[0] * 1000.0, stp[2]
+            stp_x = float(returned_accepted(np.array([stp_rate]), np.array([stp[0]]), 1.0)[0])
+            if not np.isfinite(stp_x):  # no STP throughput logged: one byte per cycle
+                stp_x, stp_rate = 0.0, 1000.0 / stp_lat_ms
+            ax.scatter([stp_x], [stp_lat_ms], marker="*", s=45, c="black", zorder=5, label="STP", gid="stp")
+            xs.append(stp_x)
             ys.append(stp_lat_ms)
             ys_hi.append(stp_lat_ms)
-            xs_hi.append(0.0)
+            xs_hi.append(stp_x)
         # limits from the data (points, error bars, STP), then iso-lines across the whole box
         x_lo, x_hi = min(xs), max(xs_hi)
         y_lo, y_hi = min(ys), max(ys_hi)
@@ -121,8 +139,8 @@ def pareto_figure(setting: Setting, part: pd.DataFrame, width: float = COLUMN_WI
         dy = (y_hi - y_lo) or max(abs(y_hi), 1e-3)
         ax.set_xlim(x_lo - 0.06 * dx, x_hi + 0.12 * dx)
         ax.set_ylim(max(0.0, y_lo - 0.1 * dy), y_hi + 0.1 * dy)
-        _draw_iso_lines(ax, setting, part, x, y, stp_lat_ms)
-        ax.set_xlabel(r"accepted bytes per cycle $\mu_\mathrm{acc}$")
+        _draw_iso_lines(ax, setting, part, stp_rate)
+        ax.set_xlabel(r"accepted bytes per cycle $\mu_\mathrm{acc}$ (as returned)")
         ax.set_ylabel(r"latency per cycle $\mu_\mathrm{lat}$ (ms)")
         ax.set_title(wrap_title(setting.title() + _degenerate_note(part)), pad=3)
         ax.grid(False)
@@ -138,7 +156,9 @@ def pareto_figure(setting: Setting, part: pd.DataFrame, width: float = COLUMN_WI
         show = np.ones(len(x), bool) if labelled else front
         texts = [point_label(part.iloc[i]) for i in range(len(x))]
         front_lines = [ln for ln in ax.lines if ln.get_gid() == "pareto-front"]
-        _place_labels(ax, x, y, texts, show, avoid=[leg], lines=front_lines)
+        _drop_overlapping_iso_labels(ax)  # again: the legend below changed the box's size
+        iso_texts = [t for t in ax.texts if t.get_gid() == "iso-label"]
+        _place_labels(ax, x, y, texts, show, avoid=[leg, *iso_texts], lines=front_lines, first=front)
     return fig
 
 
@@ -162,11 +182,11 @@ def point_label(row) -> str:
 
 
 def _place_labels(
-    ax, x: np.ndarray, y: np.ndarray, texts: list[str], show: np.ndarray, avoid=(), lines=()
+    ax, x: np.ndarray, y: np.ndarray, texts: list[str], show: np.ndarray, avoid=(), lines=(), first=None
 ) -> None:
     """Annotate the points ``show`` with ``texts``, trying a few offsets per label and keeping the
     first that overlaps no marker, no earlier label, nothing in ``avoid`` and no segment of
-    ``lines`` (else the least bad)."""
+    ``lines``; a label with no such place is left out. Points in ``first`` are placed first."""
     from matplotlib.transforms import Bbox
 
     fig = ax.figure
@@ -184,7 +204,10 @@ def _place_labels(
                 px, py = ax0 + t * (ax1 - ax0), ay0 + t * (ay1 - ay0)
                 obstacles.append(Bbox.from_extents(px - 1, py - 1, px + 1, py + 1))
     box = ax.get_window_extent(renderer)
-    for i in np.flatnonzero(show)[np.argsort(-y[show])]:  # top to bottom
+    first = np.zeros(len(x), bool) if first is None else np.asarray(first, bool)
+    order = np.flatnonzero(show)
+    order = order[np.lexsort((-y[order], ~first[order]))]  # the front first, each group top to bottom
+    for i in order:
         ann = ax.annotate(texts[i], (x[i], y[i]), xytext=(0, 0), textcoords="offset points", fontsize=5,
                           color="#333333", zorder=6, gid="point-label", annotation_clip=True)  # fmt: skip
         ann.set_in_layout(False)
@@ -202,22 +225,22 @@ def _place_labels(
             if cost == 0:
                 break
         dx, dy, ha, va, ext = best
+        if best_cost > 0:  # no free place: a label over another mark helps nobody
+            ann.remove()
+            continue
         ann.set_position((dx, dy))
         ann.set_ha(ha)
         ann.set_va(va)
         obstacles.append(ext.padded(fig.dpi / 72.0))  # 1 pt of air: survives small layout shifts
 
 
-def _draw_iso_lines(
-    ax, setting: Setting, part: pd.DataFrame, x: np.ndarray, y_ms: np.ndarray, stp_lat_ms: float | None
-) -> None:
-    """Dashed lines of constant tokens_per_cycle / mu_lat through the plot box, labelled where
-    they leave it. In (mu_acc, mu_lat[ms]) coordinates: y = 1000 (x + c) / T."""
+def _draw_iso_lines(ax, setting: Setting, part: pd.DataFrame, stp_rate: float | None) -> None:
+    """Dashed lines of constant throughput through the plot box, labelled where they leave it. In
+    (accepted bytes per cycle, mu_lat[ms]) coordinates: y = 1000 (x + c) / T."""
     c = iso_offset(setting, part)
-    tpc = part["tokens_per_cycle_mean"].to_numpy(dtype=float)
-    rates = tpc / (y_ms / 1000.0)  # bytes/s of each point
-    if stp_lat_ms is not None:
-        rates = np.append(rates, 1000.0 / stp_lat_ms)
+    rates = part["throughput_mean"].to_numpy(dtype=float)  # the logged throughput, as the tables
+    if stp_rate is not None:
+        rates = np.append(rates, stp_rate)
     rates = rates[np.isfinite(rates) & (rates > 0)]
     if len(rates) == 0:
         return
@@ -225,35 +248,36 @@ def _draw_iso_lines(
     xx = np.linspace(x0, x1, 200)
     levels = [(float(t), False) for t in iso_levels(float(rates.min()), float(rates.max()))]
     exact = c == 1.0  # keep: tokens_per_cycle = mu_acc + 1 exactly; else lines are approximate
-    if stp_lat_ms is not None and exact:  # the line through STP: configurations right of it beat STP
-        t_stp = 1000.0 / stp_lat_ms
+    if stp_rate is not None and exact:  # the line through STP: configurations right of it beat STP
+        t_stp = stp_rate
         levels = [(t, s) for t, s in levels if abs(t - t_stp) > 0.04 * t_stp] + [(t_stp, True)]
     for t, is_stp in levels:
         yy = 1000.0 * (xx + c) / t
         inside = (yy >= y0) & (yy <= y1)
         if not inside.any():
             continue
-        ax.plot(xx, yy, ls="--" if not is_stp else ":", lw=0.6 if not is_stp else 0.8,
-                color="#888888" if not is_stp else "black", zorder=1,
-                gid="iso-throughput" if not is_stp else "iso-throughput-stp")  # fmt: skip
+        (line,) = ax.plot(xx, yy, ls="--" if not is_stp else ":", lw=0.6 if not is_stp else 0.8,
+                          color="#888888" if not is_stp else "black", zorder=1,
+                          gid="iso-throughput" if not is_stp else "iso-throughput-stp")  # fmt: skip
         # label where the line leaves the box: right edge, else top edge
         y_right = 1000.0 * (x1 + c) / t
         if y_right <= y1:
             lx, ly, ha, va = x1, y_right, "right", "bottom"
         else:
             lx, ly, ha, va = t * y1 / 1000.0 - c, y1, "right", "top"
-        ax.text(
+        label = ax.text(
             lx, ly, ("" if exact else "≈") + format_rate(t) + (" (STP)" if is_stp else ""), fontsize=5, color="black" if is_stp else "#666666", ha=ha, va=va, zorder=1, gid="iso-label",
             bbox=dict(boxstyle="square,pad=0.1", fc="white", ec="none", alpha=0.8),
         )  # fmt: skip
+        label.iso_line = line  # dropped together
     ax.set_xlim(x0, x1)
     ax.set_ylim(y0, y1)
     _drop_overlapping_iso_labels(ax)
 
 
 def _drop_overlapping_iso_labels(ax) -> None:
-    """Keep iso-throughput labels inside the plot box, then hide any that overlap an earlier one
-    (the STP label first)."""
+    """Keep iso-throughput labels inside the plot box, then drop any that overlap an earlier one
+    (the STP label first) together with its line: no line goes unlabelled."""
     labels = [t for t in ax.texts if t.get_gid() == "iso-label"]
     if not labels:
         return
@@ -267,11 +291,16 @@ def _drop_overlapping_iso_labels(ax) -> None:
             t.set_ha("left")
         elif ext.x1 > box.x1:
             t.set_ha("right")
+        over = max(ext.y1 - box.y1, 0.0) - max(box.y0 - ext.y0, 0.0)  # its box pads past the top (bottom) edge
+        if over:
+            px, py = ax.transData.transform(t.get_position())
+            t.set_position(ax.transData.inverted().transform((px, py - over - np.sign(over))))
     labels.sort(key=lambda t: "(STP)" not in t.get_text())
     kept = []
     for t in labels:
         ext = t.get_window_extent(renderer).padded(4 * fig.dpi / 72.0)  # keep 4 pt between labels
         if any(overlap(ext, k) > 0 for k in kept):
+            t.iso_line.remove()
             t.remove()
         else:
             kept.append(ext)

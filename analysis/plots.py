@@ -2,8 +2,9 @@
 
 - `throughput_figure`: logged throughput against window n or LoRA depth k on one slice of the
   other keys (`throughput_slice`), STP as a dotted line.
-- `acceptance_figure`: per-position acceptance (acceptance_pos_<i>) of the `representatives`.
-- `accepted_length_figure`: the accepted-length distribution from the histogram artifacts.
+- `acceptance_figure`: per-position acceptance (acceptance_pos_<i>) of the `representatives`, the
+  drafts tested per position beneath and a 95 % Wilson band (counts from the histogram artifacts).
+- `accepted_length_figure`: the accepted-length distribution from the histogram artifacts, 0..n−1.
 
 Lines carry `gid`s "circuit-<c>" and "stp". The Pareto figure lives in analysis/pareto_plot.py,
 the look (and `save`) in analysis/style.py; data loading and tables elsewhere.
@@ -19,6 +20,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from analysis.aggregate import Setting, stp_baseline
+from analysis.hists import drafts_tested
 from analysis.load import ACC_POS_RE
 from analysis.style import (
     COLUMN_WIDTH_IN,
@@ -94,12 +96,11 @@ def throughput_figure(
         ax.set_xlabel(xlabel)
         ax.set_ylabel("throughput (bytes/s)")
         held_text = ", ".join(f"{names[k]}={v}" for k, v in held.items())
-        ax.set_title(
-            f"{setting.title()}\n({held_text}; ff: r=1)"
-            if "rank" in held
-            else f"{setting.title()} ({held_text})",
+        ax.set_title(  # wrapped: a long hardware string once made this figure 2000 px wide
+            f"{wrap_title(setting.title())}\n({held_text}; ff: r=1)" if "rank" in held
+            else wrap_title(f"{setting.title()} ({held_text})"),
             pad=3,
-        )
+        )  # fmt: skip
         ax.legend(
             loc="best", frameon=True, framealpha=0.85, edgecolor="none", handlelength=1.5, labelspacing=0.3
         )
@@ -132,18 +133,44 @@ def _rep_caption(part: pd.DataFrame) -> str:
     return "fastest configuration per circuit" if len(circuits_in(part)) > 1 else "fastest configurations"
 
 
+def wilson_interval(rate: np.ndarray, n: np.ndarray, z: float = 1.96) -> tuple[np.ndarray, np.ndarray]:
+    """The 95 % Wilson score interval of a proportion `rate` out of `n` trials (NaN where n = 0)."""
+    n = np.asarray(n, dtype=float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        centre = (rate + z * z / (2 * n)) / (1 + z * z / n)
+        half = z * np.sqrt(rate * (1 - rate) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return np.where(n > 0, centre - half, np.nan), np.where(n > 0, centre + half, np.nan)
+
+
+def _pooled(row: pd.Series, hists: dict[str, np.ndarray]) -> np.ndarray | None:
+    """The accepted-length counts of a configuration, summed over its prompt sets' runs."""
+    counts = [hists[r] for r in row["run_ids"] if r in hists]
+    if not counts:
+        return None
+    total = np.zeros(max(len(c) for c in counts))
+    for c in counts:
+        total[: len(c)] += c
+    return total
+
+
 def acceptance_figure(
-    setting: Setting, part: pd.DataFrame, top: int = 5, width: float = COLUMN_WIDTH_IN
+    setting: Setting, part: pd.DataFrame, top: int = 5, width: float = COLUMN_WIDTH_IN,
+    hists: dict[str, np.ndarray] | None = None,
 ) -> Figure | None:
     """Per-position acceptance rate (accepted / tested at window position i) of the
-    `representatives`; None when no acceptance_pos_<i> metric was logged."""
+    `representatives`, with the drafts tested at each position beneath (pooled over prompt sets,
+    from the accepted-length histograms `hists`) and a 95 % Wilson band from those counts, so a
+    0 or 1 from a handful of tests shows as what it is; None when no acceptance_pos_<i> was logged."""
     cols = [c for c in part.columns if str(c).endswith("_mean") and ACC_POS_RE.match(str(c)[: -len("_mean")])]
     cols.sort(key=lambda c: int(ACC_POS_RE.match(c[: -len("_mean")]).group(1)))
     if not cols or not np.isfinite(part[cols].to_numpy(dtype=float)).any():
         return None
     pos = np.array([int(ACC_POS_RE.match(c[: -len("_mean")]).group(1)) for c in cols])
+    hists = hists or {}
     with paper_style():
-        fig, ax = plt.subplots(figsize=(width, HEIGHT_IN), layout="constrained")
+        fig, (ax, ax_n) = plt.subplots(2, 1, figsize=(width, HEIGHT_IN * 1.3), layout="constrained", sharex=True,
+                                       gridspec_kw={"height_ratios": (3, 1.2)})  # fmt: skip
+        counted = False
         for row, color, marker in representatives(part, top):
             v = row[cols].to_numpy(dtype=float)
             ok = np.isfinite(v)
@@ -151,12 +178,30 @@ def acceptance_figure(
                 continue
             ax.plot(pos[ok], v[ok], marker=marker, ms=3, color=color, label=_config_label(row, ("window", "rank", "lora_depth")),
                     gid=f"circuit-{row['circuit']}")  # fmt: skip
+            hist = _pooled(row, hists)
+            if hist is None:
+                continue
+            tested = drafts_tested(hist, int(max(row["window"], pos.max())), setting.extra_token or "keep")[pos - 1]
+            lo, hi = wilson_interval(v, tested)
+            band = ok & (tested > 0)
+            ax.fill_between(pos[band], lo[band], hi[band], color=color, alpha=0.18, lw=0, gid=f"band-{row['circuit']}")
+            shown = ok & (tested > 0)
+            ax_n.plot(pos[shown], tested[shown], marker=marker, ms=2.5, lw=0.8, color=color, gid=f"tested-{row['circuit']}")
+            counted = True
         ax.set_ylim(0, 1.02)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("window position $i$")
-        ax.set_ylabel("accepted / tested at position $i$")
-        ax.set_title(f"{wrap_title(setting.title())}\n{_rep_caption(part)}", pad=3)
+        ax.set_ylabel("accepted / tested\nat position $i$")
+        ax.set_title(f"{wrap_title(setting.title())}\n{_rep_caption(part)}"
+                     + ("; bands: 95 % Wilson" if counted else ""), pad=3)  # fmt: skip
         ax.legend(loc="best", frameon=True, framealpha=0.85, edgecolor="none", labelspacing=0.3)
+        ax_n.set_xlabel("window position $i$")
+        if counted:
+            ax_n.set_yscale("log")
+            ax_n.set_ylabel("drafts\ntested")
+        else:
+            ax_n.text(0.5, 0.5, "tested counts: no accepted-length histograms logged", transform=ax_n.transAxes,
+                      ha="center", va="center", fontsize=5.5, color="#666666")  # fmt: skip
+            ax_n.set_yticks([])
     return fig
 
 
@@ -168,20 +213,19 @@ def accepted_length_figure(
     width: float = COLUMN_WIDTH_IN,
 ) -> Figure | None:
     """Distribution of accepted drafted bytes per cycle (counts pooled over the prompt sets of a
-    configuration, normalised) of the `representatives`; None without histogram artifacts."""
+    configuration, normalised) of the `representatives`, on [0, n - 1] (a cycle drafts n - 1 bytes);
+    None without histogram artifacts."""
     series = []
     for row, color, marker in representatives(part, top):
-        counts = [hists[r] for r in row["run_ids"] if r in hists]
-        if not counts:
+        total = _pooled(row, hists)
+        if total is None:
             continue
-        total = np.zeros(max(len(c) for c in counts))
-        for c in counts:
-            total[: len(c)] += c
+        total = total[: int(row["window"])]  # s drafts accepted, 0 <= s <= n - 1 (the evaluator's n + 1-long counts end in a 0)
         if total.sum() > 0:
             series.append((row, color, marker, total / total.sum()))
     if not series:
         return None
-    n_len = max(len(f) for *_, f in series)
+    n_len = max(int(row["window"]) for row, *_ in series)
     with paper_style():
         fig, ax = plt.subplots(figsize=(width, HEIGHT_IN), layout="constrained")
         for row, color, marker, freq in series:

@@ -1,6 +1,6 @@
 """The look of every figure: paper-column size, rc settings, one colour and marker per circuit
 (Okabe–Ito, colour-blind safe), rate labels, title wrapping, box overlap, and `save` (PNG at
-300 dpi + PDF). No figure is drawn here.
+300 dpi, at most 1600 px wide, + PDF). No figure is drawn here.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from mtpc.names import CIRCUIT_KINDS  # noqa: E402
 
 COLUMN_WIDTH_IN = 3.3
 HEIGHT_IN = 2.5
+#: PNG resolution: a 3.3 in column comes out ~990 px wide; no PNG is wider than MAX_PNG_PX
+PNG_DPI = 300
+MAX_PNG_PX = 1600
 #: Okabe–Ito colours (colour-blind safe) and distinct markers per circuit
 CIRCUIT_STYLE: dict[str, tuple[str, str]] = {
     "ff": ("#0072B2", "o"),
@@ -86,12 +89,21 @@ def overlap(a, b) -> float:
     return w * h if w > 0 and h > 0 else 0.0
 
 
+def png_dpi(fig: Figure) -> float:
+    """PNG_DPI, or less when the figure's tight box would come out wider than MAX_PNG_PX."""
+    with paper_style():
+        fig.canvas.draw()
+        width_in = fig.get_tightbbox(fig.canvas.get_renderer()).width + 2 * PAPER_RC["savefig.pad_inches"]
+    return min(PNG_DPI, MAX_PNG_PX / width_in) if width_in > 0 else PNG_DPI
+
+
 def save(fig: Figure, out_dir: Path, stem: str) -> list[Path]:
-    """Write ``stem``.png (300 dpi) and ``stem``.pdf under out_dir; close the figure."""
+    """Write ``stem``.png (PNG_DPI, at most MAX_PNG_PX wide) and ``stem``.pdf under out_dir; close
+    the figure."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{stem}.png", out_dir / f"{stem}.pdf"]
     with paper_style():
-        fig.savefig(paths[0], dpi=300)
+        fig.savefig(paths[0], dpi=png_dpi(fig))
         fig.savefig(paths[1])
     plt.close(fig)
     return paths

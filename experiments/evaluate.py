@@ -21,6 +21,11 @@ every run and for STP (`stp_degenerate_fraction`, `stp_distinct_4gram_ratio`); a
 when acceptance comes from degenerate text (degenerate_fraction > 0.25). `eos`: "banned" (EOS gets
 probability 0, every method generates max_new_tokens bytes) or "allowed" (EOS stops an answer).
 
+Timing lock: latencies are only comparable when nothing else computes on the same cores, so
+`evaluate_heads` holds a machine-wide file lock (`timing_lock`: `$MTPC_TIMING_LOCK`, default
+`<tmp>/mtpc-timing.lock`) from its first timed generation to its last: sweep workers train in
+parallel, but one evaluation (STP and its heads, prompt set by prompt set) times at a time.
+
 Leaves out: training (experiments/train.py) and plots (analysis/).
 """
 
@@ -29,10 +34,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import platform
 import random
 import statistics
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +182,35 @@ def _describe(model: MtpcModel) -> dict[str, Any]:
     }
 
 
+TIMING_LOCK_ENV = "MTPC_TIMING_LOCK"
+
+
+def timing_lock_path() -> Path:
+    """The machine-wide timing lock's file: $MTPC_TIMING_LOCK, else `<tmp>/mtpc-timing.lock`."""
+    return Path(os.environ.get(TIMING_LOCK_ENV) or Path(tempfile.gettempdir()) / "mtpc-timing.lock")
+
+
+@contextmanager
+def timing_lock(progress: bool = False) -> Iterator[float]:
+    """Hold the machine-wide timing lock (see the module docstring); yields the seconds waited for
+    it. With `progress`, says on stderr when it has to wait."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(timing_lock_path()), mode=0o666)  # any user's evaluation may take it next
+    t0 = time.monotonic()
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        if progress:
+            print(f"evaluate: waiting for the timing lock {timing_lock_path()} (another evaluation is timing)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        lock.acquire()
+    try:
+        yield time.monotonic() - t0
+    finally:
+        lock.release()
+
+
 def evaluate_heads(
     models: dict[str, MtpcModel] | MtpcModel,
     prompt_sets: list[list[str | bytes | torch.Tensor]],
@@ -198,6 +237,7 @@ def evaluate_heads(
     stp: run the plain model beside the heads (default); False skips it (about half the time of an
     evaluation) and leaves out every stp_* metric and speedup_vs_stp.
     Prompt i of a set is sampled with seed + i for STP and every head alike.
+    Everything timed runs under `timing_lock`: one evaluation on the machine at a time.
     """
     if isinstance(models, MtpcModel):
         models = {"head": models}
@@ -218,49 +258,50 @@ def evaluate_heads(
     encoded = [[first.encode_prompt(p) for p in ps] for ps in prompt_sets]
     kw = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
     total = len(modes) * len(eos) * sum(len(ps) for ps in encoded) * (int(stp) + len(models) * len(extra_tokens))
-    bar = tqdm(total=total, desc="evaluate", disable=not progress, file=sys.stderr)
-    with_stp = stp
-    stp: dict[str, list[dict]] = {}
-    runs: list[dict[str, Any]] = []
-    for mode in modes:
-        stp[mode] = []
-        for eos_mode in eos:
-            ban = eos_mode == "banned"
-            for set_idx, prompts in zip(set_names or range(len(encoded)), encoded, strict=True):
-                plain, answers = [], []
-                for i, p in enumerate(prompts if with_stp else ()):
-                    out = first.generate_plain(p, mode=mode, seed=seed + i, ban_eos=ban, **kw)
-                    plain.append(out.stats)
-                    answers.append(_answer(first, out.ids))
-                    bar.update()
-                st = _pool(plain, 1, answers) if with_stp else None
-                if st is not None:
-                    stp[mode].append({"prompt_set": set_idx, "eos": eos_mode, "mu_lat": st["mu_lat"],
-                                      "throughput": st["throughput"], "generated": st["generated"],
-                                      "peak_mem_bytes": st["peak_mem_bytes"], **{k: st[k] for k in DEGENERACY_METRICS},
-                                      "per_prompt": _per_prompt(prompts, plain, answers, set_idx)})  # fmt: skip
-                for name, model in models.items():
-                    for extra in extra_tokens:
-                        outs, answers = [], []
-                        for i, p in enumerate(prompts):
-                            out = model.generate(p, mode=mode, seed=seed + i, extra_token=extra, ban_eos=ban, **kw)
-                            outs.append(out.stats)
-                            answers.append(_answer(model, out.ids))
-                            bar.update()
-                        metrics = _pool(outs, model.window, answers)
-                        per_prompt = _per_prompt(prompts, outs, answers, set_idx)
-                        if st is not None:
-                            metrics["stp_mu_lat"] = st["mu_lat"]
-                            metrics["stp_throughput"] = st["throughput"]
-                            metrics["speedup_vs_stp"] = metrics["throughput"] / st["throughput"]
-                            for k in DEGENERACY_METRICS:
-                                metrics[f"stp_{k}"] = st[k]
-                        runs.append({
-                            "head": name, **_describe(model), "mode": mode, "extra_token": extra, "eos": eos_mode,
-                            "temperature": temperature, "top_p": top_p, "prompt_set": set_idx, "seed": seed,
-                            "metrics": metrics, "per_prompt": per_prompt,
-                        })  # fmt: skip
-    bar.close()
+    with timing_lock(progress):  # nothing else times on this machine meanwhile
+        bar = tqdm(total=total, desc="evaluate", disable=not progress, file=sys.stderr)
+        with_stp = stp
+        stp: dict[str, list[dict]] = {}
+        runs: list[dict[str, Any]] = []
+        for mode in modes:
+            stp[mode] = []
+            for eos_mode in eos:
+                ban = eos_mode == "banned"
+                for set_idx, prompts in zip(set_names or range(len(encoded)), encoded, strict=True):
+                    plain, answers = [], []
+                    for i, p in enumerate(prompts if with_stp else ()):
+                        out = first.generate_plain(p, mode=mode, seed=seed + i, ban_eos=ban, **kw)
+                        plain.append(out.stats)
+                        answers.append(_answer(first, out.ids))
+                        bar.update()
+                    st = _pool(plain, 1, answers) if with_stp else None
+                    if st is not None:
+                        stp[mode].append({"prompt_set": set_idx, "eos": eos_mode, "mu_lat": st["mu_lat"],
+                                          "throughput": st["throughput"], "generated": st["generated"],
+                                          "peak_mem_bytes": st["peak_mem_bytes"], **{k: st[k] for k in DEGENERACY_METRICS},
+                                          "per_prompt": _per_prompt(prompts, plain, answers, set_idx)})  # fmt: skip
+                    for name, model in models.items():
+                        for extra in extra_tokens:
+                            outs, answers = [], []
+                            for i, p in enumerate(prompts):
+                                out = model.generate(p, mode=mode, seed=seed + i, extra_token=extra, ban_eos=ban, **kw)
+                                outs.append(out.stats)
+                                answers.append(_answer(model, out.ids))
+                                bar.update()
+                            metrics = _pool(outs, model.window, answers)
+                            per_prompt = _per_prompt(prompts, outs, answers, set_idx)
+                            if st is not None:
+                                metrics["stp_mu_lat"] = st["mu_lat"]
+                                metrics["stp_throughput"] = st["throughput"]
+                                metrics["speedup_vs_stp"] = metrics["throughput"] / st["throughput"]
+                                for k in DEGENERACY_METRICS:
+                                    metrics[f"stp_{k}"] = st[k]
+                            runs.append({
+                                "head": name, **_describe(model), "mode": mode, "extra_token": extra, "eos": eos_mode,
+                                "temperature": temperature, "top_p": top_p, "prompt_set": set_idx, "seed": seed,
+                                "metrics": metrics, "per_prompt": per_prompt,
+                            })  # fmt: skip
+        bar.close()
     if ff_name is not None:
         at = lambda r: (r["mode"], r["extra_token"], r["eos"], r["prompt_set"])  # noqa: E731
         ref = {at(r): r["metrics"]["throughput"] for r in runs if r["head"] == ff_name}
@@ -404,7 +445,9 @@ def main(argv: list[str] | None = None) -> int:
         eos = _choices(args.eos, EOS_MODES, "--eos")
         for flag in ("head", "ff_head"):
             d = getattr(args, flag)
-            if d is not None and not (Path(d) / "config.json").is_file():
+            if d is not None and not Path(d).expanduser().is_dir():
+                raise ValueError(f"--{flag.replace('_', '-')}: {d!r} does not exist or is not a directory")
+            if d is not None and not (Path(d).expanduser() / "config.json").is_file():
                 raise ValueError(f"--{flag.replace('_', '-')}: {d!r} is not a head export (no config.json)")
         prompt_sets = load_prompt_sets(args.prompts, args.num_prompts, args.sets, args.seed)
         load_kw = {"device": args.device} if args.device else {}

@@ -10,7 +10,7 @@ else: every other warning and log line still shows. Each CLI calls `quiet()` onc
 `experiments/nll_table.py`, the sweep trial, `python -m sweeps.run` and `python -m sweeps.demo`);
 importing this module changes nothing. tests/experiments/test_quiet.py runs the debug training
 CLI and fails on any stderr line that is not the suite's own.
-Leaves out: the suite's own output, Lightning's training progress bar (that is progress).
+Leaves out: the suite's own output, the training progress lines (experiments/progress.py).
 """
 
 from __future__ import annotations

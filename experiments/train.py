@@ -7,12 +7,13 @@ errors name the file and key, before the backbone or the data are loaded), seed,
 `MtpcTrainModule(cfg.model)`, `ChatDataModule(cfg.data)` and a Trainer with `cfg.trainer` plus the
 suite's own `plugins=[LightningEnvironment()]` (a one-task SLURM job must not be taken for a
 multi-process or self-requeueing one), a ModelCheckpoint in `<run.dir>/checkpoints` (so
-`--ckpt_path last` finds `last.ckpt`), the `StopCheckpoint` callback and the MLflow logger; fit;
+`--ckpt_path last` finds `last.ckpt`), the `StopCheckpoint` callback, the progress lines (`StepProgress`, unless
+`trainer.enable_progress_bar` is false) and the MLflow logger; fit;
 score the final head if the last step was not validated; export it with `mtpc.heads.save_head` to
 `run.export_dir`. CLI exit codes: 0 done, 2 bad config or data (one line naming file and key),
 3 stopped on request (checkpoint written; resume with `--ckpt_path last`).
 Leaves out: the config (config.py), the module and data (module.py, datamodule.py), MLflow
-(mlflow_run.py), the stop callback (callbacks.py), evaluation and sweeps.
+(mlflow_run.py), the stop callback (callbacks.py), progress (progress.py), evaluation and sweeps.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def _fit(cfg: TrainConfig, started: float, *, mlflow_run_id: str | None, ckpt_pa
     from experiments.datamodule import ChatDataModule
     from experiments.mlflow_run import make_logger
     from experiments.module import MtpcTrainModule
+    from experiments.progress import StepProgress
 
     if cfg.run.cpu_threads:
         torch.set_num_threads(int(cfg.run.cpu_threads))
@@ -111,7 +113,9 @@ def _fit(cfg: TrainConfig, started: float, *, mlflow_run_id: str | None, ckpt_pa
     periodic = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
                                every_n_train_steps=cfg.run.checkpoint_every_n_steps or None)
     logger = make_logger(cfg, run_id=mlflow_run_id, resuming=resuming) if cfg.run.tracking else False
-    trainer = Trainer(**cfg.trainer, callbacks=[periodic, stopper, *callbacks], plugins=[LightningEnvironment()],
+    # the suite's progress lines (experiments/progress.py) instead of Lightning's epoch-long bar
+    progress = [StepProgress(cfg.run.name)] if cfg.trainer.get("enable_progress_bar", True) else []
+    trainer = Trainer(**cfg.trainer, callbacks=[periodic, stopper, *progress, *callbacks], plugins=[LightningEnvironment()],
                       default_root_dir=str(run_dir), logger=logger)
     trainer.fit(module, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None)
     return _finish(cfg, trainer, module, data, stopper, started)

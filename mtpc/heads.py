@@ -404,10 +404,17 @@ def load_head(
 ) -> tuple[MtpcHead, dict[str, Tensor] | None]:
     """Read a `save_head` directory -> (head, lora_state or None). No Lightning needed.
 
+    A path that is not a directory raises FileNotFoundError saying so; a directory without the
+    export's files, or with bad ones, raises ValueError naming the file.
+
     Every tensor is checked against the shapes the config implies before loading, so a config
     that does not match its tensors fails with a ValueError naming the tensor.
     """
     directory = Path(directory).expanduser()
+    if not directory.is_dir():
+        what = "is a file, not a directory" if directory.exists() else "does not exist"
+        raise FileNotFoundError(f"head directory {directory} {what} (a head export is a directory holding "
+                                f"{CONFIG_FILE} and {HEAD_FILE}, written by save_head or a training run)")
     config_path, head_path = directory / CONFIG_FILE, directory / HEAD_FILE
     for p in (config_path, head_path):
         if not p.is_file():

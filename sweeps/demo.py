@@ -5,13 +5,19 @@
 2. run `sweeps/smoke.yaml` locally, overridden to train on the default model
    (`train.config=default`: 200 steps of 2 x 512 bytes per head; the spec's evaluation: one prompt
    set of `eval.n_prompts` held-out prompts x `eval.max_new_tokens` bytes, greedy and sampling),
-3. run `python -m analysis` (Pareto fronts, figures, tables) on the results,
+3. run `python -m analysis` (Pareto fronts, figures, tables; logged to the sweep-level MLflow run
+   `pareto-summary` as well) on the results,
 4. print where the Optuna journal, the MLflow store, the trained heads (one per grid point, in
    `<out>/checkpoints/mtpc-demo/<grid key>/head`, loadable with `MtpcModel.from_pretrained`) and the
-   figures are, and how to open the UI.
+   figures are, and how to open the UI on the experiment's runs table (the saved view `compare
+   heads`: tracking/views.py).
 
 Everything goes under `--out` (default `runs/demo`), the MLflow store too: the demo sets the spec's
 `mlflow.tracking_uri` to `sqlite:///<out>/mlflow.db` (MLFLOW_TRACKING_URI still wins).
+
+Trials train side by side (one worker per core), but their timed evaluations take a machine-wide
+lock (experiments/evaluate.py), so no latency is measured while another trial computes. The last
+line says how long each step took.
 
 Idempotent: a second run finds the model and the finished study and only redraws the analysis.
 Leaves out: anything SLURM (see `sbatch slurm/sweep.sh sweeps/smoke.yaml`).
@@ -29,13 +35,33 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "sweeps" / "smoke.yaml"
-# smoke.yaml's training section swapped for the embedded default model; experiments/configs/default.yaml
+# smoke.yaml's training section swapped for the shipped default model; experiments/configs/default.yaml
 # is already sized for a shared 2-core CPU (200 steps); k > 0 points train LoRA from the start
 DEMO_TRAIN = {"config": "default", "model": {"lora_start_epoch": 0}}
 
 
-def _step(msg: str, t0: float) -> None:
-    print(f"\n== [{time.time() - t0:6.0f} s] {msg}", flush=True)
+class Phases:
+    """The demo's numbered steps: each starts with a header line, and the end lists how long each took."""
+
+    def __init__(self) -> None:
+        self.t0 = time.time()
+        self.done: list[tuple[str, float]] = []
+        self._current: tuple[str, float] | None = None
+
+    def step(self, msg: str) -> None:
+        self.close()
+        print(f"\n== [{time.time() - self.t0:6.0f} s] {msg}", flush=True)
+        self._current = (msg.split(" ", 1)[0], time.time())
+
+    def close(self) -> None:
+        if self._current is not None:
+            name, start = self._current
+            self.done.append((name, time.time() - start))
+            self._current = None
+
+    def summary(self) -> str:
+        self.close()
+        return ", ".join(f"{name} {secs:.0f} s" for name, secs in self.done)
 
 
 def example_head(spec) -> Path:
@@ -69,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2, help="local worker processes (default 2: one per core; training uses 1 thread)")
     ap.add_argument("--objective", choices=("trial", "fixture"), default="trial", help="fixture: skip training (plumbing check)")
     a = ap.parse_args(argv)
-    t0 = time.time()
+    phases = Phases()
     out = Path(a.out).resolve()
     from experiments.quiet import quiet
 
@@ -86,16 +112,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if a.objective == "trial":
-        _step("1/4 the shipped default model and the bundled data (built once, then cached)", t0)
+        phases.step("1/4 the shipped default model and the bundled data (built once, then cached)")
         from mtpc.backbones.shipped import SHIPPED_DIR, verify_shipped
         from mtpc.data import sharegpt_corpus
 
         corpus = sharegpt_corpus()
         print(f"corpus: {len(corpus.train)} training conversations, {len(corpus.heldout_prompts)} held-out prompts")
         print(f"model: {verify_shipped()} ({SHIPPED_DIR})")
-    _step(f"2/4 sweep {SMOKE.relative_to(REPO)} on the default model: {spec.n_trials} grid points, {a.workers} worker(s)", t0)
+    phases.step(f"2/4 sweep {SMOKE.relative_to(REPO)} on the default model: {spec.n_trials} grid points, {a.workers} worker(s)"
+                + " (training side by side, timing one at a time)")
     try:
-        run.init(spec)
+        exp_id = run.init(spec)["experiment_id"]
         if a.workers == 1:
             rc = run.worker(spec)
         else:
@@ -107,13 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     st = run.status(spec)
     print(f"trials: {st['states']}")
     fig_dir = out / "analysis"
-    _step("3/4 python -m analysis: Pareto fronts, figures and tables", t0)
+    phases.step("3/4 python -m analysis: Pareto fronts, figures and tables")
     r = subprocess.run([sys.executable, "-m", "analysis", "--tracking-uri", spec.tracking_uri, "--experiment", spec.experiment,
                         "--out", str(fig_dir)], cwd=REPO)
     if r.returncode != 0:
         print(f"python -m analysis exited with {r.returncode}", file=sys.stderr)
         rc = rc or r.returncode
-    _step("4/4 where things are", t0)
+    phases.step("4/4 where things are")
     print(f"Optuna study     : {spec.study} in {spec.storage}")
     print(f"MLflow store     : {spec.tracking_uri} (experiment {spec.experiment})")
     print(f"checkpoints/heads: {out / 'checkpoints' / spec.study}/<grid key>/head")
@@ -122,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"load a head      : MtpcModel.from_pretrained(\"{_shown(head)}\")")
     print(f"figures, tables  : {fig_dir}")
     print(f"open the UI      : mlflow ui --backend-store-uri {spec.tracking_uri} --host 127.0.0.1 --port 5000")
-    print("                   then browse http://127.0.0.1:5000")
-    print(f"demo took {time.time() - t0:.0f} s; exit code {rc}")
+    print(f"                   then browse {tracking.runs_url('http://127.0.0.1:5000', exp_id)}")
+    print(f"demo took {time.time() - phases.t0:.0f} s ({phases.summary()}); exit code {rc}")
     failed = st["states"].get("FAIL", 0)
     if failed:
         print(f"{failed} trial(s) failed: see their `error` in `python -m sweeps.run {SMOKE.relative_to(REPO)} --status` or the log above")

@@ -108,6 +108,8 @@ def run_job(spec_path: str, overrides: dict[str, Any], job: Job, uri: str) -> st
         tag = mode if mode == "greedy" else f"{mode}_T" + "_".join(f"{t:g}" for t in temps)
         evaluate_head(job.run_dir / "head", cfg, ev, parent_run_id=job.parent, tracking_uri=uri,
                       out=job.run_dir / f"evaluation_{tag}.json", extra_params=extra)
+    exp_id = tracking.client(uri).get_run(job.parent).info.experiment_id
+    tracking.log_trial_summary(uri, exp_id, job.parent)  # the trial's row in the UI gains the new passes
     return job.key
 
 

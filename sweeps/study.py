@@ -132,6 +132,7 @@ def init(spec: SweepSpec, *, retry_failed: bool = False) -> dict[str, Any]:
         if [d.name.lower() for d in study.directions] != spec.directions:
             raise SpecError(f"{spec.path}: study {spec.study!r} exists with directions {study.directions}, spec asks {spec.directions}")
         study.set_user_attr("mlflow_experiment_id", exp_id)
+        save_view(spec, exp_id)
         enqueued = 0
         if spec.grid is not None:
             by_key: dict[str, list] = {}
@@ -147,6 +148,20 @@ def init(spec: SweepSpec, *, retry_failed: bool = False) -> dict[str, Any]:
         summary = {"study": spec.study, "experiment_id": exp_id, "enqueued": enqueued, "points": spec.n_trials}
         log(f"init: {summary}")
         return summary
+
+
+def view_labels(spec: SweepSpec) -> list[str]:
+    """The evaluation labels (`greedy`, `sample`, `sample-T0.7`, ...) a trial of this spec stores."""
+    from experiments.trial import eval_passes  # light: the trial's heavy imports are inside its functions
+
+    e = spec.eval
+    return [tracking.evaluation_label({"mode": m, "temperature": t, "eos": eos, "extra_token": e.extra_token})
+            for m, t in eval_passes(e.modes, e.temperatures) for eos in e.eos]
+
+
+def save_view(spec: SweepSpec, exp_id: str) -> None:
+    """The experiment's saved runs view (tracking/views.py) with this spec's evaluation labels."""
+    tracking.save_runs_view(spec.tracking_uri, exp_id, view_labels(spec))
 
 
 def grid_attrs(spec: SweepSpec, point: dict[str, Any], attempt: int, retry_of: int | None = None) -> dict[str, Any]:

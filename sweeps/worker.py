@@ -171,7 +171,7 @@ def run_one(spec: SweepSpec, study, trial_id: int, exp_id: str, me: Owner, stop:
         study.tell(trial, state=TrialState.FAIL)
         log(f"trial {number}: {key} already complete (trial {dup}); marked FAIL as duplicate")
         return
-    run_name = f"{spec.study}-t{number}-{key}"
+    run_name = f"{spec.study}/{key}"  # the trial number is the tag optuna.trial
     resume_parent = frozen.user_attrs.get("mlflow_parent_run_id")
     log(f"trial {number}: {key} ({'resuming' if resume_parent else 'starting'})")
     hb = _Heartbeat(storage, trial_id)
@@ -204,13 +204,14 @@ def run_one(spec: SweepSpec, study, trial_id: int, exp_id: str, me: Owner, stop:
         for o, v in zip(spec.objectives, values, strict=True):
             storage.set_trial_user_attr(trial_id, f"value:{o.label}", v)
         tracking.log_metrics(uri, parent, {f"objective.{o.label}".replace("/", "."): v for o, v in zip(spec.objectives, values, strict=True)})
+        tracking.log_trial_summary(uri, exp_id, parent)  # one row per trial in the UI's runs table
         dup = _completed_twin(study, key)
         if spec.grid is not None and dup is not None:
             raise RuntimeError(f"duplicate: grid point {key} completed meanwhile in trial {dup}")
         tracking.terminate(uri, [parent], "FINISHED")
         hb.halt.set()
         study.tell(trial, values)
-        log(f"trial {number}: {key} COMPLETE {dict(zip([o.label for o in spec.objectives], values, strict=True))}")
+        log(f"trial {number}: {key} COMPLETE, " + ", ".join(f"{o.label} {v:.4g}" for o, v in zip(spec.objectives, values, strict=True)))
     except Preempted:
         hb.halt.set()
         raise

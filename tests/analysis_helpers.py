@@ -7,7 +7,8 @@ prompt_set) through the suite's own writer (`tracking.log_evaluation`, what the 
 sweep fixture call), so the analysis tests read what real sweeps write. Tests recompute
 expectations from the same records.
 
-Example figure: `python tests/analysis_helpers.py /tmp/syn` then
+Example figure: `python -m tests.analysis_helpers /tmp/syn` (as a module: run as a file, tests/tracking/
+would shadow the `tracking` package) then
 `python -m analysis --tracking-uri sqlite:////tmp/syn/mlflow.db --out /tmp/syn/out`.
 """
 

@@ -90,8 +90,9 @@ def runs(tracking_uri: str, experiment: str) -> list:
 
 
 def check_complete_results(storage: str, study: str, tracking_uri: str, experiment: str, n_modes: int = 2) -> list:
-    """Every COMPLETE trial: parent run FINISHED, its stored children FINISHED with the metrics;
-    no grid point has two COMPLETE trials. Returns the COMPLETE trials."""
+    """Every COMPLETE trial: parent run FINISHED, named `<study>/<grid key>`, with the per-mode
+    summary metrics; its stored children FINISHED with the metrics; no grid point has two COMPLETE
+    trials. Returns the COMPLETE trials."""
     ts = trials(storage, study)
     complete = [t for t in ts if t.state.name == "COMPLETE"]
     keys = [t.user_attrs["grid_key"] for t in complete]
@@ -100,6 +101,10 @@ def check_complete_results(storage: str, study: str, tracking_uri: str, experime
     for t in complete:
         parent = rs[t.user_attrs["mlflow_parent_run_id"]]
         assert parent.info.status == "FINISHED", (t.number, parent.info.status)
+        # named for the UI's runs table, with the compared metrics per mode on the trial's own row
+        assert parent.info.run_name == f"{study}/{t.user_attrs['grid_key']}", parent.info.run_name
+        for m in ("mu_acc", "mu_lat", "throughput", "speedup_vs_stp"):
+            assert f"greedy/{m}" in parent.data.metrics, (parent.info.run_name, m)
         kids = t.user_attrs["mlflow_child_run_ids"]
         assert len(kids) == n_modes
         for k in kids:

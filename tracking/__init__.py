@@ -5,7 +5,9 @@ import it; it imports none of them, and `mtpc/` stays free of MLflow).
   value > sqlite:///<cwd>/mlflow.db), reachability and write probes, `ensure_experiment`.
 - `tracking.runs`: run description (git SHA, package versions, resolved config), parent runs,
   reading runs back, closing runs a failed attempt left RUNNING.
-- `tracking.evaluations`: the one writer of evaluation child runs and the reader of them.
+- `tracking.evaluations`: the one writer of evaluation child runs and the reader of them; the
+  per-label summary a trial's parent run carries.
+- `tracking.views`: what the MLflow UI opens on: the saved runs view `compare heads`, the link.
 
 Everything is re-exported here: `import tracking; tracking.ensure_experiment(uri, name)`.
 """
@@ -13,11 +15,15 @@ Everything is re-exported here: `import tracking; tracking.ensure_experiment(uri
 from tracking.evaluations import (
     NAME_PARAMS,
     STORED_METRICS,
+    SUMMARY_METRICS,
     SUMMARY_TAG,
+    evaluation_label,
     evaluation_run_name,
     evaluation_runs,
     is_evaluation_run,
     log_evaluation,
+    log_trial_summary,
+    summary_metrics,
 )
 from tracking.runs import (
     ERROR_TAG,
@@ -52,12 +58,14 @@ from tracking.store import (
     short,
     sqlite_path,
 )
+from tracking.views import VIEW_ID, runs_url, save_runs_view, view_columns
 
 __all__ = [
-    "DEFAULT_DB", "ERROR_TAG", "GIT_TAGS", "NAME_PARAMS", "PARENT_TAG", "STORED_METRICS", "SUMMARY_TAG",
-    "TRACKING_ENV", "TrackingError", "TrackingURI", "check_tracking", "child_runs", "client", "close_if_running",
-    "describe_run", "discard_children", "ensure_experiment", "evaluation_run_name", "evaluation_runs",
-    "experiment_id", "git_sha", "is_evaluation_run", "iter_runs", "log_evaluation", "log_metrics", "log_params",
-    "open_for_reading", "package_versions", "probe_write", "quick_failures", "resolve_uri", "set_tags", "short",
-    "sqlite_path", "start_parent_run", "terminate",
+    "DEFAULT_DB", "ERROR_TAG", "GIT_TAGS", "NAME_PARAMS", "PARENT_TAG", "STORED_METRICS", "SUMMARY_METRICS",
+    "SUMMARY_TAG", "TRACKING_ENV", "VIEW_ID", "TrackingError", "TrackingURI", "check_tracking", "child_runs", "client",
+    "close_if_running", "describe_run", "discard_children", "ensure_experiment", "evaluation_label",
+    "evaluation_run_name", "evaluation_runs", "experiment_id", "git_sha", "is_evaluation_run", "iter_runs",
+    "log_evaluation", "log_metrics", "log_params", "log_trial_summary", "open_for_reading", "package_versions",
+    "probe_write", "quick_failures", "resolve_uri", "runs_url", "save_runs_view", "set_tags", "short",
+    "sqlite_path", "start_parent_run", "summary_metrics", "terminate", "view_columns",
 ]  # fmt: skip

@@ -7,6 +7,8 @@ when not the default / prompt set). It carries the params `mtpc.names.EVAL_PARAM
 adds, e.g. the trial), the scalar metrics (`EVAL_METRICS`), `acceptance_pos_<i>` for every tested
 window position i (1-based) and the artifact `accepted_length_histogram.json` =
 {"accepted_length_histogram": counts by accepted length, "per_position_acceptance": [...]}.
+A trial's parent run carries, per evaluation label, the mean of SUMMARY_METRICS over its reported
+prompt sets (`greedy/throughput`, `log_trial_summary`): one row per trial in the UI's runs table.
 Leaves out: computing any metric (experiments/evaluate.py, the fixture objective).
 """
 
@@ -16,8 +18,16 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from mtpc.names import ACCEPTANCE_PREFIX, EOS_MODES, EVAL_METRICS, GRID_PARAMS, HISTOGRAM_ARTIFACT, grid_key
-from tracking.runs import PARENT_TAG, iter_runs, param_str
+from mtpc.names import (
+    ACCEPTANCE_PREFIX,
+    DEV_SET_PREFIX,
+    EOS_MODES,
+    EVAL_METRICS,
+    GRID_PARAMS,
+    HISTOGRAM_ARTIFACT,
+    grid_key,
+)
+from tracking.runs import PARENT_TAG, child_runs, iter_runs, log_metrics, param_str
 from tracking.store import client
 
 #: the metrics a trial's read-back requires of every stored evaluation run
@@ -26,22 +36,56 @@ STORED_METRICS: tuple[str, ...] = EVAL_METRICS[:5]  # mu_lat, mu_acc, tokens_per
 NAME_PARAMS: tuple[str, ...] = (*GRID_PARAMS, "mode", "prompt_set")
 #: tag of runs that are about evaluations without being one (the analysis summary run)
 SUMMARY_TAG = "mtpc.analysis"
+#: the metrics a trial's parent run summarises per evaluation label (`greedy/throughput`)
+SUMMARY_METRICS: tuple[str, ...] = ("mu_acc", "mu_lat", "tokens_per_cycle", "throughput", "speedup_vs_stp")
+SUMMARY_DIGITS = 4
+
+
+def evaluation_label(params: dict[str, Any]) -> str:
+    """`<mode>[-drop][-T<t>][-eos_allowed]`, e.g. `greedy`, `sample-T0.7`: the decoding mode and what
+    the evaluation varied away from its defaults (extra_token keep, temperature 1 when sampling,
+    EOS banned)."""
+    label = str(params["mode"])
+    if params.get("extra_token", "keep") not in (None, "keep"):
+        label += f"-{params['extra_token']}"
+    t = params.get("temperature")
+    if label.startswith("sample") and t is not None and float(t) != 1.0:
+        label += f"-T{float(t):g}"
+    if params.get("eos", EOS_MODES[0]) not in (None, EOS_MODES[0]):
+        label += f"-eos_{params['eos']}"
+    return label
 
 
 def evaluation_run_name(params: dict[str, Any]) -> str:
-    """`<grid key>/<mode>[-drop][-T<t>][-eos_allowed]/set<prompt set>`, e.g. `cp-r8-n16-k0/sample/set1`:
-    the grid key (with the training axes away from their defaults), then what the evaluation varied
-    away from its defaults (extra_token keep, temperature 1 when sampling, EOS banned)."""
-    mode = str(params["mode"])
-    if params.get("extra_token", "keep") not in (None, "keep"):
-        mode += f"-{params['extra_token']}"
-    t = params.get("temperature")
-    if mode.startswith("sample") and t is not None and float(t) != 1.0:
-        mode += f"-T{float(t):g}"
-    if params.get("eos", EOS_MODES[0]) not in (None, EOS_MODES[0]):
-        mode += f"-eos_{params['eos']}"
+    """`<grid key>/<evaluation label>/set<prompt set>`, e.g. `cp-r8-n16-k0/sample/set1`: the grid key
+    (with the training axes away from their defaults), the label, the prompt set."""
     ps = str(params["prompt_set"])
-    return f"{grid_key(params)}/{mode}/{'set' + ps if ps.isdigit() else ps}"
+    return f"{grid_key(params)}/{evaluation_label(params)}/{'set' + ps if ps.isdigit() else ps}"
+
+
+def summary_metrics(runs: list, metrics: tuple[str, ...] = SUMMARY_METRICS) -> dict[str, float]:
+    """`<evaluation label>/<metric>`: the mean of each metric over the evaluation runs of that label
+    on the reported prompt sets (development sets choose settings, they are not results)."""
+    groups: dict[str, list] = {}
+    for r in runs:
+        if is_evaluation_run(r) and not str(r.data.params["prompt_set"]).startswith(DEV_SET_PREFIX):
+            groups.setdefault(evaluation_label(r.data.params), []).append(r)
+    out = {}
+    for label, rs in groups.items():
+        for m in metrics:
+            vals = [r.data.metrics[m] for r in rs if m in r.data.metrics]
+            if vals:
+                out[f"{label}/{m}"] = sum(vals) / len(vals)
+    return out
+
+
+def log_trial_summary(uri: str, experiment_id: str, parent_run_id: str) -> dict[str, float]:
+    """Log `summary_metrics` of a trial's stored evaluation runs on its parent run, rounded to
+    SUMMARY_DIGITS significant digits (a row to read: the evaluation runs keep full precision), so
+    the runs table compares trials on one row each (the saved view of tracking/views.py)."""
+    out = {k: float(f"{v:.{SUMMARY_DIGITS}g}") for k, v in summary_metrics(child_runs(uri, experiment_id, parent_run_id)).items()}
+    log_metrics(uri, parent_run_id, out)
+    return out
 
 
 def log_evaluation(

@@ -17,6 +17,7 @@ and evaluation runs (tracking/evaluations.py).
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 import time
 import urllib.error
@@ -29,8 +30,13 @@ from urllib.parse import urlparse
 
 TRACKING_ENV = "MLFLOW_TRACKING_URI"
 DEFAULT_DB = "mlflow.db"
-#: an experiment tag that every write probe sets (the time of the last successful probe)
-PROBE_TAG = "mtpc.last_write_probe"
+#: the experiment tag MLflow 3's UI reads for an experiment's kind, and the classic kind's value
+#: (mlflow/server/js: ExperimentKind.CUSTOM_MODEL_DEVELOPMENT, shown as "Machine learning")
+KIND_TAG = "mlflow.experimentKind"
+CLASSIC_KIND = "custom_model_development"
+#: the write probe sets, then deletes, an experiment tag of this name (+ host and pid: probes of
+#: concurrent workers never delete each other's), so no probe is left on the experiment
+PROBE_TAG = "mtpc.write_probe"
 
 
 class TrackingError(RuntimeError):
@@ -162,8 +168,8 @@ def _writable_dir(d: Path, what: str) -> None:
 
 
 def probe_write(uri: str, experiment_id: str, attempts: int = 3) -> str | None:
-    """None if the store takes a real write (an experiment tag), else a one-line problem that names
-    the URI. Each attempt fails fast (no HTTP retries); a failed one is tried again after 1 s, then
+    """None if the store takes a real write (an experiment tag, set and deleted again), else a
+    one-line problem that names the URI. Each attempt fails fast (no HTTP retries); a failed one is tried again after 1 s, then
     2 s, so a busy store (a locked sqlite database behind a server under concurrent writes) is not
     taken for a lost one. Cheap enough to call before every trial."""
     detail = ""
@@ -172,8 +178,11 @@ def probe_write(uri: str, experiment_id: str, attempts: int = 3) -> str | None:
             time.sleep(2.0 ** (i - 1))
         try:
             check_tracking(uri)
+            key = f"{PROBE_TAG}.{socket.gethostname()}.{os.getpid()}"
             with quick_failures():
-                client(uri).set_experiment_tag(experiment_id, PROBE_TAG, str(time.time()))
+                c = client(uri)
+                c.set_experiment_tag(experiment_id, key, str(time.time()))
+                c.delete_experiment_tag(experiment_id, key)
             return None
         except Exception as e:  # noqa: BLE001 (whatever failed, the store did not take the write)
             detail = str(e) if isinstance(e, TrackingError) else f"a write failed: {short(e)}"
@@ -201,7 +210,9 @@ def open_for_reading(uri: str, source: str = "--tracking-uri"):
 def ensure_experiment(uri: str, name: str) -> str:
     """The id of experiment `name`, created if missing. A sweep calls it once (its --init) before
     any worker starts; workers then select the experiment by id. Local stores keep artifacts next
-    to the database (`<dir>/mlartifacts`), not in ./mlruns of whatever cwd a job has."""
+    to the database (`<dir>/mlartifacts`), not in ./mlruns of whatever cwd a job has. The
+    experiment is of the classic kind (`mlflow.experimentKind`, tracking/views.py), so MLflow 3's
+    UI opens it on its runs, not on the GenAI overview; an experiment without the tag gets it."""
     from mlflow.exceptions import MlflowException
 
     c = client(uri)
@@ -210,13 +221,15 @@ def ensure_experiment(uri: str, name: str) -> str:
         db = sqlite_path(uri)
         artifacts = (db.parent / "mlartifacts").resolve().as_uri() if db is not None else None
         try:
-            return c.create_experiment(name, artifact_location=artifacts)
+            return c.create_experiment(name, artifact_location=artifacts, tags={KIND_TAG: CLASSIC_KIND})
         except MlflowException:  # created concurrently: read it back
             exp = c.get_experiment_by_name(name)
             if exp is None:
                 raise
     if exp.lifecycle_stage == "deleted":
         raise TrackingError(f"MLflow experiment {name!r} at {uri} exists but is deleted; restore it or pick another name")
+    if KIND_TAG not in exp.tags:
+        c.set_experiment_tag(exp.experiment_id, KIND_TAG, CLASSIC_KIND)
     return exp.experiment_id
 
 

@@ -156,7 +156,7 @@ def test_parse_hist_forms():
 
 def test_cli_writes_figures_tables_and_logs_summary(store, tmp_path, capsys):
     out = tmp_path / "out"
-    args = ["--tracking-uri", store["uri"], "--experiment", "sweep", "--out", str(out), "--log-to-mlflow"]
+    args = ["--tracking-uri", store["uri"], "--experiment", "sweep", "--out", str(out)]  # logs by default
     rc = cli.main(args + ["--backbone", "tiny"])  # two of the three settings: figures cost seconds
     cap = capsys.readouterr()
     assert rc == 0, cap.err
@@ -168,19 +168,19 @@ def test_cli_writes_figures_tables_and_logs_summary(store, tmp_path, capsys):
     )
     assert "1 unfinished run(s) ignored" in cap.err
     names = {p.name for p in out.iterdir()}
-    slugs = ["tiny_greedy_keep_T0_p1_cpu-test", "tiny_sample_keep_T1_p1_cpu-test"]
+    slugs = ["greedy", "sample"]  # short names: only what differs between the settings
     assert not any(n.startswith("pareto_bare") for n in names)
     for slug in slugs:
         assert {f"pareto_{slug}.png", f"pareto_{slug}.pdf", f"table_{slug}.md", f"table_{slug}.tex"} <= names
-    assert "throughput_vs_window_tiny_sample_keep_T1_p1_cpu-test.png" in names  # n varies only there
-    assert "throughput_vs_window_tiny_greedy_keep_T0_p1_cpu-test.png" not in names
-    assert "accepted_length_tiny_greedy_keep_T0_p1_cpu-test.png" in names
+    assert "throughput_vs_window_sample.png" in names  # n varies only there
+    assert "throughput_vs_window_greedy.png" not in names
+    assert "accepted_length_greedy.png" in names
     assert (out / f"pareto_{slugs[0]}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / f"pareto_{slugs[0]}.pdf").read_bytes()[:5] == b"%PDF-"
     assert {"tables.md", "tables.tex", "summary.csv"} <= names
     # table value: the logged throughput of greedy cp, mean ± std over the two prompt sets, bold (best)
     thr = [e.metrics["throughput"] for e in store["good"][:6] if e.params["circuit"] == "btree"]
-    md = (out / "table_tiny_greedy_keep_T0_p1_cpu-test.md").read_text()
+    md = (out / "table_greedy.md").read_text()
     assert (
         f"**{np.mean(thr):.0f} ± {np.std(thr, ddof=1):.0f}**" in md
         or f"**{np.mean(thr):.1f} ± {np.std(thr, ddof=1):.1f}**" in md
@@ -200,6 +200,27 @@ def test_cli_writes_figures_tables_and_logs_summary(store, tmp_path, capsys):
     assert f"table_{slugs[0]}.md" in tabs and "summary.csv" in tabs
     saved = json.loads(json.dumps(summary.data.params))
     assert saved["n_skipped_runs"] == "1"
+    # a later analysis replaces the summary run (the earlier one goes to MLflow's trash)
+    again = cli.log_summary(client, result, [out / "summary.csv"], cli.build_parser().parse_args(args), Filters())
+    (active,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`{tracking.SUMMARY_TAG}` = 'summary'")
+    assert active.info.run_id == again != summary.info.run_id
+    assert client.get_run(summary.info.run_id).info.lifecycle_stage == "deleted"
+
+
+def test_cli_logs_nothing_when_told_or_when_the_runs_span_experiments(store, tmp_path, capsys):
+    c = tracking.client(store["uri"])
+    exp_ids = [c.get_experiment_by_name(n).experiment_id for n in ("sweep", "second")]
+
+    def summaries():
+        return c.search_runs(exp_ids, filter_string=f"tags.`{tracking.SUMMARY_TAG}` = 'summary'")
+
+    before = len(summaries())
+    base = ["--tracking-uri", store["uri"], "--backbone", "bare", "--mode", "greedy", "--out", str(tmp_path)]
+    assert cli.main(base + ["--experiment", "second", "--no-log-to-mlflow"]) == 0
+    assert cli.main(base) == 0  # "bare" runs live in two experiments: a note, no summary run
+    err = capsys.readouterr().err
+    assert "not logged to MLflow: the runs come from several experiments" in err
+    assert len(summaries()) == before
 
 
 def test_cli_errors_exit_1_without_traceback(store, tmp_path, capsys):

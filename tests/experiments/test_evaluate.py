@@ -119,3 +119,10 @@ def test_cli_truncated_head_is_one_line_naming_the_file(exported, tmp_path, caps
                "--out", str(tmp_path / "r.json"), "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and str(weights) in err, err
+
+
+def test_cli_missing_head_directory_says_it_does_not_exist(exported, tmp_path, capsys):
+    rc = main(["--head", str(tmp_path / "nowhere"), "--prompts", str(exported / "prompts.jsonl"), "--num-prompts", "1",
+               "--sets", "1", "--out", str(tmp_path / "r.json"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "nowhere' does not exist or is not a directory" in err, err

@@ -112,3 +112,37 @@ def test_without_stp_the_heads_alone_and_named_sets(model_dir):
         assert a["metrics"]["mu_acc"] == b["metrics"]["mu_acc"]  # the same seeded generations
     with pytest.raises(ValueError, match="set_names"):
         evaluate_heads(m, [["one"]], set_names=["0", "1"], progress=False)
+
+
+def test_an_evaluation_times_only_while_it_holds_the_machine_wide_lock(model_dir, tmp_path, monkeypatch):
+    """Another process holds the timing lock: evaluate_heads waits (timing nothing) until it lets go."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    lock = tmp_path / "timing.lock"
+    monkeypatch.setenv("MTPC_TIMING_LOCK", str(lock))
+    held, release = tmp_path / "held", tmp_path / "release"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time, pathlib; from filelock import FileLock\n"
+        f"with FileLock({str(lock)!r}):\n"
+        f"    pathlib.Path({str(held)!r}).touch()\n"
+        f"    while not pathlib.Path({str(release)!r}).exists(): time.sleep(0.05)\n")])
+    try:
+        deadline = time.monotonic() + 60
+        while not held.exists():
+            assert holder.poll() is None and time.monotonic() < deadline, "the lock holder did not start"
+            time.sleep(0.05)
+        m = MtpcModel.from_pretrained(model_dir / "cp")
+        done: list[dict] = []
+        t = threading.Thread(target=lambda: done.append(evaluate_heads(m, [["one"]], max_new_tokens=8, progress=False)))
+        t.start()
+        t.join(5.0)  # ample for this evaluation alone (well under a second)
+        assert t.is_alive() and not done  # blocked on the lock, not timing beside the other process
+        release.touch()
+        t.join(120)
+        assert done and done[0]["runs"]
+    finally:
+        release.touch()
+        holder.wait(30)

@@ -7,10 +7,12 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 
 import pytest
 import torch
 
+from mtpc import MtpcModel
 from mtpc.heads import HeadConfig, MtpcHead, load_head, save_head
 from mtpc.names import CIRCUIT_KINDS
 
@@ -236,6 +238,9 @@ def test_export_paths_expand_the_home_directory(tmp_path, monkeypatch):
     save_head("~/heads/cp", head)
     assert (tmp_path / "heads" / "cp" / "config.json").is_file()
     assert load_head("~/heads/cp")[0].config == head.config
+    # a path that is no directory says so (not "missing config.json"), through MtpcModel too
+    with pytest.raises(FileNotFoundError, match="^" + re.escape(f"head directory {tmp_path}/heads/none does not exist (a head export is")):
+        MtpcModel.from_pretrained("~/heads/none")
 
 
 def test_export_config_not_matching_tensors_is_a_clear_error(tmp_path):
@@ -256,6 +261,8 @@ def test_export_config_not_matching_tensors_is_a_clear_error(tmp_path):
     (tmp_path / "head.safetensors").unlink()
     with pytest.raises(ValueError, match=r"missing head.safetensors"):
         load_head(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"config.json is a file, not a directory"):
+        load_head(tmp_path / "config.json")
 
 
 @pytest.mark.parametrize("cut", [5, 0.5])

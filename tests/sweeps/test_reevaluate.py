@@ -52,6 +52,8 @@ def test_adds_a_greedy_pass_once_and_redoes_a_partial_one(tmp_path, capsys):
         assert g.data.tags["mlflow.parentRunId"] == s.data.tags["mlflow.parentRunId"]
         for k in ("kl_beta", "train_seed", "converged", "circuit", "window", "rank"):
             assert g.data.params[k] == s.data.params[k], k
+    parent = {r.info.run_id: r for r in runs(uri, "reev")}[greedy[0].data.tags["mlflow.parentRunId"]]
+    assert "greedy/mu_acc" in parent.data.metrics and "sample/mu_acc" in parent.data.metrics  # the trial's row
 
     assert main([str(spec), "--set", "eval.modes=[greedy]"]) == 0  # resumable: nothing left to do
     assert "0 trial head(s)" in capsys.readouterr().out

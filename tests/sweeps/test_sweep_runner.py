@@ -16,6 +16,7 @@ import sys
 import time
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 import tracking
 from sweeps import liveness, run
@@ -64,6 +65,13 @@ def test_local_workers_run_each_point_once_and_rerun_adds_nothing(tmp_path, trac
     parent = {x.info.run_id: x for x in runs(tracking_uri, "local2")}[failed.user_attrs["mlflow_parent_run_id"]]
     assert parent.info.status == "FAILED" and "forced failure" in parent.data.tags["mtpc.error"]
     check_complete_results(spec.storage, "local2", tracking_uri, "local2")
+    # the experiment opens on its runs with the spec's columns (tracking/views.py; a browser shows it:
+    # tracking/screenshot.py); the write probes before every trial left no tag behind
+    exp = MlflowClient(tracking_uri).get_experiment_by_name("local2")
+    view = json.loads(json.loads(exp.tags[f"mlflow.sharedViewState.{tracking.VIEW_ID}"])["state"])
+    assert view["selectedColumns"] == tracking.view_columns(["greedy", "sample"])
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert not [k for k in exp.tags if k.startswith("mtpc.")], exp.tags
     # the two workers shared the work
     owners = {json.loads(t.user_attrs["owner"])["pid"] for t in ts}
     assert len(owners) == 2

@@ -1,5 +1,6 @@
 """tracking/ on a temporary sqlite store: the tracking-URI rule at each of its four levels, one
-experiment however often it is ensured, the write probe, the run description, the one writer of
+experiment however often it is ensured (of the classic kind), the write probe (which leaves no tag),
+the run description, a trial's per-label summary, the saved runs view and its link, the one writer of
 evaluation runs (name, params, metrics, acceptance, histogram) and the reader, and closing runs
 an attempt left RUNNING."""
 
@@ -38,6 +39,13 @@ def test_the_tracking_uri_rule(tmp_path):
 
 def test_one_experiment_with_artifacts_next_to_the_database(store):
     uri, exp_id = store
+    c = tracking.client(uri)
+    # the classic kind, so MLflow 3's UI opens on the runs; an experiment made elsewhere gets it too
+    assert c.get_experiment(exp_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    bare = c.create_experiment("made-by-mlflow")
+    assert "mlflow.experimentKind" not in c.get_experiment(bare).tags
+    assert tracking.ensure_experiment(uri, "made-by-mlflow") == bare
+    assert c.get_experiment(bare).tags["mlflow.experimentKind"] == "custom_model_development"
     assert tracking.ensure_experiment(uri, "t") == exp_id
     assert tracking.experiment_id(uri, "t") == exp_id and tracking.experiment_id(uri, "none") is None
     loc = tracking.client(uri).get_experiment(exp_id).artifact_location
@@ -46,8 +54,9 @@ def test_one_experiment_with_artifacts_next_to_the_database(store):
 
 def test_write_probe(store, tmp_path):
     uri, exp_id = store
+    before = tracking.client(uri).get_experiment(exp_id).tags
     assert tracking.probe_write(uri, exp_id) is None
-    assert "mtpc.last_write_probe" in tracking.client(uri).get_experiment(exp_id).tags
+    assert tracking.client(uri).get_experiment(exp_id).tags == before  # the probe's tag was deleted again
     problem = tracking.probe_write("http://127.0.0.1:9", exp_id)
     assert problem.startswith("MLflow tracking store http://127.0.0.1:9 cannot be written") and "\n" not in problem
     blocked = tmp_path / "file"
@@ -99,6 +108,40 @@ def test_the_evaluation_writer_and_reader(store, tmp_path):
     assert sorted(r.info.run_id for r in tracking.evaluation_runs(c, [exp_id], parent)) == sorted([rid, drop])
     assert summary not in {r.info.run_id for r in tracking.evaluation_runs(c, [exp_id])}
     assert {r.info.run_id for r in tracking.child_runs(uri, exp_id, parent)} == {rid, drop}
+
+
+def test_a_trial_summary_per_evaluation_label(store):
+    """The parent run's row in the UI: per label (mode and what varied), the mean over the reported
+    prompt sets, rounded for reading; development sets are not results and stay out."""
+    uri, exp_id = store
+    parent = tracking.start_parent_run(uri, exp_id, "summarised", params={}, tags={})
+    base = {"mu_lat": 0.001, "mu_acc": 1.0, "tokens_per_cycle": 2.0, "throughput": 2000.0, "max_throughput": 4000.0,
+            "speedup_vs_stp": 1.5}
+    for ps, acc in ((0, 1.0), (1, 2.0), ("dev0", 9.0)):
+        tracking.log_evaluation(uri, parent, {**PARAMS, "prompt_set": ps}, {**base, "mu_acc": acc + 1 / 3}, experiment_id=exp_id)
+    tracking.log_evaluation(uri, parent, {**PARAMS, "mode": "greedy", "temperature": 0.7}, base, experiment_id=exp_id)
+    tracking.log_evaluation(uri, parent, {**PARAMS, "temperature": 0.7}, {**base, "throughput": 1000.0}, experiment_id=exp_id)
+    got = tracking.log_trial_summary(uri, exp_id, parent)
+    assert got["sample/mu_acc"] == 1.833 and got["greedy/mu_acc"] == 1.0  # (4/3 + 7/3) / 2, 4 digits
+    assert got["sample-T0.7/throughput"] == 1000.0 and got["sample/throughput"] == 2000.0
+    assert sorted(got) == sorted(f"{lb}/{m}" for lb in ("greedy", "sample", "sample-T0.7") for m in tracking.SUMMARY_METRICS)
+    assert tracking.client(uri).get_run(parent).data.metrics == got
+
+
+def test_the_saved_runs_view_and_its_link(store):
+    """The view MLflow's UI lists under "Views" (tag mlflow.sharedViewState.<id>: an envelope with a
+    name, a creation time and the state as a JSON string); checked in a browser by tracking/screenshot.py."""
+    uri, exp_id = store
+    assert tracking.save_runs_view(uri, exp_id, ["greedy", "sample-T0.7"]) == tracking.VIEW_ID
+    envelope = json.loads(tracking.client(uri).get_experiment(exp_id).tags[f"mlflow.sharedViewState.{tracking.VIEW_ID}"])
+    assert envelope["name"] == "compare heads" and isinstance(envelope["createdAt"], int)
+    state = json.loads(envelope["state"])
+    cols = ["params.`circuit`", "params.`rank`", "params.`window`", "params.`lora_depth`"] + [
+        f"metrics.`{lb}/{m}`" for lb in ("greedy", "sample-T0.7") for m in ("mu_acc", "mu_lat", "throughput", "speedup_vs_stp")]
+    assert state["selectedColumns"] == cols and state["columnOrder"] == ["attributes.`Run Name`", *cols]
+    assert set(state["columnWidths"]) == set(state["columnOrder"]) and "orderByKey" not in state  # sorting un-nests children
+    assert tracking.runs_url("http://127.0.0.1:5000/", "7") == (
+        "http://127.0.0.1:5000/#/experiments/7/runs?workflowType=machine_learning&viewStateShareKey=mtpc-compare")
 
 
 def test_close_if_running_ends_a_stale_parent_and_its_children(store):
