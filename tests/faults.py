@@ -54,3 +54,15 @@ def small_tmpfs(size: str = "2m"):
     finally:
         subprocess.run(["umount", "-l", str(d)], check=False)
         d.rmdir()
+
+
+def fill(directory: Path, leave: int = 0) -> None:
+    """Fill the filesystem of `directory` with a filler file until at most `leave` bytes are free."""
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    with open(Path(directory) / "filler", "wb") as f:
+        try:
+            f.write(b"\0" * max(0, free - leave))
+            f.flush()
+        except OSError:
+            pass
