@@ -9,16 +9,24 @@ suite's own `plugins=[LightningEnvironment()]` (a one-task SLURM job must not be
 multi-process or self-requeueing one), a ModelCheckpoint in `<run.dir>/checkpoints` (so
 `--ckpt_path last` finds `last.ckpt`), the `StopCheckpoint` callback and the MLflow logger; fit;
 score the final head if the last step was not validated; export it with `mtpc.heads.save_head` to
-`run.export_dir`. CLI exit codes: 0 done, 2 bad config or data (one line naming file and key),
-3 stopped on request (checkpoint written; resume with `--ckpt_path last`).
+`run.export_dir`. Before anything loads, the trainer settings are checked, the resume path
+(`run_dir.check_ckpt_path`: a local file; `last` must exist) and the run directory's identity
+(`run_dir.claim`: one run per directory); checkpoints are written atomically and loaded weights-only
+(`run_dir.AtomicCheckpointIO`).
+CLI exit codes: 0 done, 2 bad config, data or resume path (one line naming file and key),
+3 stopped by SIGUSR1, 143 stopped by SIGTERM, 130 stopped by SIGINT (each after writing
+`checkpoints/last.ckpt`; resume with `--ckpt_path last`), 74 a write failed (e.g. no space left;
+one line naming the path).
 Leaves out: the config (config.py), the module and data (module.py, datamodule.py), MLflow
-(mlflow_run.py), the stop callback (callbacks.py), evaluation and sweeps.
+(mlflow_run.py), the stop callback (callbacks.py), the run directory's rules (run_dir.py),
+evaluation and sweeps.
 """
 
 from __future__ import annotations
 
 import json
 import resource
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -31,6 +39,7 @@ from lightning.pytorch.callbacks import Callback
 
 from experiments.config import CONFIG_DIR, TRAIN_CONFIGS, TrainConfig, from_namespace, load_config
 from experiments.mlflow_run import PROJECT_DIR
+from mtpc.atomic import write_json
 
 __all__ = ["CONFIG_DIR", "PROJECT_DIR", "TRAIN_CONFIGS", "TrainResult", "check_config", "main", "train_head"]
 
@@ -47,7 +56,9 @@ class TrainResult:
     config: dict[str, Any] = field(default_factory=dict)
     """the resolved config (`TrainConfig.to_dict()`: the YAML layout)"""
     preempted: bool = False
-    """stopped on request (SIGUSR1, or `should_stop`) after writing checkpoints/last.ckpt (nothing exported); resume with ckpt_path last"""
+    """stopped on request (SIGUSR1/SIGTERM/SIGINT, or `should_stop`) after writing checkpoints/last.ckpt (nothing exported); resume with ckpt_path last"""
+    stop_signal: int | None = None
+    """the signal that stopped the run (None: not stopped by a signal)"""
     model: Any = field(default=None, repr=False)
     """the trained MtpcTrainModule (backbone + head), so a caller can evaluate without reloading"""
 
@@ -68,11 +79,12 @@ def train_head(config: TrainConfig | dict[str, Any] | str | Path, overrides: dic
 
     overrides: nested or dotted keys applied on top of the config ({"model.circuit": "hmm"}).
     mlflow_run_id: log into this existing run (e.g. the sweep's trial run; it is left open).
-    ckpt_path: resume exactly from this checkpoint, or "last" for `<run_dir>/checkpoints/last.ckpt`.
+    ckpt_path: resume exactly from this local checkpoint of the same run, or "last" for
+        `<run_dir>/checkpoints/last.ckpt` (ValueError when there is nothing to resume).
     run_dir / export_dir: override `run.dir` / `run.export_dir`.
     callbacks: extra Lightning callbacks (tests use them to record or interrupt).
     should_stop: polled after every optimizer step; true -> checkpoint and stop (`preempted`). When
-        given, the caller owns the signals; otherwise SIGUSR1 during fit does the same.
+        given, the caller owns the signals; otherwise SIGUSR1, SIGTERM or SIGINT during fit does the same.
     """
     started = time.perf_counter()
     cfg = load_config(config, overrides)
@@ -81,8 +93,24 @@ def train_head(config: TrainConfig | dict[str, Any] | str | Path, overrides: dic
                       export_dir=str(export_dir) if export_dir is not None else cfg.run.export_dir)
         cfg = replace(cfg, run=run)
     cfg = cfg.check().resolved()
+    _check_trainer(cfg)
+    from experiments.run_dir import check_ckpt_path
+
+    ckpt_path = check_ckpt_path(ckpt_path, Path(cfg.run.dir))
     return _fit(cfg, started, mlflow_run_id=mlflow_run_id, ckpt_path=ckpt_path, callbacks=list(callbacks or []),
                 should_stop=should_stop)
+
+
+def _check_trainer(cfg: TrainConfig) -> None:
+    """Build the Trainer once without side effects, so a bad trainer value is a one-line error before work."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+    from lightning.pytorch import Trainer
+
+    try:
+        Trainer(**{**cfg.trainer, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+                   "enable_model_summary": False})
+    except (MisconfigurationException, ValueError, TypeError) as err:
+        raise ValueError(f"{cfg.source}: trainer: {' '.join(str(err).split())}") from None
 
 
 def _fit(cfg: TrainConfig, started: float, *, mlflow_run_id: str | None, ckpt_path: str | Path | None,
@@ -96,23 +124,21 @@ def _fit(cfg: TrainConfig, started: float, *, mlflow_run_id: str | None, ckpt_pa
     from experiments.datamodule import ChatDataModule
     from experiments.mlflow_run import make_logger
     from experiments.module import MtpcTrainModule
+    from experiments.run_dir import AtomicCheckpointIO, RunIdentity, claim
 
+    run_dir = Path(cfg.run.dir)
+    identity = claim(run_dir, cfg.to_dict(), None if ckpt_path is None else str(ckpt_path))
     if cfg.run.cpu_threads:
         torch.set_num_threads(int(cfg.run.cpu_threads))
     L.seed_everything(cfg.seed_everything, verbose=False)
     module, data = MtpcTrainModule(cfg.model), ChatDataModule(cfg.data)
-    run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     resuming = ckpt_path is not None
-    if ckpt_path == "last":
-        last = run_dir / "checkpoints" / "last.ckpt"
-        ckpt_path = str(last) if last.exists() else None
     stopper = StopCheckpoint(run_dir / "checkpoints" / "last.ckpt", should_stop)
     periodic = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
                                every_n_train_steps=cfg.run.checkpoint_every_n_steps or None)
     logger = make_logger(cfg, run_id=mlflow_run_id, resuming=resuming) if cfg.run.tracking else False
-    trainer = Trainer(**cfg.trainer, callbacks=[periodic, stopper, *callbacks], plugins=[LightningEnvironment()],
-                      default_root_dir=str(run_dir), logger=logger)
+    trainer = Trainer(**cfg.trainer, callbacks=[periodic, stopper, RunIdentity(identity), *callbacks],
+                      plugins=[LightningEnvironment(), AtomicCheckpointIO()], default_root_dir=str(run_dir), logger=logger)
     trainer.fit(module, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None)
     return _finish(cfg, trainer, module, data, stopper, started)
 
@@ -128,7 +154,8 @@ def _finish(cfg: TrainConfig, trainer: Any, module: Any, data: Any, stopper: Any
               "mlflow_run_id": logger.run_id if logger else None}
     metrics = _final_metrics(trainer)
     if stopper.stopped:
-        return TrainResult(head_dir=Path(cfg.run.export_dir), metrics=metrics, preempted=True, **common)
+        return TrainResult(head_dir=Path(cfg.run.export_dir), metrics=metrics, preempted=True,
+                           stop_signal=stopper.signum, **common)
     if stopper.last_validation_step != trainer.global_step and trainer.limit_val_batches:
         # stopped by max_steps (or mid-epoch): score the held-out set once more on the final head
         trainer.validate(module, datamodule=data, verbose=False)
@@ -139,7 +166,7 @@ def _finish(cfg: TrainConfig, trainer: Any, module: Any, data: Any, stopper: Any
     metrics["train_seconds"] = time.perf_counter() - started
     if logger:
         log_end(logger, metrics, trainer.global_step, head_dir)
-    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    write_json(run_dir / "metrics.json", metrics, indent=2)
     return TrainResult(head_dir=head_dir, metrics=metrics, **common)
 
 
@@ -187,6 +214,10 @@ def parse_cli(argv: list[str] | None) -> tuple[TrainConfig, str | None]:
     return from_namespace(fit, ", ".join(files) or "<command line>"), fit.ckpt_path
 
 
+#: exit code of a run stopped by a signal (after its checkpoint): SIGUSR1 3, else 128 + the signal number
+STOP_CODES = {signal.SIGUSR1: 3, signal.SIGTERM: 128 + signal.SIGTERM, signal.SIGINT: 128 + signal.SIGINT}
+
+
 def main(argv: list[str] | None = None) -> int:
     from experiments.quiet import quiet
 
@@ -197,9 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a write failed: mtpc.atomic names the path ("no space left" for a full disk)
+        print(f"error: {err.strerror or err}", file=sys.stderr)
+        return 74
     if result.preempted:
-        print(f"stopped on request: checkpoint in {result.checkpoint_dir}; resume with --ckpt_path last")
-        return 3
+        name = signal.Signals(result.stop_signal).name if result.stop_signal else "request"
+        print(f"stopped by {name}: checkpoint in {result.checkpoint_dir}; resume with --ckpt_path last")
+        return STOP_CODES.get(result.stop_signal, 3)
     print(f"head exported to {result.head_dir}")
     print(json.dumps({k: round(v, 5) for k, v in result.metrics.items()}, indent=1))
     return 0
