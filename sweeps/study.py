@@ -59,6 +59,13 @@ def open_storage(url: str):
     if url.startswith("journal:"):
         from optuna.storages.journal import JournalFileBackend, JournalStorage
 
+        from sweeps.journal import JournalError, repair
+
+        try:
+            for note in repair(url[len("journal:"):]):  # a torn line from an older crash or full disk
+                log(f"warning: {note}")
+        except (JournalError, OSError) as e:
+            raise StorageError(str(e)) from None
         return JournalStorage(JournalFileBackend(url[len("journal:"):]))
     return optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True})
 
