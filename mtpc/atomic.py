@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_open", "commit_dir", "disk_error", "fsync_dir", "remove_stale_temps", "sha256_file", "temp_name",
+__all__ = ["atomic_open", "check_writable", "commit_dir", "disk_error", "fsync_dir", "remove_stale_temps", "sha256_file", "temp_name",
            "write_bytes", "write_json", "write_text"]
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -107,6 +107,24 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb", encoding: str = "utf-
             raise disk_error(err, path) from None
         raise
     fsync_dir(path.parent)
+
+
+def check_writable(path: str | os.PathLike, what: str = "output") -> Path:
+    """Check, before any work, that a file can be written at `path`: not a directory, and its folder
+    (or the nearest existing one above it) writable. ValueError in one line naming `what` and the path."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise ValueError(f"{what} {path}: is a directory; give a file path")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{what} {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {path}: {parent} is not writable")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"{what} {path}: not writable")
+    return path
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
