@@ -110,7 +110,11 @@ def _check_trainer(cfg: TrainConfig) -> None:
         Trainer(**{**cfg.trainer, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
                    "enable_model_summary": False})
     except (MisconfigurationException, ValueError, TypeError) as err:
-        raise ValueError(f"{cfg.source}: trainer: {' '.join(str(err).split())}") from None
+        import re
+
+        named = re.search(r"`(\w+)`", str(err))
+        key = f"trainer.{named.group(1)}" if named and named.group(1) in cfg.trainer else "trainer"
+        raise ValueError(f"{cfg.source}: {key}: {' '.join(str(err).split())}") from None
 
 
 def _fit(cfg: TrainConfig, started: float, *, mlflow_run_id: str | None, ckpt_path: str | Path | None,
@@ -205,13 +209,77 @@ def parse_cli(argv: list[str] | None) -> tuple[TrainConfig, str | None]:
                           description="Train one MtPC head (docs/training.md).")
     sub = root.add_subcommands(required=True, dest="subcommand")
     sub.add_subcommand("fit", build_fit_parser(), help="train one head and export it")
+    sources = _key_sources(list(argv if argv is not None else sys.argv[1:]))
     try:
         ns = root.parse_args(argv)
     except Exception as err:  # jsonargparse's ArgumentError: say it in one line, usage on request (--help)
         raise ValueError(f"{' '.join(str(err).split())} (python -m experiments.train fit --help lists the options)") from None
     fit = ns.fit
     files = [str(f) for f in (fit.get("config") or []) if f is not None]
-    return from_namespace(fit, ", ".join(files) or "<command line>"), fit.ckpt_path
+    cfg = from_namespace(fit, ", ".join(files) or "<command line>")
+    try:
+        _check_trainer(cfg.check())
+    except ValueError as err:
+        raise ValueError(_blame(str(err), cfg.source, sources)) from None
+    return cfg, fit.ckpt_path
+
+
+def _key_sources(argv: list[str]) -> dict[str, str]:
+    """Where each key of a `fit` command line was set last: `<file>` or `--key (command line)`.
+
+    Each --config file is read here first, so malformed YAML names its file and line and an unknown
+    key names the file that holds it (jsonargparse names neither)."""
+    import yaml
+
+    from experiments.config import fit_parser
+
+    known = fit_parser().get_defaults().as_dict()
+    sources: dict[str, str] = {}
+    args = [a for a in argv if a != "fit"]
+    for i, arg in enumerate(args):
+        if arg in ("-c", "--config") and i + 1 < len(args):
+            path = Path(args[i + 1])
+        elif arg.startswith("--config="):
+            path = Path(arg.split("=", 1)[1])
+        else:
+            if arg.startswith("--") and not arg.startswith("--config"):
+                sources[arg[2:].split("=", 1)[0]] = f"{arg.split('=', 1)[0]} (command line)"
+            continue
+        if not path.is_file():
+            continue  # the parser says so
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+            raise ValueError(f"{where}: not valid YAML ({getattr(err, 'problem', None) or ' '.join(str(err).split())})") from None
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path}: not valid UTF-8 ({err.reason} at byte {err.start})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a mapping of sections (model, data, trainer, run)")
+        for section, body in raw.items():
+            if section not in known:
+                raise ValueError(f"{path}: unknown key {section!r}; expected one of {sorted(known)}")
+            if isinstance(known[section], dict):
+                if not isinstance(body, dict):
+                    raise ValueError(f"{path}: {section}: expected a mapping")
+                for key in body:
+                    if key not in known[section]:
+                        raise ValueError(f"{path}: unknown key {section}.{key} (python -m experiments.train fit --help "
+                                         "lists the options)")
+                    sources[f"{section}.{key}"] = str(path)
+            else:
+                sources[section] = str(path)
+    return sources
+
+
+def _blame(message: str, source: str, sources: dict[str, str]) -> str:
+    """A check error `<files>: <key>: ...` re-addressed to where that key was set (a flag or one file)."""
+    if not message.startswith(f"{source}: "):
+        return message
+    rest = message[len(source) + 2:]
+    where = sources.get(rest.split(":", 1)[0])
+    return f"{where}: {rest}" if where else message
 
 
 #: exit code of a run stopped by a signal (after its checkpoint): SIGUSR1 3, else 128 + the signal number

@@ -155,3 +155,53 @@ def test_on_a_real_full_tmpfs_the_previous_checkpoint_stays_loadable():
         with pytest.raises(OSError, match="no space left"):
             train_head("debug", over, run_dir=run, callbacks=[FullDiskAt(3, lambda: fill(d, leave=4096))])
         assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
+
+
+def _one_line_error(capsys, argv):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_config_errors_name_the_file_or_flag_that_holds_the_value(tmp_path, capsys):
+    second = tmp_path / "second.yaml"
+    second.write_text("model:\n  circuit: cp\n  bogus_key: 1\n")
+    err = _one_line_error(capsys, ["fit", "--config", DEBUG, "--config", str(second)])
+    assert f"{second}: unknown key model.bogus_key" in err, err
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model:\n  circuit: [cp\n  rank: 2\n")
+    err = _one_line_error(capsys, ["fit", "--config", str(broken)])
+    assert f"{broken}:3: not valid YAML" in err and "unicode string" not in err, err
+    err = _one_line_error(capsys, ["fit", "--config", DEBUG, "--model.rank", "0"])
+    assert err.startswith("error: --model.rank (command line): model.rank: 0 out of range"), err
+    err = _one_line_error(capsys, ["fit", "--config", DEBUG, "--trainer.max_epochs=-3"])
+    assert err.startswith("error: --trainer.max_epochs (command line): trainer.max_epochs:"), err
+    rank0 = tmp_path / "rank0.yaml"
+    rank0.write_text("model:\n  rank: 0\n")
+    err = _one_line_error(capsys, ["fit", "--config", DEBUG, "--config", str(rank0)])
+    assert err.startswith(f"error: {rank0}: model.rank: 0 out of range"), err
+
+
+def test_a_backbone_with_a_pickled_payload_is_one_line_and_not_run(tmp_path):
+    from safetensors.torch import load_file
+
+    from mtpc.backbones import load_backbone
+    from mtpc.tokenizer import ByteTokenizer
+    from tests.backbone_helpers import tiny_llama
+
+    folder = tmp_path / "bb"
+    tiny_llama(vocab=320, hidden=16, layers=2, heads=2, kv_heads=1, dtype=torch.float32).save_pretrained(folder)
+    ByteTokenizer().save_pretrained(folder)
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    state = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    torch.save({**state, "x": Payload()}, folder / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"pickled weights in .* hold objects other than tensors; refused") as err:
+        load_backbone(str(folder))
+    assert "\n" not in str(err.value) and not marker.exists()
