@@ -205,3 +205,33 @@ def test_a_backbone_with_a_pickled_payload_is_one_line_and_not_run(tmp_path):
     with pytest.raises(ValueError, match=r"pickled weights in .* hold objects other than tensors; refused") as err:
         load_backbone(str(folder))
     assert "\n" not in str(err.value) and not marker.exists()
+
+
+class CrashAt(Callback):
+    """Crashes before the batch after optimizer step `step` (that step's metrics are logged by then)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise RuntimeError("injected crash")
+
+
+def test_a_resumed_run_logs_each_metric_step_once(tmp_path, monkeypatch):
+    """The resumed run's metric history has the steps of an uninterrupted run's, no step twice."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    over = {"run.checkpoint_every_n_steps": 2, "run.tracking": True, "trainer.max_steps": 8}
+
+    def history(run_id):
+        keys = set(client.get_run(run_id).data.metrics)
+        return {k: sorted(m.step for m in client.get_metric_history(run_id, k)) for k in keys}
+
+    ref = history(train_head("debug", over, run_dir=tmp_path / "ref").mlflow_run_id)
+    with pytest.raises(RuntimeError, match="injected crash"):  # after step 5 is logged; the checkpoint holds step 4
+        train_head("debug", over, run_dir=tmp_path / "run", callbacks=[CrashAt(5)])
+    got = history(train_head("debug", over, run_dir=tmp_path / "run", ckpt_path="last").mlflow_run_id)
+    assert got == ref
