@@ -25,6 +25,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 
 import tracking
 from experiments.config import TrainConfig
+from mtpc.atomic import write_text
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 RUN_ID_FILE = "mlflow_run_id.txt"
@@ -82,7 +83,7 @@ def make_logger(cfg: TrainConfig, *, run_id: str | None, resuming: bool) -> MLFl
         run_id = id_file.read_text().strip()
     if run_id is None:
         run_id = client.create_run(exp_id, run_name=run.name).info.run_id
-    id_file.write_text(run_id + "\n")
+    write_text(id_file, run_id + "\n")
     exp_name = client.get_experiment(client.get_run(run_id).info.experiment_id).name
     logger = _Logger(experiment_name=exp_name, tracking_uri=uri, run_id=run_id, owns_run=owns)
     if resuming:
