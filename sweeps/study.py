@@ -156,6 +156,49 @@ def init(spec: SweepSpec, *, retry_failed: bool = False) -> dict[str, Any]:
         return summary
 
 
+def requeue_lost_runs(spec: SweepSpec) -> list[int]:
+    """For `--resume`: COMPLETE trials whose MLflow run is missing (a lost or replaced tracking store)
+    are named in a warning, and their point is enqueued again unless it has a trial waiting or
+    running, or another COMPLETE trial whose run exists. Returns the numbers of the lost trials."""
+    from filelock import FileLock
+    from optuna.trial import TrialState
+
+    with FileLock(str(spec.output_dir / f".{spec.study}.init.lock"), timeout=600):
+        study = load_study(spec, open_storage(spec.storage))
+        if study is None:
+            return []
+        client = tracking.client(spec.tracking_uri)
+        by_key: dict[str, list] = {}
+        for t in study.get_trials(deepcopy=False):
+            by_key.setdefault(t.user_attrs.get("grid_key", ""), []).append(t)
+        lost: list[int] = []
+        for key, ts in sorted(by_key.items()):
+            complete = [t for t in ts if t.state == TrialState.COMPLETE]
+            if not complete or any(_run_exists(client, t.user_attrs.get("mlflow_parent_run_id")) for t in complete):
+                continue
+            for t in complete:
+                log(f"warning: trial {t.number} ({key}) is COMPLETE in Optuna, but its MLflow run "
+                    f"{t.user_attrs.get('mlflow_parent_run_id')} is missing from {spec.tracking_uri}: re-running the point")
+            lost += [t.number for t in complete]
+            if not any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in ts):
+                point = trial_point(complete[-1])
+                attrs = {**grid_attrs(spec, point, len(ts), retry_of=complete[-1].number),
+                         "replaces_lost": [t.number for t in complete]}
+                study.enqueue_trial(point, user_attrs=attrs)
+        return lost
+
+
+def _run_exists(client, run_id: str | None) -> bool:
+    from mlflow.exceptions import MlflowException
+
+    if not run_id:
+        return False
+    try:
+        return client.get_run(run_id).info.lifecycle_stage != "deleted"
+    except MlflowException:
+        return False
+
+
 def grid_attrs(spec: SweepSpec, point: dict[str, Any], attempt: int, retry_of: int | None = None) -> dict[str, Any]:
     """User attrs of an enqueued grid trial: its key, the slices it belongs to, which attempt."""
     key = grid_key(point)
