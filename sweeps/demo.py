@@ -13,7 +13,8 @@
 Everything goes under `--out` (default `runs/demo`), the MLflow store too: the demo sets the spec's
 `mlflow.tracking_uri` to `sqlite:///<out>/mlflow.db` (MLFLOW_TRACKING_URI still wins).
 
-Idempotent: a second run finds the model and the finished study and only redraws the analysis.
+Idempotent: a second run finds the model and the finished study and only redraws the analysis. A
+demo started while another one writes the same `--out` is refused (exit 2; a lock file in `--out`).
 Leaves out: anything SLURM (see `sbatch slurm/sweep.sh sweeps/smoke.yaml`).
 """
 
@@ -71,6 +72,24 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     t0 = time.time()
     out = Path(a.out).resolve()
+    from filelock import FileLock, Timeout
+
+    out.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(out / ".demo.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"error: {out} is in use by another demo (lock {out / '.demo.lock'}); wait for it to finish "
+              "or pass another --out", file=sys.stderr)
+        return 2
+    try:
+        return _demo(a, out, t0)
+    finally:
+        lock.release()
+
+
+def _demo(a: argparse.Namespace, out: Path, t0: float) -> int:
+    """The demo's four steps in `out` (held by this process)."""
     from experiments.quiet import quiet
 
     quiet()  # MLflow's store set-up and Optuna's study lines: the demo prints its own
