@@ -25,6 +25,7 @@ evaluation and sweeps.
 from __future__ import annotations
 
 import json
+import re
 import resource
 import signal
 import sys
@@ -39,6 +40,7 @@ from lightning.pytorch.callbacks import Callback
 
 from experiments.config import CONFIG_DIR, TRAIN_CONFIGS, TrainConfig, from_namespace, load_config
 from experiments.mlflow_run import PROJECT_DIR
+from experiments.run_dir import check_ckpt_path
 from mtpc.atomic import write_json
 
 __all__ = ["CONFIG_DIR", "PROJECT_DIR", "TRAIN_CONFIGS", "TrainResult", "check_config", "main", "train_head"]
@@ -94,8 +96,6 @@ def train_head(config: TrainConfig | dict[str, Any] | str | Path, overrides: dic
         cfg = replace(cfg, run=run)
     cfg = cfg.check().resolved()
     _check_trainer(cfg)
-    from experiments.run_dir import check_ckpt_path
-
     ckpt_path = check_ckpt_path(ckpt_path, Path(cfg.run.dir))
     return _fit(cfg, started, mlflow_run_id=mlflow_run_id, ckpt_path=ckpt_path, callbacks=list(callbacks or []),
                 should_stop=should_stop)
@@ -110,8 +110,6 @@ def _check_trainer(cfg: TrainConfig) -> None:
         Trainer(**{**cfg.trainer, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
                    "enable_model_summary": False})
     except (MisconfigurationException, ValueError, TypeError) as err:
-        import re
-
         named = re.search(r"`(\w+)`", str(err))
         key = f"trainer.{named.group(1)}" if named and named.group(1) in cfg.trainer else "trainer"
         raise ValueError(f"{cfg.source}: {key}: {' '.join(str(err).split())}") from None
