@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import tracking
-from mtpc.names import SWEEP_AXES, TRAIN_AXES, grid_key, point_rank
+from mtpc.names import POINTS_TAG, SWEEP_AXES, TRAIN_AXES, grid_key, point_rank
 from sweeps.spec import STORAGE_ENV, SpecError, SweepSpec
 
 
@@ -127,6 +127,7 @@ def init(spec: SweepSpec, *, retry_failed: bool = False) -> dict[str, Any]:
     spec.output_dir.mkdir(parents=True, exist_ok=True)
     with FileLock(str(spec.output_dir / f".{spec.study}.init.lock"), timeout=600):
         exp_id = tracking.ensure_experiment(spec.tracking_uri, spec.experiment)
+        tracking.client(spec.tracking_uri).set_experiment_tag(exp_id, POINTS_TAG, str(spec.n_trials))
         storage = open_storage(spec.storage)
         study = load_study(spec, storage)
         if study is None:

@@ -28,6 +28,11 @@ def test_resume_reruns_points_whose_mlflow_runs_were_lost(tmp_path):
     parents = {x.info.run_id for x in runs(uri, "lost") if "mlflow.parentRunId" not in x.data.tags}
     keys = {t.user_attrs["grid_key"] for t in done if t.user_attrs["mlflow_parent_run_id"] in parents}
     assert len(keys) == 4  # every point has a COMPLETE trial whose results are in the store
+    from mlflow.tracking import MlflowClient
+
+    from mtpc.names import POINTS_TAG
+
+    assert MlflowClient(uri).get_experiment_by_name("lost").tags[POINTS_TAG] == "4"  # what the analysis checks
     from sweeps.study import requeue_lost_runs
 
     assert requeue_lost_runs(spec) == []  # a second --resume: every point has its results again
