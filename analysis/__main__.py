@@ -112,6 +112,8 @@ def report_skips(result: LoadResult) -> None:
             print(f"  ... and {n - MAX_LISTED_SKIPS} more", file=sys.stderr)
     if result.n_unfinished:
         print(f"note: {result.unfinished_note()} (status not FINISHED)", file=sys.stderr)
+    for note in result.missing_points:
+        print(f"warning: {note}", file=sys.stderr)
 
 
 def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[list[Path], list[str]]:

@@ -26,7 +26,7 @@ import pandas as pd
 
 import tracking
 from analysis.filters import Filters, apply_filters
-from mtpc.names import ACCEPTANCE_PREFIX, EVAL_METRICS
+from mtpc.names import ACCEPTANCE_PREFIX, EVAL_METRICS, POINTS_TAG, SWEEP_AXES
 
 #: params every evaluation run must carry, with their types
 REQUIRED_PARAMS: dict[str, type] = {
@@ -109,6 +109,7 @@ class LoadResult:
     skipped: list[SkippedRun] = field(default_factory=list)
     n_unfinished: int = 0
     experiments: list[str] = field(default_factory=list)  # names
+    missing_points: list[str] = field(default_factory=list)  # one note per experiment holding fewer grid points than its sweep
 
     def unfinished_note(self) -> str:
         return f"{self.n_unfinished} unfinished run(s) ignored" if self.n_unfinished else ""
@@ -227,6 +228,22 @@ def load_runs(client, experiment_ids: list[str]) -> LoadResult:
     return LoadResult(records_to_frame(records), skipped, unfinished)
 
 
+def missing_points(experiments: list[Any], runs: pd.DataFrame) -> list[str]:
+    """A note per experiment whose sweep (its `POINTS_TAG`) has more grid points than the runs here cover."""
+    notes = []
+    for e in experiments:
+        expected = (e.tags or {}).get(POINTS_TAG)
+        if not expected:
+            continue
+        rows = runs[runs["experiment_id"] == e.experiment_id] if "experiment_id" in runs else runs.iloc[0:0]
+        axes = [a for a in SWEEP_AXES if a in rows.columns]
+        found = len(rows[axes].drop_duplicates()) if len(rows) and axes else 0
+        if found < int(expected):
+            notes.append(f"experiment {e.name!r} holds evaluation runs of {found} of the sweep's {expected} grid points "
+                         "(unfinished, or a lost tracking store: `python -m sweeps.run <spec> --resume` re-runs them)")
+    return notes
+
+
 def load(
     tracking_uri: str | None = None,
     experiment: str | None = None,
@@ -245,6 +262,7 @@ def load(
     names = [e.name for e in exps]
     result = load_runs(client, ids)
     result.experiments = names
+    result.missing_points = missing_points(exps, result.runs)
     n_all = len(result.runs)
     filters = filters or Filters()
     df, trail = apply_filters(result.runs, filters)

@@ -8,11 +8,15 @@ step of the last validation pass, so the caller knows whether the final head was
 Who asks for the stop has exactly one owner of the signal:
 - a sweep trial passes `should_stop` (its worker owns SIGUSR1/SIGTERM and sets the flag); the
   callback installs no handler;
-- standalone (the CLI, `train_head` without `should_stop`) the callback owns SIGUSR1 during fit:
-  SLURM's `--signal=USR1@<secs>` before a time limit or pre-emption.
-Lightning's own handler is not used: under LightningEnvironment (which the suite passes so that a
-one-task job is not taken for a multi-process or self-requeueing one) it installs none, and
-SLURMEnvironment's would `scontrol requeue` the job behind the sweep's back.
+- standalone (the CLI, `train_head` without `should_stop`) the callback owns SIGUSR1 (SLURM's
+  `--signal=USR1@<secs>` before a time limit or pre-emption), SIGTERM (`scancel`, and SLURM before
+  a requeue) and SIGINT (Ctrl-C) during training: each stops with one checkpoint (`signum` says
+  which); a second SIGINT interrupts at once.
+Lightning's own handlers are not used: its SIGTERM handler (installed at every fit, after
+`on_fit_start`, hence ours go in at `on_train_start`) ends fit with no checkpoint and exit code 0;
+under LightningEnvironment (which the suite passes so that a one-task job is not taken for a
+multi-process or self-requeueing one) it installs no SIGUSR1 handler, and SLURMEnvironment's would
+`scontrol requeue` the job behind the sweep's back.
 Leaves out: ModelCheckpoint's periodic checkpoints (train.py adds it), requeueing.
 """
 
@@ -25,28 +29,38 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
 
 class StopCheckpoint(Callback):
     """On a stop request: save `checkpoint` after the current optimizer step and stop (`stopped`)."""
 
-    def __init__(self, checkpoint: Path, should_stop: Callable[[], bool] | None = None, signum: int = signal.SIGUSR1):
-        self.checkpoint, self.should_stop, self.signum = Path(checkpoint), should_stop, signum
+    def __init__(self, checkpoint: Path, should_stop: Callable[[], bool] | None = None,
+                 signums: tuple[int, ...] = STOP_SIGNALS):
+        self.checkpoint, self.should_stop, self.signums = Path(checkpoint), should_stop, tuple(signums)
         self.requested = False
         self.stopped = False
+        self.signum: int | None = None
+        """the signal that asked for the stop (None: `should_stop`, or no stop)"""
         self.last_validation_step: int | None = None
-        self._previous: Any = None
+        self._previous: dict[int, Any] = {}
 
     def _stop_requested(self) -> bool:
         return self.requested or (self.should_stop is not None and self.should_stop())
 
     def _handler(self, signum: int, frame: Any) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # Ctrl-C twice: do not wait for the step to end
+        if not self.requested:
+            self.signum = signum
         self.requested = True
 
-    def on_fit_start(self, trainer: Trainer, pl_module: Any) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
         if self.should_stop is None and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(self.signum, self._handler)
+            for signum in self.signums:
+                self._previous[signum] = signal.signal(signum, self._handler)
 
     def on_fit_end(self, trainer: Trainer, pl_module: Any) -> None:
         self._restore()
@@ -55,21 +69,31 @@ class StopCheckpoint(Callback):
         self._restore()
 
     def _restore(self) -> None:
-        if self._previous is not None:
-            signal.signal(self.signum, self._previous)
-            self._previous = None
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.fit_loop._should_accumulate():
             return
         if self._stop_requested() and not self.stopped:
-            self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
-            trainer.save_checkpoint(self.checkpoint)
+            self._save(trainer)
             self.stopped = True
             trainer.should_stop = True
         elif 0 < trainer.max_steps <= trainer.global_step:
             # the last step of a max_steps run: ModelCheckpoint may not save here (mid-epoch)
-            trainer.save_checkpoint(self.checkpoint)
+            self._save(trainer)
+
+    def _save(self, trainer: Trainer) -> None:
+        """Write the checkpoint once: ModelCheckpoint is told this step's last.ckpt is written, so its
+        end-of-training save_last neither writes it again (time a SIGTERM grace period lacks) nor
+        writes a second `last-v1.ckpt` beside it."""
+        self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        trainer.save_checkpoint(self.checkpoint)
+        for cb in trainer.checkpoint_callbacks:
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath and Path(cb.dirpath) == self.checkpoint.parent:
+                cb._last_global_step_saved = trainer.global_step
+                cb._last_checkpoint_saved = cb.last_model_path = str(self.checkpoint)
 
     def on_validation_end(self, trainer: Trainer, pl_module: Any) -> None:
         if not trainer.sanity_checking:

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from mtpc.atomic import write_json
 
 REPORT_PROMPTS = 100
 NEW_BYTES = 160
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     report.update(minutes=(time.monotonic() - t0) / 60, hardware=hardware(),
                   command="python -m experiments.default_report " + " ".join(argv if argv is not None else sys.argv[1:]))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_json(args.out, report, indent=1)
     for mode in DECODE_MODES:
         print(f"{mode}: " + ", ".join(f"{k}={v:.3f}" for k, v in report[mode].items() if isinstance(v, float)))
     print(f"wrote {args.out}")

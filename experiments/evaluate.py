@@ -51,6 +51,7 @@ from tqdm import tqdm
 
 import tracking
 from mtpc import MtpcModel
+from mtpc.atomic import check_writable, write_json
 from mtpc.names import (
     DECODE_MODES,
     DEGENERACY_METRICS,
@@ -82,7 +83,11 @@ def hardware() -> str:
 def _read_prompt_file(path: Path) -> list[str]:
     """A .jsonl file: each line a JSON string, {"prompt": str}, or a messages record (first user turn)."""
     prompts = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for i, raw in enumerate(path.read_bytes().splitlines(), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}:{i}: not valid UTF-8 (byte {e.start + 1} of the line)") from None
         if not line.strip():
             continue
         try:
@@ -443,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         modes = _choices(args.mode, DECODE_MODES, "--mode")
         extras = _choices(args.extra_token, EXTRA_TOKEN_OPTIONS, "--extra-token")
         eos = _choices(args.eos, EOS_MODES, "--eos")
+        check_writable(args.out, "--out")  # before anything decodes: the results must have a place to go
         for flag in ("head", "ff_head"):
             d = getattr(args, flag)
             if d is not None and not Path(d).expanduser().is_dir():
@@ -469,9 +475,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     results["config"].update({"head_dir": str(args.head), "ff_head_dir": args.ff_head, "prompts": args.prompts})
-    out = Path(args.out)
+    out = Path(args.out).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(out, results, indent=2)
     for row in results["summary"]:
         m = {k: f"{row[k]['mean']:.4g}±{row[k]['std']:.2g}"
              for k in ("mu_acc", "tokens_per_cycle", "speedup_vs_stp", *DEGENERACY_METRICS) if k in row}

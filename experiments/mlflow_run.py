@@ -10,6 +10,8 @@ tracking module (`tracking/`: the URI rule, `ensure_experiment`, `describe_run`)
   `git_sha` and `mlflow.source.git.commit`, artifacts `run/config.yaml`, `run/git_sha.txt`,
   `run/package_versions.json`; at the end `peak_mem_bytes`, `train_seconds`, tag `head_dir` and
   the artifact `head/config.json`.
+- A resumed run logs each metric step once: the steps an earlier attempt logged after its last
+  checkpoint are replayed by the resume (with the same values) and not logged again.
 Leaves out: what is trained (train.py), the metrics Lightning logs during fit (the logger does).
 """
 
@@ -23,6 +25,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 
 import tracking
 from experiments.config import TrainConfig
+from mtpc.atomic import write_text
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 RUN_ID_FILE = "mlflow_run_id.txt"
@@ -51,6 +54,18 @@ class _Logger(MLFlowLogger):
         finally:
             mlflow.set_tracking_uri(before)  # None: MLflow's own default and no exported variable
 
+    #: per metric key, the last step an earlier attempt of this run logged (set on resume)
+    logged_upto: dict[str, int] = {}
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        # a resumed run replays the steps between its checkpoint and the crash: the earlier
+        # attempt logged them already (the same values: resumes are exact), so each is logged once
+        if step is not None and self.logged_upto:
+            metrics = {k: v for k, v in metrics.items() if step > self.logged_upto.get(k, -1)}
+            if not metrics:
+                return
+        super().log_metrics(metrics, step)
+
     def finalize(self, status: str = "success") -> None:
         if self._owns_run:
             super().finalize(status)
@@ -68,9 +83,12 @@ def make_logger(cfg: TrainConfig, *, run_id: str | None, resuming: bool) -> MLFl
         run_id = id_file.read_text().strip()
     if run_id is None:
         run_id = client.create_run(exp_id, run_name=run.name).info.run_id
-    id_file.write_text(run_id + "\n")
+    write_text(id_file, run_id + "\n")
     exp_name = client.get_experiment(client.get_run(run_id).info.experiment_id).name
     logger = _Logger(experiment_name=exp_name, tracking_uri=uri, run_id=run_id, owns_run=owns)
+    if resuming:
+        logger.logged_upto = {key: max((m.step for m in client.get_metric_history(run_id, key)), default=-1)
+                              for key in client.get_run(run_id).data.metrics}
     tracking.describe_run(uri, run_id, cfg.to_dict(), run_dir, params=cfg.params())
     return logger
 

@@ -10,16 +10,25 @@ multi-process or self-requeueing one), a ModelCheckpoint in `<run.dir>/checkpoin
 `--ckpt_path last` finds `last.ckpt`), the `StopCheckpoint` callback, the progress lines (`StepProgress`, unless
 `trainer.enable_progress_bar` is false) and the MLflow logger; fit;
 score the final head if the last step was not validated; export it with `mtpc.heads.save_head` to
-`run.export_dir`. CLI exit codes: 0 done, 2 bad config or data (one line naming file and key),
-3 stopped on request (checkpoint written; resume with `--ckpt_path last`).
+`run.export_dir`. Before anything loads, the trainer settings are checked, the resume path
+(`run_dir.check_ckpt_path`: a local file; `last` must exist) and the run directory's identity
+(`run_dir.claim`: one run per directory); checkpoints are written atomically and loaded weights-only
+(`run_dir.AtomicCheckpointIO`).
+CLI exit codes: 0 done, 2 bad config, data or resume path (one line naming file and key),
+3 stopped by SIGUSR1, 143 stopped by SIGTERM, 130 stopped by SIGINT (each after writing
+`checkpoints/last.ckpt`; resume with `--ckpt_path last`), 74 a write failed (e.g. no space left;
+one line naming the path).
 Leaves out: the config (config.py), the module and data (module.py, datamodule.py), MLflow
-(mlflow_run.py), the stop callback (callbacks.py), progress (progress.py), evaluation and sweeps.
+(mlflow_run.py), the stop callback (callbacks.py), progress (progress.py), the run directory's rules
+(run_dir.py), evaluation and sweeps.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import resource
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -32,6 +41,8 @@ from lightning.pytorch.callbacks import Callback
 
 from experiments.config import CONFIG_DIR, TRAIN_CONFIGS, TrainConfig, from_namespace, load_config
 from experiments.mlflow_run import PROJECT_DIR
+from experiments.run_dir import check_ckpt_path
+from mtpc.atomic import write_json
 
 __all__ = ["CONFIG_DIR", "PROJECT_DIR", "TRAIN_CONFIGS", "TrainResult", "check_config", "main", "train_head"]
 
@@ -48,7 +59,9 @@ class TrainResult:
     config: dict[str, Any] = field(default_factory=dict)
     """the resolved config (`TrainConfig.to_dict()`: the YAML layout)"""
     preempted: bool = False
-    """stopped on request (SIGUSR1, or `should_stop`) after writing checkpoints/last.ckpt (nothing exported); resume with ckpt_path last"""
+    """stopped on request (SIGUSR1/SIGTERM/SIGINT, or `should_stop`) after writing checkpoints/last.ckpt (nothing exported); resume with ckpt_path last"""
+    stop_signal: int | None = None
+    """the signal that stopped the run (None: not stopped by a signal)"""
     model: Any = field(default=None, repr=False)
     """the trained MtpcTrainModule (backbone + head), so a caller can evaluate without reloading"""
 
@@ -69,11 +82,12 @@ def train_head(config: TrainConfig | dict[str, Any] | str | Path, overrides: dic
 
     overrides: nested or dotted keys applied on top of the config ({"model.circuit": "hmm"}).
     mlflow_run_id: log into this existing run (e.g. the sweep's trial run; it is left open).
-    ckpt_path: resume exactly from this checkpoint, or "last" for `<run_dir>/checkpoints/last.ckpt`.
+    ckpt_path: resume exactly from this local checkpoint of the same run, or "last" for
+        `<run_dir>/checkpoints/last.ckpt` (ValueError when there is nothing to resume).
     run_dir / export_dir: override `run.dir` / `run.export_dir`.
     callbacks: extra Lightning callbacks (tests use them to record or interrupt).
     should_stop: polled after every optimizer step; true -> checkpoint and stop (`preempted`). When
-        given, the caller owns the signals; otherwise SIGUSR1 during fit does the same.
+        given, the caller owns the signals; otherwise SIGUSR1, SIGTERM or SIGINT during fit does the same.
     """
     started = time.perf_counter()
     cfg = load_config(config, overrides)
@@ -82,8 +96,24 @@ def train_head(config: TrainConfig | dict[str, Any] | str | Path, overrides: dic
                       export_dir=str(export_dir) if export_dir is not None else cfg.run.export_dir)
         cfg = replace(cfg, run=run)
     cfg = cfg.check().resolved()
+    _check_trainer(cfg)
+    ckpt_path = check_ckpt_path(ckpt_path, Path(cfg.run.dir))
     return _fit(cfg, started, mlflow_run_id=mlflow_run_id, ckpt_path=ckpt_path, callbacks=list(callbacks or []),
                 should_stop=should_stop)
+
+
+def _check_trainer(cfg: TrainConfig) -> None:
+    """Build the Trainer once without side effects, so a bad trainer value is a one-line error before work."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+    from lightning.pytorch import Trainer
+
+    try:
+        Trainer(**{**cfg.trainer, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+                   "enable_model_summary": False})
+    except (MisconfigurationException, ValueError, TypeError) as err:
+        named = re.search(r"`(\w+)`", str(err))
+        key = f"trainer.{named.group(1)}" if named and named.group(1) in cfg.trainer else "trainer"
+        raise ValueError(f"{cfg.source}: {key}: {' '.join(str(err).split())}") from None
 
 
 def _fit(cfg: TrainConfig, started: float, *, mlflow_run_id: str | None, ckpt_path: str | Path | None,
@@ -98,25 +128,23 @@ def _fit(cfg: TrainConfig, started: float, *, mlflow_run_id: str | None, ckpt_pa
     from experiments.mlflow_run import make_logger
     from experiments.module import MtpcTrainModule
     from experiments.progress import StepProgress
+    from experiments.run_dir import AtomicCheckpointIO, RunIdentity, claim
 
+    run_dir = Path(cfg.run.dir)
+    identity = claim(run_dir, cfg.to_dict(), None if ckpt_path is None else str(ckpt_path))
     if cfg.run.cpu_threads:
         torch.set_num_threads(int(cfg.run.cpu_threads))
     L.seed_everything(cfg.seed_everything, verbose=False)
     module, data = MtpcTrainModule(cfg.model), ChatDataModule(cfg.data)
-    run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     resuming = ckpt_path is not None
-    if ckpt_path == "last":
-        last = run_dir / "checkpoints" / "last.ckpt"
-        ckpt_path = str(last) if last.exists() else None
     stopper = StopCheckpoint(run_dir / "checkpoints" / "last.ckpt", should_stop)
     periodic = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
                                every_n_train_steps=cfg.run.checkpoint_every_n_steps or None)
     logger = make_logger(cfg, run_id=mlflow_run_id, resuming=resuming) if cfg.run.tracking else False
     # the suite's progress lines (experiments/progress.py) instead of Lightning's epoch-long bar
     progress = [StepProgress(cfg.run.name)] if cfg.trainer.get("enable_progress_bar", True) else []
-    trainer = Trainer(**cfg.trainer, callbacks=[periodic, stopper, *progress, *callbacks], plugins=[LightningEnvironment()],
-                      default_root_dir=str(run_dir), logger=logger)
+    trainer = Trainer(**cfg.trainer, callbacks=[periodic, stopper, RunIdentity(identity), *progress, *callbacks],
+                      plugins=[LightningEnvironment(), AtomicCheckpointIO()], default_root_dir=str(run_dir), logger=logger)
     trainer.fit(module, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None)
     return _finish(cfg, trainer, module, data, stopper, started)
 
@@ -132,7 +160,8 @@ def _finish(cfg: TrainConfig, trainer: Any, module: Any, data: Any, stopper: Any
               "mlflow_run_id": logger.run_id if logger else None}
     metrics = _final_metrics(trainer)
     if stopper.stopped:
-        return TrainResult(head_dir=Path(cfg.run.export_dir), metrics=metrics, preempted=True, **common)
+        return TrainResult(head_dir=Path(cfg.run.export_dir), metrics=metrics, preempted=True,
+                           stop_signal=stopper.signum, **common)
     if stopper.last_validation_step != trainer.global_step and trainer.limit_val_batches:
         # stopped by max_steps (or mid-epoch): score the held-out set once more on the final head
         trainer.validate(module, datamodule=data, verbose=False)
@@ -143,7 +172,7 @@ def _finish(cfg: TrainConfig, trainer: Any, module: Any, data: Any, stopper: Any
     metrics["train_seconds"] = time.perf_counter() - started
     if logger:
         log_end(logger, metrics, trainer.global_step, head_dir)
-    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    write_json(run_dir / "metrics.json", metrics, indent=2)
     return TrainResult(head_dir=head_dir, metrics=metrics, **common)
 
 
@@ -182,13 +211,81 @@ def parse_cli(argv: list[str] | None) -> tuple[TrainConfig, str | None]:
                           description="Train one MtPC head (docs/training.md).")
     sub = root.add_subcommands(required=True, dest="subcommand")
     sub.add_subcommand("fit", build_fit_parser(), help="train one head and export it")
+    sources = _key_sources(list(argv if argv is not None else sys.argv[1:]))
     try:
         ns = root.parse_args(argv)
     except Exception as err:  # jsonargparse's ArgumentError: say it in one line, usage on request (--help)
         raise ValueError(f"{' '.join(str(err).split())} (python -m experiments.train fit --help lists the options)") from None
     fit = ns.fit
     files = [str(f) for f in (fit.get("config") or []) if f is not None]
-    return from_namespace(fit, ", ".join(files) or "<command line>"), fit.ckpt_path
+    cfg = from_namespace(fit, ", ".join(files) or "<command line>")
+    try:
+        _check_trainer(cfg.check())
+    except ValueError as err:
+        raise ValueError(_blame(str(err), cfg.source, sources)) from None
+    return cfg, fit.ckpt_path
+
+
+def _key_sources(argv: list[str]) -> dict[str, str]:
+    """Where each key of a `fit` command line was set last: `<file>` or `--key (command line)`.
+
+    Each --config file is read here first, so malformed YAML names its file and line and an unknown
+    key names the file that holds it (jsonargparse names neither)."""
+    import yaml
+
+    from experiments.config import fit_parser
+
+    known = fit_parser().get_defaults().as_dict()
+    sources: dict[str, str] = {}
+    args = [a for a in argv if a != "fit"]
+    for i, arg in enumerate(args):
+        if arg in ("-c", "--config") and i + 1 < len(args):
+            path = Path(args[i + 1])
+        elif arg.startswith("--config="):
+            path = Path(arg.split("=", 1)[1])
+        else:
+            if arg.startswith("--") and not arg.startswith("--config"):
+                sources[arg[2:].split("=", 1)[0]] = f"{arg.split('=', 1)[0]} (command line)"
+            continue
+        if not path.is_file():
+            continue  # the parser says so
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+            raise ValueError(f"{where}: not valid YAML ({getattr(err, 'problem', None) or ' '.join(str(err).split())})") from None
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path}: not valid UTF-8 ({err.reason} at byte {err.start})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a mapping of sections (model, data, trainer, run)")
+        for section, body in raw.items():
+            if section not in known:
+                raise ValueError(f"{path}: unknown key {section!r}; expected one of {sorted(known)}")
+            if isinstance(known[section], dict):
+                if not isinstance(body, dict):
+                    raise ValueError(f"{path}: {section}: expected a mapping")
+                for key in body:
+                    if key not in known[section]:
+                        raise ValueError(f"{path}: unknown key {section}.{key} (python -m experiments.train fit --help "
+                                         "lists the options)")
+                    sources[f"{section}.{key}"] = str(path)
+            else:
+                sources[section] = str(path)
+    return sources
+
+
+def _blame(message: str, source: str, sources: dict[str, str]) -> str:
+    """A check error `<files>: <key>: ...` re-addressed to where that key was set (a flag or one file)."""
+    if not message.startswith(f"{source}: "):
+        return message
+    rest = message[len(source) + 2:]
+    where = sources.get(rest.split(":", 1)[0])
+    return f"{where}: {rest}" if where else message
+
+
+#: exit code of a run stopped by a signal (after its checkpoint): SIGUSR1 3, else 128 + the signal number
+STOP_CODES = {signal.SIGUSR1: 3, signal.SIGTERM: 128 + signal.SIGTERM, signal.SIGINT: 128 + signal.SIGINT}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,9 +298,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a write failed: mtpc.atomic names the path ("no space left" for a full disk)
+        print(f"error: {err.strerror or err}", file=sys.stderr)
+        return 74
     if result.preempted:
-        print(f"stopped on request: checkpoint in {result.checkpoint_dir}; resume with --ckpt_path last")
-        return 3
+        name = signal.Signals(result.stop_signal).name if result.stop_signal else "request"
+        print(f"stopped by {name}: checkpoint in {result.checkpoint_dir}; resume with --ckpt_path last")
+        return STOP_CODES.get(result.stop_signal, 3)
     print(f"head exported to {result.head_dir}")
     print(json.dumps({k: round(v, 5) for k, v in result.metrics.items()}, indent=1))
     return 0

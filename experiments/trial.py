@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import tracking
+from mtpc.atomic import write_json
 from mtpc.names import DECODE_MODES, DEV_SET_PREFIX, GRID_PARAMS
 
 
@@ -113,7 +114,6 @@ def evaluate_head(head_dir: Path, cfg: Any, eval_config: dict[str, Any], *, pare
     temperature of `temperatures`, greedy once, each EOS treatment of `eos`; JSON to `out`, one child
     run per (mode, temperature, eos, prompt_set) under the parent, carrying the training axes and
     `extra_params`; returns the child run ids."""
-    import json
 
     from experiments.evaluate import evaluate_heads, load_prompt_sets, log_evaluation_to_mlflow, summarize
 
@@ -141,7 +141,7 @@ def evaluate_head(head_dir: Path, cfg: Any, eval_config: dict[str, Any], *, pare
     results["config"]["temperatures"] = list(temperatures)
     results["summary"] = summarize(results)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(out, results, indent=2)
     params = {**training_axes(cfg), **(extra_params or {})}
     return log_evaluation_to_mlflow(results, parent_run_id, params=params, tracking_uri=tracking_uri)
 

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mtpc.atomic import commit_dir, disk_error, remove_stale_temps, sha256_file, temp_name
 from mtpc.paths import cache_dir as default_cache_dir
 
 ROLES = ("system", "user", "assistant")
@@ -270,11 +271,17 @@ def _write_jsonl(path: Path, rows: Sequence[dict]) -> None:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
 
 
+CORPUS_FILES = {"train.jsonl": "train", "heldout.jsonl": "heldout", "heldout_prompts.json": "heldout_prompts"}
+
+
 def sharegpt_corpus(cache_dir: str | os.PathLike | None = None, progress: bool = True) -> ChatCorpus:
     """The processed ShareGPT corpus, built on first use and cached (file-locked).
 
     cache_dir: the mtpc cache root (default `mtpc.paths.cache_dir()`); files go to
-    `<cache_dir>/data/sharegpt-v1/`.
+    `<cache_dir>/data/sharegpt-v1/`. The build is written into `sharegpt-v1.tmp<pid>` and renamed
+    into place once complete and fsynced (a build killed midway leaves a temporary that the next
+    build removes); `stats.json` records each file's sha256 and row count, checked at every load
+    (a cut or edited file is a ValueError naming it, not a smaller corpus).
     """
     from filelock import FileLock
 
@@ -282,24 +289,50 @@ def sharegpt_corpus(cache_dir: str | os.PathLike | None = None, progress: bool =
     target = root / CORPUS_VERSION
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / f"{CORPUS_VERSION}.lock")):
+        remove_stale_temps(root, CORPUS_VERSION)
         if not (target / "stats.json").is_file():
             corpus = build_sharegpt(sharegpt_file(), progress=progress)
-            tmp = root / f"{CORPUS_VERSION}.tmp{os.getpid()}"
+            tmp = temp_name(target)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-            _write_jsonl(tmp / "train.jsonl", corpus.train)
-            _write_jsonl(tmp / "heldout.jsonl", corpus.heldout)
-            (tmp / "heldout_prompts.json").write_text(json.dumps(corpus.heldout_prompts, ensure_ascii=False, indent=0))
-            (tmp / "stats.json").write_text(json.dumps(corpus.stats, indent=2) + "\n")  # written last
-            shutil.rmtree(target, ignore_errors=True)
-            tmp.rename(target)
+            try:
+                _write_jsonl(tmp / "train.jsonl", corpus.train)
+                _write_jsonl(tmp / "heldout.jsonl", corpus.heldout)
+                (tmp / "heldout_prompts.json").write_text(json.dumps(corpus.heldout_prompts, ensure_ascii=False, indent=0))
+                files = {name: sha256_file(tmp / name) for name in CORPUS_FILES}
+                (tmp / "stats.json").write_text(json.dumps({**corpus.stats, "sha256": files}, indent=2) + "\n")
+                shutil.rmtree(target, ignore_errors=True)
+                commit_dir(tmp, target)
+            except OSError as err:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise disk_error(err, target) from None
             return corpus
+        stats = json.loads((target / "stats.json").read_text())
+        _check_corpus(target, stats)
     return ChatCorpus(
         train=load_messages(target / "train.jsonl"),
         heldout_prompts=json.loads((target / "heldout_prompts.json").read_text(encoding="utf-8")),
         heldout=load_messages(target / "heldout.jsonl"),
-        stats=json.loads((target / "stats.json").read_text()),
+        stats={k: v for k, v in stats.items() if k != "sha256"},
     )
+
+
+def _check_corpus(target: Path, stats: dict) -> None:
+    """Each cached file against stats.json: its sha256 (when recorded) and its row count."""
+    repair = f"delete {target} to rebuild it"
+    for name, count_key in CORPUS_FILES.items():
+        path = target / name
+        if not path.is_file():
+            raise ValueError(f"{path}: missing from the corpus cache; {repair}")
+        want = stats.get("sha256", {}).get(name)
+        if want is not None and sha256_file(path) != want:
+            raise ValueError(f"{path}: sha256 differs from {target / 'stats.json'} (cut or edited); {repair}")
+        if want is None and name.endswith(".jsonl") and count_key in stats:
+            with open(path, "rb") as f:
+                rows = sum(1 for line in f if line.strip())
+            if rows != stats[count_key]:
+                raise ValueError(f"{path}: {rows} rows, but {target / 'stats.json'} says {stats[count_key]} "
+                                 f"(cut or edited); {repair}")
 
 
 # ---------------------------------------------------------------------------------------------

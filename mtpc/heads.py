@@ -27,10 +27,12 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from mtpc.atomic import sha256_file, write_bytes, write_json
 from mtpc.circuits import build_circuit
 from mtpc.kernels import onednn_linear, onednn_pack, use_onednn, warn_fallback
 from mtpc.names import ArchitectureError, check_architecture
@@ -39,6 +41,7 @@ FORMAT_VERSION = 1
 HEAD_FILE = "head.safetensors"
 LORA_FILE = "lora.safetensors"
 CONFIG_FILE = "config.json"
+SHA256_KEY = "sha256"  # config.json: {file name: SHA-256} of the export's tensor files
 
 
 @dataclass
@@ -384,18 +387,24 @@ class HeadDecoder:
 
 
 def save_head(directory: str | Path, head: MtpcHead, lora_state: dict[str, Tensor] | None = None) -> Path:
-    """Write head.safetensors + config.json (+ lora.safetensors when `lora_state` is given)."""
+    """Write head.safetensors + config.json (+ lora.safetensors when `lora_state` is given).
+
+    Each file is written atomically (`mtpc.atomic`); config.json, written last, records the
+    SHA-256 of each tensor file (`sha256`), which `load_head` checks.
+    """
     directory = Path(directory).expanduser()
     directory.mkdir(parents=True, exist_ok=True)
-    config = {"format_version": FORMAT_VERSION, **head.config.to_dict()}
     state = {name: t.detach().contiguous().cpu() for name, t in head.state_dict().items()}
-    save_file(state, str(directory / HEAD_FILE), metadata={"format_version": str(FORMAT_VERSION)})
+    write_bytes(directory / HEAD_FILE, safetensors_bytes(state, metadata={"format_version": str(FORMAT_VERSION)}))
     lora_path = directory / LORA_FILE
     if lora_state:
-        save_file({k: t.detach().contiguous().cpu() for k, t in lora_state.items()}, str(lora_path))
+        write_bytes(lora_path, safetensors_bytes({k: t.detach().contiguous().cpu() for k, t in lora_state.items()}))
     elif lora_path.exists():
         lora_path.unlink()  # a stale adapter from an earlier save must not be picked up
-    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    files = [HEAD_FILE] + ([LORA_FILE] if lora_state else [])
+    config = {"format_version": FORMAT_VERSION, **head.config.to_dict(),
+              SHA256_KEY: {name: sha256_file(directory / name) for name in files}}
+    write_json(directory / CONFIG_FILE, config, indent=2, sort_keys=True)
     return directory
 
 
@@ -428,6 +437,7 @@ def load_head(
     version = raw.pop("format_version", None)
     if version != FORMAT_VERSION:
         raise ValueError(f"{config_path}: format_version {version!r} is not supported; expected {FORMAT_VERSION}")
+    _check_sha256(directory, raw.pop(SHA256_KEY, None), config_path)
     config = HeadConfig.from_dict(raw, where=str(config_path))
     state = _read_tensors(head_path)
     head = MtpcHead(config, device="meta")
@@ -447,11 +457,41 @@ def load_head(
                 f"hidden={config.hidden}, leaf_delta_rank={config.leaf_delta_rank}) implies {shape}"
             )
     dtype = dtype or next(iter(state.values())).dtype
+    _check_finite(state, head_path)
     head = MtpcHead(config, device=device, dtype=dtype)
     head.load_state_dict(state)
     lora_path = directory / LORA_FILE
     lora_state = _read_tensors(lora_path, device) if lora_path.is_file() else None
+    if lora_state is not None:
+        _check_finite(lora_state, lora_path)
     return head, lora_state
+
+
+def _check_sha256(directory: Path, digests: object, config_path: Path) -> None:
+    """The tensor files against the SHA-256s config.json records (exports without them predate the check)."""
+    if digests is None:
+        return
+    if not isinstance(digests, dict):
+        raise ValueError(f"{config_path}: {SHA256_KEY!r} must map file names to SHA-256 digests")
+    present = {HEAD_FILE, LORA_FILE} & {p.name for p in directory.iterdir()}
+    unlisted = sorted(present - set(digests))
+    if unlisted:
+        raise ValueError(f"{directory / unlisted[0]}: not listed in {config_path.name}'s {SHA256_KEY} (not written "
+                         "by this export); re-export the head")
+    for name, digest in sorted(digests.items()):
+        path = directory / str(name)
+        if not path.is_file():
+            raise ValueError(f"{path}: listed in {config_path.name} but missing; re-export the head")
+        if sha256_file(path) != digest:
+            raise ValueError(f"{path}: SHA-256 differs from the one in {config_path.name} (corrupt or changed "
+                             "file); re-export the head")
+
+
+def _check_finite(state: dict[str, Tensor], path: Path) -> None:
+    for name, t in state.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{path}: tensor {name!r} holds non-finite values (NaN or inf); "
+                             "the head diverged or the file was damaged: retrain or re-export it")
 
 
 def _read_tensors(path: Path, device=None) -> dict[str, Tensor]:

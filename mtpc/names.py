@@ -185,3 +185,6 @@ HISTOGRAM_ARTIFACT = "accepted_length_histogram.json"
 #: per-prompt records of a child run (cycles, accepted drafts, decode time, degenerate), for paired
 #: comparisons over the same prompts (analysis/bootstrap.py)
 PER_PROMPT_ARTIFACT = "per_prompt.json"
+#: experiment tag: the number of grid points of the sweep that logs into it (set by its init), so
+#: the analysis notices when the store holds fewer points than the sweep has
+POINTS_TAG = "mtpc.n_points"

@@ -19,7 +19,8 @@ Trials train side by side (one worker per core), but their timed evaluations tak
 lock (experiments/evaluate.py), so no latency is measured while another trial computes. The last
 line says how long each step took.
 
-Idempotent: a second run finds the model and the finished study and only redraws the analysis.
+Idempotent: a second run finds the model and the finished study and only redraws the analysis. A
+demo started while another one writes the same `--out` is refused (exit 2; a lock file in `--out`).
 Leaves out: anything SLURM (see `sbatch slurm/sweep.sh sweeps/smoke.yaml`).
 """
 
@@ -97,6 +98,24 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     phases = Phases()
     out = Path(a.out).resolve()
+    from filelock import FileLock, Timeout
+
+    out.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(out / ".demo.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"error: {out} is in use by another demo (lock {out / '.demo.lock'}); wait for it to finish "
+              "or pass another --out", file=sys.stderr)
+        return 2
+    try:
+        return _demo(a, out, t0)
+    finally:
+        lock.release()
+
+
+def _demo(a: argparse.Namespace, out: Path, t0: float) -> int:
+    """The demo's four steps in `out` (held by this process)."""
     from experiments.quiet import quiet
 
     quiet()  # MLflow's store set-up and Optuna's study lines: the demo prints its own

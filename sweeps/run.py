@@ -9,7 +9,9 @@
 - `--workers N`: init, then N local worker processes, supervised: a worker that dies (killed,
   crashed) is waited for at once, so its trial counts as dead, and a replacement worker is started
   that reaps and retries that trial within the same run. `--resume` = init + workers
-  (`-n N`, default 1); `--retry-failed` also re-enqueues points whose trials all failed.
+  (`-n N`, default 1), after re-enqueueing every point whose COMPLETE trials have lost their
+  MLflow runs (a deleted or replaced tracking store; each named in a warning);
+  `--retry-failed` also re-enqueues points whose trials all failed.
 - `--submit`: validate, init, then `sbatch slurm/sweep.sh` with the spec's resources.
 - `--status`: trial counts per state, the RUNNING trials whose worker is gone, the FAIL trials
   with their errors (JSON).
@@ -50,6 +52,7 @@ from sweeps.study import (
     load_study,
     log,
     open_storage,
+    requeue_lost_runs,
     validate_trial_configs,
 )
 from sweeps.worker import EXIT_PREEMPTED, EXIT_TRACKING, StopFlag, worker
@@ -204,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             if n < 1:
                 raise SpecError(f"--workers {n}: expected >= 1")
             init(spec, retry_failed=a.retry_failed)
+            if a.resume:
+                requeue_lost_runs(spec)  # trials COMPLETE in Optuna whose MLflow runs are gone
             return local_workers(spec, n, extra)
         if a.submit:
             submit(spec, Path(__file__).resolve().parent.parent / "slurm" / "sweep.sh", extra)

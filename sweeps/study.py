@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import tracking
-from mtpc.names import SWEEP_AXES, TRAIN_AXES, grid_key, point_rank
+from mtpc.names import POINTS_TAG, SWEEP_AXES, TRAIN_AXES, grid_key, point_rank
 from sweeps.spec import STORAGE_ENV, SpecError, SweepSpec
 
 
@@ -59,6 +59,13 @@ def open_storage(url: str):
     if url.startswith("journal:"):
         from optuna.storages.journal import JournalFileBackend, JournalStorage
 
+        from sweeps.journal import JournalError, repair
+
+        try:
+            for note in repair(url[len("journal:"):]):  # a torn line from an older crash or full disk
+                log(f"warning: {note}")
+        except (JournalError, OSError) as e:
+            raise StorageError(str(e)) from None
         return JournalStorage(JournalFileBackend(url[len("journal:"):]))
     return optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True})
 
@@ -120,6 +127,7 @@ def init(spec: SweepSpec, *, retry_failed: bool = False) -> dict[str, Any]:
     spec.output_dir.mkdir(parents=True, exist_ok=True)
     with FileLock(str(spec.output_dir / f".{spec.study}.init.lock"), timeout=600):
         exp_id = tracking.ensure_experiment(spec.tracking_uri, spec.experiment)
+        tracking.client(spec.tracking_uri).set_experiment_tag(exp_id, POINTS_TAG, str(spec.n_trials))
         storage = open_storage(spec.storage)
         study = load_study(spec, storage)
         if study is None:
@@ -162,6 +170,49 @@ def view_labels(spec: SweepSpec) -> list[str]:
 def save_view(spec: SweepSpec, exp_id: str) -> None:
     """The experiment's saved runs view (tracking/views.py) with this spec's evaluation labels."""
     tracking.save_runs_view(spec.tracking_uri, exp_id, view_labels(spec))
+
+
+def requeue_lost_runs(spec: SweepSpec) -> list[int]:
+    """For `--resume`: COMPLETE trials whose MLflow run is missing (a lost or replaced tracking store)
+    are named in a warning, and their point is enqueued again unless it has a trial waiting or
+    running, or another COMPLETE trial whose run exists. Returns the numbers of the lost trials."""
+    from filelock import FileLock
+    from optuna.trial import TrialState
+
+    with FileLock(str(spec.output_dir / f".{spec.study}.init.lock"), timeout=600):
+        study = load_study(spec, open_storage(spec.storage))
+        if study is None:
+            return []
+        client = tracking.client(spec.tracking_uri)
+        by_key: dict[str, list] = {}
+        for t in study.get_trials(deepcopy=False):
+            by_key.setdefault(t.user_attrs.get("grid_key", ""), []).append(t)
+        lost: list[int] = []
+        for key, ts in sorted(by_key.items()):
+            complete = [t for t in ts if t.state == TrialState.COMPLETE]
+            if not complete or any(_run_exists(client, t.user_attrs.get("mlflow_parent_run_id")) for t in complete):
+                continue
+            for t in complete:
+                log(f"warning: trial {t.number} ({key}) is COMPLETE in Optuna, but its MLflow run "
+                    f"{t.user_attrs.get('mlflow_parent_run_id')} is missing from {spec.tracking_uri}: re-running the point")
+            lost += [t.number for t in complete]
+            if not any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in ts):
+                point = trial_point(complete[-1])
+                attrs = {**grid_attrs(spec, point, len(ts), retry_of=complete[-1].number),
+                         "replaces_lost": [t.number for t in complete]}
+                study.enqueue_trial(point, user_attrs=attrs)
+        return lost
+
+
+def _run_exists(client, run_id: str | None) -> bool:
+    from mlflow.exceptions import MlflowException
+
+    if not run_id:
+        return False
+    try:
+        return client.get_run(run_id).info.lifecycle_stage != "deleted"
+    except MlflowException:
+        return False
 
 
 def grid_attrs(spec: SweepSpec, point: dict[str, Any], attempt: int, retry_of: int | None = None) -> dict[str, Any]:

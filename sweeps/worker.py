@@ -165,7 +165,8 @@ def run_one(spec: SweepSpec, study, trial_id: int, exp_id: str, me: Owner, stop:
     if "grid_key" not in frozen.user_attrs:
         storage.set_trial_user_attr(trial_id, "grid_key", key)
     storage.set_trial_user_attr(trial_id, "mlflow_experiment_id", exp_id)
-    dup = _completed_twin(study, key)
+    lost = tuple(frozen.user_attrs.get("replaces_lost", ()))  # re-run of trials whose MLflow runs are gone
+    dup = _completed_twin(study, key, lost)
     if spec.grid is not None and dup is not None:
         storage.set_trial_user_attr(trial_id, "error", f"duplicate: grid point {key} already COMPLETE in trial {dup}")
         study.tell(trial, state=TrialState.FAIL)
@@ -205,7 +206,7 @@ def run_one(spec: SweepSpec, study, trial_id: int, exp_id: str, me: Owner, stop:
             storage.set_trial_user_attr(trial_id, f"value:{o.label}", v)
         tracking.log_metrics(uri, parent, {f"objective.{o.label}".replace("/", "."): v for o, v in zip(spec.objectives, values, strict=True)})
         tracking.log_trial_summary(uri, exp_id, parent)  # one row per trial in the UI's runs table
-        dup = _completed_twin(study, key)
+        dup = _completed_twin(study, key, lost)
         if spec.grid is not None and dup is not None:
             raise RuntimeError(f"duplicate: grid point {key} completed meanwhile in trial {dup}")
         tracking.terminate(uri, [parent], "FINISHED")
@@ -245,11 +246,12 @@ def run_one(spec: SweepSpec, study, trial_id: int, exp_id: str, me: Owner, stop:
             raise TrackingLost(problem) from e
 
 
-def _completed_twin(study, key: str) -> int | None:
+def _completed_twin(study, key: str, lost: tuple[int, ...] = ()) -> int | None:
+    """Another COMPLETE trial of grid point `key`, not counting `lost` ones (their MLflow runs are gone)."""
     from optuna.trial import TrialState
 
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-        if t.user_attrs.get("grid_key") == key:
+        if t.user_attrs.get("grid_key") == key and t.number not in lost:
             return t.number
     return None
 

@@ -20,6 +20,7 @@ and `llama.py` (the compact Llama forward), CUDA graph capture in `graphs.py`.
 
 from __future__ import annotations
 
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -202,6 +203,9 @@ def load_backbone(
             model = AutoModelForCausalLM.from_pretrained(source, **kw)
     except OSError as e:
         raise ValueError(f"backbone {label!r}: cannot load weights from {source!r} ({e})") from e
+    except pickle.UnpicklingError:  # torch.load(weights_only=True) met a pickled object that is not a tensor
+        raise ValueError(f"backbone {label!r}: the pickled weights in {source!r} hold objects other than tensors; "
+                         "refused unread (convert them to safetensors from a trusted copy)") from None
     model.eval()
     if device is not None:
         model.to(device)

@@ -14,21 +14,14 @@ Leaves out: training and evaluating the model (experiments/pretrain.py), the ada
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
+
+from mtpc.atomic import sha256_file
 
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "default_model"
 MANIFEST = "MANIFEST.json"
 DEFAULT = "default"
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def write_manifest(directory: str | Path) -> str:
@@ -48,10 +41,11 @@ def default_label(directory: str | Path = SHIPPED_DIR) -> str:
 
 
 def verify_shipped(directory: str | Path = SHIPPED_DIR) -> str:
-    """Check every manifest entry's SHA-256 (and that no listed file is missing); returns the label.
+    """Check that the folder holds exactly the manifest's files, each with its SHA-256; returns the label.
 
-    Raises ValueError naming the first file that is missing or differs (a truncated clone, a Git
-    LFS pointer, a local edit).
+    Raises ValueError naming the first file that is missing, differs (a truncated clone, a Git
+    LFS pointer, a local edit) or is not listed (a weight file saved into the folder would be
+    loaded under the verified label).
     """
     directory = Path(directory)
     label = default_label(directory)
@@ -59,6 +53,10 @@ def verify_shipped(directory: str | Path = SHIPPED_DIR) -> str:
         files = json.loads((directory / MANIFEST).read_text())["files"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"default backbone: {directory / MANIFEST} is not a manifest ({e})") from None
+    extra = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != MANIFEST and p.name not in files)
+    if extra:
+        raise ValueError(f"default backbone: {directory / extra[0]} is not listed in {MANIFEST} "
+                         f"(the folder must hold exactly the manifest's files; remove {', '.join(extra)})")
     for name, digest in files.items():
         path = directory / name
         if not path.is_file():

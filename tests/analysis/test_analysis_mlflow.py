@@ -290,3 +290,23 @@ def test_the_documented_script_runs_the_same_cli_without_shadowing_pypi_modules(
                         "--experiment", "nothing", "--out", str(tmp_path / "o")],
                        cwd=repo, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stderr.strip().startswith("error:") and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_the_analysis_warns_when_the_store_holds_fewer_points_than_the_sweep(tmp_path, capsys):
+    """A sweep's init tags its experiment with its number of grid points; a store that lost runs
+    (or a sweep still running) is analysed with a warning naming both counts."""
+    from mlflow.tracking import MlflowClient
+
+    from mtpc.names import POINTS_TAG
+
+    uri = fresh_tracking_uri(tmp_path / "mlflow")
+    log_sweep(uri, "partial", synthetic_evaluations(circuits=("ff", "cp"), windows=(8,), prompt_sets=("chat",)))
+    client = MlflowClient(uri)
+    exp_id = client.get_experiment_by_name("partial").experiment_id
+    client.set_experiment_tag(exp_id, POINTS_TAG, "3")
+    args = ["--tracking-uri", uri, "--experiment", "partial", "--out", str(tmp_path / "out")]
+    assert cli.main(args) == 0
+    assert "experiment 'partial' holds evaluation runs of 2 of the sweep's 3 grid points" in capsys.readouterr().err
+    client.set_experiment_tag(exp_id, POINTS_TAG, "2")
+    assert cli.main(args) == 0
+    assert "grid points" not in capsys.readouterr().err

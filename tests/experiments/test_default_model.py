@@ -30,6 +30,19 @@ def test_every_file_matches_the_manifest_and_respects_the_size_limits():
     assert sum(p.stat().st_size for p in shards) <= 40 * 2**20
 
 
+def test_a_file_not_in_the_manifest_is_refused(tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "default_model"
+    shutil.copytree(SHIPPED_DIR, folder)
+    verify_shipped(folder)
+    save_file({"w": torch.zeros(4)}, str(folder / "model.safetensors"))  # would be loaded under the verified label
+    with pytest.raises(ValueError, match=r"model\.safetensors is not listed in MANIFEST\.json"):
+        verify_shipped(folder)
+
+
 def test_loads_by_name_in_seconds_as_float32():
     t0 = time.monotonic()
     bb = load_backbone("default")

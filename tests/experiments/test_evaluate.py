@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,33 @@ def test_cli_missing_head_directory_says_it_does_not_exist(exported, tmp_path, c
                "--sets", "1", "--out", str(tmp_path / "r.json"), "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "nowhere' does not exist or is not a directory" in err, err
+
+
+def test_an_unusable_out_path_is_refused_before_anything_decodes(exported, tmp_path, capsys, monkeypatch):
+    import experiments.evaluate as ev
+
+    decoded = []
+    monkeypatch.setattr(ev, "evaluate_heads", lambda *a, **k: decoded.append(1))
+    args = ["--head", str(exported / "cp"), "--prompts", str(exported / "prompts.jsonl"), "--num-prompts", "1",
+            "--sets", "1", "--no-progress"]
+    (tmp_path / "existing").mkdir()
+    assert main([*args, "--out", str(tmp_path / "existing")]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path / 'existing'}: is a directory" in err and err.count("\n") == 1, err
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if not os.access(locked, os.W_OK):  # (root writes everywhere; the directory case holds for all)
+            assert main([*args, "--out", str(locked / "r.json")]) == 2
+            assert "not writable" in capsys.readouterr().err
+    finally:
+        locked.chmod(0o700)
+    assert decoded == []
+
+
+def test_a_prompts_file_with_invalid_utf8_names_file_and_line(tmp_path):
+    bad = tmp_path / "p.jsonl"
+    bad.write_bytes(b'"fine"\n"also fine"\n"caf\xe9"\n')
+    with pytest.raises(ValueError, match=rf"{bad}:3: not valid UTF-8"):
+        load_prompt_sets(str(bad), 1, 1)

@@ -202,3 +202,37 @@ def test_byte_stream_refuses_bytes_in_the_special_range(tmp_path):
     (tmp_path / "junk.u8.xz").write_bytes(b"not xz")
     with pytest.raises(ValueError, match="junk.u8.xz: not an xz byte stream"):
         data.read_stream(tmp_path / "junk.u8.xz")
+
+
+def test_corpus_cache_cut_at_a_line_boundary_is_refused(tmp_path, monkeypatch):
+    src = _sharegpt_file(tmp_path / "sg.json")
+    monkeypatch.setattr(data, "sharegpt_file", lambda: src)
+    full = sharegpt_corpus(tmp_path / "cache", progress=False)
+    cached = tmp_path / "cache" / "data" / data.CORPUS_VERSION / "train.jsonl"
+    lines = cached.read_text().splitlines(keepends=True)
+    cached.write_text("".join(lines[: len(lines) // 3]))  # cut at a line boundary: still valid JSONL
+    with pytest.raises(ValueError, match=r"train\.jsonl: sha256 differs .*stats\.json.*delete .* to rebuild"):
+        sharegpt_corpus(tmp_path / "cache", progress=False)
+    # a cache from before the checksums: the row count in stats.json still catches the cut
+    stats_path = cached.parent / "stats.json"
+    stats = json.loads(stats_path.read_text())
+    del stats["sha256"]
+    stats_path.write_text(json.dumps(stats))
+    with pytest.raises(ValueError, match=rf"train\.jsonl: {len(lines) // 3} rows, but .* says {len(full.train)}"):
+        sharegpt_corpus(tmp_path / "cache", progress=False)
+
+
+def test_a_killed_build_leaves_no_temporary_behind_the_next_build(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    src = _sharegpt_file(tmp_path / "sg.json")
+    monkeypatch.setattr(data, "sharegpt_file", lambda: src)
+    root = tmp_path / "cache" / "data"
+    pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)
+    stale = root / f"{data.CORPUS_VERSION}.tmp{pid}"  # what kill -9 during a build leaves
+    stale.mkdir(parents=True)
+    (stale / "train.jsonl").write_text("{}\n" * 1000)
+    sharegpt_corpus(tmp_path / "cache", progress=False)
+    assert not stale.exists()
+    assert sorted(p.name for p in root.iterdir()) == sorted([data.CORPUS_VERSION, f"{data.CORPUS_VERSION}.lock"])

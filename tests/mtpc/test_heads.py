@@ -276,3 +276,68 @@ def test_truncated_export_is_a_one_line_error_naming_the_file(tmp_path, cut):
             load_head(tmp_path)
         assert str(path) in str(err.value) and "\n" not in str(err.value), str(err.value)
         path.write_bytes(whole)
+
+
+def test_overwritten_tensors_are_caught_by_the_export_checksum(tmp_path):
+    save_head(tmp_path, make_head("cp", r=3), lora_state={"x.lora_A": torch.zeros(2, 2)})
+    for name in ("head.safetensors", "lora.safetensors"):
+        path = tmp_path / name
+        whole = bytearray(path.read_bytes())
+        good = bytes(whole)
+        whole[-8:] = b"\x7f" * 8  # garbage in the last tensor's data: still a readable safetensors file
+        path.write_bytes(bytes(whole))
+        with pytest.raises(ValueError, match=rf"{path}: SHA-256 differs from the one in config\.json"):
+            load_head(tmp_path)
+        path.write_bytes(good)
+    load_head(tmp_path)
+
+
+def test_an_unlisted_adapter_beside_the_head_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    save_head(tmp_path, make_head("cp", r=3))
+    save_file({"x.lora_A": torch.zeros(2, 2)}, str(tmp_path / "lora.safetensors"))
+    with pytest.raises(ValueError, match=r"lora\.safetensors: not listed in config\.json"):
+        load_head(tmp_path)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_head_with_non_finite_parameters_is_refused_naming_the_file(tmp_path, bad):
+    head = make_head("cp", r=3)
+    with torch.no_grad():
+        head.leaf_weight[0, 0, 0, 0] = bad
+    save_head(tmp_path, head)  # a diverged run exports what it has; loading it is what must refuse
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'head.safetensors'}: tensor 'leaf_weight' holds non-finite"):
+        load_head(tmp_path)
+
+
+def _other_head(head):
+    other = make_head("cp", r=3)
+    other.load_state_dict({k: v + 1 for k, v in head.state_dict().items()})
+    return other
+
+
+def test_a_full_disk_during_a_re_export_keeps_the_previous_head(tmp_path, monkeypatch):
+    from tests.faults import full_disk
+
+    first = make_head("cp", r=3)
+    save_head(tmp_path, first)
+    full_disk(monkeypatch, tmp_path, after=100)  # ENOSPC at write(2) after a short write
+    with pytest.raises(OSError, match=rf"{tmp_path / 'head.safetensors'}: no space left"):
+        save_head(tmp_path, _other_head(first))
+    monkeypatch.undo()
+    loaded, _ = load_head(tmp_path)
+    torch.testing.assert_close(loaded.state_dict(), first.state_dict(), rtol=0, atol=0)
+
+
+def test_on_a_real_full_tmpfs_the_previous_head_stays_loadable():
+    from tests.faults import fill, small_tmpfs
+
+    with small_tmpfs("256k") as d:
+        first = make_head("cp", r=3)
+        save_head(d / "head", first)
+        fill(d, leave=1024)  # less than one head file
+        with pytest.raises(OSError, match="no space left"):
+            save_head(d / "head", _other_head(first))
+        loaded, _ = load_head(d / "head")
+        torch.testing.assert_close(loaded.state_dict(), first.state_dict(), rtol=0, atol=0)

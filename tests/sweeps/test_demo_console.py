@@ -27,3 +27,18 @@ def test_fixture_demo_prints_only_its_own_lines(tmp_path):
     for step in ("2/4 sweep", "3/4 python -m analysis", "4/4 where things are"):
         assert step in out.stdout
     assert re.search(r"demo took \d+ s \(2/4 \d+ s, 3/4 \d+ s, 4/4 \d+ s\); exit code 0", out.stdout), out.stdout[-500:]
+
+
+def test_a_second_demo_on_the_same_folder_is_refused(tmp_path, capsys):
+    """Two demos writing one folder analysed 4 of 5 points and exited 0; the second is refused now."""
+    from filelock import FileLock
+
+    from sweeps.demo import main
+
+    out = tmp_path / "demo"
+    out.mkdir()
+    with FileLock(str(out / ".demo.lock")):  # what a running demo holds
+        assert main(["--objective", "fixture", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{out} is in use by another demo" in err and len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in out.iterdir()) == [".demo.lock"]  # nothing written

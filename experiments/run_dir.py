@@ -1,0 +1,165 @@
+"""What a run directory holds and who may use it: one run's identity, its checkpoints, how to resume.
+
+- Identity: `<run.dir>/run.json` = {"config_hash", "run_id", "config"}: the SHA-256 of the resolved
+  config without the keys a resume may change (`RESUMABLE_KEYS`: the stop length, console and
+  bookkeeping settings, the `run` section), and a random id kept across resumes. A run refuses a
+  directory whose checkpoints belong to another config (naming the keys that differ), refuses to
+  start afresh over its own checkpoints (resume with `--ckpt_path last`), and `--ckpt_path last`
+  resumes only the same run. Every checkpoint also carries the identity (`mtpc_run`), so an
+  explicit checkpoint file of another run is refused too.
+- Resume paths: local files only (a URL is refused: Lightning would download and unpickle it),
+  checked before anything loads; `last` with nothing to resume says so.
+- `AtomicCheckpointIO`: Lightning's checkpoint I/O with atomic writes on the destination
+  filesystem (`mtpc.atomic`) and loads with `weights_only=True`.
+Leaves out: what is trained (train.py), the stop-on-signal callback (callbacks.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import Callback
+
+from mtpc.atomic import write_bytes, write_json
+
+IDENTITY_FILE = "run.json"
+CHECKPOINT_KEY = "mtpc_run"
+#: keys a resumed run may change without becoming another run
+RESUMABLE_KEYS = ("trainer.max_steps", "trainer.max_epochs", "trainer.enable_progress_bar",
+                  "trainer.enable_model_summary", "trainer.log_every_n_steps")
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v and k != "backbone_kwargs":
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def identity_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The flat resolved config that defines a run: without `run.*` and `RESUMABLE_KEYS`."""
+    return {k: v for k, v in _flat(config).items() if not k.startswith("run.") and k not in RESUMABLE_KEYS}
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(identity_config(config), sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _differences(old: dict[str, Any], new: dict[str, Any]) -> str:
+    a, b = identity_config(old), identity_config(new)
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    return ", ".join(f"{k} {a.get(k)!r} -> {b.get(k)!r}" for k in keys[:4]) + (", ..." if len(keys) > 4 else "")
+
+
+def has_checkpoints(run_dir: Path) -> bool:
+    d = Path(run_dir) / "checkpoints"
+    return d.is_dir() and any(d.glob("*.ckpt"))
+
+
+def check_ckpt_path(ckpt_path: str | Path | None, run_dir: Path) -> str | None:
+    """The checkpoint to resume from (a local file), or None; ValueError in one line otherwise."""
+    if ckpt_path is None:
+        return None
+    text = str(ckpt_path)
+    if "://" in text:
+        raise ValueError(f"--ckpt_path {text}: only local checkpoint files are accepted (a URL would be downloaded "
+                         "and unpickled); download it yourself and pass its path")
+    if text == "last":
+        last = Path(run_dir) / "checkpoints" / "last.ckpt"
+        if not last.is_file():
+            raise ValueError(f"--ckpt_path last: nothing to resume, {last} does not exist "
+                             "(drop --ckpt_path to start a new run)")
+        return str(last)
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise ValueError(f"--ckpt_path {text}: no such checkpoint file")
+    return str(path)
+
+
+def claim(run_dir: Path, config: dict[str, Any], ckpt_path: str | None) -> dict[str, str]:
+    """Record (or confirm) this run's identity in `run_dir`; returns {"config_hash", "run_id"}.
+
+    Refuses (ValueError, one line) a directory whose checkpoints belong to another config, a fresh
+    start over this run's own checkpoints, and a checkpoint file recorded by another run.
+    """
+    run_dir = Path(run_dir)
+    want = config_hash(config)
+    path = run_dir / IDENTITY_FILE
+    recorded = _read_identity(path)
+    if recorded is not None and has_checkpoints(run_dir):
+        if recorded.get("config_hash") != want:
+            raise ValueError(f"{run_dir} holds another run (run id {recorded.get('run_id')}; its config differs: "
+                             f"{_differences(recorded.get('config', {}), config)}); use another --run.dir")
+        if ckpt_path is None:
+            raise ValueError(f"{run_dir} already holds checkpoints of this run; resume with --ckpt_path last, "
+                             "or use another --run.dir to start over")
+    if ckpt_path is not None:
+        _check_checkpoint_identity(Path(ckpt_path), want, config)
+    same = recorded is not None and recorded.get("config_hash") == want and ckpt_path is not None
+    identity = {"config_hash": want, "run_id": recorded["run_id"] if same else uuid.uuid4().hex}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json(path, {**identity, "config": config}, indent=1, sort_keys=True, default=str)
+    return identity
+
+
+def _read_identity(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ValueError(f"{path}: not valid JSON (the run directory's identity); use another --run.dir") from None
+    return data if isinstance(data, dict) else None
+
+
+def _check_checkpoint_identity(path: Path, want: str, config: dict[str, Any]) -> None:
+    ckpt = load_checkpoint(path)
+    got = ckpt.get(CHECKPOINT_KEY) if isinstance(ckpt, dict) else None
+    if got is not None and got.get("config_hash") != want:
+        raise ValueError(f"{path}: a checkpoint of another run (run id {got.get('run_id')}, another config); "
+                         "resume it with its own config or start a new run")
+
+
+def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> Any:
+    """torch.load of a local checkpoint with weights_only=True; ValueError naming the file if unreadable."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=True)
+    except (RuntimeError, OSError, EOFError, ValueError) as err:
+        raise ValueError(f"{path}: not a readable checkpoint ({' '.join(str(err).split())[:200]})") from None
+    except Exception as err:  # pickle.UnpicklingError: a payload weights_only refuses to run
+        raise ValueError(f"{path}: refused, not a plain-tensor checkpoint ({type(err).__name__})") from None
+
+
+class RunIdentity(Callback):
+    """Writes the run's identity into every checkpoint (`mtpc_run`)."""
+
+    def __init__(self, identity: dict[str, str]):
+        self.identity = dict(identity)
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        checkpoint[CHECKPOINT_KEY] = dict(self.identity)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Checkpoints written atomically beside their final path; loaded from local files, weights only."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        buf = io.BytesIO()
+        torch.save(checkpoint, buf)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_bytes(path, buf.getbuffer())
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        if "://" in str(path):
+            raise ValueError(f"{path}: only local checkpoint files are accepted")
+        return load_checkpoint(path, map_location=map_location or "cpu")
