@@ -109,12 +109,12 @@ def main(argv: list[str] | None = None) -> int:
               "or pass another --out", file=sys.stderr)
         return 2
     try:
-        return _demo(a, out, t0)
+        return _demo(a, out, phases)
     finally:
         lock.release()
 
 
-def _demo(a: argparse.Namespace, out: Path, t0: float) -> int:
+def _demo(a: argparse.Namespace, out: Path, phases: Phases) -> int:
     """The demo's four steps in `out` (held by this process)."""
     from experiments.quiet import quiet
 
