@@ -381,7 +381,8 @@ class MtpcModel:
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def _config(self, prompt: Tensor, window: int, **kw: Any) -> DecodeConfig:
-        cfg = DecodeConfig(eos_id=self.backbone.eos_token_id, **kw)
+        stops = tuple(getattr(self.backbone, "stop_token_ids", ()) or ())
+        cfg = DecodeConfig(eos_id=stops if len(stops) > 1 else self.backbone.eos_token_id, **kw)
         need = prompt.shape[0] + cfg.max_new_tokens + window
         if need > self.backbone.max_context:
             raise ValueError(
