@@ -40,6 +40,7 @@ CODE_FILES = (
     "eva_prep_kv_kernel.py",
     "eva_pt_ref.py",
     "multibyte_decoding_evabyte.py",
+    "tokenization_evabyte.py",
 )
 AUTO_MAP = {
     "AutoConfig": "configuration_evabyte.EvaByteConfig",
@@ -208,7 +209,8 @@ def triton_shim():
 
 # -- checkpoints -----------------------------------------------------------------------------------
 def write_tiny_evabyte(out: Path, seed: int = 0, **overrides) -> Path:
-    """A random-weight EvaByte checkpoint from the real code (config.json with auto_map, code files)."""
+    """A random-weight EvaByte checkpoint from the real code (config.json with auto_map, code files,
+    EvaByte's own tokenizer class and chat template through tokenizer_config.json's auto_map)."""
     src = oracle()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -216,6 +218,8 @@ def write_tiny_evabyte(out: Path, seed: int = 0, **overrides) -> Path:
         shutil.copy(src / f, out / f)
     cfg = {**TINY, **overrides, "model_type": "evabyte", "architectures": ["EvaByteForCausalLM"], "auto_map": AUTO_MAP}
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    tok = {"auto_map": {"AutoTokenizer": ["tokenization_evabyte.EvaByteTokenizer", None]}, "tokenizer_class": "EvaByteTokenizer"}
+    (out / "tokenizer_config.json").write_text(json.dumps(tok, indent=1))
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from mtpc.backbones.evabyte import prepare_config

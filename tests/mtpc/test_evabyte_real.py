@@ -300,3 +300,52 @@ def test_plain_baseline_runs_no_draft_top_layer(ckpt):
     assert len(calls) == 0
     fast = model.generate(prompt, max_new_tokens=6, ban_eos=True)
     assert len(calls) > 0 and fast.ids.tolist() == plain.ids.tolist()
+
+
+# -- tokenizer and stop ids --------------------------------------------------------------------------
+def test_tokenizer_end_to_end(ckpt):
+    """EvaByte's own tokenizer (loaded with the checkpoint): bytes + 64, raw bytes byte for byte,
+    its Llama-3 chat template, the assistant mask, and both stop ids (<|eot_id|> and eos)."""
+    bb = load_tiny_evabyte(ckpt)
+    tok = bb.tokenizer
+    assert tok.encode(b"\xff\xfe") == [319, 318]  # invalid UTF-8, byte for byte
+    data = bytes(random.Random(0).randrange(256) for _ in range(300))
+    assert tok.encode(data) == [b + 64 for b in data] and tok.decode(tok.encode(data)) == data
+    assert bb.stop_token_ids == (2, 11) and bb.eos_token_id == 2 and bb.bos_token_id == 1
+
+    def enc(text):
+        return [b + 64 for b in text.encode()]
+
+    head = lambda role: [9, *enc(role), 10, *enc("\n\n")]  # noqa: E731  <|start_header_id|>role<|end_header_id|>\n\n
+    prompt = tok.render_prompt("Hi")
+    assert prompt == [1, *head("system"), 11, *head("user"), *enc("Hi"), 11, *head("assistant")]
+    ids, mask = tok.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}])
+    assert ids == prompt + [*enc("Yo"), 11]
+    assert [i for i, m in zip(ids, mask) if m] == [*enc("Yo"), 11]
+    m = MtpcModel.from_components(bb, {"kind": "cp", "window": 4, "rank": 2, "seed": 0})
+    cfg = m._config(torch.tensor(prompt), 4, max_new_tokens=8)
+    assert cfg.stop_ids == [2, 11]
+    assert m._config(torch.tensor(prompt), 4, max_new_tokens=8, ban_eos=True).banned == [2, 11]
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_decoding_stops_on_any_stop_id_and_banning_bans_all(ckpt, speculative):
+    """Two stop ids taken from the model's own banned-greedy output: decoding stops at the first
+    of either; banned, neither appears and every run has the full length."""
+    bb = load_tiny_evabyte(ckpt)
+    m = MtpcModel.from_components(bb, {"kind": "btree", "window": 4, "rank": 2, "seed": 0})
+    prompt = ids(12, seed=5)[0]
+    run = m.generate if speculative else m.generate_plain
+    free = run(prompt, max_new_tokens=40, ban_eos=True).ids.tolist()
+    x, y = free[10], next(t for t in free[25:] if t != free[10])  # two ids greedy decoding emits
+    b, a = sorted((x, y), key=free.index)  # eos = a is emitted later than the other stop id b
+    first = free.index(b)
+    m.backbone.tokenizer.stop_token_ids = (a, b)
+    m.backbone.tokenizer.eos_token_id = a
+    try:
+        out = run(prompt, max_new_tokens=40).ids.tolist()
+        assert out == free[: first + 1]
+        banned = run(prompt, max_new_tokens=40, ban_eos=True).ids.tolist()
+        assert len(banned) == 40 and a not in banned and b not in banned
+    finally:
+        m.backbone.tokenizer.stop_token_ids, m.backbone.tokenizer.eos_token_id = (2, 11), 2
