@@ -208,7 +208,7 @@ def triton_shim():
 
 
 # -- checkpoints -----------------------------------------------------------------------------------
-def write_tiny_evabyte(out: Path, seed: int = 0, **overrides) -> Path:
+def write_tiny_evabyte(out: Path, seed: int = 0, tokenizer: bool = True, **overrides) -> Path:
     """A random-weight EvaByte checkpoint from the real code (config.json with auto_map, code files,
     EvaByte's own tokenizer class and chat template through tokenizer_config.json's auto_map)."""
     src = oracle()
@@ -219,7 +219,8 @@ def write_tiny_evabyte(out: Path, seed: int = 0, **overrides) -> Path:
     cfg = {**TINY, **overrides, "model_type": "evabyte", "architectures": ["EvaByteForCausalLM"], "auto_map": AUTO_MAP}
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     tok = {"auto_map": {"AutoTokenizer": ["tokenization_evabyte.EvaByteTokenizer", None]}, "tokenizer_class": "EvaByteTokenizer"}
-    (out / "tokenizer_config.json").write_text(json.dumps(tok, indent=1))
+    if tokenizer:
+        (out / "tokenizer_config.json").write_text(json.dumps(tok, indent=1))
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from mtpc.backbones.evabyte import prepare_config

@@ -412,7 +412,7 @@ class EvaByteAdapter(nn.Module):
 
     def check_finite(self, label: str = "evabyte") -> None:
         """A probe forward must give finite logits (else a broken load would decode garbage)."""
-        ids = torch.tensor([PROBE], device=self.device)
+        ids = torch.tensor([PROBE], device=self.device) % self.vocab_size
         with torch.no_grad():
             logits = self.stp_logits(self(ids).verify_hidden)
         if not torch.isfinite(logits).all():

@@ -349,3 +349,66 @@ def test_decoding_stops_on_any_stop_id_and_banning_bans_all(ckpt, speculative):
         assert len(banned) == 40 and a not in banned and b not in banned
     finally:
         m.backbone.tokenizer.stop_token_ids, m.backbone.tokenizer.eos_token_id = (2, 11), 2
+
+
+# -- sampling exactness (the enumeration / chi-square machinery of test_speculative_sampling) ---------
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    """EvaByte's code with a 4-symbol vocabulary (eos = 2 banned: 3 live ones) so that every path
+    of plain sampling can be enumerated; lm_head x 2 for a moderately peaked target."""
+    from safetensors.torch import load_file, save_file
+
+    out = write_tiny_evabyte(tmp_path_factory.mktemp("evabyte4") / "v4", tokenizer=False, vocab_size=4)
+    state = load_file(str(out / "model.safetensors"))
+    state["lm_head.weight"] = state["lm_head.weight"] * 25.0  # std 0.02 init: peaked, not one-hot
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return load_tiny_evabyte(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(KINDS_RANK))
+def test_keep_sampling_matches_plain_distribution(small_vocab, kind):
+    from tests.mtpc.test_speculative_sampling import ALPHA, N_RUNS, chi_square_pvalue
+    from tests.speculative_helpers import enumerate_outcomes
+
+    bb, T, prompt = small_vocab, 3, torch.tensor([1, 0, 3, 3, 0])
+    cfg = DecodeConfig(max_new_tokens=T, mode="sample", eos_id=bb.eos_token_id, ban_eos=True)
+
+    def program(choose):
+        with torch.inference_mode():
+            return tuple(plain_decode(make_engine(bb, len(prompt) + T, draft=False), prompt, cfg, choose)[0])
+
+    exact = enumerate_outcomes(program)
+    assert len(exact) == 27 and max(exact.values()) > 0.1  # 3 live symbols, peaked
+    m = MtpcModel.from_components(bb, {"kind": kind, "window": 3, "rank": KINDS_RANK[kind], "seed": 1})
+    with torch.no_grad():
+        m.head.leaf_weight.mul_(10.0)
+    counts = collections.Counter(
+        tuple(m.generate(prompt, max_new_tokens=T, mode="sample", seed=i, ban_eos=True).ids.tolist())
+        for i in range(N_RUNS)
+    )
+    assert chi_square_pvalue(counts, exact, N_RUNS) > ALPHA
+
+
+@pytest.mark.slow
+def test_drop_sampling_is_flagged(small_vocab):
+    """The same check rejects extra_token="drop" (biased when sampling): it can fail."""
+    from tests.mtpc.test_speculative_sampling import ALPHA, N_RUNS, chi_square_pvalue
+    from tests.speculative_helpers import enumerate_outcomes
+
+    bb, T, prompt = small_vocab, 3, torch.tensor([1, 0, 3, 3, 0])
+    cfg = DecodeConfig(max_new_tokens=T, mode="sample", eos_id=bb.eos_token_id, ban_eos=True)
+
+    def program(choose):
+        with torch.inference_mode():
+            return tuple(plain_decode(make_engine(bb, len(prompt) + T, draft=False), prompt, cfg, choose)[0])
+
+    exact = enumerate_outcomes(program)
+    m = MtpcModel.from_components(bb, {"kind": "btree", "window": 3, "rank": 2, "seed": 1})
+    with torch.no_grad():
+        m.head.leaf_weight.mul_(10.0)
+    counts = collections.Counter(
+        tuple(m.generate(prompt, max_new_tokens=T, mode="sample", seed=i, ban_eos=True, extra_token="drop").ids.tolist())
+        for i in range(N_RUNS)
+    )
+    assert chi_square_pvalue(counts, exact, N_RUNS) < ALPHA
