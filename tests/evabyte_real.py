@@ -192,15 +192,26 @@ def patch_kernels() -> int:
 
 @contextlib.contextmanager
 def triton_shim():
-    """TEST-ONLY: import EvaByte's code with the `triton` stand-in, then swap in the kernel ports."""
+    """TEST-ONLY: import EvaByte's code with the `triton` stand-in, swapping in the kernel ports as
+    soon as each remote-code class is loaded (so a load and its use can share one `with`)."""
     import torch._dynamo  # noqa: F401  (imported first: it probes `triton` and must not see the stand-in)
+    from transformers import dynamic_module_utils as dmu
 
     saved = {m: sys.modules.pop(m) for m in ("triton", "triton.language") if m in sys.modules}
     stand_in = _stand_in_triton()
     sys.modules["triton"], sys.modules["triton.language"] = stand_in, stand_in.language
+    original = dmu.get_class_in_module
+
+    def get_class_in_module(*args, **kwargs):
+        cls = original(*args, **kwargs)
+        patch_kernels()
+        return cls
+
+    dmu.get_class_in_module = get_class_in_module
     try:
         yield
     finally:
+        dmu.get_class_in_module = original
         for m in ("triton", "triton.language"):
             sys.modules.pop(m, None)
         sys.modules.update(saved)
