@@ -29,8 +29,6 @@ from pathlib import Path
 
 import torch
 
-from tests.third_party import third_party
-
 CODE_FILES = (
     "configuration_evabyte.py",
     "modeling_evabyte.py",
@@ -71,6 +69,8 @@ TINY = dict(
 
 def oracle() -> Path:
     """EvaByte's own code folder (`$MTPC_THIRD_PARTY/evabyte_hf`); skips when the variable is unset."""
+    from tests.third_party import third_party
+
     return third_party("evabyte_hf", required=CODE_FILES)
 
 
@@ -219,10 +219,13 @@ def triton_shim():
 
 
 # -- checkpoints -----------------------------------------------------------------------------------
-def write_tiny_evabyte(out: Path, seed: int = 0, tokenizer: bool = True, **overrides) -> Path:
+def write_tiny_evabyte(
+    out: Path, seed: int = 0, tokenizer: bool = True, shim: bool = True, src: Path | None = None, **overrides
+) -> Path:
     """A random-weight EvaByte checkpoint from the real code (config.json with auto_map, code files,
-    EvaByte's own tokenizer class and chat template through tokenizer_config.json's auto_map)."""
-    src = oracle()
+    EvaByte's own tokenizer class and chat template through tokenizer_config.json's auto_map).
+    shim=False: import EvaByte's code with the real triton (a CUDA machine; bench/bench_evabyte_gpu.py)."""
+    src = oracle() if src is None else Path(src)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for f in CODE_FILES:
@@ -236,7 +239,7 @@ def write_tiny_evabyte(out: Path, seed: int = 0, tokenizer: bool = True, **overr
 
     from mtpc.backbones.evabyte import prepare_config
 
-    with triton_shim():
+    with triton_shim() if shim else contextlib.nullcontext():
         config = prepare_config(AutoConfig.from_pretrained(out, trust_remote_code=True))
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
@@ -251,11 +254,11 @@ def write_tiny_evabyte(out: Path, seed: int = 0, tokenizer: bool = True, **overr
     return out
 
 
-def load_tiny_evabyte(path: Path, lora_depth: int = 0, **kw):
+def load_tiny_evabyte(path: Path, lora_depth: int = 0, shim: bool = True, **kw):
     """The adapter on a tiny checkpoint, loaded as a user's run would (`trust_remote_code=True`)."""
     from mtpc.backbones import load_backbone
 
-    with triton_shim():
+    with triton_shim() if shim else contextlib.nullcontext():
         return load_backbone(str(path), lora_depth=lora_depth, trust_remote_code=True, **kw)
 
 
@@ -263,3 +266,23 @@ def real_logits(model, ids: torch.Tensor, all_heads: bool = False) -> torch.Tens
     """EvaByte's own uncached forward (its `forward` in eval mode; return_dict either way)."""
     out = model(ids, use_cache=False, return_all_pred_logits=all_heads)
     return out[0] if isinstance(out, tuple) else out.logits
+
+
+def real_greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
+    """EvaByte's own greedy decoding: its `generate` where transformers gives it one (4.x), else
+    the same calls `generate` makes (prefill, then 1-byte steps on its own cache) — transformers 5
+    drops `generate` from models that do not inherit GenerationMixin, as EvaByte's does not."""
+    x = prompt[None]
+    if hasattr(model, "generate"):
+        return model.generate(x, max_new_tokens=n, do_sample=False)[0, len(prompt) :].tolist()
+    pos = torch.arange(len(prompt) + n)[None]
+    out, cache, got = None, None, []
+    with torch.no_grad():
+        out = model(x, position_ids=pos[:, : x.shape[1]], use_cache=True)
+        for t in range(n):
+            nxt = int((out[0] if isinstance(out, tuple) else out.logits)[0, -1].argmax())
+            got.append(nxt)
+            cache = out[1] if isinstance(out, tuple) else out.past_key_values
+            p = len(prompt) + t
+            out = model(torch.tensor([[nxt]]), position_ids=pos[:, p : p + 1], past_key_values=cache, use_cache=True)
+    return got

@@ -49,6 +49,7 @@ from mtpc.backbones.common import (
     stop_token_ids,
 )
 
+
 class KVStore:
     """Keys/values of one segment of layers, keyed by each attention module's `layer_idx`.
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import copy
 import importlib
-import json
 import random
 
 import pytest
@@ -27,7 +26,7 @@ from mtpc.backbones import EvaByteAdapter, load_backbone, make_engine
 from mtpc.heads import HeadConfig, MtpcHead
 from mtpc.speculative.loop import DecodeConfig, plain_decode
 from tests.backbone_helpers import randomize_lora
-from tests.evabyte_real import load_tiny_evabyte, real_logits, triton_shim, write_tiny_evabyte
+from tests.evabyte_real import load_tiny_evabyte, real_greedy, real_logits, write_tiny_evabyte
 
 L = 4
 # Cached and uncached calls reach the same values through differently ordered float32 sums
@@ -212,26 +211,6 @@ def test_without_triton_cached_steps_are_refused(ckpt):
 
 
 # -- greedy decoding = EvaByte's own greedy ----------------------------------------------------------
-def real_greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
-    """EvaByte's own greedy decoding: its `generate` where transformers gives it one (4.x), else
-    the same calls `generate` makes (prefill, then 1-byte steps on its own cache) — transformers 5
-    drops `generate` from models that do not inherit GenerationMixin, as EvaByte's does not."""
-    x = prompt[None]
-    if hasattr(model, "generate"):
-        return model.generate(x, max_new_tokens=n, do_sample=False)[0, len(prompt) :].tolist()
-    pos = torch.arange(len(prompt) + n)[None]
-    out, cache, got = None, None, []
-    with torch.no_grad():
-        out = model(x, position_ids=pos[:, : x.shape[1]], use_cache=True)
-        for t in range(n):
-            nxt = int((out[0] if isinstance(out, tuple) else out.logits)[0, -1].argmax())
-            got.append(nxt)
-            cache = out[1] if isinstance(out, tuple) else out.past_key_values
-            p = len(prompt) + t
-            out = model(torch.tensor([[nxt]]), position_ids=pos[:, p : p + 1], past_key_values=cache, use_cache=True)
-    return got
-
-
 def _copy_heads_ckpt(path):
     """A checkpoint whose 8 heads all copy the next-byte head: drafts of an `init: mtp` head are
     then accepted wherever the greedy output repeats a byte (random tiny models often do)."""
@@ -321,7 +300,7 @@ def test_tokenizer_end_to_end(ckpt):
     assert prompt == [1, *head("system"), 11, *head("user"), *enc("Hi"), 11, *head("assistant")]
     ids, mask = tok.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}])
     assert ids == prompt + [*enc("Yo"), 11]
-    assert [i for i, m in zip(ids, mask) if m] == [*enc("Yo"), 11]
+    assert [i for i, m in zip(ids, mask, strict=True) if m] == [*enc("Yo"), 11]
     m = MtpcModel.from_components(bb, {"kind": "cp", "window": 4, "rank": 2, "seed": 0})
     cfg = m._config(torch.tensor(prompt), 4, max_new_tokens=8)
     assert cfg.stop_ids == [2, 11]
