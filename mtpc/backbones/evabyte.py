@@ -124,6 +124,11 @@ def repair_loaded(model: nn.Module) -> list[str]:
             rot.register_buffer(b, getattr(fresh, b).to(device), persistent=False)
         rot.max_seq_len_cached = fresh.max_seq_len_cached
         repaired.append(f"{name}: rotary tables")
+    if getattr(model, "generation_config", None) is None:  # transformers 5: only GenerationMixin models get one
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_model_config(model.config)
+        repaired.append("generation_config (multi_byte_generate reads its eos)")
     tied = getattr(type(model), "_tied_weights_keys", None)
     if isinstance(tied, list) and not getattr(model.config, "tie_word_embeddings", False):
         import transformers

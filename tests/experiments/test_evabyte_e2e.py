@@ -1,6 +1,7 @@
 """End to end on a tiny EvaByte written from its own code (tests/evabyte_real.py): the shipped
 `experiments/configs/evabyte.yaml` with the backbone path overridden trains a few steps (LoRA on
-the top 2 layers, `init: mtp`), exports, evaluates greedy and sampling, and a sweep spec pointed at
+the top 2 layers, `init: mtp`), exports, evaluates greedy and sampling (and EvaByte's own multi-byte decoding as a
+baseline), and a sweep spec pointed at
 it runs 2 trials through `sweeps.run` into MLflow. Everything runs in this process, inside the
 test-only `triton_shim` (no triton here), and on the CPU in float32.
 """
@@ -51,12 +52,17 @@ def test_train_export_evaluate_with_the_shipped_config(ckpt, tmp_path):
     out = tmp_path / "r.json"
     with triton_shim():
         rc = evaluate(["--head", str(run / "head"), "--prompts", str(prompts), "--num-prompts", "2", "--sets", "1",
-                       "--max-new-tokens", "24", "--mode", "both", "--trust-remote-code", "--out", str(out),
-                       "--no-progress"])  # fmt: skip
+                       "--max-new-tokens", "24", "--mode", "both", "--eos", "both", "--evabyte-mtp",
+                       "--trust-remote-code", "--out", str(out), "--no-progress"])  # fmt: skip
     assert rc == 0
     runs = json.loads(out.read_text())["runs"]
-    assert {r["mode"] for r in runs} == {"greedy", "sample"}
-    assert all(r["metrics"]["generated"] == 2 * 24 for r in runs)  # EOS banned: equal lengths
+    heads = [r for r in runs if r["head"] == "head"]
+    assert {(r["mode"], r["eos"]) for r in heads} == {(m, e) for m in ("greedy", "sample") for e in ("banned", "allowed")}
+    assert all(r["metrics"]["generated"] == 2 * 24 for r in heads if r["eos"] == "banned")  # equal lengths
+    # EvaByte's own multi-byte decoding beside them: greedy only, its output = plain greedy decoding's
+    own = {r["eos"]: r for r in runs if r["head"] == "evabyte-mtp"}
+    assert set(own) == {"banned", "allowed"} and all(r["mode"] == "greedy" for r in own.values())
+    assert own["allowed"]["metrics"]["equals_greedy"] == 1.0 and own["allowed"]["metrics"]["tokens_per_cycle"] >= 1
 
 
 @pytest.mark.slow  # ~2 min on the shared 2-core CPU
