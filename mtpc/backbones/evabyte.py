@@ -105,8 +105,11 @@ def prepare_config(config: Any) -> Any:
 
 
 def repair_loaded(model: nn.Module) -> list[str]:
-    """Rebuild rotary tables that loading left wrong (transformers 5 skips EvaByte's post-`post_init`
-    buffers) from EvaByte's own rotary class; returns what was repaired (empty where nothing was)."""
+    """Repair what loading left broken; returns what was repaired (empty where nothing was, e.g. on
+    transformers 4): rotary tables left uninitialised (transformers 5 skips the buffers EvaByte builds
+    after `post_init`; rebuilt with EvaByte's own rotary class, in the dtype they had), a missing
+    `generation_config` (its `multi_byte_generate` reads eos there) and a list `_tied_weights_keys`
+    where transformers reads the {target: source} dict form (`save_pretrained` failed)."""
     repaired = []
     for name, rot in model.named_modules():
         if not (hasattr(rot, "inv_freq") and hasattr(rot, "_set_cos_sin_cache") and hasattr(rot, "cos_cached")):
@@ -119,9 +122,9 @@ def repair_loaded(model: nn.Module) -> list[str]:
             if getattr(rot, b).shape == getattr(fresh, b).shape
         ) and rot.cos_cached.shape == fresh.cos_cached.shape:
             continue
-        device = rot.inv_freq.device
         for b in ("inv_freq", "cos_cached", "sin_cached"):
-            rot.register_buffer(b, getattr(fresh, b).to(device), persistent=False)
+            old = getattr(rot, b)
+            rot.register_buffer(b, getattr(fresh, b).to(device=old.device, dtype=old.dtype), persistent=False)
         rot.max_seq_len_cached = fresh.max_seq_len_cached
         repaired.append(f"{name}: rotary tables")
     if getattr(model, "generation_config", None) is None:  # transformers 5: only GenerationMixin models get one
@@ -131,9 +134,9 @@ def repair_loaded(model: nn.Module) -> list[str]:
         repaired.append("generation_config (multi_byte_generate reads its eos)")
     tied = getattr(type(model), "_tied_weights_keys", None)
     if isinstance(tied, list) and not getattr(model.config, "tie_word_embeddings", False):
-        import transformers
+        from transformers import PreTrainedModel
 
-        if int(transformers.__version__.split(".")[0]) >= 5:  # a dict {target: source} there
+        if hasattr(PreTrainedModel, "get_expanded_tied_weights_keys"):  # the {target: source} dict form is read
             model._tied_weights_keys = {}
             repaired.append("_tied_weights_keys")
     return repaired

@@ -93,6 +93,11 @@ def test_loading_repairs_transformers_5_and_refuses_non_finite(ckpt, tmp_path):
     assert bb.model.config.rope_scaling in (None, {})
     assert torch.isfinite(real_logits(bb.model, ids(8))).all()
     bb.model.save_pretrained(tmp_path / "saved")  # _tied_weights_keys repaired where transformers 5 needs it
+    from mtpc.backbones.evabyte import prepare_config, repair_loaded
+
+    assert repair_loaded(bb.model) == []  # repairs only what it finds broken: a no-op on a good model
+    cfg = copy.copy(bb.model.config)
+    assert prepare_config(cfg).rope_scaling is None  # None (EvaByte's own form) stays None
     # a checkpoint whose weights are not finite is refused, never decoded
     bad = write_tiny_evabyte(tmp_path / "bad")
     from safetensors.torch import load_file, save_file
