@@ -132,7 +132,7 @@ def repair_loaded(model: nn.Module) -> list[str]:
 
         model.generation_config = GenerationConfig.from_model_config(model.config)
         repaired.append("generation_config (multi_byte_generate reads its eos)")
-    tied = getattr(type(model), "_tied_weights_keys", None)
+    tied = getattr(model, "_tied_weights_keys", None)
     if isinstance(tied, list) and not getattr(model.config, "tie_word_embeddings", False):
         from transformers import PreTrainedModel
 
