@@ -28,6 +28,8 @@ from mtpc.speculative.loop import DecodeConfig, plain_decode
 from tests.backbone_helpers import randomize_lora
 from tests.evabyte_real import load_tiny_evabyte, real_greedy, real_logits, write_tiny_evabyte
 
+pytestmark = pytest.mark.realmodel  # `make test-compat` runs them under transformers 4.48.3 too
+
 L = 4
 # Cached and uncached calls reach the same values through differently ordered float32 sums
 # (multi-byte steps: SDPA over [chunk summaries | window | new]; prefill: the kernel's window +
