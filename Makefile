@@ -30,7 +30,7 @@ COMPAT_VENV ?= .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 COMPAT_PINS ?= transformers==4.48.3 tokenizers==0.21.4 'huggingface-hub<1' peft==0.14.0
 COMPAT_TESTS ?= tests/mtpc/test_backbones.py tests/mtpc/test_llama_engine.py tests/mtpc/test_decoding_engines.py \
-	tests/mtpc/test_tokenizer.py tests/mtpc/test_tpu_llama.py tests/mtpc/test_evabyte_adapter.py \
+	tests/mtpc/test_tokenizer.py tests/mtpc/test_tpu_llama.py tests/mtpc/test_evabyte_real.py \
 	tests/experiments/test_tpu_llama_e2e.py
 
 setup-compat: $(COMPAT_VENV)/.installed

@@ -6,7 +6,7 @@
 #                                             # pre-training config shrunk to 2 CPU steps (PYTHON= picks the interpreter)
 # Before the call, here: `make device-prep` (or `python -m experiments.device_prep`; `--tiny` for the
 # dry run) writes the corpus streams and the git SHA under .device/, which the call must carry:
-#   device run: command "bash bench/device.sh", carry [".device"], timeout_s 480
+#   device run: command "bash bench/device.sh", carry [".device"], timeout_s 560
 #
 # Each part runs in its own subprocess under a hard timeout and may fail without stopping the next:
 #   0. set-up (<= 30 s): PYTHONPATH=$PWD (no install), nvidia-smi and package versions (into device.log)
@@ -14,7 +14,10 @@
 #      then its shards are moved to $OUT and the small files packed into $OUT/default_meta.tar
 #   2. timeout 150 python3 bench/bench_gpu.py --default-model /tmp/mtpc_default --out $OUT/bench_gpu.json
 #      (the benchmark falls back to the shipped default model if part 1 failed)
-# Files under $OUT (<= 6): device.log (every part's output), bench_gpu.json, default_meta.tar and the
+#   3. timeout 60 python3 bench/bench_evabyte_gpu.py --out $OUT/evabyte_gpu.json: a tiny EvaByte from its
+#      own code (MTPC_THIRD_PARTY, else ../shared/third_party or shared/third_party) on CUDA with triton,
+#      float32 and bf16: finite logits, adapter = its forward, greedy speculative = its own greedy
+# Files under $OUT (<= 7): device.log (every part's output), bench_gpu.json, evabyte_gpu.json, default_meta.tar and the
 # model's bf16 shards (3 of < 16 MiB). To ship them: unpack default_meta.tar and the shards into
 # mtpc/default_model/ (the manifest inside checks them).
 set -u
@@ -23,11 +26,13 @@ PY=${PYTHON:-python3}
 if [ "${MTPC_DEVICE_DRY:-0}" = "1" ]; then
   OUT=$(mktemp -d /tmp/mtpc_device_dry.XXXXXX)
   T0=${MTPC_DRY_TIMEOUT_PRETRAIN:-300}; T1=${MTPC_DRY_TIMEOUT_BENCH:-300}; TINY=--tiny
+  T2=${MTPC_DRY_TIMEOUT_EVABYTE:-600}; EVA_ARGS=(--dry --new-bytes 16)
   PRETRAIN_ARGS=(--config gpu --set accelerator=cpu --set precision=32-true --set compile=false --set max_steps=2
                  --set batch_size=2 --set seq_len=256 --set heldout_rows=2 --set warmup_steps=1 --ship-rows 2)  # no GPU here
 else
   OUT=${OUT:?OUT must name the output folder}
   T0=270; T1=150; TINY=""
+  T2=60; EVA_ARGS=()
   PRETRAIN_ARGS=(--config gpu)
 fi
 [ -f .device/train.u8.xz ] || echo "warning: .device/train.u8.xz missing: run make device-prep here and carry .device" >&2
@@ -76,4 +81,7 @@ log "part 2: GPU benchmark (timeout ${T1}s)"
 timeout "$T1" "$PY" bench/bench_gpu.py --default-model "$DEFAULT_OUT" --out "$OUT/bench_gpu.json" $TINY \
   >>"$OUT/device.log" 2>&1
 log "part 2 exit code $?"
+log "part 3: EvaByte's own code on CUDA + triton (timeout ${T2}s)"
+timeout "$T2" "$PY" bench/bench_evabyte_gpu.py --out "$OUT/evabyte_gpu.json" ${EVA_ARGS[@]+"${EVA_ARGS[@]}"} >>"$OUT/device.log" 2>&1
+log "part 3 exit code $?"
 log "done: $(ls "$OUT" | tr '\n' ' ')"

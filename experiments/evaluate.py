@@ -231,6 +231,7 @@ def evaluate_heads(
     progress: bool = True,
     set_names: list[str] | None = None,
     stp: bool = True,
+    evabyte_mtp: bool = False,
 ) -> dict[str, Any]:
     """Run STP and every head on every prompt set in this process; returns a JSON-able dict.
 
@@ -241,6 +242,7 @@ def evaluate_heads(
     set_names: the `prompt_set` value of each set (default 0, 1, ...; "dev0" marks development prompts).
     stp: run the plain model beside the heads (default); False skips it (about half the time of an
     evaluation) and leaves out every stp_* metric and speedup_vs_stp.
+    evabyte_mtp: also run the backbone's own multi-byte decoding, greedy (experiments/evabyte_mtp.py).
     Prompt i of a set is sampled with seed + i for STP and every head alike.
     Everything timed runs under `timing_lock`: one evaluation on the machine at a time.
     """
@@ -312,6 +314,10 @@ def evaluate_heads(
         ref = {at(r): r["metrics"]["throughput"] for r in runs if r["head"] == ff_name}
         for r in runs:
             r["metrics"]["speedup_vs_ff"] = r["metrics"]["throughput"] / ref[at(r)]
+    if evabyte_mtp and "greedy" in modes:
+        from experiments.evabyte_mtp import evabyte_mtp_runs
+
+        runs += evabyte_mtp_runs(first, encoded, max_new_tokens, set_names=set_names, eos=eos, seed=seed)
     results = {
         # where and how it ran: the engine's weight layout changes latencies as much as the CPU does
         "hardware": f"{hardware()}; engine {first.engine_label()}",
@@ -438,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mlflow-tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (1 is steadier on a shared CPU)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--evabyte-mtp", action="store_true",
+                    help="also run EvaByte's own multi-byte decoding (greedy, truncated to the budget) as a baseline")
     args = ap.parse_args(argv)
     from experiments.quiet import quiet
 
@@ -469,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         results = evaluate_heads(
             models, prompt_sets, modes, extras, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_p=args.top_p, seed=args.seed, eos=eos, ff_name="ff" if args.ff_head else None,
-            progress=not args.no_progress,
+            progress=not args.no_progress, evabyte_mtp=args.evabyte_mtp,
         )  # fmt: skip
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -177,16 +177,23 @@ def byte_to_char() -> dict[int, str]:
 
 
 def _byte_ids(hf: Any) -> list[int] | None:
-    """ids of bytes 0..255 when every ordinary token of `hf` is one ByteLevel byte character, else None."""
+    """ids of bytes 0..255 when every ordinary token of `hf` is one byte — a ByteLevel byte character
+    (tokenkit) or the byte's own code point chr(b) (EvaByte) — else None."""
     try:
         vocab, added = hf.get_vocab(), hf.get_added_vocab()
     except (AttributeError, NotImplementedError):
         return None
-    chars = byte_to_char()
     ordinary = {t for t in vocab if t not in added}
-    if ordinary != set(chars.values()):
-        return None
-    return [vocab[chars[b]] for b in range(256)]
+    for chars in (byte_to_char(), {b: chr(b) for b in range(256)}):
+        if ordinary == set(chars.values()):
+            return [vocab[chars[b]] for b in range(256)]
+    return None
+
+
+def _token_id(hf: Any, token: str) -> int | None:
+    """The id of a special token the tokenizer knows, else None."""
+    tid = dict(hf.get_added_vocab()).get(token) if hasattr(hf, "get_added_vocab") else None
+    return tid if isinstance(tid, int) else None
 
 
 class HFChatTokenizer:
@@ -204,6 +211,8 @@ class HFChatTokenizer:
         self.bos_token_id = hf_tokenizer.bos_token_id
         self.eos_token_id = hf_tokenizer.eos_token_id
         self.byte_ids = _byte_ids(hf_tokenizer)  # byte -> id for a byte-level tokenizer, else None
+        eot = _token_id(hf_tokenizer, "<|eot_id|>")  # Llama-3 chat turns end there
+        self.stop_token_ids = tuple(t for t in (self.eos_token_id, eot) if t is not None)  # eos first
         self._id_byte = {i: b for b, i in enumerate(self.byte_ids or ())}
         self._specials: dict[str, int] = {}
         self._special_re = None

@@ -27,10 +27,12 @@ from typing import Any
 
 import torch
 
-from mtpc.backbones.base import BackboneAdapter, KVStore, SplitCache, SplitOutput
+from mtpc.backbones.common import Backbone, SplitOutput
 from mtpc.backbones.engine import AdapterEngine, Engine, StepOutput, make_engine
 from mtpc.backbones.evabyte import EvaByteAdapter, EvaByteCache
+from mtpc.backbones.hf_llama import BackboneAdapter, KVStore, SplitCache
 from mtpc.backbones.llama import LlamaEngine
+from mtpc.backbones.registry import FAMILIES, adapter_class
 from mtpc.backbones.shipped import DEFAULT, SHIPPED_DIR, check_backbone_label, verify_shipped
 from mtpc.backbones.tpu_llama import ExpandedLlamaForCausalLM, is_tpu_llama, load_tpu_llama, tpu_llama_config
 from mtpc.paths import cache_dir
@@ -44,7 +46,10 @@ MAX_BYTE_VOCAB = 512
 __all__ = [
     "ALIASES",
     "AdapterEngine",
+    "Backbone",
     "BackboneAdapter",
+    "FAMILIES",
+    "adapter_class",
     "Engine",
     "LlamaEngine",
     "StepOutput",
@@ -155,11 +160,13 @@ def load_backbone(
     attn_implementation: str | None = None,
     engine: str = "auto",
     **lora_kw: Any,
-) -> BackboneAdapter | EvaByteAdapter:
+) -> Backbone:
     """Load a checkpoint by name or path and wrap it; see the module docstring for names.
 
     engine: the decoding path — "auto" (the compact Llama forward when it implements the model,
     else the HF layers), "compact" (refuse otherwise) or "hf". EvaByte always takes the HF path.
+    The adapter class comes from the config's `model_type` (registry.py); it may repair the config
+    before loading and the model after, and refuses a model whose probe logits are not finite.
     trust_remote_code / revision: see the module docstring (`check_remote_code`); revision pins a hub commit.
     lora_kw: lora_rank, lora_alpha, lora_dropout, lora_targets (see `BackboneAdapter`).
     """
@@ -180,8 +187,13 @@ def load_backbone(
     else:
         try:
             config = AutoConfig.from_pretrained(source, **hub)
+        except ImportError as e:
+            raise ValueError(f"backbone {label!r}: its own code does not import here ({e})") from e
         except (OSError, ValueError) as e:
             raise ValueError(f"backbone {label!r}: cannot read its config from {source!r} ({e})") from e
+    family = adapter_class(config)
+    if hasattr(family, "prepare_config"):
+        config = family.prepare_config(config)
     vocab = getattr(config, "vocab_size", None)
     if vocab is None or (vocab > MAX_BYTE_VOCAB and not allow_non_byte):
         raise ValueError(
@@ -200,22 +212,24 @@ def load_backbone(
         if native:
             model = load_tpu_llama(source, raw, **kw)
         else:
-            model = AutoModelForCausalLM.from_pretrained(source, **kw)
+            model = AutoModelForCausalLM.from_pretrained(source, config=config, **kw)
     except OSError as e:
         raise ValueError(f"backbone {label!r}: cannot load weights from {source!r} ({e})") from e
     except pickle.UnpicklingError:  # torch.load(weights_only=True) met a pickled object that is not a tensor
         raise ValueError(f"backbone {label!r}: the pickled weights in {source!r} hold objects other than tensors; "
                          "refused unread (convert them to safetensors from a trusted copy)") from None
+    except ImportError as e:
+        raise ValueError(f"backbone {label!r}: its own code does not import here ({e})") from e
+    if hasattr(family, "repair_loaded"):
+        family.repair_loaded(model)
     model.eval()
     if device is not None:
         model.to(device)
     tokenizer = _load_tokenizer(source, trust_remote_code, revision, native=native)
-    if getattr(config, "model_type", "") == "evabyte":
-        if engine == "compact":
-            raise ValueError(
-                f"backbone {label!r}: engine='compact' implements Llama only, not EvaByte; use engine='auto' or 'hf'"
-            )
-        return EvaByteAdapter.from_hf(model, lora_depth=lora_depth, name=label, tokenizer=tokenizer, **lora_kw)
-    return BackboneAdapter.from_hf(
-        model, lora_depth=lora_depth, name=label, tokenizer=tokenizer, engine=engine, **lora_kw
-    )
+    try:
+        backbone = family.from_hf(model, lora_depth=lora_depth, name=label, tokenizer=tokenizer, engine=engine, **lora_kw)
+    except ValueError as e:
+        raise ValueError(f"backbone {label!r}: {e}") from e
+    if hasattr(backbone, "check_finite"):
+        backbone.check_finite(label)
+    return backbone

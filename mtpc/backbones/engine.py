@@ -9,7 +9,7 @@ Two implementations: `LlamaEngine` (llama.py: the compact forward with prealloca
 transformers Llamas) and `AdapterEngine` (here: the backbone adapter's HF decoder layers with
 their growing caches; any architecture the adapters wrap, EvaByte included). `make_engine`
 picks by the adapter's `engine` attribute ("compact" or "hf", resolved when it was built).
-Leaves out: the adapters themselves (base.py, evabyte.py) and the decoding cycle (speculative/).
+Leaves out: the adapters themselves (hf_llama.py, evabyte.py) and the decoding cycle (speculative/).
 """
 
 from __future__ import annotations
@@ -83,19 +83,7 @@ def resolve_engine_kind(engine: str, model: Any) -> str:
 def verifier_only(backbone: Any) -> Any:
     """The same weights without the draft top (an adapter with lora_depth = 0), so the plain
     baseline does not pay for it."""
-    from mtpc.backbones.base import BackboneAdapter
-    from mtpc.backbones.evabyte import EvaByteAdapter
-
-    if backbone.lora_depth > 0 and type(backbone) is BackboneAdapter:
-        return BackboneAdapter.from_hf(
-            backbone.model, lora_depth=0, name=backbone.name, tokenizer=backbone.tokenizer, engine=backbone.engine
-        )
-    if backbone.lora_depth > 0 and type(backbone) is EvaByteAdapter:
-        return EvaByteAdapter.from_hf(
-            backbone.model, lora_depth=0, name=backbone.name, tokenizer=backbone.tokenizer,
-            extra_window=backbone.extra_window,
-        )  # fmt: skip
-    return backbone
+    return backbone.without_draft() if backbone.lora_depth > 0 else backbone
 
 
 def make_engine(

@@ -87,8 +87,8 @@ class DecodeConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     extra_token: str = "keep"  # keep | drop (speculative only)
-    eos_id: int | None = None  # stop after emitting it (None: never stop early)
-    ban_eos: bool = False  # give EOS probability 0 instead
+    eos_id: int | tuple[int, ...] | None = None  # stop after emitting it, or any of several (None: never early)
+    ban_eos: bool = False  # give EOS (every one of them) probability 0 instead
 
     def __post_init__(self):
         if self.mode not in DECODE_MODES:
@@ -101,12 +101,18 @@ class DecodeConfig:
             target_probs(torch.zeros(2), self.temperature, self.top_p)  # validates both
 
     @property
-    def banned(self) -> int | None:
-        return self.eos_id if self.ban_eos else None
+    def eos_ids(self) -> list[int]:
+        """The stop ids: a backbone can have several (eos and a chat turn's end, e.g. <|eot_id|>)."""
+        return [] if self.eos_id is None else [self.eos_id] if isinstance(self.eos_id, int) else list(self.eos_id)
 
     @property
-    def stop_id(self) -> int | None:
-        return None if self.ban_eos else self.eos_id
+    def banned(self) -> int | list[int] | None:
+        ids = self.eos_ids
+        return None if not (self.ban_eos and ids) else ids[0] if len(ids) == 1 else ids
+
+    @property
+    def stop_ids(self) -> list[int]:
+        return [] if self.ban_eos else self.eos_ids
 
 
 @dataclass
@@ -159,7 +165,7 @@ def _finish(out: list[int], new: list[int], cfg: DecodeConfig) -> bool:
     rule; `acceptance.stop_hits` is the device side); True when generation ends."""
     for t in new:
         out.append(t)
-        if len(out) >= cfg.max_new_tokens or (cfg.stop_id is not None and t == cfg.stop_id):
+        if len(out) >= cfg.max_new_tokens or t in cfg.stop_ids:
             return True
     return False
 

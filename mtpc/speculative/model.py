@@ -136,7 +136,7 @@ def _peak_mem(device: torch.device) -> int:
 
 
 def _wrap_backbone(backbone: Any, lora_depth: int) -> Any:
-    from mtpc.backbones import BackboneAdapter
+    from mtpc.backbones.registry import wrap
 
     if isinstance(backbone, nn.Module) and hasattr(backbone, "new_cache") and hasattr(backbone, "stp_logits"):
         if backbone.lora_depth != lora_depth:
@@ -145,11 +145,7 @@ def _wrap_backbone(backbone: Any, lora_depth: int) -> Any:
             )
         return backbone
     if isinstance(backbone, nn.Module) and hasattr(backbone, "get_output_embeddings"):
-        if getattr(getattr(backbone, "config", None), "model_type", "") == "evabyte":
-            from mtpc.backbones import EvaByteAdapter
-
-            return EvaByteAdapter.from_hf(backbone, lora_depth=lora_depth)
-        return BackboneAdapter.from_hf(backbone, lora_depth=lora_depth)
+        return wrap(backbone, lora_depth=lora_depth)
     raise ValueError(
         f"backbone: expected a transformers causal LM or a backbone adapter, got {type(backbone).__name__}"
     )
@@ -385,7 +381,8 @@ class MtpcModel:
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def _config(self, prompt: Tensor, window: int, **kw: Any) -> DecodeConfig:
-        cfg = DecodeConfig(eos_id=self.backbone.eos_token_id, **kw)
+        stops = tuple(getattr(self.backbone, "stop_token_ids", ()) or ())
+        cfg = DecodeConfig(eos_id=stops if len(stops) > 1 else self.backbone.eos_token_id, **kw)
         need = prompt.shape[0] + cfg.max_new_tokens + window
         if need > self.backbone.max_context:
             raise ValueError(

@@ -21,29 +21,33 @@ Caches are plain per-segment key/value stores (`KVStore`, duck-typed as the `Cac
 transformers' attention calls), grouped in `SplitCache` so that `crop` rolls back all three
 segments together. Rotary positions are `cache.length + arange(T)`; batch rows share one length
 (no left padding). A tokenkit byte Llama (`model.model.expand_embed_tokens`, see tpu_llama.py)
-adds its expanded-id embedding, from each row's ids since position 0 (kept in the cache). Leaves out: EvaByte (see `evabyte.py`), loading by name (see `__init__.py`).
+adds its expanded-id embedding, from each row's ids since position 0 (kept in the cache). Leaves
+out: the pieces every family shares (`common.py`), EvaByte (`evabyte.py`), loading by name
+(`__init__.py`), choosing the family (`registry.py`).
 """
 
 from __future__ import annotations
 
-import copy
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@dataclass
-class SplitOutput:
-    """Hidden states of one call; both are post-final-norm (lm_head inputs)."""
-
-    verify_hidden: torch.Tensor  # (B, T, d)
-    draft_hidden: torch.Tensor  # (B, T, d); the same tensor as verify_hidden when k == 0
+from mtpc.backbones.common import (
+    LORA_TARGETS,
+    SplitOutput,
+    _DraftTop,
+    _shared_clone,
+    build_lora_top,
+    load_lora_state_dict,
+    lora_named_parameters,
+    lora_parameters,
+    max_context_of,
+    special_token_id,
+    stop_token_ids,
+)
 
 
 class KVStore:
@@ -95,18 +99,6 @@ class SplitCache:
 
 
 
-def max_context_of(config: Any) -> int:
-    """The longest sequence a model config admits (`max_position_embeddings`; unbounded if absent)."""
-    return int(getattr(config, "max_position_embeddings", 0) or 2**31 - 1)
-
-
-def special_token_id(tokenizer: Any, config: Any, name: str) -> int | None:
-    """A special id (`eos_token_id`, `bos_token_id`) from the tokenizer, else the model config;
-    the first one when a config lists several."""
-    tid = getattr(tokenizer, name, None)
-    tid = tid if tid is not None else getattr(config, name, None)
-    return tid[0] if isinstance(tid, (list, tuple)) else tid
-
 def _cache_kwarg(layer: nn.Module) -> str:
     """Name under which this transformers version's decoder layer takes its cache."""
     params = inspect.signature(layer.forward).parameters
@@ -114,21 +106,6 @@ def _cache_kwarg(layer: nn.Module) -> str:
         if name in params:
             return name
     raise ValueError(f"{type(layer).__name__}.forward takes no cache argument (cache/past_key_values/past_key_value)")
-
-
-def _shared_clone(module: nn.Module, keep: Sequence[Any]) -> nn.Module:
-    """A copy of `module` whose parameters, buffers and the objects in `keep` are the originals."""
-    memo = {id(t): t for t in [*module.parameters(), *module.buffers()]}
-    memo.update({id(o): o for o in keep})
-    return copy.deepcopy(module, memo)
-
-
-class _DraftTop(nn.Module):
-    """The draft top's layer clones, named `layers.<i>` with the model's own layer indices."""
-
-    def __init__(self, layers: dict[int, nn.Module]):
-        super().__init__()
-        self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
 
 
 class BackboneAdapter(nn.Module):
@@ -186,6 +163,12 @@ class BackboneAdapter(nn.Module):
         """Wrap any transformers Llama-architecture causal LM (tiny test models included)."""
         return cls(model, lora_depth=lora_depth, name=name, tokenizer=tokenizer, **lora_kw)
 
+    def without_draft(self) -> BackboneAdapter:
+        """The same weights with lora_depth = 0 (the plain baseline pays for no draft top)."""
+        if not self.lora_depth:
+            return self
+        return BackboneAdapter(self.model, 0, self.name, self.tokenizer, engine=self.engine)
+
     def _build_draft_top(self, rank, alpha, dropout, targets) -> _DraftTop:
         layers = self.model.model.layers
         clones = {i: _shared_clone(layers[i], keep=[self.model.config]) for i in range(self._split, self.num_layers)}
@@ -211,6 +194,10 @@ class BackboneAdapter(nn.Module):
     @property
     def eos_token_id(self) -> int | None:
         return special_token_id(self.tokenizer, self.config, "eos_token_id")
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return stop_token_ids(self.tokenizer, self.config)
 
     @property
     def bos_token_id(self) -> int | None:
@@ -305,53 +292,3 @@ class BackboneAdapter(nn.Module):
 
     def load_lora_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         load_lora_state_dict(self.draft_top, state_dict, f"lora_depth={self.lora_depth}, rank={self.lora_rank}")
-
-
-def build_lora_top(clones: dict[int, nn.Module], rank: int, alpha: float | None, dropout: float, targets) -> _DraftTop:
-    """peft LoRA on the clones of the top layers (named `layers.<i>` by their model indices)."""
-    from peft import LoraConfig, inject_adapter_in_model
-
-    draft = _DraftTop(clones)
-    present = {n.rsplit(".", 1)[-1] for n, m in draft.named_modules() if isinstance(m, nn.Linear)}
-    chosen = [t for t in targets if t in present]
-    if not chosen:
-        raise ValueError(f"lora_targets: none of {list(targets)} is a Linear in the decoder layers ({sorted(present)})")
-    # every Linear of the clones is in the top, so no layers_to_transform: peft < 0.15 matches its
-    # layers_pattern only below a parent module ("x.layers.3."), never at the root of `draft`
-    config = LoraConfig(
-        r=rank,
-        lora_alpha=alpha if alpha is not None else 2 * rank,
-        lora_dropout=dropout,
-        target_modules=chosen,
-    )
-    draft = inject_adapter_in_model(config, draft)
-    for n, p in draft.named_parameters():
-        p.requires_grad_("lora_" in n)
-        if "lora_" in n and p.dtype in (torch.float16, torch.bfloat16):
-            p.data = p.data.float()  # trainable adapters in float32 under a half-precision backbone (as peft's get_peft_model)
-    return draft
-
-
-def lora_named_parameters(draft_top: nn.Module | None) -> dict[str, nn.Parameter]:
-    if draft_top is None:
-        return {}
-    return {n: p for n, p in draft_top.named_parameters() if "lora_" in n}
-
-
-def lora_parameters(draft_top: nn.Module | None) -> list[nn.Parameter]:
-    return list(lora_named_parameters(draft_top).values())
-
-
-def load_lora_state_dict(draft_top: nn.Module | None, state_dict: dict[str, torch.Tensor], what: str) -> None:
-    own = lora_named_parameters(draft_top)
-    missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
-    if missing or unexpected:
-        raise ValueError(
-            f"load_lora_state_dict: keys differ from this backbone's LoRA ({what}): "
-            f"missing {missing[:4]}, unexpected {unexpected[:4]}"
-        )
-    with torch.no_grad():
-        for n, p in own.items():
-            if state_dict[n].shape != p.shape:
-                raise ValueError(f"load_lora_state_dict: {n} has shape {tuple(state_dict[n].shape)}, expected {tuple(p.shape)}")
-            p.copy_(state_dict[n])
