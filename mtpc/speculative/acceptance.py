@@ -20,6 +20,7 @@ drafted prefix before it)).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -120,15 +121,17 @@ def residual_distribution(p: Tensor, q: Tensor) -> Tensor:  # (..., v) x2 -> (..
     return torch.where(mass > 0, r / mass.clamp_min(torch.finfo(r.dtype).tiny), p)
 
 
-def stop_hits(ids: Tensor, stop_id: int | None) -> Tensor:  # (...) -> (...) bool
-    """Which ids end a generation (an allowed EOS); all False when nothing stops it. The one place
-    that knows the stop rule on the device (the host side is `loop._finish`)."""
-    if stop_id is None:
-        return torch.zeros_like(ids, dtype=torch.bool)
-    return ids == stop_id
+def stop_hits(ids: Tensor, stop_ids: Sequence[int]) -> Tensor:  # (...) -> (...) bool
+    """Which ids end a generation (an allowed EOS: any of `stop_ids`, e.g. eos and <|eot_id|>); all
+    False when nothing stops it. The one place that knows the stop rule on the device (the host side
+    is `loop._finish`)."""
+    hit = torch.zeros_like(ids, dtype=torch.bool)
+    for t in stop_ids:
+        hit |= ids == t
+    return hit
 
 
-def testable_drafts(draft: Tensor, budget: int, stop_id: int | None) -> Tensor:  # (..., m) -> (..., m) bool
+def testable_drafts(draft: Tensor, budget: int, stop_ids: Sequence[int]) -> Tensor:  # (..., m) -> (..., m) bool
     """The drafted positions a cycle may test: the first `budget` (what the remaining byte budget
     lets the cycle emit), up to and including the first stop id (nothing after it is emitted).
 
@@ -137,7 +140,7 @@ def testable_drafts(draft: Tensor, budget: int, stop_id: int | None) -> Tensor: 
     """
     m = draft.shape[-1]
     ok = torch.arange(m, device=draft.device) < budget
-    hit = stop_hits(draft, stop_id).to(torch.int64)
+    hit = stop_hits(draft, stop_ids).to(torch.int64)
     return ok & ((hit.cumsum(-1) - hit) == 0)  # no stop id strictly before
 
 

@@ -251,7 +251,7 @@ def speculative_decode(
     def verify(draft: Tensor, p_logits: Tensor, log_q: Tensor, budget: int) -> tuple[list[int], Tensor]:
         """draft (m,), p_logits (m+1, v), log_q (m, v); test at most `budget` drafts and none past an
         allowed EOS -> ([s, extra, testable count, *draft] on the host, extra (1,) on the device)."""
-        ok = testable_drafts(draft, budget, cfg.stop_id)  # (m,)
+        ok = testable_drafts(draft, budget, cfg.stop_ids)  # (m,)
         if greedy:
             s, extra = greedy_verify(draft, greedy_target(p_logits, cfg.banned), ok)
         else:

@@ -208,9 +208,9 @@ def _check_continuations(prompts: list[Tensor], ys: list[list[int]], cfg: Decode
             )
         if min(y) < 0 or max(y) >= vocab:
             raise ValueError(f"continuations[{b}]: ids must lie in [0, {vocab})")
-        stops = stop_hits(torch.tensor(y), cfg.stop_id).nonzero().flatten().tolist()
+        stops = stop_hits(torch.tensor(y), cfg.stop_ids).nonzero().flatten().tolist()
         if stops and stops[0] != len(y) - 1:
-            raise ValueError(f"continuations[{b}]: the stop id {cfg.stop_id} at byte {stops[0]} is not the last "
+            raise ValueError(f"continuations[{b}]: the stop id {y[stops[0]]} at byte {stops[0]} is not the last "
                              f"byte ({len(y)}); decoding ends there")  # fmt: skip
         if len(y) < cfg.max_new_tokens and not stops:
             raise ValueError(f"continuations[{b}]: {len(y)} < max_new_tokens={cfg.max_new_tokens} bytes and no "
