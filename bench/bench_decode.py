@@ -384,4 +384,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from experiments.background import timing
+
+    with timing(progress=True):  # one timer on the machine; the background pre-training paused
+        rc = main()
+    raise SystemExit(rc)

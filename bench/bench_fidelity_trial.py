@@ -195,4 +195,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from experiments.background import timing
+
+    with timing(progress=True):  # one timer on the machine; the background pre-training paused
+        main()

@@ -28,7 +28,7 @@ import time
 import torch
 
 from experiments import pretrain as pt
-from experiments.background import paused
+from experiments.background import timing
 from mtpc.data import sharegpt_corpus
 from tracking.runs import cpu_model
 
@@ -136,7 +136,7 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    with paused():
+    with timing():
         res = measure(args.rounds, args.steps, args.threads)
     res["machine"] = {"cpu": cpu_model(), "torch": torch.__version__, "command": "python bench/bench_pretrain_loop.py"}
     for name, r in res.items():

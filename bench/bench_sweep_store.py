@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from experiments.background import paused  # noqa: E402
+from experiments.background import timing  # noqa: E402
 from tests.sweep_helpers import fixture_spec, fresh_tracking_uri, start_server, stop_server  # noqa: E402
 from tracking.runs import cpu_model  # noqa: E402
 
@@ -63,7 +63,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     results = []
-    with tempfile.TemporaryDirectory(prefix="mtpc-store-bench-") as d, paused():
+    with tempfile.TemporaryDirectory(prefix="mtpc-store-bench-") as d, timing():
         d = Path(d)
         pg = None
         if "postgres" in args.stores:

@@ -1,14 +1,16 @@
-"""The background pre-training and the things that time: who pauses whom.
+"""Who times, and who waits: one machine-wide timing lock, and the background pre-training it pauses.
 
-A long `python -m experiments.pretrain --background` run registers itself in
-`cache_dir()/pretrain.pid` (its pid and run directory; removed when it ends). Whatever times something
-on this machine — the benchmarks under bench/, the latency phase of an evaluation — wraps the timed
-part in `paused()`: if the file names a live pre-training process, it is stopped (SIGSTOP) for the
-duration and continued (SIGCONT) afterwards. The pre-training counts only active time against its
-budget (`experiments.pretrain._Clock`), so pauses cost it nothing but wall time.
+Everything in the suite that times something — the evaluation's latency phase
+(experiments.evaluate), the benchmarks under bench/ — wraps the timed part in `timing()`:
 
-`paused()` nests within a process, and across processes the stop/continue pair is serialised by a
-lock file beside the pid file, so one timer's SIGCONT never lands while another timer still times.
+- it takes the machine-wide timing lock (`$MTPC_TIMING_LOCK`, default `<tmp>/mtpc-timing.lock`), so
+  one thing times at a time on this machine (trials still train side by side);
+- if `cache_dir()/pretrain.pid` names a live `python -m experiments.pretrain --background` process,
+  that process is stopped (SIGSTOP) for the duration and continued (SIGCONT) afterwards. The
+  pre-training counts only active time against its budget (`experiments.pretrain._Clock`), so the
+  pauses cost it nothing but wall time.
+
+`timing()` nests within a process (only the outermost takes the lock and signals).
 """
 
 from __future__ import annotations
@@ -17,16 +19,24 @@ import contextlib
 import json
 import os
 import signal
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from mtpc.paths import cache_dir
 
 PID_FILE = "pretrain.pid"
+TIMING_LOCK_ENV = "MTPC_TIMING_LOCK"
 _depth = threading.local()
+
+
+def timing_lock_path() -> Path:
+    """The machine-wide timing lock's file: $MTPC_TIMING_LOCK, else `<tmp>/mtpc-timing.lock`."""
+    return Path(os.environ.get(TIMING_LOCK_ENV) or Path(tempfile.gettempdir()) / "mtpc-timing.lock")
 
 
 def pid_file() -> Path:
@@ -74,29 +84,38 @@ def _wait_stopped(pid: int, timeout: float = 2.0) -> None:
 
 
 @contextlib.contextmanager
-def paused():
-    """Stop the background pre-training (if any) while the block runs; continue it afterwards."""
+def timing(progress: bool = False):
+    """Hold the machine-wide timing lock and keep the background pre-training (if any) stopped while
+    the block runs; yields the seconds waited for the lock. With `progress`, says on stderr when it
+    has to wait."""
     depth = getattr(_depth, "n", 0)
     if depth:
         _depth.n = depth + 1
         try:
-            yield
+            yield 0.0
         finally:
             _depth.n -= 1
         return
+    lock = FileLock(str(timing_lock_path()), mode=0o666)  # any user's evaluation may take it next
+    t0 = time.monotonic()
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        if progress:
+            print(f"waiting for the timing lock {timing_lock_path()} (something else is timing)", file=sys.stderr, flush=True)
+        lock.acquire()
+    waited = time.monotonic() - t0
     pid = live_pretraining()
-    if pid is None:
-        yield
-        return
-    lock = FileLock(str(pid_file().with_suffix(".pause.lock")))
-    with lock:
-        _depth.n = 1
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGSTOP)
-            _wait_stopped(pid)
-        try:
-            yield
-        finally:
-            _depth.n = 0
+    _depth.n = 1
+    try:
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+                _wait_stopped(pid)
+        yield waited
+    finally:
+        _depth.n = 0
+        if pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+        lock.release()

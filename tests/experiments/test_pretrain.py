@@ -151,23 +151,24 @@ def test_sigterm_snapshots_once_and_exits_nonzero(tmp_path):
     assert step >= 4 and not (tmp_path / "out").exists()
 
 
-def test_paused_stops_and_continues_a_live_pretraining(tmp_path, monkeypatch):
-    """`paused()` SIGSTOPs the process the pid file names only if it is a live experiments.pretrain,
+def test_timing_stops_and_continues_a_live_pretraining(tmp_path, monkeypatch):
+    """`timing()` SIGSTOPs the process the pid file names only if it is a live experiments.pretrain,
     and SIGCONTs it afterwards; nested pauses continue it once, at the outermost exit."""
     from experiments import background
 
     monkeypatch.setenv("MTPC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("MTPC_TIMING_LOCK", str(tmp_path / "timing.lock"))
     state = lambda pid: Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "experiments.pretrain"])
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         (tmp_path / background.PID_FILE).write_text(json.dumps({"pid": other.pid, "run_dir": None}))
-        with background.paused():  # not a pre-training: never signalled
+        with background.timing():  # not a pre-training: never signalled
             assert state(other.pid) in "SR"
         (tmp_path / background.PID_FILE).write_text(json.dumps({"pid": sleeper.pid, "run_dir": None}))
-        with background.paused():
+        with background.timing():
             assert state(sleeper.pid) == "T"
-            with background.paused():
+            with background.timing():
                 assert state(sleeper.pid) == "T"
             assert state(sleeper.pid) == "T"
         time.sleep(0.05)
@@ -175,5 +176,5 @@ def test_paused_stops_and_continues_a_live_pretraining(tmp_path, monkeypatch):
     finally:
         sleeper.kill()
         other.kill()
-    with background.paused():  # the pid file names a dead process: nothing happens
+    with background.timing():  # the pid file names a dead process: nothing happens
         pass
