@@ -37,6 +37,7 @@ import torch
 import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from mtpc.atomic import atomic_open
 from mtpc.backbones import pretrained_model_dir
 from mtpc.data import (
     STREAM_SUFFIX,
@@ -310,13 +311,9 @@ class _Clock:
 
 
 def _save_state(run_dir: Path, state: dict) -> None:
-    """Atomic on the run directory's filesystem: temp file beside it, fsync, rename."""
-    tmp = run_dir / f".{STATE_FILE}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
+    """Atomic on the run directory's filesystem (mtpc.atomic: temporary beside it, fsync, rename)."""
+    with atomic_open(run_dir / STATE_FILE) as f:
         torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, run_dir / STATE_FILE)
 
 
 def config_key(cfg: PretrainConfig) -> dict:
