@@ -119,10 +119,10 @@ def report_skips(result: LoadResult) -> None:
 def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[list[Path], list[str]]:
     """Figures, tables and summary for every setting; returns (written files, best-config lines)."""
     from analysis import (  # matplotlib import is slow: only when there is work
+        paper_tables,
         pareto_plot,
         plots,
         style,
-        tables,
     )
 
     out.mkdir(parents=True, exist_ok=True)
@@ -149,16 +149,16 @@ def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[
         fig = plots.accepted_length_figure(setting, part, hists, top=min(top, 4))
         if fig is not None:
             written += style.save(fig, out, f"accepted_length_{slug}")
-        table = tables.build_table(setting, part)
-        md, tex = tables.to_markdown(table), tables.to_latex(table)
+        table = paper_tables.build_table(setting, part)
+        md, tex = paper_tables.to_markdown(table), paper_tables.to_latex(table)
         for suffix, text in (("md", md), ("tex", tex)):
             path = out / f"table_{slug}.{suffix}"
             path.write_text(text)
             written.append(path)
         md_all.append(md)
         tex_all.append(tex)
-        best_lines.append(tables.best_configuration(setting, part))
-        warning = tables.degeneracy_warning(table)
+        best_lines.append(paper_tables.best_configuration(setting, part))
+        warning = paper_tables.degeneracy_warning(table)
         if warning:
             print(warning, file=sys.stderr)
     for name, text in (("tables.md", "\n".join(md_all)), ("tables.tex", "\n".join(tex_all))):

@@ -43,7 +43,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from analysis.bootstrap import NOT_DECIDED, PairedSample, decide, paired_bootstrap  # noqa: E402
-from mtpc.names import CIRCUIT_KINDS, DEV_SET_PREFIX, PER_PROMPT_ARTIFACT  # noqa: E402
+from mtpc.names import CIRCUIT_KINDS
+from tracking.schema import DEV_SET_PREFIX, PER_PROMPT_ARTIFACT
 
 #: per-prompt (numerator, denominator) of each ratio-of-pooled-means metric
 PARTS = {"mu_acc": ("accepted", "cycles"), "mu_lat": ("decode_s", "cycles"), "throughput": ("decode_generated", "decode_s")}

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from mtpc.names import CIRCUIT_KINDS, DECODE_MODES, DEV_SET_PREFIX, EXTRA_TOKEN_OPTIONS
+from mtpc.names import CIRCUIT_KINDS, DECODE_MODES, EXTRA_TOKEN_OPTIONS
+from tracking.schema import DEV_SET_PREFIX
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from mtpc.names import HISTOGRAM_ARTIFACT
 from tracking import short
+from tracking.schema import HISTOGRAM_ARTIFACT
 
 
 def parse_hist(data: Any) -> np.ndarray:

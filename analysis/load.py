@@ -26,7 +26,7 @@ import pandas as pd
 
 import tracking
 from analysis.filters import Filters, apply_filters
-from mtpc.names import ACCEPTANCE_PREFIX, EVAL_METRICS, POINTS_TAG, SWEEP_AXES
+from tracking.schema import ACCEPTANCE_PREFIX, EVAL_METRICS, PARETO_METRICS, POINTS_TAG, SWEEP_AXES
 
 #: params every evaluation run must carry, with their types
 REQUIRED_PARAMS: dict[str, type] = {
@@ -52,8 +52,8 @@ OPTIONAL_PARAMS: dict[str, type] = {
     "converged": int,  # 1: held-out window NLL changed < 1 % over the last fifth of training; 0: undertrained
 }
 #: metrics without which a run cannot be placed on the Pareto plot or in a table
-REQUIRED_METRICS: tuple[str, ...] = EVAL_METRICS[:4]  # mu_lat, mu_acc, tokens_per_cycle, throughput
-OPTIONAL_METRICS: tuple[str, ...] = EVAL_METRICS[4:]
+REQUIRED_METRICS: tuple[str, ...] = PARETO_METRICS
+OPTIONAL_METRICS: tuple[str, ...] = tuple(m for m in EVAL_METRICS if m not in PARETO_METRICS)
 #: per-position acceptance: acceptance_pos_<i>, i = 1-based window position
 ACC_POS_RE = re.compile(rf"^{ACCEPTANCE_PREFIX}(\d+)$")
 

@@ -1,9 +1,9 @@
 """`python analysis/pareto.py [options]`: the suite's documented command for the Pareto plots and
 tables; the same CLI as `python -m analysis` (analysis/__main__.py, its options and outputs).
 
-Run as a script, Python puts `analysis/` itself first on `sys.path`, where `analysis/tables.py`
-would shadow PyPI's `tables`; the script swaps that entry for the repository root before it imports
-anything, and does nothing at all when imported as a module.
+No file here shares a name with an installed module (the tables are `paper_tables.py`, not
+`tables`, PyTables' name), so running this file as a script is safe; it puts its checkout's root
+first on `sys.path`, as `python -m analysis` from the root would, so this checkout's package runs.
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ import sys
 from pathlib import Path
 
 if __name__ == "__main__":
-    _here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
-    sys.path.insert(0, str(_here.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from analysis.__main__ import main
 
     sys.exit(main())

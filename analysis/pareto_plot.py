@@ -36,7 +36,7 @@ from analysis.style import (
     plt,
     wrap_title,
 )
-from mtpc.names import DEGENERATE_WARN_FRACTION
+from tracking.schema import DEGENERATE_WARN_FRACTION
 
 #: above this many points only the Pareto-front points get n/r/k labels
 MAX_LABELLED_POINTS = 12

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -33,21 +32,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mtpc.circuits import build_circuit  # noqa: E402
 from mtpc.names import CIRCUIT_KINDS, point_rank  # noqa: E402
-from tracking.runs import cpu_model  # noqa: E402
+from tracking import runs  # noqa: E402
 
 
 def machine() -> dict:
-    model = cpu_model() or platform.processor() or ""
+    m = runs.machine()
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
     except OSError:
         sha = ""
     return {
-        "cpu": model,
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "default_threads": torch.get_num_threads(),
+        **m,
+        "cores": m["cpu_count"],  # the names earlier results used
+        "default_threads": m["threads"],
         "loadavg_start": list(os.getloadavg()),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "git": sha,

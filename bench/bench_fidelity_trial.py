@@ -148,9 +148,9 @@ def estimate(measured: Path, spec_path: str, overrides: list[str]) -> dict:
     data = json.loads(measured.read_text())
     over = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in overrides)}
     spec = load_spec(spec_path, env={}, overrides=over)
-    train = spec.train
-    steps = train.get("trainer", {}).get("max_steps", 200)
-    every = train.get("trainer", {}).get("val_check_interval", steps)
+    trainer = spec.train.trainer
+    steps = trainer.get("max_steps", 200)
+    every = trainer.get("val_check_interval", steps)
     validations = max(1, steps // every)
     e = spec.eval
     passes = sum(1 for i, _ in enumerate(e.temperatures) for m in e.modes if m == "sample" or i == 0)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -60,14 +59,9 @@ class Budget:
 
 
 def hardware_info(device: torch.device) -> dict:
-    import transformers
+    from tracking.runs import machine
 
-    info = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "device": str(device), "cpu": platform.processor() or platform.machine()}  # fmt: skip
-    if device.type == "cuda":
-        p = torch.cuda.get_device_properties(device)
-        info.update(gpu=p.name, sms=p.multi_processor_count, memory_gib=p.total_memory / 2**30, cuda=torch.version.cuda)
-    return info
+    return {**machine(device), "device": str(device)}
 
 
 def measure_backbone(model, device, ctx: int, args, heads: dict[str, tuple[int, int]], budget: Budget) -> dict:

@@ -2,13 +2,21 @@
 
     TrainConfig(model=ModelConfig, data=DataConfig, trainer={lightning.Trainer arguments}, run=RunConfig,
                 seed_everything=0)
+    EvalConfig(modes, prompts, sets, n_prompts, max_new_tokens, ...)   # one evaluation: the sweep spec's
+                                                                        # `eval`, the trial, experiments.evaluate
 
 Every field carries its docstring, which jsonargparse turns into `--help` text (`--model.window`,
 `--data.on_error`, ...). `load_config(name | path | dict, overrides)` parses a YAML file or dict
 (types checked by the parser); `TrainConfig.check()` is the one validation of the values (bounds,
 the architecture via `mtpc.names.check_architecture`, files that must exist, cross-field rules),
 with no weights or data loaded; every message is `<file>: <section>.<key>: what; expected`.
-A sweep trial changes a loaded config with `dataclasses.replace`; nothing else copies its values.
+A sweep trial sets its grid point on a loaded config with `apply_point` (`dataclasses.replace`);
+nothing else copies its values.
+
+The parsing pieces are shared by every config of the suite (the sweep spec's sections, pre-training):
+`parse_section(cls, raw, key, fail)` reads one mapping into a dataclass through jsonargparse (unknown
+and missing keys, types: errors name the key), `apply_overrides` is the one dotted-override rule and
+`parse_sets` reads `--set KEY=VALUE` flags.
 
 Adding a setting is one field with its docstring in the dataclass of its section (plus one line in
 that section's `check` if it has bounds): it becomes a YAML key, a CLI flag, an MLflow param and
@@ -19,6 +27,7 @@ Leaves out: building the module, data and trainer from it (train.py), the compon
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import re
 from dataclasses import asdict, dataclass, field, replace
@@ -28,11 +37,25 @@ from typing import Any
 import yaml
 
 from mtpc import names
+from tracking import schema
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 TRAIN_CONFIGS = ("debug", "default", "llama_byte", "evabyte")  # shipped in CONFIG_DIR (pretrain_*.yaml are not ours)
 INITS = ("lm_head", "mtp", "random")
 ON_ERROR = ("raise", "skip")
+#: the `tiny` debug backbone: a random Llama built in-process (seeded; experiments/module.py), vocab 320 like the byte models
+TINY_BACKBONE = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+#: the only classes a config may name (`class_path`, or a dotted name where Lightning takes an object):
+#: Lightning's own profilers, strategies and accelerators, by full path or class name. Any other name
+#: is refused before anything is parsed, so no module it names is imported (`check_class_paths`).
+ALLOWED_CLASSES = frozenset({
+    "lightning.pytorch.profilers.SimpleProfiler", "lightning.pytorch.profilers.AdvancedProfiler",
+    "lightning.pytorch.profilers.PyTorchProfiler", "lightning.pytorch.strategies.SingleDeviceStrategy",
+    "lightning.pytorch.strategies.DDPStrategy", "lightning.pytorch.strategies.FSDPStrategy",
+    "lightning.pytorch.strategies.DeepSpeedStrategy", "lightning.pytorch.accelerators.CPUAccelerator",
+    "lightning.pytorch.accelerators.CUDAAccelerator", "lightning.pytorch.accelerators.MPSAccelerator",
+})  # fmt: skip
 #: Trainer arguments the suite sets itself (a YAML `trainer:` section cannot set them)
 TRAINER_OWNED = ("callbacks", "logger", "plugins", "default_root_dir", "enable_checkpointing")
 
@@ -86,9 +109,9 @@ class ModelConfig:
     revision: str | None = None
     """the 40-hex commit hash of a hub backbone to load (required with trust_remote_code)"""
 
-    def check(self, fail: _Fail, trainer: dict[str, Any]) -> None:
-        from experiments.module import backbone_config_dict, backbone_num_layers
+    def check(self, fail: Fail, trainer: dict[str, Any]) -> None:
         from mtpc.backbones import check_remote_code
+        from mtpc.backbones.facts import backbone_config_dict, backbone_num_layers
 
         k = self.lora_depth
         names.check_architecture(self.circuit, self.window, self.rank, k, decoding=True, where=f"{fail.source}: model.")
@@ -98,7 +121,7 @@ class ModelConfig:
         p = Path(bb).expanduser()
         if bb.startswith((".", "/", "~")) and not (p / "config.json").exists():
             fail("model.backbone", f"no model at {str(p)!r} (expected a directory with config.json)")
-        layers = backbone_num_layers(bb, revision=self.revision)
+        layers = TINY_BACKBONE["num_hidden_layers"] if bb == "tiny" else backbone_num_layers(bb, revision=self.revision)
         if layers is None and bb not in ("default", "tiny") and "/" not in bb:
             fail("model.backbone", f"unknown backbone {bb!r}: not `default`, `tiny`, a local directory or an org/name hub id")
         if layers is not None and k > layers:
@@ -153,8 +176,8 @@ class DataConfig:
     extra_train_source: str | None = None
     """a messages .json/.jsonl file added to the training split only (e.g. self-distillation answers from `python -m experiments.selfdistill`), after max_train_conversations; validation stays on `source`"""
 
-    def check(self, fail: _Fail, window: int) -> None:
-        from experiments.datamodule import source_problem
+    def check(self, fail: Fail, window: int) -> None:
+        from mtpc.data import source_problem
 
         if not isinstance(self.source, str) or not self.source:
             fail("data.source", f"got {self.source!r}; expected `sharegpt`, `debug`, a .json/.jsonl file or a HF dataset name")
@@ -182,7 +205,7 @@ class RunConfig:
     dir: str | None = None
     """run directory (checkpoints, exported head, description); null: runs/<name>"""
     name: str | None = None
-    """run name (the MLflow run name too); null: <backbone>-<circuit>-n<window>-r<rank>-k<lora_depth>"""
+    """run name (the MLflow run name too); null: <backbone>-<grid key>, e.g. tiny-cp-r4-n4-k0 (the sweep's key of the same head)"""
     export_dir: str | None = None
     """where the trained head (+ LoRA) is saved; null: <dir>/head"""
     checkpoint_every_n_steps: int = 0
@@ -196,10 +219,64 @@ class RunConfig:
     cpu_threads: int | None = None
     """torch CPU threads (1 is fastest for tiny models on a shared machine); null: torch's default"""
 
-    def check(self, fail: _Fail) -> None:
+    def check(self, fail: Fail) -> None:
         ce = self.checkpoint_every_n_steps
         if not _integer(ce) or ce < 0:
             fail("run.checkpoint_every_n_steps", f"got {ce!r}; expected an integer >= 0")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """eval: how a head is evaluated with speculative decoding (the sweep spec's `eval`, a trial, `experiments.evaluate`)."""
+
+    modes: tuple[str, ...] = names.DECODE_MODES
+    """decoding modes evaluated: greedy and/or sample"""
+    prompts: str = "heldout"
+    """`heldout` (the corpus's held-out prompts) or a .jsonl file"""
+    sets: int = 1
+    """reported prompt sets per mode, disjoint (named 0, 1, ...; one evaluation run each)"""
+    dev_sets: int = 0
+    """extra disjoint development sets (dev0, ...): for choosing settings, never reported"""
+    n_prompts: int = 16
+    """prompts per set"""
+    max_new_tokens: int = 128
+    """bytes generated per prompt"""
+    extra_token: str = "keep"
+    """the verifier's extra token: keep (exact, one call per cycle) or drop (the paper's Alg. 2)"""
+    temperatures: tuple[float, ...] = (1.0,)
+    """sampling temperatures, each its own runs (greedy runs once)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    seed: int = 0
+    """the evaluation's sampling seed (prompt i uses seed + i); the training seed is another"""
+    eos: tuple[str, ...] = ("banned",)
+    """EOS treatments evaluated: banned (probability 0: equal lengths) and/or allowed (EOS stops an answer)"""
+    stp: bool = True
+    """run the plain model beside every head (speedup_vs_stp); false halves the evaluation"""
+
+    def check(self, fail: Fail) -> EvalConfig:
+        """The bounds of every field (`fail(key, msg)` raises); returns self."""
+        for m in self.modes:
+            fail.choice("eval.modes", m, names.DECODE_MODES)
+        fail.text("eval.prompts", self.prompts)
+        fail.integer("eval.sets", self.sets, 1, 1000)
+        fail.integer("eval.dev_sets", self.dev_sets, 0, 1000)
+        fail.integer("eval.n_prompts", self.n_prompts, 1, 100000)
+        fail.integer("eval.max_new_tokens", self.max_new_tokens, 1, 1_000_000)
+        fail.choice("eval.extra_token", self.extra_token, names.EXTRA_TOKEN_OPTIONS)
+        for t in self.temperatures:
+            fail.number("eval.temperatures", t, 1e-6, 100.0)
+        fail.number("eval.top_p", self.top_p, 1e-6, 1.0)
+        fail.integer("eval.seed", self.seed, 0)
+        for e in self.eos:
+            fail.choice("eval.eos", e, schema.EOS_MODES)
+        for name in ("modes", "temperatures", "eos"):
+            values = getattr(self, name)
+            if not values:
+                fail(f"eval.{name}", "expected a non-empty list")
+            if len(set(values)) != len(values):
+                fail(f"eval.{name}", f"{list(values)} names a value twice")
+        return self
 
 
 @dataclass
@@ -218,15 +295,16 @@ class TrainConfig:
 
     def check(self) -> TrainConfig:
         """Raise ValueError `<source>: <key>: ...` for the first bad value; returns self. Loads nothing heavy."""
-        fail = _Fail(self.source)
+        fail = Fail(self.source)
         self.model.check(fail, self.trainer)
+        _check_trainer(fail, self.trainer)
         self.data.check(fail, self.model.window)
         self.run.check(fail)
         return self
 
     def resolved(self) -> TrainConfig:
         """With the run's defaults filled in: name, absolute dir and export_dir."""
-        name = self.run.name or default_run_name(self.model)
+        name = self.run.name or default_run_name(self)
         run_dir = Path(self.run.dir or Path("runs") / name).resolve()
         export = Path(self.run.export_dir or run_dir / "head").resolve()
         return replace(self, run=replace(self.run, name=name, dir=str(run_dir), export_dir=str(export)))
@@ -253,19 +331,55 @@ class TrainConfig:
         }  # fmt: skip
 
 
-def default_run_name(model: ModelConfig) -> str:
-    bb = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(model.backbone).name)
-    return f"{bb}-{model.circuit}-n{model.window}-r{model.rank}-k{model.lora_depth}"
+def apply_point(cfg: TrainConfig, point: dict[str, Any]) -> TrainConfig:
+    """`cfg` with a sweep grid point set: the architecture axes and kl_beta on `model`, train_seed as
+    `seed_everything` (axes the point leaves out keep the config's values). Checked by `cfg.check()`."""
+    model = {k: point[k] for k in (*schema.GRID_PARAMS, "kl_beta") if k in point}
+    seed = {"seed_everything": point["train_seed"]} if "train_seed" in point else {}
+    return replace(cfg, model=replace(cfg.model, **model), **seed)
 
 
-class _Fail:
-    """`fail(key, msg)` raises ValueError("<source>: <key>: <msg>")."""
+def default_run_name(cfg: TrainConfig) -> str:
+    """`<backbone>-<grid key>`, e.g. `tiny-cp-r4-n4-k0` (`-kl0.5-s1` for kl_beta 0.5, seed 1): the
+    sweep's name of the same head (`tracking.schema.grid_key`) after the backbone's."""
+    bb = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(cfg.model.backbone).name)
+    point = {k: getattr(cfg.model, k) for k in (*schema.GRID_PARAMS, "kl_beta")}
+    return f"{bb}-{schema.grid_key({**point, 'train_seed': cfg.seed_everything})}"
+
+
+class Fail:
+    """`fail(key, msg)` raises ValueError("<source>: <key>: <msg>"); the methods check one value.
+    A config with another message layout (the sweep spec's) overrides `__call__`."""
 
     def __init__(self, source: str):
         self.source = source
 
     def __call__(self, key: str, msg: str) -> None:
         raise ValueError(f"{self.source}: {key}: {msg}")
+
+    def integer(self, key: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
+        if not _integer(v):
+            self(key, f"expected an integer, got {v!r}")
+        if lo is not None and v < lo or hi is not None and v > hi:
+            self(key, f"{v} out of range; expected {lo if lo is not None else '-inf'}..{hi if hi is not None else 'inf'}")
+        return v
+
+    def number(self, key: str, v: Any, lo: float | None = None, hi: float | None = None) -> float:
+        if not _number(v):
+            self(key, f"expected a number, got {v!r}")
+        if lo is not None and v < lo or hi is not None and v > hi:
+            self(key, f"{float(v)} out of range; expected {lo}..{hi}")
+        return float(v)
+
+    def choice(self, key: str, v: Any, choices: tuple) -> Any:
+        if v not in choices:
+            self(key, f"{v!r} is not one of {list(choices)}")
+        return v
+
+    def text(self, key: str, v: Any) -> str:
+        if not isinstance(v, str) or not v:
+            self(key, f"expected a non-empty string, got {v!r}")
+        return v
 
 
 def _integer(v: Any) -> bool:
@@ -281,40 +395,64 @@ def _number(v: Any) -> bool:
 # ---------------------------------------------------------------------------------------------------
 
 @functools.cache
-def fit_parser() -> Any:
-    """The parser `load_config` uses (built once per process)."""
-    return build_fit_parser()
+def fit_parser(trainer_types: bool = True) -> Any:
+    """The parser `load_config` uses (built once per process); `trainer_types=False` takes the trainer
+    section as a plain mapping (no Lightning import: what a sweep spec uses at load time;
+    `TrainConfig.check` checks it against Trainer's signature)."""
+    return build_fit_parser(trainer_types)
 
 
-def build_fit_parser() -> Any:
+def build_fit_parser(trainer_types: bool = True) -> Any:
     """The `fit` arguments: --config, --seed_everything, --model.*, --data.*, --trainer.*, --run.*, --ckpt_path."""
-    from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
-    from lightning.pytorch import Trainer
+    from jsonargparse import ActionConfigFile, ArgumentParser
 
-    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    _settings()
     p = ArgumentParser(exit_on_error=False, description="Train one MtPC head (docs/training.md).")
     p.add_argument("-c", "--config", action=ActionConfigFile, help="a YAML config (experiments/configs/*.yaml)")
     p.add_argument("--seed_everything", type=int, default=0, help="global seed, set before the head is built")
     p.add_class_arguments(ModelConfig, "model")
     p.add_class_arguments(DataConfig, "data")
-    p.add_class_arguments(Trainer, "trainer", skip=set(TRAINER_OWNED))
+    if trainer_types:
+        from lightning.pytorch import Trainer
+
+        p.add_class_arguments(Trainer, "trainer", skip=set(TRAINER_OWNED))
+    else:
+        p.add_argument("--trainer", type=dict[str, Any], default={}, help="lightning.Trainer arguments")
     p.add_class_arguments(RunConfig, "run")
     p.add_argument("--ckpt_path", type=str | None, default=None, help="resume from this checkpoint; `last`: <run.dir>/checkpoints/last.ckpt")
     return p
 
 
-def from_namespace(ns: Any, source: str) -> TrainConfig:
+def _settings() -> None:
+    from jsonargparse import set_parsing_settings
+
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+
+
+def from_namespace(ns: Any, source: str, trainer_types: bool = True) -> TrainConfig:
     """A parsed `fit_parser` namespace -> TrainConfig (Trainer arguments kept only where they differ from its defaults)."""
-    defaults = fit_parser().get_defaults().trainer.as_dict()
-    trainer = {k: v for k, v in ns.trainer.as_dict().items() if v != defaults.get(k)}
-    return TrainConfig(model=ModelConfig(**ns.model.as_dict()), data=DataConfig(**ns.data.as_dict()), trainer=trainer,
+    trainer = ns.trainer if isinstance(ns.trainer, dict) else ns.trainer.as_dict()
+    if trainer_types:
+        defaults = fit_parser().get_defaults().trainer.as_dict()
+        trainer = {k: v for k, v in trainer.items() if v != defaults.get(k)}
+    return TrainConfig(model=ModelConfig(**ns.model.as_dict()), data=DataConfig(**ns.data.as_dict()), trainer=dict(trainer),
                        run=RunConfig(**ns.run.as_dict()), seed_everything=ns.seed_everything, source=source)
 
 
-def load_config(config: TrainConfig | dict[str, Any] | str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """Parse a config (a TrainConfig, a dict, a YAML path or a shipped name like `debug`) with nested or
-    dotted overrides ({"model.rank": 8} or {"model": {"rank": 8}}) on top. Types are checked here
-    (ValueError naming the file and key); values are checked by `TrainConfig.check`."""
+def _check_trainer(fail: Fail, trainer: dict[str, Any]) -> None:
+    """The trainer section against lightning.Trainer's signature (a config read with trainer_types=False)."""
+    try:
+        fit_parser().parse_object({"trainer": trainer})
+    except Exception as err:  # noqa: BLE001 (jsonargparse's ArgumentError names the key)
+        fail("trainer", _one_line(err))
+
+
+def load_config(config: TrainConfig | dict[str, Any] | str | Path, overrides: dict[str, Any] | None = None, *,
+                trainer_types: bool = True) -> TrainConfig:
+    """Parse a config (a TrainConfig, a dict, a YAML path or a shipped name like `debug`) with
+    overrides on top (`apply_overrides`: {"model.rank": 8} or {"model": {"rank": 8}}). Types are
+    checked here (ValueError naming the file and key); values are checked by `TrainConfig.check`.
+    trainer_types=False: the trainer section is kept as a mapping (no Lightning import)."""
     if isinstance(config, TrainConfig):
         if not overrides:
             return config
@@ -334,29 +472,148 @@ def load_config(config: TrainConfig | dict[str, Any] | str | Path, overrides: di
         source = str(p)
     if not isinstance(raw, dict):
         raise ValueError(f"{source}: expected a mapping of sections (model, data, trainer, run), got {type(raw).__name__}")
-    raw = _merge(raw, overrides or {})
+    raw = apply_overrides(raw, overrides or {})
     raw.pop("ckpt_path", None)
+    check_class_paths(raw, Fail(source))
     try:
-        ns = fit_parser().parse_object(raw)
+        ns = fit_parser(trainer_types).parse_object(raw)
     except Exception as err:  # jsonargparse's ArgumentError names the key; add the file
         raise ValueError(f"{source}: {_one_line(err)}") from None
-    return from_namespace(ns, source)
+    return from_namespace(ns, source, trainer_types)
+
+
+_DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+
+
+def _allowed_class(name: Any) -> bool:
+    return isinstance(name, str) and (name in ALLOWED_CLASSES or any(c.rsplit(".", 1)[1] == name for c in ALLOWED_CLASSES))
+
+
+def check_class_paths(raw: Any, fail: Fail, key: str = "") -> None:
+    """Refuse, through `fail(<key>, msg)`, a class a raw config names outside ALLOWED_CLASSES: a
+    `class_path` anywhere, or a dotted name as a value in a trainer section (jsonargparse imports
+    either to build the object). Run on the raw mapping before it is parsed, so nothing is imported."""
+    if isinstance(raw, dict):
+        for k, v in raw.items():
+            where = f"{key}.{k}" if key else str(k)
+            named = v if k == "class_path" else (v if "trainer" in where.split(".")[:-1] and isinstance(v, str)
+                                                  and _DOTTED.match(v) else None)
+            if named is not None and not _allowed_class(named):
+                fail(where, f"{named!r} is not a class the suite loads (allowed: Lightning's {sorted(ALLOWED_CLASSES)}, "
+                     "or their class names); nothing was imported")
+            check_class_paths(v, fail, where)
+    elif isinstance(raw, list):
+        for i, v in enumerate(raw):
+            check_class_paths(v, fail, f"{key}[{i}]")
+
+
+def check_cli_class_paths(argv: list[str]) -> None:
+    """`check_class_paths` on a command line (its --config files and --key value flags), before it is parsed."""
+    raw: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        if not token.startswith("-") or token in ("-h", "--help"):
+            continue
+        name, eq, value = token.lstrip("-").partition("=")
+        if not eq:
+            if i >= len(argv) or argv[i].startswith("--"):
+                continue
+            value, i = argv[i], i + 1
+        if name in ("c", "config"):
+            p = Path(value)
+            if p.is_file():
+                try:
+                    check_class_paths(yaml.safe_load(p.read_text()), Fail(str(p)))
+                except yaml.YAMLError:
+                    pass  # the parser reports it
+            continue
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            parsed = value
+        raw = apply_overrides(raw, {name: parsed})
+    check_class_paths(raw, Fail("<command line>"))
 
 
 def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split())
 
 
-def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """A copy of `base` with `overrides` (nested, or dotted keys "model.rank") applied."""
+def apply_overrides(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `base` with `overrides` applied: the one override rule of the suite's configs.
+
+    A dotted key ("model.rank", "space.slices") sets the value at its path, replacing what was there;
+    a mapping given under a plain key ({"model": {"rank": 8}}) is merged into the mapping there, key
+    by key, by the same rule."""
     out = copy.deepcopy(base)
     for key, value in overrides.items():
         parts = key.split(".")
         node = out
         for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        if isinstance(value, dict) and isinstance(node.get(parts[-1]), dict):
-            node[parts[-1]] = _merge(node[parts[-1]], value)
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        last = parts[-1]
+        if len(parts) == 1 and isinstance(value, dict) and isinstance(node.get(last), dict):
+            node[last] = apply_overrides(node[last], value)
         else:
-            node[parts[-1]] = copy.deepcopy(value)
+            node[last] = copy.deepcopy(value)
     return out
+
+
+def parse_sets(pairs: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` flags -> {dotted key: YAML value} (for `apply_overrides`); ValueError on a bad flag."""
+    out: dict[str, Any] = {}
+    for kv in pairs:
+        if "=" not in kv:
+            raise ValueError(f"--set {kv!r}: expected KEY=VALUE")
+        k, v = kv.split("=", 1)
+        try:
+            out[k] = yaml.safe_load(v)
+        except yaml.YAMLError as err:
+            raise ValueError(f"--set {kv!r}: the value is not valid YAML ({_one_line(err)})") from None
+    return out
+
+
+@functools.cache
+def _section_parser(cls: type) -> Any:
+    from jsonargparse import ArgumentParser
+
+    _settings()
+    p = ArgumentParser(exit_on_error=False)
+    p.add_class_arguments(cls)
+    return p
+
+
+def parse_section(cls: type, raw: Any, key: str, fail: Fail) -> Any:
+    """One config section (a mapping) -> a `cls` dataclass, its types checked by jsonargparse.
+
+    Errors go through `fail(<key>.<field>, msg)`: a section that is not a mapping, an unknown key
+    (with the allowed ones), a missing required key, a value of the wrong type. A scalar given for a
+    tuple field is read as a one-element list. Bounds are the dataclass's own `check`."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        fail(key, f"expected a mapping, got {type(raw).__name__}")
+    prefix = f"{key}." if key else ""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for k in raw:
+        if k not in fields:
+            fail(f"{prefix}{k}", f"unknown key; expected one of {sorted(fields)}")
+    for name, f in fields.items():
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and name not in raw:
+            fail(f"{prefix}{name}", "missing (required)")
+    raw = {k: [v] if _is_tuple(fields[k]) and not isinstance(v, (list, tuple)) else v for k, v in raw.items()}
+    try:
+        ns = _section_parser(cls).parse_object(raw)
+    except Exception as err:  # noqa: BLE001 (jsonargparse's ArgumentError: 'Parser key "x": ...')
+        msg = _one_line(err)
+        m = re.match(r'Parser key "([^"]+)": (.*)', msg)
+        fail(f"{prefix}{m.group(1)}" if m else key, m.group(2) if m else msg)
+    return cls(**ns.as_dict())
+
+
+def _is_tuple(f: dataclasses.Field) -> bool:
+    return str(f.type).startswith(("tuple", "typing.Tuple"))

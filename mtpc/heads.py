@@ -14,7 +14,7 @@ n (v d + r k (v + d)) parameters. Sum units come from R e_t + b, one weight/bias
 circuit parameter name (mixture, initial, transitions, root, internal); the head knows nothing
 kind-specific beyond `circuit.param_shapes`. The circuit normalises the logits itself.
 
-Left out: the loss (mtpc/losses.py), the backbone and its LoRA adapter (mtpc/backbones.py; only
+Left out: the loss (mtpc/losses.py), the backbone and its LoRA adapter (mtpc/backbones/; only
 the adapter's state dict passes through `save_head` / `load_head`).
 """
 

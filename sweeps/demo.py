@@ -67,7 +67,7 @@ class Phases:
 
 def example_head(spec) -> Path:
     """The head directory of the demo's LoRA point (the first grid point when there is none)."""
-    from mtpc.names import grid_key
+    from tracking.schema import grid_key
 
     point = next((p for p in spec.grid if p.get("lora_depth", 0) > 0), spec.grid[0])
     return spec.trial_dir(grid_key(point)) / "head"

@@ -21,15 +21,14 @@ import argparse
 import concurrent.futures as cf
 import multiprocessing
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import tracking
 from experiments.trial import eval_passes, prompt_set_names
-from mtpc.names import grid_key
-from sweeps.objectives import eval_config, train_config
 from sweeps.spec import SpecError, load_spec, parse_sets
+from tracking.schema import grid_key
 
 
 @dataclass(frozen=True)
@@ -52,9 +51,9 @@ def plan(spec, uri: str, keys: set[str] | None = None, *, delete_partial: bool =
     `delete_partial` is false (a dry run changes nothing)."""
     from experiments.mlflow_run import RUN_ID_FILE
 
-    ev = eval_config(spec)
-    names = set(prompt_set_names(ev["sets"], ev["dev_sets"]))
-    wanted = eval_passes(ev["modes"], ev["temperatures"])
+    ev = spec.eval
+    names = set(prompt_set_names(ev.sets, ev.dev_sets))
+    wanted = eval_passes(ev.modes, ev.temperatures)
     client = tracking.client(uri)
     exp = client.get_experiment_by_name(spec.experiment)
     jobs, missing = [], []
@@ -97,14 +96,13 @@ def run_job(spec_path: str, overrides: dict[str, Any], job: Job, uri: str) -> st
 
     quiet()
     spec = load_spec(spec_path, overrides=overrides)
-    cfg = trial_config(train_config(spec, job.point), tracking_uri=uri, experiment=spec.experiment, run_dir=job.run_dir)
+    cfg = trial_config(spec.train, job.point, tracking_uri=uri, experiment=spec.experiment, run_dir=job.run_dir)
     torch.set_num_threads(int(cfg.run.cpu_threads or 1))
     converged = tracking.client(uri).get_run(job.parent).data.metrics.get("converged")
     extra = {"converged": int(converged)} if converged is not None else {}
-    base = eval_config(spec)
     for mode in dict.fromkeys(m for m, _ in job.passes):
-        temps = [t for m, t in job.passes if m == mode]
-        ev = {**base, "modes": [mode], "temperatures": temps}
+        temps = tuple(t for m, t in job.passes if m == mode)
+        ev = replace(spec.eval, modes=(mode,), temperatures=temps)
         tag = mode if mode == "greedy" else f"{mode}_T" + "_".join(f"{t:g}" for t in temps)
         evaluate_head(job.run_dir / "head", cfg, ev, parent_run_id=job.parent, tracking_uri=uri,
                       out=job.run_dir / f"evaluation_{tag}.json", extra_params=extra)

@@ -1,7 +1,8 @@
 """The sweep runner CLI: `python -m sweeps.run SPEC (--check | --init | --worker | --task | --workers N
 | --resume | --submit | --status)`.
 
-- `--check`: validate the spec (and every grid point's training config), check both stores answer.
+- `--check`: validate the spec (every grid point's training config, its evaluation against the
+  backbone's context), check both stores answer.
 - `--init`: create the MLflow experiment and the Optuna study once, enqueue every grid point
   without a trial (idempotent, file-locked: sweeps/study.py).
 - `--worker`: reap trials of dead workers, then run waiting trials until none are left

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import tracking
-from mtpc.names import POINTS_TAG, SWEEP_AXES, TRAIN_AXES, grid_key, point_rank
+from mtpc.names import point_rank
 from sweeps.spec import STORAGE_ENV, SpecError, SweepSpec
+from tracking.schema import POINTS_TAG, SWEEP_AXES, TRAIN_AXES, grid_key
 
 
 class StorageError(RuntimeError):
@@ -101,18 +102,31 @@ def check_signature(spec: SweepSpec, study) -> None:
 
 
 def validate_trial_configs(spec: SweepSpec) -> int:
-    """With the real objective, parse + validate the training config of every grid point (no
-    weights, no data) before anything is submitted; errors name the spec, the point and the key."""
-    if spec.objective_kind != "trial" or spec.grid is None:
+    """With the real trial, parse + validate the training config of every grid point (no weights,
+    no data) and that its evaluation fits the backbone's context, before anything is submitted;
+    errors name the spec, the point and the key."""
+    if spec.trial_kind != "trial" or spec.grid is None:
         return 0
     from experiments.train import check_config
-    from experiments.trial import trial_config
+    from experiments.trial import check_eval_lengths, trial_config
 
-    for point in spec.grid:
+    configs = {grid_key(p): trial_config(spec.train, p, tracking_uri=spec.tracking_uri, experiment=spec.experiment)
+               for p in spec.grid}
+    for key, cfg in configs.items():
         try:
-            check_config(trial_config({**spec.train, **point}, tracking_uri=spec.tracking_uri, experiment=spec.experiment))
+            check_config(cfg)
         except (ValueError, TypeError) as e:
-            raise SpecError(f"{spec.path}: key 'train' (grid point {grid_key(point)}): {e}") from e
+            raise SpecError(f"{spec.path}: key 'train' (grid point {key}): {e}") from e
+    longest = None
+    for key, cfg in configs.items():  # after every training config: the evaluation needs a valid one
+        try:
+            if longest is None:
+                from experiments.evaluate import longest_prompt
+
+                longest = longest_prompt(spec.eval)
+            check_eval_lengths(cfg, spec.eval, longest)
+        except ValueError as e:
+            raise SpecError(f"{spec.path}: key 'eval' (grid point {key}): {e}") from e
     return len(spec.grid)
 
 

@@ -23,9 +23,7 @@ import time
 import traceback
 
 import tracking
-from mtpc.names import grid_key
 from sweeps.liveness import Owner, reap
-from sweeps.objectives import Preempted, TrialContext, run_objective
 from sweeps.spec import SpecError, SweepSpec
 from sweeps.study import (
     ask_new,
@@ -40,6 +38,8 @@ from sweeps.study import (
     sampler,
     suggest,
 )
+from sweeps.trials import Preempted, TrialContext, run_trial
+from tracking.schema import grid_key
 
 #: exit codes a worker returns (sweeps/run.py documents every exit code of the runner)
 EXIT_TRACKING = 69  # EX_UNAVAILABLE: the tracking store stopped taking writes; the worker stopped
@@ -184,7 +184,7 @@ def run_one(spec: SweepSpec, study, trial_id: int, exp_id: str, me: Owner, stop:
             "optuna.study": spec.study, "optuna.trial": str(number), "mtpc.grid_key": key,
             "mtpc.slices": ",".join(frozen.user_attrs.get("slices", [])),
             tracking.GIT_TAGS[0]: tracking.git_sha(),
-            "mtpc.spec": str(spec.path), "mtpc.objective": spec.objective_kind,
+            "mtpc.spec": str(spec.path), "mtpc.objective": spec.trial_kind,
             "slurm.job_id": me.slurm_job_id or "", "slurm.restart": str(me.slurm_restart),
             "host": me.host,
         }
@@ -199,7 +199,7 @@ def run_one(spec: SweepSpec, study, trial_id: int, exp_id: str, me: Owner, stop:
             checkpoint_dir=spec.trial_dir(key),
             should_stop=stop, set_attr=lambda k, v: storage.set_trial_user_attr(trial_id, k, v),
         )
-        run_objective(ctx)
+        run_trial(ctx)
         values, child_ids = read_back(spec, exp_id, parent)
         storage.set_trial_user_attr(trial_id, "mlflow_child_run_ids", child_ids)
         for o, v in zip(spec.objectives, values, strict=True):

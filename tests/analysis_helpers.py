@@ -115,7 +115,7 @@ def log_sweep(uri: str, experiment: str, evaluations: list[Evaluation]) -> dict[
     failed attempt leaves). Returns the evaluation run ids by index ("0", "1", ...) plus the
     experiment id under "experiment_id"."""
     import tracking
-    from mtpc.names import ACCEPTANCE_PREFIX
+    from tracking.schema import ACCEPTANCE_PREFIX
 
     exp_id = tracking.ensure_experiment(uri, experiment)
     client = tracking.client(uri)

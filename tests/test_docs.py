@@ -97,9 +97,8 @@ def test_readme_use_it_snippets_run_after_the_demo(tmp_path, monkeypatch):
     interpreter."""
     from experiments.train import train_head
     from experiments.trial import trial_config
-    from mtpc.names import grid_key
     from sweeps.demo import example_head
-    from sweeps.objectives import train_config
+    from tracking.schema import grid_key
 
     snippets = use_it_snippets((ROOT / "README.md").read_text())
     assert snippets, 'README.md: no ```python block under "## Use it"'
@@ -109,7 +108,7 @@ def test_readme_use_it_snippets_run_after_the_demo(tmp_path, monkeypatch):
     rel = head_dir.relative_to(tmp_path).as_posix()
     assert rel in snippets[0], f"the first snippet should load the demo's head {rel!r}"
     point = next(p for p in spec.grid if spec.trial_dir(grid_key(p)) == head_dir.parent)
-    cfg = trial_config(train_config(spec, point), run_dir=head_dir.parent)
+    cfg = trial_config(spec.train, point, run_dir=head_dir.parent)
     train_head(cfg, {"run.tracking": False, "trainer.max_steps": 2, "trainer.enable_progress_bar": False,
                      "data.source": "debug", "data.seq_len": 64, "trainer.limit_val_batches": 1})
     assert (head_dir / "config.json").is_file()

@@ -8,13 +8,14 @@ import it; it imports none of them, and `mtpc/` stays free of MLflow).
 - `tracking.evaluations`: the one writer of evaluation child runs and the reader of them; the
   per-label summary a trial's parent run carries.
 - `tracking.views`: what the MLflow UI opens on: the saved runs view `compare heads`, the link.
+- `tracking.schema`: the experiment schema (sweep axes, grid key, evaluation params, metrics and
+  artifact names; names only, not re-exported here but STORED_METRICS).
 
 Everything is re-exported here: `import tracking; tracking.ensure_experiment(uri, name)`.
 """
 
 from tracking.evaluations import (
     NAME_PARAMS,
-    STORED_METRICS,
     SUMMARY_METRICS,
     SUMMARY_TAG,
     evaluation_label,
@@ -42,6 +43,7 @@ from tracking.runs import (
     start_parent_run,
     terminate,
 )
+from tracking.schema import STORED_METRICS
 from tracking.store import (
     DEFAULT_DB,
     TRACKING_ENV,

@@ -3,13 +3,13 @@ mode, a prompt set) and the reader that finds them again (the sweep runner's rea
 
 An evaluation run is a FINISHED child of its trial's parent run, named for what it is:
 `cp-r8-n16-k0/sample/set1` (grid key / mode, plus `-drop`, `-T<temperature>` or `-eos_allowed`
-when not the default / prompt set). It carries the params `mtpc.names.EVAL_PARAMS` (plus whatever the caller
+when not the default / prompt set). It carries the params `tracking.schema.EVAL_PARAMS` (plus whatever the caller
 adds, e.g. the trial), the scalar metrics (`EVAL_METRICS`), `acceptance_pos_<i>` for every tested
 window position i (1-based) and the artifact `accepted_length_histogram.json` =
 {"accepted_length_histogram": counts by accepted length, "per_position_acceptance": [...]}.
 A trial's parent run carries, per evaluation label, the mean of SUMMARY_METRICS over its reported
 prompt sets (`greedy/throughput`, `log_trial_summary`): one row per trial in the UI's runs table.
-Leaves out: computing any metric (experiments/evaluate.py, the fixture objective).
+Leaves out: computing any metric (experiments/evaluate.py, the fixture trial in sweeps/trials.py).
 """
 
 from __future__ import annotations
@@ -18,20 +18,17 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from mtpc.names import (
+from tracking.runs import PARENT_TAG, child_runs, iter_runs, log_metrics, param_str
+from tracking.schema import (
     ACCEPTANCE_PREFIX,
     DEV_SET_PREFIX,
     EOS_MODES,
-    EVAL_METRICS,
     GRID_PARAMS,
     HISTOGRAM_ARTIFACT,
     grid_key,
 )
-from tracking.runs import PARENT_TAG, child_runs, iter_runs, log_metrics, param_str
 from tracking.store import client
 
-#: the metrics a trial's read-back requires of every stored evaluation run
-STORED_METRICS: tuple[str, ...] = EVAL_METRICS[:5]  # mu_lat, mu_acc, tokens_per_cycle, throughput, max_throughput
 #: params an evaluation run cannot be named (or found) without
 NAME_PARAMS: tuple[str, ...] = (*GRID_PARAMS, "mode", "prompt_set")
 #: tag of runs that are about evaluations without being one (the analysis summary run)

@@ -45,6 +45,37 @@ def cpu_model() -> str:
     return ""
 
 
+def machine(device: Any = None) -> dict[str, Any]:
+    """Where this process runs, the one description every result carries: python, torch and
+    transformers versions, the CPU model (`cpu_model`), its core and torch thread counts, and the GPU
+    (name, CUDA version, SMs, memory) when CUDA is available or `device` is a CUDA device."""
+    import os
+    import platform
+
+    import torch
+
+    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    info.update(cpu=cpu_model() or platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
+                threads=torch.get_num_threads())
+    cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
+    if cuda:
+        p = torch.cuda.get_device_properties(device if device is not None else 0)
+        info.update(gpu=p.name, cuda=torch.version.cuda, sms=p.multi_processor_count, memory_gib=p.total_memory / 2**30)
+    return info
+
+
+def machine_line(info: dict[str, Any]) -> str:
+    """`machine()` in one line: `<GPU or CPU <model> x<threads> threads>; torch <v>; python <v>`."""
+    dev = info["gpu"] if "gpu" in info else f"CPU {info['cpu']} x{info['threads']} threads"
+    return f"{dev}; torch {info['torch']}; python {info['python']}"
+
+
 def git_sha(root: Path = REPO) -> str:
     """The checkout's commit, `-dirty` when tracked files changed; else `.device/GIT_SHA` (the
     device machine's copy has no .git; experiments.device_prep writes it); else "unknown"."""

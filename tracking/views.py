@@ -22,7 +22,7 @@ import json
 import time
 from collections.abc import Sequence
 
-from mtpc.names import GRID_PARAMS
+from tracking.schema import GRID_PARAMS
 from tracking.store import client
 
 #: the page-address switch of MLflow 3.17's UI between its GenAI and Model-training layouts

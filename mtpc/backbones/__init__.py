@@ -30,6 +30,7 @@ import torch
 from mtpc.backbones.common import Backbone, SplitOutput
 from mtpc.backbones.engine import AdapterEngine, Engine, StepOutput, make_engine
 from mtpc.backbones.evabyte import EvaByteAdapter, EvaByteCache
+from mtpc.backbones.facts import backbone_config_dict, backbone_num_layers
 from mtpc.backbones.hf_llama import BackboneAdapter, KVStore, SplitCache
 from mtpc.backbones.llama import LlamaEngine
 from mtpc.backbones.registry import FAMILIES, adapter_class
@@ -47,6 +48,8 @@ __all__ = [
     "ALIASES",
     "AdapterEngine",
     "Backbone",
+    "backbone_config_dict",
+    "backbone_num_layers",
     "BackboneAdapter",
     "FAMILIES",
     "adapter_class",

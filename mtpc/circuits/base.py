@@ -267,14 +267,10 @@ class Circuit:
         no validation, no host sync. The conditionals are mixed in probability space (mix_probs).
         conditionals=False returns (x, None) and skips them (greedy verification only compares
         x with the verifier's argmax; for btree and hmm that is half of the draft's work); x is
-        the same either way. Every kind overrides this generic sample-then-conditionals with a
-        fused version that forms the leaf probabilities once for both.
+        the same either way. Every kind implements it fused, forming the leaf probabilities once for
+        both.
         """
-        x = self._greedy(q, prefix) if greedy else self._sample(q, generator, prefix)
-        if not conditionals:
-            return x, None
-        w, leaves, _ = self._leaf_context(q, x)
-        return x, mix_probs(w, leaf_probs(leaves))
+        raise NotImplementedError
 
     # -- validation -----------------------------------------------------------------------------
 

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from mtpc.backbones.engine import AdapterEngine, Engine, StepOutput
-from mtpc.names import DECODE_MODES, EXTRA_TOKEN_OPTIONS
+from mtpc.names import DECODE_MODES, EXTRA_TOKEN_OPTIONS, MIN_DECODE_WINDOW
 from mtpc.speculative.acceptance import (
     Chooser,
     as_index,
@@ -67,7 +67,7 @@ Drafter = Callable[[dict[str, Tensor], Tensor | None, bool], tuple[Tensor, Tenso
 
 class CircuitDrafter:
     """Drafts a window from a circuit with its fused `_draft` (the window and its conditionals in one
-    call; every Circuit has one, the base class providing the generic sample-then-conditionals)."""
+    call; every circuit kind implements it)."""
 
     def __init__(self, circuit: Any, generator: torch.Generator | None = None):
         self.circuit = circuit
@@ -241,8 +241,8 @@ def speculative_decode(
     Draft, verify and accept stay on the device; each cycle reads back one small tensor
     [s, extra, drafts] (the accepted count and the bytes it emits), nothing else.
     """
-    if window < 2:
-        raise ValueError(f"speculative decoding needs a window n >= 2, got {window}")
+    if window < MIN_DECODE_WINDOW:
+        raise ValueError(f"speculative decoding needs a window n >= {MIN_DECODE_WINDOW}, got {window}")
     greedy = cfg.mode == "greedy"
     stats = DecodeStats(window=window, extra_token=cfg.extra_token)
     out: list[int] = []

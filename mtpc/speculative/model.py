@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from mtpc.backbones.engine import make_engine
+from mtpc.names import MIN_DECODE_WINDOW
 from mtpc.speculative.acceptance import TorchChooser
 from mtpc.speculative.loop import (
     CircuitDrafter,
@@ -270,8 +271,8 @@ class MtpcModel:
         weights: str | None = None,
     ):  # fmt: skip
         cfg = head.config
-        if cfg.window < 2:
-            raise ValueError(f"head: speculative decoding needs window >= 2, got {cfg.window}")
+        if cfg.window < MIN_DECODE_WINDOW:
+            raise ValueError(f"head: speculative decoding needs window >= {MIN_DECODE_WINDOW}, got {cfg.window}")
         head.check_compatible(backbone.hidden_size, backbone.vocab_size)
         from mtpc.backbones.shipped import check_backbone_label
 

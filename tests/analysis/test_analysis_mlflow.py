@@ -267,8 +267,7 @@ def test_cli_errors_exit_1_without_traceback(store, tmp_path, capsys):
 
 def test_module_cli_unreachable_server_is_a_clear_error(tmp_path):
     """`python -m analysis` against a port nothing listens on, run from another directory: no
-    sys.path hack (the old script entry point needed one so that analysis/tables.py did not shadow
-    PyPI's `tables`; a module entry point never puts analysis/ on sys.path)."""
+    sys.path hack (a module entry point never puts analysis/ on sys.path)."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run(
         [sys.executable, "-m", "analysis", "--tracking-uri", "http://127.0.0.1:9", "--out", str(tmp_path)],
@@ -281,7 +280,7 @@ def test_module_cli_unreachable_server_is_a_clear_error(tmp_path):
 
 def test_the_documented_script_runs_the_same_cli_without_shadowing_pypi_modules(tmp_path):
     """`python analysis/pareto.py` (the product's command) is `python -m analysis`: same parser, and
-    run as a script its directory does not shadow installed modules (analysis/tables.py vs `tables`)."""
+    run as a script its directory does not shadow installed modules."""
     repo = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, "analysis/pareto.py", "--help"], cwd=repo, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -297,7 +296,7 @@ def test_the_analysis_warns_when_the_store_holds_fewer_points_than_the_sweep(tmp
     (or a sweep still running) is analysed with a warning naming both counts."""
     from mlflow.tracking import MlflowClient
 
-    from mtpc.names import POINTS_TAG
+    from tracking.schema import POINTS_TAG
 
     uri = fresh_tracking_uri(tmp_path / "mlflow")
     log_sweep(uri, "partial", synthetic_evaluations(circuits=("ff", "cp"), windows=(8,), prompt_sets=("chat",)))
@@ -310,3 +309,16 @@ def test_the_analysis_warns_when_the_store_holds_fewer_points_than_the_sweep(tmp
     client.set_experiment_tag(exp_id, POINTS_TAG, "2")
     assert cli.main(args) == 0
     assert "grid points" not in capsys.readouterr().err
+
+
+def test_no_analysis_file_is_named_like_an_installed_module():
+    """`python analysis/pareto.py` puts analysis/ on sys.path: a file there named like an installed
+    module (as tables.py once was, PyTables' `tables`, which pandas imports) would shadow it."""
+    here = Path(__file__).resolve().parents[2] / "analysis"
+    stems = sorted(p.stem for p in here.glob("*.py") if not p.stem.startswith("_"))
+    code = ("import importlib.util, json, sys; "
+            f"print(json.dumps([s for s in {stems!r} if importlib.util.find_spec(s) is not None]))")
+    r = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [] and not {"tables"} & set(stems), r.stdout  # tables: named even where not installed

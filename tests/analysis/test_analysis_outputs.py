@@ -9,7 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import pareto_plot, plots, style, tables
+from analysis import paper_tables as tables
+from analysis import pareto_plot, plots, style
 from analysis.aggregate import aggregate, split_settings, stp_baseline
 from analysis.front import pareto_mask
 from analysis.hists import drafts_tested

@@ -9,7 +9,8 @@ import copy
 
 import pytest
 
-from analysis import pareto_plot, style, tables
+from analysis import paper_tables as tables
+from analysis import pareto_plot, style
 from analysis.aggregate import aggregate, split_settings
 from tests.analysis_helpers import frame_from_evaluations, synthetic_evaluations
 

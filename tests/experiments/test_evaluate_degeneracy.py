@@ -13,10 +13,10 @@ import torch
 from experiments.evaluate import degeneracy_warnings, evaluate_heads, log_evaluation_to_mlflow, main
 from mtpc import MtpcModel
 from mtpc.heads import save_head
-from mtpc.names import DEGENERACY_METRICS
 from mtpc.textstats import degeneracy_metrics
 from mtpc.tokenizer import ByteTokenizer
 from tests.backbone_helpers import tiny_llama
+from tracking.schema import DEGENERACY_METRICS
 
 
 @pytest.fixture(scope="module")

@@ -54,8 +54,11 @@ def test_arch_grid_validates_against_a_tpu_llama_checkpoint(byte_llama, tmp_path
     from sweeps.spec import SpecError, load_spec
     from sweeps.study import validate_trial_configs
 
-    spec = load_spec("sweeps/arch_grid.yaml", overrides={"train.model.backbone": str(byte_llama)})
-    assert spec.train["config"] == "llama_byte" and spec.train["model"]["backbone"] == str(byte_llama)
+    prompts = tmp_path / "prompts.jsonl"  # the tiny checkpoint's 512 positions cannot hold arch_grid's held-out prompts:
+    prompts.write_text('"Hello there."\n')  # --check refuses that (eval lengths); evaluate on a short prompt instead
+    spec = load_spec("sweeps/arch_grid.yaml", overrides={"train.model.backbone": str(byte_llama), "eval.prompts": str(prompts),
+                                                         "eval.n_prompts": 1, "eval.sets": 1})
+    assert spec.train.source.endswith("llama_byte.yaml") and spec.train.model.backbone == str(byte_llama)
     assert validate_trial_configs(spec) == len(spec.grid) > 0  # k <= 4 layers; its auto_map needs no consent
     three = write_tpu_llama(tmp_path / "three", expand=None, layers=3)  # the same check can fail: k = 4 > 3 layers
     with pytest.raises(SpecError, match=r"lora_depth.*k = 4 exceeds the 3 layers"):

@@ -126,8 +126,8 @@ def test_window_is_one_field_checked_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(mtpc.names, "check_architecture", counting)
     monkeypatch.setattr(mtpc.heads, "check_architecture", counting)
-    cfg = trial_config({"config": "debug", "circuit": "hmm", "rank": 2, "window": 5, "lora_depth": 0,
-                        "trainer": {"max_steps": 1}}, run_dir=tmp_path)
+    cfg = trial_config(load_config("debug", {"trainer": {"max_steps": 1}}),
+                       {"circuit": "hmm", "rank": 2, "window": 5, "lora_depth": 0}, run_dir=tmp_path)
     assert calls == [] and cfg.model.window == 5  # building the trial's config checks nothing yet
     res = train_head(replace(cfg, run=replace(cfg.run, tracking=False)))
     assert res.model.head.config.window == 5

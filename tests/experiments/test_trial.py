@@ -1,6 +1,6 @@
 """The real trial (experiments/trial.py) on the `tiny` backbone: train_head logs into the trial's
 parent run, experiments.evaluate logs one evaluation run per (mode, prompt_set) through the one
-writer (named `<grid key>/<mode>/set<i>`, with the `mtpc.names.EVAL_PARAMS` / `EVAL_METRICS`
+writer (named `<grid key>/<mode>/set<i>`, with the `tracking.schema.EVAL_PARAMS` / `EVAL_METRICS`
 names); a stop request checkpoints and raises, and the re-run resumes from that checkpoint and
 completes; the sweep runner runs it end to end; every grid point's training config is validated
 before submission."""
@@ -10,11 +10,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import statistics
 
 import pytest
 
 import tracking
-from sweeps.objectives import Preempted
+from sweeps.trials import Preempted
 from tests.sweep_helpers import fresh_tracking_uri
 
 pytest.importorskip("lightning")
@@ -22,8 +23,7 @@ for _mod in ("experiments.train", "experiments.evaluate"):
     if importlib.util.find_spec(_mod) is None:
         pytest.skip(f"{_mod} not present", allow_module_level=True)
 
-TRAIN = {"config": "debug", "circuit": "cp", "rank": 2, "window": 4, "lora_depth": 0,
-         "trainer": {"max_epochs": 1}, "run": {"checkpoint_every_n_steps": 1}}
+POINT = {"circuit": "cp", "rank": 2, "window": 4, "lora_depth": 0}
 PROMPTS = ["Hello, how are you?", "Write a haiku about bytes.", "What is 2 + 2?", "Name a colour."]
 
 
@@ -39,23 +39,28 @@ def test_run_trial_trains_evaluates_and_resumes(tmp_path, prompts, monkeypatch):
     from mlflow.tracking import MlflowClient
 
     from experiments import trial
+    from experiments.config import EvalConfig, load_config
 
+    train = load_config("debug", {"trainer": {"max_epochs": 1}, "run": {"checkpoint_every_n_steps": 1}})
     uri = fresh_tracking_uri(tmp_path)
     exp_id = tracking.ensure_experiment(uri, "trial")
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    ev = {"modes": ["greedy", "sample"], "prompts": prompts, "sets": 2, "n_prompts": 2, "max_new_tokens": 8}
+    ev = EvalConfig(modes=("greedy", "sample"), prompts=prompts, sets=2, n_prompts=2, max_new_tokens=8)
     parent = tracking.start_parent_run(uri, exp_id, "t0", params={}, tags={})
     ck = tmp_path / "ck"
     kw = {"mlflow_tracking_uri": uri, "mlflow_experiment_id": exp_id, "parent_run_name": "t0", "parent_run_id": parent,
           "checkpoint_dir": ck, "preempted_exc": Preempted}
     # 1) a stop request after the first batch: checkpoint written, Preempted raised, nothing evaluated
     with pytest.raises(Preempted):
-        trial.run_trial(TRAIN, ev, should_stop=lambda: True, **kw)
+        trial.run_trial(train, POINT, ev, should_stop=lambda: True, **kw)
     assert (ck / "checkpoints" / "last.ckpt").is_file()
     assert not tracking.child_runs(uri, exp_id, parent, finished_only=False)
     # 2) the re-run resumes from it and finishes: training params/metrics on the parent, 2 x 2 children
-    out = trial.run_trial(TRAIN, ev, **kw)
+    trial.run_trial(train, POINT, ev, **kw)
+    stored = tracking.child_runs(uri, exp_id, parent)  # the objective metrics, as the sweep reads them back
+    out = {"throughput": statistics.fmean(k.data.metrics["throughput"] for k in stored),
+           "greedy/mu_acc": statistics.fmean(k.data.metrics["mu_acc"] for k in stored if k.data.params["mode"] == "greedy")}
     assert out["throughput"] > 0 and 0 <= out["greedy/mu_acc"] <= 3
     run = MlflowClient(uri).get_run(parent)
     assert (run.data.params["circuit"], run.data.params["rank"], run.data.params["window"]) == ("cp", "2", "4")

@@ -17,13 +17,14 @@ from mtpc.names import (
     CIRCUIT_KINDS,
     DECODE_MODES,
     EXTRA_TOKEN_OPTIONS,
-    GRID_PARAMS,
     MAX_RANK,
     MAX_WINDOW,
+    MIN_DECODE_WINDOW,
     ArchitectureError,
     check_architecture,
 )
 from tests.backbone_helpers import tiny_backbone
+from tracking.schema import GRID_PARAMS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,7 +83,7 @@ BOUNDS = {MAX_RANK, MAX_WINDOW, 4096}  # 4096: the looser rank bound the sweep s
 
 def _python_files(prefixes: tuple[str, ...]) -> list[str]:
     out = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    skip = {"mtpc/names.py", "tests/mtpc/test_names.py"}
+    skip = {"mtpc/names.py", "tracking/schema.py", "tests/mtpc/test_names.py"}
     return [f for f in out.splitlines() if f.startswith(prefixes) and f not in skip and (ROOT / f).exists()]
 
 
@@ -118,6 +119,9 @@ def restatements(path: str, text: str, *, source: bool) -> list[str]:
             for stmt in node.body:
                 if isinstance(stmt, ast.Assign) and "rank" in ast.unparse(stmt.targets[0]) and ast.unparse(stmt.value) == "1":
                     found.append(f"{where}: resets ff's rank to 1 (an error in a config, point_rank in a space)")
+        if (isinstance(node, ast.Compare) and "window" in ast.unparse(node.left)
+                and any(isinstance(c, ast.Constant) and c.value == MIN_DECODE_WINDOW for c in node.comparators)):
+            found.append(f"{where}: {ast.unparse(node)} restates MIN_DECODE_WINDOW")
         if isinstance(node, ast.Constant) and type(node.value) is int and node.value in BOUNDS:
             up, context = node, []
             while up in parents and not isinstance(up, (ast.FunctionDef, ast.ClassDef, ast.Module)):
@@ -149,6 +153,11 @@ def f(name, v, key, m, ctx):
     assert len(hits) == 7, hits
     assert len(restatements("test_x.py", old, source=False)) == 1  # tests: only the circuit kinds
     assert restatements("ok.py", "x = ('ff', 'cp')\nseq_len = 4096\nwindow = DEFAULT_WINDOW\n", source=True) == []
+
+
+def test_the_scan_finds_a_restated_decoding_window_bound():
+    assert len(restatements("m.py", "if cfg.window < 2:\n    pass\n", source=True)) == 1
+    assert restatements("m.py", "if cfg.window < MIN_DECODE_WINDOW:\n    pass\n", source=True) == []
 
 
 def test_no_vocabulary_restated_outside_names():

@@ -202,7 +202,7 @@ def test_sampling_monte_carlo_paired_by_text():
 
 
 def test_continuations_are_generate_plains_and_pool_uses_the_metric_names():
-    from mtpc.names import EVAL_METRICS
+    from tracking.schema import EVAL_METRICS
 
     bb = _peaked_backbone(0, vocab=6)
     m = MtpcModel.from_components(bb, {"kind": "cp", "window": 3, "rank": 2})

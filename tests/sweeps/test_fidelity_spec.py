@@ -37,8 +37,8 @@ def test_the_grid_covers_every_question_with_two_seeds():
         twins = {(r, k) for c, r, w, k, b in kl if c == circ and w == 8}
         assert twins and twins <= {(r, k) for c, r, w, k, b in ce if c == circ and w == 8}
     assert len({b for *_, b in kl}) >= 2  # beta is chosen on dev among candidates
-    steps = spec.train["trainer"]["max_steps"]
-    every = spec.train["trainer"]["val_check_interval"]
+    steps = spec.train.trainer["max_steps"]
+    every = spec.train.trainer["val_check_interval"]
     assert every <= 0.8 * steps and steps % every == 0  # a validation at the start of the last fifth
     e = spec.eval
     assert e.sets >= 3 and e.n_prompts >= 32 and e.max_new_tokens == 128 and e.dev_sets >= 1
@@ -70,7 +70,7 @@ def test_the_cpu_variant_decides_h1_and_h2_with_two_seeds(tmp_path):
     e = spec.eval
     assert e.sets >= 3 and e.n_prompts >= 32 and e.max_new_tokens == 128 and e.dev_sets == 1
     assert e.modes == ("sample",) and e.temperatures == (1.0,)
-    steps, every = spec.train["trainer"]["max_steps"], spec.train["trainer"]["val_check_interval"]
+    steps, every = spec.train.trainer["max_steps"], spec.train.trainer["val_check_interval"]
     assert every <= 0.8 * steps and steps % every == 0
     assert validate_trial_configs(spec) == len(spec.grid)
 

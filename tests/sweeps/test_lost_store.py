@@ -30,7 +30,7 @@ def test_resume_reruns_points_whose_mlflow_runs_were_lost(tmp_path):
     assert len(keys) == 4  # every point has a COMPLETE trial whose results are in the store
     from mlflow.tracking import MlflowClient
 
-    from mtpc.names import POINTS_TAG
+    from tracking.schema import POINTS_TAG
 
     assert MlflowClient(uri).get_experiment_by_name("lost").tags[POINTS_TAG] == "4"  # what the analysis checks
     from sweeps.study import requeue_lost_runs

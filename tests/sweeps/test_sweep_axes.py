@@ -11,6 +11,7 @@ import yaml
 from analysis.aggregate import aggregate, split_settings
 from analysis.filters import Filters
 from analysis.load import load
+from experiments.config import load_config
 from experiments.trial import eval_passes, trial_config
 from sweeps.spec import SpecError, grid_key, load_spec
 from tests.sweep_helpers import fixture_spec, fresh_tracking_uri, run_cli
@@ -60,8 +61,8 @@ def test_eval_temperatures_and_eos_lists(tmp_path):
 
 
 def test_axes_reach_the_training_config_and_eval_passes():
-    cfg = trial_config({"config": "debug", "circuit": "cp", "rank": 4, "window": 8, "lora_depth": 0,
-                        "kl_beta": 0.5, "train_seed": 3}, tracking_uri="sqlite://")
+    cfg = trial_config(load_config("debug"), {"circuit": "cp", "rank": 4, "window": 8, "lora_depth": 0,
+                                              "kl_beta": 0.5, "train_seed": 3}, tracking_uri="sqlite://")
     assert cfg.source.endswith("debug.yaml") and cfg.model.kl_beta == 0.5 and cfg.seed_everything == 3
     assert (cfg.model.circuit, cfg.model.rank, cfg.model.window) == ("cp", 4, 8)
     assert eval_passes(("greedy", "sample"), (1.0, 0.7)) == [("greedy", 1.0), ("sample", 1.0), ("sample", 0.7)]

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import tracking
-from mtpc.names import HISTOGRAM_ARTIFACT
 from tests.sweep_helpers import fresh_tracking_uri
+from tracking.schema import HISTOGRAM_ARTIFACT
 
 PARAMS = {"backbone": "tiny", "circuit": "cp", "window": 4, "rank": 8, "lora_depth": 0, "mode": "sample",
           "extra_token": "keep", "eos": "banned", "temperature": 1.0, "prompt_set": 1, "seed": 0, "top_p": 1.0, "hardware": "cpu"}
@@ -153,3 +153,21 @@ def test_close_if_running_ends_a_stale_parent_and_its_children(store):
     assert c.get_run(parent).info.status == "FAILED" and c.get_run(parent).data.tags[tracking.ERROR_TAG] == "store was down"
     assert c.get_run(kid).info.status == "KILLED"
     assert not tracking.close_if_running(uri, exp_id, parent, "FAILED", "again")  # idempotent
+
+
+def test_one_machine_description():
+    """`tracking.runs.machine` is what every result records; the evaluation's one-line form is built from it."""
+    import platform
+
+    import torch
+
+    from experiments.evaluate import hardware
+    from tracking.runs import cpu_model, machine, machine_line
+
+    m = machine()
+    assert m["python"] == platform.python_version() and m["torch"] == torch.__version__
+    assert m["cpu"] == (cpu_model() or platform.processor() or platform.machine()) and m["threads"] == torch.get_num_threads()
+    assert ("gpu" in m) == torch.cuda.is_available()
+    assert hardware() == machine_line(m)
+    if not torch.cuda.is_available():
+        assert machine_line(m) == f"CPU {m['cpu']} x{m['threads']} threads; torch {torch.__version__}; python {platform.python_version()}"

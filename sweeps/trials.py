@@ -1,7 +1,8 @@
-"""What one trial does, behind one signature: `objective(ctx)` fills the trial's parent MLflow run
-and stores one evaluation run per (mode, prompt_set) with `tracking.log_evaluation`; the runner then
-reads the stored evaluation runs back and derives the Optuna values from them (so a trial can never
-succeed without stored results).
+"""What one trial does, by the spec's `objective:` kind (`spec.trial_kind`), behind one signature:
+`run_trial(ctx)` fills the trial's parent MLflow run and stores one evaluation run per (mode,
+prompt_set) with `tracking.log_evaluation`; the runner then reads the stored evaluation runs back
+and derives the Optuna values (the spec's `objectives`) from them (so a trial can never succeed
+without stored results).
 
 - `fixture`: metrics are a deterministic function of the grid point (no torch import); it
   checkpoints a step counter, honours pre-emption, and can be told to fail on chosen points.
@@ -25,8 +26,8 @@ from experiments.trial import (  # light: the trial's heavy imports are inside i
     eval_passes,
     prompt_set_names,
 )
-from mtpc.names import ACCEPTANCE_PREFIX
 from sweeps.spec import SweepSpec
+from tracking.schema import ACCEPTANCE_PREFIX
 
 
 class Preempted(Exception):  # noqa: N818 (a control-flow signal, not an error)
@@ -48,40 +49,16 @@ class TrialContext:
     set_attr: Callable[[str, Any], None]  # store a user attr on the Optuna trial
 
 
-def train_config(spec: SweepSpec, point: dict[str, Any]) -> dict[str, Any]:
-    """The base training config of the spec with the grid point's architecture filled in."""
-    cfg = dict(spec.train)
-    cfg.update(point)
-    return cfg
-
-
-def eval_config(spec: SweepSpec) -> dict[str, Any]:
-    e = spec.eval
-    return {
-        "modes": list(e.modes),
-        "prompts": e.prompts,
-        "sets": e.sets,
-        "dev_sets": e.dev_sets,
-        "n_prompts": e.n_prompts,
-        "max_new_tokens": e.max_new_tokens,
-        "extra_token": e.extra_token,
-        "temperatures": list(e.temperatures),
-        "top_p": e.top_p,
-        "seed": e.seed,
-        "eos": list(e.eos),
-        "stp": e.stp,
-    }
-
-
-def run_objective(ctx: TrialContext) -> None:
-    if ctx.spec.objective_kind == "fixture":
-        fixture_objective(ctx)
+def run_trial(ctx: TrialContext) -> None:
+    if ctx.spec.trial_kind == "fixture":
+        fixture_trial(ctx)
         return
-    from experiments.trial import run_trial  # heavy imports (torch, lightning) only here
+    from experiments import trial  # heavy imports (torch, lightning) only here
 
-    run_trial(
-        train_config(ctx.spec, ctx.point),
-        eval_config(ctx.spec),
+    trial.run_trial(
+        ctx.spec.train,
+        ctx.point,
+        ctx.spec.eval,
         mlflow_tracking_uri=ctx.tracking_uri,
         mlflow_experiment_id=ctx.experiment_id,
         parent_run_name=ctx.parent_run_name,
@@ -143,7 +120,7 @@ def _write_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def fixture_objective(ctx: TrialContext) -> None:
+def fixture_trial(ctx: TrialContext) -> None:
     spec, point = ctx.spec, ctx.point
     fx = spec.fixture
     ctx.checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -151,7 +128,7 @@ def fixture_objective(ctx: TrialContext) -> None:
     start = json.loads(ckpt.read_text())["step"] if ckpt.exists() else 0
     ctx.set_attr("resumed_from_step", start)
     uri, parent = ctx.tracking_uri, ctx.parent_run_id
-    tracking.log_params(uri, parent, {"backbone": spec.train.get("backbone", "fixture"), "seed": spec.train.get("seed", 0), **point})
+    tracking.log_params(uri, parent, {"backbone": "fixture", "seed": spec.train.seed_everything, **point})
     for step in range(start, fx.steps):
         if ctx.should_stop():
             raise Preempted(f"stopped before step {step} of {fx.steps}")
@@ -168,7 +145,7 @@ def fixture_objective(ctx: TrialContext) -> None:
         for eos in e.eos:
             for ps in prompt_set_names(e.sets, e.dev_sets):  # named as experiments.trial names them
                 params = {
-                    "backbone": spec.train.get("backbone", "fixture"), **point, "mode": mode,
+                    "backbone": "fixture", **point, "mode": mode,
                     "extra_token": e.extra_token, "eos": eos, "temperature": temperature, "prompt_set": ps,
                     "seed": e.seed, "hardware": "fixture", "top_p": e.top_p,
                 }

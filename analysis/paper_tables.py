@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.aggregate import Setting, stp_baseline
-from mtpc.names import DEGENERATE_WARN_FRACTION
+from tracking.schema import DEGENERATE_WARN_FRACTION
 
 
 @dataclass(frozen=True)
