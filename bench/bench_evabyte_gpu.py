@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+GPU_CONTEXT = 4096  # positions of the GPU check's model (its prompt crosses a 2048-byte window)
 sys.path.insert(0, str(ROOT))
 
 
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("no CUDA device (use --dry for the CPU check of this script)")
     sizes = dict(window_size=16, chunk_size=4) if a.dry else dict(
         window_size=2048, chunk_size=16, hidden_size=256, num_attention_heads=2, intermediate_size=512,
-        max_position_embeddings=4096)  # fmt: skip
+        max_position_embeddings=GPU_CONTEXT)  # fmt: skip
     prompt_len = 40 if a.dry else 2100  # crosses a window
     out_dir = Path("/tmp") / f"mtpc_evabyte_gpu_{os.getpid()}"
     shim = a.dry  # the tests' triton shim on the CPU; on CUDA EvaByte's own triton kernels

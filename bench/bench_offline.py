@@ -29,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-KINDS = ("cp", "btree", "hmm", "ff")
+from mtpc.names import CIRCUIT_KINDS, DECODE_MODES, default_rank  # noqa: E402
+
+KINDS = CIRCUIT_KINDS
 
 
 def _tiny_backbone():
@@ -58,7 +60,7 @@ def _heads(bb, count: int, window: int):
             models.append(m)
     for i in range(count - len(models)):
         kind = KINDS[i % len(KINDS)]
-        cfg = HeadConfig(kind=kind, window=window, rank=1 if kind == "ff" else 8, vocab=bb.vocab_size,
+        cfg = HeadConfig(kind=kind, window=window, rank=default_rank(kind), vocab=bb.vocab_size,
                          hidden=bb.hidden_size, backbone=bb.name)  # fmt: skip
         head = MtpcHead(cfg)
         head.init_from_unembeddings(bb.lm_head_weight.detach(), generator=torch.Generator().manual_seed(i))
@@ -98,7 +100,7 @@ def measure(args) -> dict:
     out = {"backbone": bb.name, "heads": [m.head.config.kind for m in models], "sets": args.sets,
            "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "batch": args.batch,
            "threads": args.threads, "modes": {}}  # fmt: skip
-    for mode in ("greedy", "sample"):
+    for mode in DECODE_MODES:
         cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, mode=mode, eos_id=bb.eos_token_id, ban_eos=True)
         rec = {"continuations_s": 0.0, "pass_s": 0.0, "per_head_s": [0.0] * len(models), "online_s": 0.0,
                "metrics": [], "greedy_prompts_differing": 0, "d_accepted": [], "d_cycles": []}  # fmt: skip

@@ -98,4 +98,4 @@ HISTOGRAM_ARTIFACT = "accepted_length_histogram.json"
 PER_PROMPT_ARTIFACT = "per_prompt.json"
 #: experiment tag: the number of grid points of the sweep that logs into it (set by its init), so
 #: the analysis notices when the store holds fewer points than the sweep has
-POINTS_TAG = "mtpc.n_points"
+POINTS_TAG = "sweep.grid_points"

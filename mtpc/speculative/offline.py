@@ -55,6 +55,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mtpc.names import MIN_DECODE_WINDOW
 from mtpc.speculative.acceptance import TorchChooser, greedy_target, stop_hits, target_probs
 from mtpc.speculative.loop import DecodeConfig, plain_decode
 
@@ -419,8 +420,8 @@ def offline_acceptance(tf: TeacherForced, head: Any, chunk: int = 2048) -> list[
     if cfg_h.lora_depth != tf.lora_depth:
         raise ValueError(f"head: lora_depth={cfg_h.lora_depth}, but the pass ran with lora_depth={tf.lora_depth} "
                          "(one pass per LoRA top)")  # fmt: skip
-    if cfg_h.window < 2:
-        raise ValueError(f"head: speculative decoding needs window >= 2, got {cfg_h.window}")
+    if cfg_h.window < MIN_DECODE_WINDOW:
+        raise ValueError(f"head: speculative decoding needs window >= {MIN_DECODE_WINDOW}, got {cfg_h.window}")
     if tf.hidden and tf.hidden[0].shape[-1] != cfg_h.hidden:
         raise ValueError(f"head: hidden={cfg_h.hidden}, but the pass's states have {tf.hidden[0].shape[-1]}")
     if chunk < 1:
