@@ -25,9 +25,10 @@ when acceptance comes from degenerate text (degenerate_fraction > 0.25). `eos`: 
 probability 0, every method generates max_new_tokens bytes) or "allowed" (EOS stops an answer).
 
 Timing lock: latencies are only comparable when nothing else computes on the same cores, so
-`evaluate_heads` holds a machine-wide file lock (`timing_lock`: `$MTPC_TIMING_LOCK`, default
-`<tmp>/mtpc-timing.lock`) from its first timed generation to its last: sweep workers train in
-parallel, but one evaluation (STP and its heads, prompt set by prompt set) times at a time.
+`evaluate_heads` holds the machine-wide timing lock (`experiments.background.timing`:
+`$MTPC_TIMING_LOCK`, default `<tmp>/mtpc-timing.lock`) from its first timed generation to its last,
+with the background pre-training (if any) stopped: sweep workers train in parallel, but one
+evaluation (STP and its heads, prompt set by prompt set) times at a time.
 
 Leaves out: training (experiments/train.py) and plots (analysis/).
 """
@@ -37,14 +38,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import random
 import statistics
 import sys
-import tempfile
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +49,7 @@ import torch
 from tqdm import tqdm
 
 import tracking
+from experiments.background import timing
 from experiments.config import EvalConfig
 from mtpc import MtpcModel
 from mtpc.atomic import check_writable, write_json
@@ -218,35 +215,6 @@ def _describe(model: MtpcModel) -> dict[str, Any]:
     }
 
 
-TIMING_LOCK_ENV = "MTPC_TIMING_LOCK"
-
-
-def timing_lock_path() -> Path:
-    """The machine-wide timing lock's file: $MTPC_TIMING_LOCK, else `<tmp>/mtpc-timing.lock`."""
-    return Path(os.environ.get(TIMING_LOCK_ENV) or Path(tempfile.gettempdir()) / "mtpc-timing.lock")
-
-
-@contextmanager
-def timing_lock(progress: bool = False) -> Iterator[float]:
-    """Hold the machine-wide timing lock (see the module docstring); yields the seconds waited for
-    it. With `progress`, says on stderr when it has to wait."""
-    from filelock import FileLock, Timeout
-
-    lock = FileLock(str(timing_lock_path()), mode=0o666)  # any user's evaluation may take it next
-    t0 = time.monotonic()
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        if progress:
-            print(f"evaluate: waiting for the timing lock {timing_lock_path()} (another evaluation is timing)",
-                  file=sys.stderr, flush=True)  # fmt: skip
-        lock.acquire()
-    try:
-        yield time.monotonic() - t0
-    finally:
-        lock.release()
-
-
 @dataclass(frozen=True)
 class EvalJob:
     """One (mode, EOS treatment, prompt set) of an evaluation: STP and every head run it on the same prompts."""
@@ -302,7 +270,7 @@ def evaluate_heads(
     evaluation) and leaves out every stp_* metric and speedup_vs_stp.
     evabyte_mtp: also run the backbone's own multi-byte decoding, greedy (experiments/evabyte_mtp.py).
     Prompt i of a set is sampled with seed + i for STP and every head alike.
-    Everything timed runs under `timing_lock`: one evaluation on the machine at a time.
+    Everything timed runs under `experiments.background.timing`: one timer on the machine at a time.
     The evaluation is a list of `EvalJob`s, one per (mode, eos, prompt set) in that order; each runs
     STP (when `stp`) and then every (head, extra_token).
     """
@@ -330,7 +298,7 @@ def evaluate_heads(
     heads = [(name, model, extra) for name, model in models.items() for extra in extra_tokens]
     stp_rows: dict[str, list[dict]] = {mode: [] for mode in modes}
     runs: list[dict[str, Any]] = []
-    with timing_lock(progress):  # nothing else times on this machine meanwhile
+    with timing(progress):  # nothing else times on this machine meanwhile; the background pre-training paused
         bar = tqdm(total=sum(len(j.prompts) for j in jobs) * (int(stp) + len(heads)), desc="evaluate",
                    disable=not progress, file=sys.stderr)
         for job in jobs:
