@@ -172,3 +172,16 @@ def stop_server(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
+
+
+def wait_for(pred, timeout: float, what: str):
+    """Poll `pred` every 0.2 s until it returns something truthy (returned); fail the test after `timeout` s."""
+    import pytest
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.2)
+    pytest.fail(f"timed out waiting for {what}")

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from tests.sweep_helpers import (
     start_server,
     stop_server,
     trials,
+    wait_for,
 )
 
 pytestmark = pytest.mark.slow
@@ -48,16 +48,6 @@ def postgres(tmp_path_factory):
     yield env["MTPC_PG_URL"]
     subprocess.run(["bash", str(SCRIPT), "stop", env["MTPC_PG_DIR"]], capture_output=True, timeout=60)
     assert not os.path.exists(f"/proc/{pid}"), "postgres still running after stop"
-
-
-def _wait_for(pred, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.2)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 def _sweep_with_a_killed_worker(tmp_path, study: str, storage: str | None, tracking_uri: str):
@@ -83,7 +73,7 @@ def _sweep_with_a_killed_worker(tmp_path, study: str, storage: str | None, track
                         return t
             return None
 
-        victim = _wait_for(running_with_steps, 300, "a trial RUNNING with 2+ steps checkpointed")
+        victim = wait_for(running_with_steps, 300, "a trial RUNNING with 2+ steps checkpointed")
         pid = json.loads(victim.user_attrs["owner"])["pid"]
         os.kill(pid, signal.SIGKILL)
         rc = p.wait(timeout=600)

@@ -32,6 +32,7 @@ from tests.sweep_helpers import (
     run_cli,
     runs,
     trials,
+    wait_for,
 )
 
 
@@ -276,16 +277,6 @@ def test_a_zombie_worker_counts_as_dead():
     assert dead and f"worker pid {p.pid}" in why
 
 
-def _wait_for(pred, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.2)
-    pytest.fail(f"timed out waiting for {what}")
-
-
 @pytest.mark.slow
 def test_kill_9_of_one_worker_retries_its_trial_in_the_same_run(tmp_path, tracking_uri):
     """`--workers 2`, one worker killed with kill -9 while the other lives on: the runner waits for
@@ -309,7 +300,7 @@ def test_kill_9_of_one_worker_retries_its_trial_in_the_same_run(tmp_path, tracki
             steps = [json.loads(c.read_text())["step"] if c.exists() else 0 for c in ck]
             return running if len(running) == 2 and min(steps) >= 2 else None
 
-        running = _wait_for(two_running, 180, "two trials RUNNING at once")
+        running = wait_for(two_running, 180, "two trials RUNNING at once")
         victim = running[1]
         pid = json.loads(victim.user_attrs["owner"])["pid"]
         os.kill(pid, signal.SIGKILL)
