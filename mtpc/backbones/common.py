@@ -100,6 +100,27 @@ def stop_token_ids(tokenizer: Any, config: Any) -> tuple[int, ...]:
     return tuple(out)
 
 
+class ConfigFacts:
+    """The facts a family adapter reads from its HF config and tokenizer (`self.config`,
+    `self.tokenizer`): context length and the special ids. Mixed into every adapter."""
+
+    @property
+    def max_context(self) -> int:
+        return max_context_of(self.config)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return special_token_id(self.tokenizer, self.config, "eos_token_id")
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return stop_token_ids(self.tokenizer, self.config)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return special_token_id(self.tokenizer, self.config, "bos_token_id")
+
+
 def _shared_clone(module: nn.Module, keep: Sequence[Any]) -> nn.Module:
     """A copy of `module` whose parameters, buffers and the objects in `keep` are the originals."""
     memo = {id(t): t for t in [*module.parameters(), *module.buffers()]}

@@ -57,6 +57,7 @@ from torch import nn
 
 from mtpc.backbones.common import (
     LORA_TARGETS,
+    ConfigFacts,
     SplitOutput,
     _DraftTop,
     _shared_clone,
@@ -64,9 +65,6 @@ from mtpc.backbones.common import (
     load_lora_state_dict,
     lora_named_parameters,
     lora_parameters,
-    max_context_of,
-    special_token_id,
-    stop_token_ids,
 )
 
 PROBE = (1, 72 + 64, 105 + 64, 33 + 64)  # <bos> "Hi!": the finite-logits probe of a loaded EvaByte
@@ -168,7 +166,7 @@ class EvaByteCache:
         self.history = self.history[:, :length]
 
 
-class EvaByteAdapter(nn.Module):
+class EvaByteAdapter(ConfigFacts, nn.Module):
     """EvaByte behind the `Backbone` interface (see the module docstring)."""
 
     def __init__(
@@ -269,22 +267,6 @@ class EvaByteAdapter(nn.Module):
     @property
     def hidden_size(self) -> int:
         return self.model.lm_head.weight.shape[1]
-
-    @property
-    def max_context(self) -> int:
-        return max_context_of(self.config)
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return special_token_id(self.tokenizer, self.config, "eos_token_id")
-
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        return stop_token_ids(self.tokenizer, self.config)
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return special_token_id(self.tokenizer, self.config, "bos_token_id")
 
     @property
     def device(self) -> torch.device:

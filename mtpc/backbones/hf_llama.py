@@ -37,6 +37,7 @@ from torch import nn
 
 from mtpc.backbones.common import (
     LORA_TARGETS,
+    ConfigFacts,
     SplitOutput,
     _DraftTop,
     _shared_clone,
@@ -44,9 +45,6 @@ from mtpc.backbones.common import (
     load_lora_state_dict,
     lora_named_parameters,
     lora_parameters,
-    max_context_of,
-    special_token_id,
-    stop_token_ids,
 )
 
 
@@ -108,7 +106,7 @@ def _cache_kwarg(layer: nn.Module) -> str:
     raise ValueError(f"{type(layer).__name__}.forward takes no cache argument (cache/past_key_values/past_key_value)")
 
 
-class BackboneAdapter(nn.Module):
+class BackboneAdapter(ConfigFacts, nn.Module):
     """A frozen Llama-architecture causal LM with a shared trunk, a verifier top and a LoRA draft top."""
 
     def __init__(
@@ -186,22 +184,6 @@ class BackboneAdapter(nn.Module):
     @property
     def hidden_size(self) -> int:
         return self.model.get_output_embeddings().weight.shape[1]
-
-    @property
-    def max_context(self) -> int:
-        return max_context_of(self.config)
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return special_token_id(self.tokenizer, self.config, "eos_token_id")
-
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        return stop_token_ids(self.tokenizer, self.config)
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return special_token_id(self.tokenizer, self.config, "bos_token_id")
 
     @property
     def device(self) -> torch.device:
