@@ -105,7 +105,8 @@ class PretrainConfig:
     """Held-out conversations (or a `*.u8.xz` stream); None: the corpus's own held-out split
     (sharegpt) or the hash split."""
     heldout_rows: int = 32
-    """Rows of held-out bytes (at final_seq_len, else seq_len) scored for the reported bits/byte."""
+    """Rows of held-out bytes (at final_seq_len, else seq_len) scored for the reported bits/byte; the
+    evaluations along the way score the same bytes at the current phase's row length."""
     accelerator: str = "cpu"
     precision: str = "32-true"
     num_threads: int | None = None
@@ -344,7 +345,11 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, run_dir: str | Path | Non
     budget_bytes = cfg.max_steps * max(b * s for s, b in phases)
     rows = [_Rows(_packed(cfg.train_data, train, s, -(-budget_bytes // s), None), b, cfg.seed + 7919 * p)
             for p, (s, b) in enumerate(phases)]
-    held = heldout_rows(cfg, cfg.heldout_rows, cfg.final_seq_len or cfg.seq_len, heldout)
+    # the reported slice at the final length; the same held-out bytes at each phase's row length for the
+    # evaluations along the way (a model trained on 512-byte rows has not seen positions past 512: scored
+    # at 2048 during the main phase it would look flat whatever it learns, and end the run early)
+    final_len = cfg.final_seq_len or cfg.seq_len
+    held = {s: heldout_rows(cfg, cfg.heldout_rows * final_len // s, s, heldout) for s, _ in phases}
 
     model = LlamaForCausalLM(cfg.llama_config()).to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -384,16 +389,18 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, run_dir: str | Path | Non
 
     def evaluate() -> None:
         t = time.monotonic()
-        res = heldout_bits_per_byte(model, held)
+        seq = phases[state["phase"]][0]
+        res = heldout_bits_per_byte(model, held[seq])
         model.train()
         state["evals"].append({"step": state["step"], "active_minutes": clock.seconds / 60,
-                               "train_bytes": state.get("bytes", 0), **res})
+                               "train_bytes": state.get("bytes", 0), "seq_len": seq, **res})
         print(f"step {state['step']}: held-out bits/byte {res['heldout_bits_per_byte']:.3f} "
-              f"(assistant {res['heldout_bits_per_assistant_byte']:.3f}), {time.monotonic() - t:.0f} s", flush=True)
+              f"(assistant {res['heldout_bits_per_assistant_byte']:.3f}) at {seq}-byte rows, "
+              f"{time.monotonic() - t:.0f} s", flush=True)
 
     def plateaued() -> bool:
         """Held-out assistant bits/byte gained < stop_gain_per_hour over the last active hour."""
-        ev = state["evals"]
+        ev = [e for e in state["evals"] if e.get("seq_len") == state["evals"][-1].get("seq_len")]
         if not cfg.stop_gain_per_hour or len(ev) < 2 or ev[-1]["active_minutes"] < 60:
             return False
         past = [e for e in ev if e["active_minutes"] <= ev[-1]["active_minutes"] - 60]
@@ -460,7 +467,7 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, run_dir: str | Path | Non
     if stop_signal:
         raise Interrupted(stop_signal[0], state["step"], run_dir)
     model = model.float()
-    metrics = heldout_bits_per_byte(model, held)
+    metrics = heldout_bits_per_byte(model, held[final_len])
     seen = state["bytes"]
     bytes_per_second = seen / max(clock.seconds, 1e-9)
     flops = model_flops_per_byte(model, cfg)

@@ -179,3 +179,15 @@ def test_timing_stops_and_continues_a_live_pretraining(tmp_path, monkeypatch):
         other.kill()
     with background.timing():  # the pid file names a dead process: nothing happens
         pass
+
+
+def test_evaluations_along_the_way_score_at_the_current_row_length(tmp_path):
+    """The main phase's evaluations score the held-out bytes at its own row length (a model trained on
+    short rows scored at the final length looks flat, which ended runs early); the final ones at the
+    final length, which is also what the reported bits/byte use."""
+    cfg = pt.PretrainConfig(**{**TINY, "max_steps": 8}, final_seq_len=64, final_batch_size=2, final_fraction=0.25,
+                            eval_minutes=1e-9, train_data=str(_corpus(tmp_path / "d.jsonl")))
+    m = pt.pretrain(cfg, tmp_path / "out")
+    lens = [e["seq_len"] for e in m["heldout_curve"]]
+    assert lens == [32] * 6 + [64] * 2, lens
+    assert m["heldout_curve"][-1]["heldout_bits_per_byte"] == pytest.approx(m["heldout_bits_per_byte"], rel=1e-5)
