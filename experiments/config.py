@@ -541,12 +541,13 @@ def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split())
 
 
-def apply_overrides(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+def apply_overrides(base: dict[str, Any], overrides: dict[str, Any], *, merge: bool = True) -> dict[str, Any]:
     """A copy of `base` with `overrides` applied: the one override rule of the suite's configs.
 
     A dotted key ("model.rank", "space.slices") sets the value at its path, replacing what was there;
     a mapping given under a plain key ({"model": {"rank": 8}}) is merged into the mapping there, key
-    by key, by the same rule."""
+    by key, by the same rule — unless `merge` is False (a sweep spec's `--set`: KEY names the whole
+    value it replaces, e.g. `--set space={...}` is the new space, not a slice added to the old)."""
     out = copy.deepcopy(base)
     for key, value in overrides.items():
         parts = key.split(".")
@@ -556,7 +557,7 @@ def apply_overrides(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str
                 node[part] = {}
             node = node[part]
         last = parts[-1]
-        if len(parts) == 1 and isinstance(value, dict) and isinstance(node.get(last), dict):
+        if merge and len(parts) == 1 and isinstance(value, dict) and isinstance(node.get(last), dict):
             node[last] = apply_overrides(node[last], value)
         else:
             node[last] = copy.deepcopy(value)

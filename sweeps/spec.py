@@ -356,7 +356,7 @@ def load_spec(path: str | Path, *, env: dict[str, str] | None = None, overrides:
     except yaml.YAMLError as e:
         raise SpecError(f"{path}: not valid YAML: {e}") from e
     if overrides:
-        raw = apply_overrides(raw or {}, overrides)
+        raw = apply_overrides(raw or {}, overrides, merge=False)
     return parse_spec(raw, path, env=env)
 
 

@@ -146,3 +146,13 @@ def test_space_signature_changes_with_the_grid(tmp_path):
     b = load_spec(_write(tmp_path, raw, "b.yaml"), env=NOENV)
     assert a.space_signature() != b.space_signature()
     assert a.space_signature() == load_spec(_write(tmp_path, _base(), "c.yaml"), env=NOENV).space_signature()
+
+
+def test_a_set_replaces_the_whole_value_it_names():
+    """`--set space={...}` (and a spec override under a plain key) is the new value, not a merge into the
+    old: the SLURM fault test asked for a 3-point space and got the smoke spec's 5 points on top."""
+    space = {"kind": "grid", "slices": {"a": {"circuit": ["cp"], "rank": [2, 4], "window": [4], "lora_depth": [0]}}}
+    spec = load_spec(REPO / "sweeps/smoke.yaml", env=NOENV, overrides={"space": space, "train": {"config": "debug"}})
+    assert sorted(grid_key(p) for p in spec.grid) == ["cp-r2-n4-k0", "cp-r4-n4-k0"]
+    # smoke's train section (max_epochs 1, lora_start_epoch 0 on top of debug.yaml) is replaced: debug.yaml's values
+    assert (spec.train.trainer["max_epochs"], spec.train.model.lora_start_epoch) == (2, 1)
