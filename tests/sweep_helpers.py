@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from tracking.screenshot import stop_server  # the one stop-by-PID of an mlflow server
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -160,18 +161,6 @@ def start_server(tmp: Path, port: int | None = None, backend: str | None = None)
             time.sleep(0.5)
     stop_server(proc)
     raise AssertionError(f"mlflow server did not answer /health: {(tmp / 'server.log').read_text()[-2000:]}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    """Stop by PID: the server was started in its own session, so its pid is the group id."""
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
 
 
 def wait_for(pred, timeout: float, what: str):
