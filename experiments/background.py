@@ -11,6 +11,11 @@ Everything in the suite that times something — the evaluation's latency phase
   pauses cost it nothing but wall time.
 
 `timing()` nests within a process (only the outermost takes the lock and signals).
+
+Work that shares the machine with a timer but must not disturb it — a sweep trial training while
+another trial's latency is timed — calls `wait_while_timing()` between steps (training does, through
+`experiments.callbacks.YieldToTimer`): it returns at once when nobody times, and otherwise waits
+until the timer is done, so a timed figure does not depend on what the other workers happen to do.
 """
 
 from __future__ import annotations
@@ -81,6 +86,21 @@ def _wait_stopped(pid: int, timeout: float = 2.0) -> None:
         except (OSError, IndexError):
             return
         time.sleep(0.001)
+
+
+def wait_while_timing() -> float:
+    """Block while another process holds the timing lock; return the seconds waited (0.0 at once
+    when nobody times, or when this thread is the timer itself)."""
+    if getattr(_depth, "n", 0):
+        return 0.0
+    lock = FileLock(str(timing_lock_path()), mode=0o666)
+    t0 = time.monotonic()
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        lock.acquire()  # the timer is done when it releases
+    lock.release()
+    return time.monotonic() - t0
 
 
 @contextlib.contextmanager

@@ -17,6 +17,9 @@ Lightning's own handlers are not used: its SIGTERM handler (installed at every f
 under LightningEnvironment (which the suite passes so that a one-task job is not taken for a
 multi-process or self-requeueing one) it installs no SIGUSR1 handler, and SLURMEnvironment's would
 `scontrol requeue` the job behind the sweep's back.
+`YieldToTimer` makes training wait before each batch while another process times something
+(experiments.background.wait_while_timing), so trials trained side by side do not disturb a
+trial's timed latency phase.
 Leaves out: ModelCheckpoint's periodic checkpoints (train.py adds it), requeueing.
 """
 
@@ -98,3 +101,15 @@ class StopCheckpoint(Callback):
     def on_validation_end(self, trainer: Trainer, pl_module: Any) -> None:
         if not trainer.sanity_checking:
             self.last_validation_step = trainer.global_step
+
+
+class YieldToTimer(Callback):
+    """Before each training batch, wait while another process holds the machine-wide timing lock."""
+
+    def __init__(self):
+        self.waited = 0.0
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        from experiments.background import wait_while_timing
+
+        self.waited += wait_while_timing()

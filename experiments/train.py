@@ -123,7 +123,7 @@ def _fit(cfg: TrainConfig, started: float, *, mlflow_run_id: str | None, ckpt_pa
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.plugins.environments import LightningEnvironment
 
-    from experiments.callbacks import StopCheckpoint
+    from experiments.callbacks import StopCheckpoint, YieldToTimer
     from experiments.datamodule import ChatDataModule
     from experiments.mlflow_run import make_logger
     from experiments.module import MtpcTrainModule
@@ -143,7 +143,7 @@ def _fit(cfg: TrainConfig, started: float, *, mlflow_run_id: str | None, ckpt_pa
     logger = make_logger(cfg, run_id=mlflow_run_id, resuming=resuming) if cfg.run.tracking else False
     # the suite's progress lines (experiments/progress.py) instead of Lightning's epoch-long bar
     progress = [StepProgress(cfg.run.name)] if cfg.trainer.get("enable_progress_bar", True) else []
-    trainer = Trainer(**cfg.trainer, callbacks=[periodic, stopper, RunIdentity(identity), *progress, *callbacks],
+    trainer = Trainer(**cfg.trainer, callbacks=[periodic, stopper, RunIdentity(identity), YieldToTimer(), *progress, *callbacks],
                       plugins=[LightningEnvironment(), AtomicCheckpointIO()], default_root_dir=str(run_dir), logger=logger)
     trainer.fit(module, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None)
     return _finish(cfg, trainer, module, data, stopper, started)

@@ -191,3 +191,25 @@ def test_evaluations_along_the_way_score_at_the_current_row_length(tmp_path):
     lens = [e["seq_len"] for e in m["heldout_curve"]]
     assert lens == [32] * 6 + [64] * 2, lens
     assert m["heldout_curve"][-1]["heldout_bits_per_byte"] == pytest.approx(m["heldout_bits_per_byte"], rel=1e-5)
+
+
+def test_work_beside_a_timer_waits_until_it_is_done(tmp_path, monkeypatch):
+    """`wait_while_timing()` (what training calls before each batch) returns at once when nobody
+    times, and in another process blocks for as long as a timer holds the lock; the timer itself
+    never waits on its own lock."""
+    from experiments import background
+
+    monkeypatch.setenv("MTPC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("MTPC_TIMING_LOCK", str(tmp_path / "timing.lock"))
+    assert background.wait_while_timing() < 0.5
+    code = ("import time, sys; from experiments.background import wait_while_timing; "
+            "t = time.monotonic(); w = wait_while_timing(); print(round(time.monotonic() - t, 2), round(w, 2))")
+    env = {**os.environ, "MTPC_TIMING_LOCK": str(tmp_path / "timing.lock")}
+    with background.timing():
+        assert background.wait_while_timing() == 0.0  # the timer's own thread
+        waiter = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+        time.sleep(2.0)
+        assert waiter.poll() is None  # still waiting while the timer holds the lock
+    out, _ = waiter.communicate(timeout=60)
+    elapsed, waited = map(float, out.split())
+    assert waited >= 1.0 and elapsed >= waited
