@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from mtpc.backbones.engine import cuda_sync
+
 # the embedded default model's shape (docs/backbones.md) and Llama-3.2-3B's with a byte vocabulary
 DEFAULT_SHAPE = dict(
     vocab_size=320, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
@@ -56,8 +58,9 @@ def random_llama(shape: dict, dtype=torch.float32, device="cpu", seed: int = 0, 
 
 
 def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+    sync = cuda_sync(torch.device(device))
+    if sync is not None:
+        sync()
 
 
 def timed(

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mtpc.backbones.engine import make_engine
+from mtpc.backbones.engine import cuda_sync, make_engine
 from mtpc.names import MIN_DECODE_WINDOW
 from mtpc.speculative.acceptance import TorchChooser
 from mtpc.speculative.loop import (
@@ -393,7 +393,7 @@ class MtpcModel:
         return cfg
 
     def _sync(self):
-        return torch.cuda.synchronize if self.device.type == "cuda" else None
+        return cuda_sync(self.device)
 
     def _generator(self, seed: int | None) -> torch.Generator:
         gen = self._gen
