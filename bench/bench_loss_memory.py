@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -168,7 +167,7 @@ def main() -> None:
         args.mode = args.worker
         return worker(args)
 
-    import torch
+    from tracking.runs import machine
 
     base, new = ("naive", "chunked") if args.against == "naive" else ("chunked", "kl")
     mem_bar, time_bar = (0.25, 1.3) if args.against == "naive" else (1.5, 1.5)
@@ -213,10 +212,7 @@ def main() -> None:
         "config": {k: getattr(args, k) for k in ("seq_len", "window", "rank", "vocab", "hidden", "chunk_size", "repeats",
                                                  "rounds", "against", "leaf_delta_ranks")},
         "machine": {
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__,
+            **machine(),
             "load_average_at_end": os.getloadavg(),
             "note": "CPU shared with other jobs; times are noisy, ratios measured back to back",
         },

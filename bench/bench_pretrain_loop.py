@@ -30,7 +30,7 @@ import torch
 from experiments import pretrain as pt
 from experiments.background import timing
 from mtpc.data import sharegpt_corpus
-from tracking.runs import cpu_model
+from tracking.runs import machine
 
 SHAPE = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=1024, max_context=4096)
 
@@ -138,7 +138,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     with timing():
         res = measure(args.rounds, args.steps, args.threads)
-    res["machine"] = {"cpu": cpu_model(), "torch": torch.__version__, "command": "python bench/bench_pretrain_loop.py"}
+    res["machine"] = {**machine(), "command": "python bench/bench_pretrain_loop.py"}
     for name, r in res.items():
         if "bytes_per_s" in r:
             print(f"{name:14s} {r['bytes_per_s']:8,.0f} B/s  {r['ratio_to_ours']:.2f}x ours  "

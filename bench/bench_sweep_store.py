@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from experiments.background import timing  # noqa: E402
 from tests.sweep_helpers import fixture_spec, fresh_tracking_uri, start_server, stop_server  # noqa: E402
-from tracking.runs import cpu_model  # noqa: E402
+from tracking.runs import machine  # noqa: E402
 
 SCRIPT = REPO / "sweeps" / "local_postgres.sh"
 
@@ -95,7 +95,7 @@ def main(argv=None) -> None:
         finally:
             if pg:
                 subprocess.run(["bash", str(SCRIPT), "stop", pg["MTPC_PG_DIR"]], capture_output=True)
-    out = {"results": results, "machine": {"cpu": cpu_model(), "cores": os.cpu_count()},
+    out = {"results": results, "machine": machine(),
            "command": "python bench/bench_sweep_store.py " + " ".join(argv or sys.argv[1:])}
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2) + "\n")

@@ -62,11 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     from transformers import LlamaForCausalLM
 
-    from experiments.pretrain import hardware
     from mtpc.backbones.shipped import SHIPPED_DIR, verify_shipped
     from mtpc.names import DECODE_MODES
     from mtpc.textstats import degeneracy_metrics
     from mtpc.tokenizer import ByteTokenizer
+    from tracking.runs import machine
 
     label = verify_shipped()
     model = LlamaForCausalLM.from_pretrained(SHIPPED_DIR, dtype=torch.float32).eval()
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         texts = answers(model, tok, prompts, sample=mode == "sample")
         report[mode] = {**degeneracy_metrics(texts),
                         "first_answers": [{"prompt": p[:200], "answer": t.decode("utf-8", "replace")} for p, t in zip(prompts[:5], texts[:5], strict=True)]}
-    report.update(minutes=(time.monotonic() - t0) / 60, hardware=hardware(),
+    report.update(minutes=(time.monotonic() - t0) / 60, hardware=machine(),
                   command="python -m experiments.default_report " + " ".join(argv if argv is not None else sys.argv[1:]))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_json(args.out, report, indent=1)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from experiments.train import PROJECT_DIR, train_head
 from mtpc.backbones.shipped import SHIPPED_DIR
 from mtpc.names import CIRCUIT_KINDS, DEFAULT_RANK, point_rank
 from mtpc.paths import cache_dir
-from tracking.runs import cpu_model
+from tracking.runs import machine, machine_line
 
 RESULTS = PROJECT_DIR / "bench" / "results" / "train_nll_default_cpu.jsonl"
 
@@ -43,7 +42,7 @@ def run_one(kind: str, window: int, rank: int, steps: int, seed: int = 0) -> dic
         "val_nll": [m[f"val_nll_{j}"] for j in range(1, window + 1)],
         "val_window_nll": m["val_window_nll"], "val_bits_per_byte": m["val_bits_per_byte"],
         "val_stp_nll": m.get("val_stp_nll"), "head_dir": str(res.head_dir), "mlflow_run_id": res.mlflow_run_id,
-        "seconds": time.perf_counter() - t, "machine": f"{cpu_model() or platform.processor() or platform.machine()} shared 2-core CPU",
+        "seconds": time.perf_counter() - t, "machine": machine_line(machine()),
         "backbone_pretrain_steps": pretrain.get("steps"), "backbone_heldout_bpb": pretrain.get("heldout_bits_per_byte"),
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -49,7 +49,7 @@ from mtpc.data import (
     sharegpt_corpus,
 )
 from mtpc.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, ByteTokenizer
-from tracking.runs import cpu_model, git_sha
+from tracking.runs import git_sha, machine
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 CONFIGS = {"cpu": CONFIG_DIR / "pretrain_cpu.yaml", "gpu": CONFIG_DIR / "pretrain_gpu.yaml"}
@@ -487,7 +487,7 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, run_dir: str | Path | Non
         total_minutes=(time.monotonic() - wall0) / 60,
         parameters=sum(p.numel() for p in model.parameters()),
         torch_threads=torch.get_num_threads(),
-        hardware=hardware(),
+        hardware=machine(),
         command=" ".join(["python", "-m", "experiments.pretrain", *sys.argv[1:]]),
         git_sha=git_sha(),
         config=dataclasses.asdict(cfg),
@@ -526,20 +526,6 @@ def peak_flops() -> float | None:
         return None
     name = torch.cuda.get_device_name(0)
     return 989e12 if ("H100" in name or "H200" in name) else None
-
-
-def hardware() -> dict:
-    """What the run ran on: device name, CPU model, core count, torch / transformers versions."""
-    import platform
-
-    import transformers
-
-    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "cpu_count": os.cpu_count(), "cpu": cpu_model() or platform.processor() or platform.machine()}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-        info["cuda"] = torch.version.cuda
-    return info
 
 
 def default_config() -> PretrainConfig:
