@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import re
-import resource
 import signal
 import sys
 import time
@@ -43,6 +42,7 @@ from experiments.config import CONFIG_DIR, TRAIN_CONFIGS, TrainConfig, from_name
 from experiments.mlflow_run import PROJECT_DIR
 from experiments.run_dir import check_ckpt_path
 from mtpc.atomic import write_json
+from mtpc.speculative.stats import peak_memory_bytes
 
 __all__ = ["CONFIG_DIR", "PROJECT_DIR", "TRAIN_CONFIGS", "TrainResult", "check_config", "main", "train_head"]
 
@@ -181,13 +181,6 @@ def _export(cfg: TrainConfig, module: Any) -> Path:
 
     lora = module.backbone.lora_state_dict() if cfg.model.lora_depth > 0 else None
     return save_head(Path(cfg.run.export_dir), module.head, lora_state=lora)
-
-
-def peak_memory_bytes() -> int:
-    """Peak CUDA memory allocated if on GPU, else the process's peak resident set size."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return int(torch.cuda.max_memory_allocated())
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def _final_metrics(trainer: Any) -> dict[str, float]:

@@ -2,7 +2,7 @@
 `compile_static`: the same kind of function through torch.compile with static shapes.
 
 Used for the compact engine's 1-byte step and n-byte verify (llama.py) and for head + draft
-(speculative/model.py). The inputs are copied into static buffers, the graph is replayed, and
+(speculative/drafters.py). The inputs are copied into static buffers, the graph is replayed, and
 the static outputs are returned: they are overwritten by the next replay, so callers keep what
 they need across calls by cloning. Each graph has its own memory pool (they are replayed in
 any order). A random generator the function draws from must be passed so the graph advances it.

@@ -1,4 +1,4 @@
-"""`MtpcModel`: a backbone plus an MtPC head behind a `generate` call; `GenerationOutput` and its stats.
+"""`MtpcModel`: a backbone plus an MtPC head behind a `generate` call.
 
 Holds the public API of issue 7:
 
@@ -19,14 +19,13 @@ prompt + max_new_tokens + window positions it needs. On CUDA with the compact en
 `cuda_graphs` (default on) captures the 1-byte step, the n-byte verify and head + draft
 (`GraphedDraft`) as CUDA graphs on first use — unverified here (no GPU).
 
-Leaves out: the cycle itself (loop.py) and the acceptance maths (acceptance.py); batching
-(batch 1 only, as the paper).
+Leaves out: the cycle itself (loop.py), the acceptance maths (acceptance.py), what a generation
+returns (stats.py: `GenerationOutput`, `GenerationStats`), the captured / compiled head + draft
+(drafters.py); batching (batch 1 only, as the paper).
 """
 
 from __future__ import annotations
 
-import resource
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from torch import Tensor, nn
 from mtpc.backbones.engine import cuda_sync, make_engine
 from mtpc.names import MIN_DECODE_WINDOW
 from mtpc.speculative.acceptance import TorchChooser
+from mtpc.speculative.drafters import CompiledDraft, GraphedDraft
 from mtpc.speculative.loop import (
     CircuitDrafter,
     DecodeConfig,
@@ -43,97 +43,9 @@ from mtpc.speculative.loop import (
     plain_decode,
     speculative_decode,
 )
+from mtpc.speculative.stats import GenerationOutput, GenerationStats, peak_memory_bytes, reset_peak_memory
 
 HEAD_DICT_KEYS = ("kind", "window", "rank", "lora_depth", "seed", "leaf_delta_rank")
-
-
-@dataclass
-class GenerationStats:
-    """Metrics of one generation, named as in DESIGN section 3 (plain decoding: one 'cycle' per byte)."""
-
-    mu_lat: float  # mean seconds per cycle, prefill excluded
-    mu_acc: float  # mean accepted drafted bytes per cycle (0 for plain decoding)
-    tokens_per_cycle: float  # mean bytes emitted per cycle
-    throughput: float  # bytes emitted by cycles / decode seconds (measured)
-    max_throughput: float  # window / mu_lat
-    cycles: int
-    generated: int  # bytes returned (the prefill byte included)
-    decode_generated: int  # bytes returned that came from cycles
-    prefill_s: float
-    decode_s: float
-    backbone_calls: int
-    peak_mem_bytes: int
-    window: int
-    extra_token: str  # keep | drop | plain
-    mode: str
-    per_position_acceptance: list[float | None] = field(default_factory=list)  # (n,) None = never tested
-    tested_at: list[int] = field(default_factory=list)  # (n,)
-    accepted_at: list[int] = field(default_factory=list)  # (n,)
-    accepted_length_histogram: list[int] = field(default_factory=list)  # (n+1,) cycles with s = i
-    cycle_s: list[float] = field(default_factory=list)
-
-    def __getitem__(self, key: str) -> Any:
-        return getattr(self, key)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_run(cls, st: DecodeStats, mode: str, peak_mem_bytes: int) -> GenerationStats:
-        cycles = len(st.cycle_s)
-        decode_s = float(sum(st.cycle_s))
-        mu_lat = decode_s / cycles if cycles else 0.0
-        hist = [0] * (st.window + 1)
-        for s in st.accepted:
-            hist[s] += 1
-        if st.extra_token == "plain":
-            mu_acc, tpc = 0.0, 1.0
-        else:
-            mu_acc = sum(st.accepted) / cycles if cycles else 0.0
-            tpc = sum(st.emitted) / cycles if cycles else 0.0
-        return cls(
-            mu_lat=mu_lat,
-            mu_acc=mu_acc,
-            tokens_per_cycle=tpc,
-            throughput=st.decode_generated / decode_s if decode_s > 0 else 0.0,
-            max_throughput=st.window / mu_lat if mu_lat > 0 else 0.0,
-            cycles=cycles,
-            generated=st.generated,
-            decode_generated=st.decode_generated,
-            prefill_s=st.prefill_s,
-            decode_s=decode_s,
-            backbone_calls=st.backbone_calls,
-            peak_mem_bytes=peak_mem_bytes,
-            window=st.window,
-            extra_token=st.extra_token,
-            mode=mode,
-            per_position_acceptance=[
-                a / t if t else None for a, t in zip(st.accepted_at, st.tested_at, strict=True)
-            ],
-            tested_at=list(st.tested_at),
-            accepted_at=list(st.accepted_at),
-            accepted_length_histogram=hist if st.extra_token != "plain" else [],
-            cycle_s=list(st.cycle_s),
-        )
-
-
-@dataclass
-class GenerationOutput:
-    ids: Tensor  # (T,) generated ids only (no prompt)
-    text: str  # decoded with the backbone's tokenizer ("" without one); special ids dropped
-    stats: GenerationStats
-
-
-def _peak_mem_reset(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _peak_mem(device: torch.device) -> int:
-    """Peak device memory on CUDA; on CPU the process's peak resident set (never reset)."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def _wrap_backbone(backbone: Any, lora_depth: int) -> Any:
@@ -182,76 +94,6 @@ def _fresh_head(spec: dict, backbone: Any) -> nn.Module:
         for name in head.sum_names:
             head.sum_bias[name].normal_(0.0, 1.0, generator=gen)
     return head
-
-
-class GraphedDraft:
-    """head + draft captured as one CUDA graph per (greedy, prefix) case (CUDA only).
-
-    Plugs into the loop as its head_fn (`head`: passes the hidden state through) and drafter
-    (`__call__`: replays head_fn + circuit._draft on it). A capture that fails (an op that reads
-    the host, say) falls back to running eagerly; `errors` records why.
-    """
-
-    def __init__(self, head_fn: Any, circuit: Any, generator: torch.Generator | None):
-        self.head_fn, self.circuit, self.generator = head_fn, circuit, generator
-        self.graphs: dict[tuple[bool, bool], Any] = {}
-        self.errors: dict[tuple[bool, bool], str] = {}
-
-    def head(self, hidden: Tensor) -> dict[str, Tensor]:
-        return {"hidden": hidden}
-
-    def _eager(self, hidden: Tensor, prefix: Tensor | None, greedy: bool):
-        return self.circuit._draft(self.head_fn(hidden), prefix, generator=self.generator, greedy=greedy)
-
-    def __call__(
-        self, theta: dict[str, Tensor], prefix: Tensor | None, greedy: bool
-    ) -> tuple[Tensor, Tensor]:
-        from mtpc.backbones.graphs import CapturedFn
-
-        key, hidden = (greedy, prefix is None), theta["hidden"]
-        args = (hidden,) if prefix is None else (hidden, prefix)
-        if key not in self.graphs and key not in self.errors:
-            try:
-                self.graphs[key] = CapturedFn(
-                    lambda h, *pre: self._eager(h, pre[0] if pre else None, greedy),
-                    args,
-                    generator=None if greedy else self.generator,
-                )
-            except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly, say why
-                self.errors[key] = f"{type(e).__name__}: {e}"
-        if key in self.graphs:
-            return self.graphs[key](*args)
-        return self._eager(hidden, prefix, greedy)
-
-
-class CompiledDraft:
-    """head + greedy draft through torch.compile (static shapes, inductor's C++ wrapper on the
-    CPU; `compile_static`): a graph per (prefix or not) case, compiled on first use.
-
-    Plugs into the loop as head_fn (`head`: passes the hidden state through) and drafter. Only
-    greedy drafts are compiled: a sampled draft draws from the model's generator, which stays
-    eager. Any draft is valid for exactness (the verifier decides), so the ~1e-6 rounding of the
-    fused kernels cannot change the output; the conditionals a greedy cycle returns are unused.
-    """
-
-    def __init__(self, head_fn: Any, circuit: Any, generator: torch.Generator | None, device: torch.device):
-        self.head_fn, self.circuit, self.generator = head_fn, circuit, generator
-        from mtpc.backbones.graphs import compile_static
-
-        self._fn = compile_static(self._greedy, device)
-
-    def head(self, hidden: Tensor) -> dict[str, Tensor]:
-        return {"hidden": hidden}
-
-    def _greedy(self, hidden: Tensor, prefix: Tensor | None):
-        return self.circuit._draft(self.head_fn(hidden), prefix, generator=None, greedy=True)
-
-    def __call__(
-        self, theta: dict[str, Tensor], prefix: Tensor | None, greedy: bool
-    ) -> tuple[Tensor, Tensor]:
-        if greedy:
-            return self._fn(theta["hidden"], prefix)
-        return self.circuit._draft(self.head_fn(theta["hidden"]), prefix, generator=self.generator, greedy=False)
 
 
 class MtpcModel:
@@ -406,7 +248,7 @@ class MtpcModel:
     def _output(self, ids: list[int], st: DecodeStats, mode: str) -> GenerationOutput:
         tok = self.tokenizer
         text = tok.decode_text(ids) if tok is not None and hasattr(tok, "decode_text") else ""
-        stats = GenerationStats.from_run(st, mode, _peak_mem(self.device))
+        stats = GenerationStats.from_run(st, mode, peak_memory_bytes(self.device))
         return GenerationOutput(torch.tensor(ids, dtype=torch.long), text, stats)
 
     def _head_fn(self, hidden: Tensor) -> dict[str, Tensor]:
@@ -459,7 +301,7 @@ class MtpcModel:
             ban_eos=ban_eos,
         )
         gen = self._generator(seed)
-        _peak_mem_reset(self.device)
+        reset_peak_memory(self.device)
         engine = self.engine(True, ids.shape[0] + cfg.max_new_tokens + self.window)
         head_fn, drafter = self.head.decoder(self._head_onednn).params, CircuitDrafter(self.circuit, gen)  # checked once per call
         if self._graphed_draft is not None:
@@ -496,7 +338,7 @@ class MtpcModel:
             ban_eos=ban_eos,
         )
         gen = self._generator(seed)
-        _peak_mem_reset(self.device)
+        reset_peak_memory(self.device)
         engine = self.engine(False, ids.shape[0] + cfg.max_new_tokens + 1)
         out, st = plain_decode(engine, ids, cfg, TorchChooser(gen), self._sync())
         return self._output(out, st, mode)
