@@ -47,7 +47,7 @@ from mtpc.names import DECODE_MODES
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_circuits import machine  # noqa: E402
 
-from mtpc.heads import HeadConfig, HeadDecoder, MtpcHead  # noqa: E402
+from mtpc.heads import HeadConfig, HeadDecoder, MtpcHead, random_head  # noqa: E402
 
 HEADS = [("cp", 16, 8), ("btree", 16, 8), ("btree", 16, 32), ("hmm", 16, 8), ("ff", 16, 1)]
 BAR_HEADS = {("cp", 16, 8), ("btree", 16, 8)}
@@ -57,15 +57,7 @@ FLUSH_BYTES = 256 * 2**20
 def make_head(kind: str, n: int, r: int, v: int, d: int, k: int, seed: int) -> MtpcHead:
     """A head parameterised like the trained ones (App. G leaves, float32), with random weights:
     leaves from a random unembedding (init_from_unembeddings), sum weights small random."""
-    g = torch.Generator().manual_seed(seed)
-    head = MtpcHead(HeadConfig(kind, n, r, v, d, leaf_delta_rank=k))
-    head.init_from_unembeddings(torch.randn(v, d, generator=g) * d**-0.5, noise=0.01, generator=g)
-    with torch.no_grad():
-        for name in head.sum_names:
-            head.sum_weight[name].copy_(0.02 * torch.randn(head.sum_weight[name].shape, generator=g))
-        if k:
-            head.leaf_delta_out.copy_(0.02 * torch.randn(head.leaf_delta_out.shape, generator=g))
-    return head.eval()
+    return random_head(HeadConfig(kind, n, r, v, d, leaf_delta_rank=k), seed, init="unembedding", sum_std=0.02)
 
 
 class StandIn:

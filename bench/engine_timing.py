@@ -195,15 +195,12 @@ def hf_generate_ids(model, prompt: torch.Tensor, new: int, eos: int) -> list[int
 
 def make_head(backbone, kind: str, window: int, rank: int, leaf_delta_rank: int, seed: int = 0):
     """A random MtpcHead of the backbone's dtype and device (App. G leaves when leaf_delta_rank > 0)."""
-    from mtpc.heads import HeadConfig, MtpcHead
+    from mtpc.heads import HeadConfig, random_head
     from mtpc.names import point_rank
 
     cfg = HeadConfig(kind, window, point_rank(kind, rank), backbone.vocab_size, backbone.hidden_size,
                      lora_depth=backbone.lora_depth, leaf_delta_rank=leaf_delta_rank)  # fmt: skip
-    head = MtpcHead(cfg, device=backbone.device, dtype=backbone.dtype)
-    gen = torch.Generator(device=backbone.device).manual_seed(seed)
-    head.reset_parameters(generator=gen)
-    return head.eval()
+    return random_head(cfg, seed, device=backbone.device, dtype=backbone.dtype)
 
 
 def head_draft(model, hidden: torch.Tensor, prefix: torch.Tensor, greedy: bool = True) -> Callable[[], Any]:

@@ -386,6 +386,42 @@ class HeadDecoder:
 # --- export ---------------------------------------------------------------------------------
 
 
+RANDOM_INITS = ("reset", "unembedding")
+
+
+def random_head(
+    config: HeadConfig, seed: int = 0, *, device=None, dtype=None, init: str = "reset", sum_std: float = 0.0
+) -> MtpcHead:
+    """A head with seeded random weights, in eval mode: the one builder of untrained heads
+    (`MtpcModel.from_components` with a dict, the benchmarks).
+
+    init "reset": `reset_parameters` drawn from a generator on `device` seeded with `seed`, then
+    the sum units' biases N(0, sum_std^2) from it (sum_std > 0 makes cp / hmm / btree differ from
+    ff; 0 keeps them uniform). init "unembedding": parameterised like a trained head, from a CPU
+    generator: leaves through `init_from_unembeddings` of a random unembedding (std d^-1/2, noise
+    0.01), then the sum weights and the App. G delta B drawn N(0, sum_std^2).
+    """
+    if init not in RANDOM_INITS:
+        raise ValueError(f"init: expected one of {RANDOM_INITS}, got {init!r}")
+    head = MtpcHead(config, device=device, dtype=dtype)
+    with torch.no_grad():
+        if init == "reset":
+            gen = torch.Generator(device=device or "cpu").manual_seed(int(seed))
+            head.reset_parameters(generator=gen)
+            if sum_std:
+                for name in head.sum_names:
+                    head.sum_bias[name].normal_(0.0, sum_std, generator=gen)
+        else:
+            gen = torch.Generator().manual_seed(int(seed))
+            v, d = config.vocab, config.hidden
+            head.init_from_unembeddings(torch.randn(v, d, generator=gen) * d**-0.5, noise=0.01, generator=gen)
+            for name in head.sum_names:
+                head.sum_weight[name].copy_(sum_std * torch.randn(head.sum_weight[name].shape, generator=gen))
+            if config.leaf_delta_rank:
+                head.leaf_delta_out.copy_(sum_std * torch.randn(head.leaf_delta_out.shape, generator=gen))
+    return head.eval()
+
+
 def save_head(directory: str | Path, head: MtpcHead, lora_state: dict[str, Tensor] | None = None) -> Path:
     """Write head.safetensors + config.json (+ lora.safetensors when `lora_state` is given).
 

@@ -66,7 +66,7 @@ def _wrap_backbone(backbone: Any, lora_depth: int) -> Any:
 
 def _fresh_head(spec: dict, backbone: Any) -> nn.Module:
     """A random head from {"kind", "window", "rank", "lora_depth", "seed"} (seeded leaves and sums)."""
-    from mtpc.heads import HeadConfig, MtpcHead
+    from mtpc.heads import HeadConfig, random_head
     from mtpc.names import default_rank
 
     unknown = sorted(set(spec) - set(HEAD_DICT_KEYS))
@@ -87,13 +87,8 @@ def _fresh_head(spec: dict, backbone: Any) -> nn.Module:
         backbone=str(getattr(backbone, "name", "")),
         leaf_delta_rank=spec.get("leaf_delta_rank", 0),
     )
-    head = MtpcHead(cfg, device=backbone.device, dtype=backbone.dtype)
-    gen = torch.Generator(device=backbone.device).manual_seed(int(spec.get("seed", 0)))
-    head.reset_parameters(generator=gen)
-    with torch.no_grad():  # random sum units too, so cp/hmm/btree differ from ff
-        for name in head.sum_names:
-            head.sum_bias[name].normal_(0.0, 1.0, generator=gen)
-    return head
+    # random sum units too, so cp/hmm/btree differ from ff
+    return random_head(cfg, spec.get("seed", 0), device=backbone.device, dtype=backbone.dtype, sum_std=1.0)
 
 
 class MtpcModel:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mtpc import MtpcModel
-from mtpc.heads import HeadConfig, MtpcHead, load_head, save_head
+from mtpc.heads import HeadConfig, MtpcHead, load_head, random_head, save_head
 from mtpc.names import CIRCUIT_KINDS
 
 KINDS = CIRCUIT_KINDS
@@ -341,3 +341,18 @@ def test_on_a_real_full_tmpfs_the_previous_head_stays_loadable():
             save_head(d / "head", _other_head(first))
         loaded, _ = load_head(d / "head")
         torch.testing.assert_close(loaded.state_dict(), first.state_dict(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("init", ["reset", "unembedding"])
+def test_random_head_is_seeded(init):
+    cfg = HeadConfig("cp", 3, 2, 5, 4, leaf_delta_rank=1)
+    torch.manual_seed(0)  # the constructor's own reset draws from the global generator
+    a = random_head(cfg, 1, init=init, sum_std=0.5)
+    torch.manual_seed(0)
+    b = random_head(cfg, 1, init=init, sum_std=0.5)
+    assert not a.training
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+    sums = a.sum_bias["mixture"] if init == "reset" else a.sum_weight["mixture"]
+    assert float(sums.abs().sum()) > 0
+    with pytest.raises(ValueError, match="init: expected one of"):
+        random_head(cfg, init="zeros")
