@@ -46,7 +46,7 @@ def _step(model, opt, ids, doc, bf16: bool, labels: bool = False):
         if labels:
             loss = model(input_ids=ids, labels=ids).loss
         else:
-            nll, n = pt.next_byte_nll(model, ids, doc)
+            nll, n = pt.summed_nll(model, ids, doc)
             loss = nll / max(n, 1)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -63,7 +63,7 @@ def _lightning_times(model, opt, batches, bf16: bool) -> list[float]:
             self.model = model
 
         def training_step(self, batch, i):
-            nll, n = pt.next_byte_nll(self.model, *batch)
+            nll, n = pt.summed_nll(self.model, *batch)
             loss = nll / max(n, 1)
             self.log("bpb", loss, prog_bar=True)
             return loss

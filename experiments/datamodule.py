@@ -60,8 +60,7 @@ def load_split(source: str, val_fraction: float, on_error: str = "raise") -> tup
     from mtpc import data
 
     if source == "sharegpt":
-        corpus = data.sharegpt_corpus()
-        return list(corpus.train), list(corpus.heldout), 0
+        return *data.heldout_split("sharegpt"), 0
     skipped = 0
     if source == "debug":
         convs = debug_conversations()
@@ -78,9 +77,7 @@ def load_split(source: str, val_fraction: float, on_error: str = "raise") -> tup
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if not convs:
         raise ValueError(f"data.source = {source!r}: no conversations found")
-    train = [c for c in convs if not data.is_heldout(c["id"], val_fraction)]
-    val = [c for c in convs if data.is_heldout(c["id"], val_fraction)]
-    return train, val, skipped
+    return *data.heldout_split(convs, val_fraction), skipped
 
 
 class PackedRows(Dataset):

@@ -181,10 +181,11 @@ def stp_nll(logits: torch.Tensor, ids: torch.Tensor, score_mask: torch.Tensor,
 
     Same normalisation as the window loss at position 1, so it is the floor a head's val_nll_1 can reach.
     """
-    lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, S-1, v)
-    tgt = ids[:, 1:]
-    valid = (doc_ids[:, 1:] == doc_ids[:, :-1]) & (doc_ids[:, :-1] >= 0) & score_mask[:, 1:]  # (B, S-1)
-    nll = -lp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) * valid
+    from mtpc.losses import next_byte_nll
+
+    flat, present = next_byte_nll(logits, ids, doc_ids)  # (P,), (B, S-1)
+    valid = present & score_mask[:, 1:]  # (B, S-1)
+    nll = torch.zeros(present.shape, dtype=flat.dtype, device=flat.device).masked_scatter_(present, flat) * valid
     count = valid.sum(-1)
     keep = count > 0
     if not keep.any():

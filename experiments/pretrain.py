@@ -41,13 +41,14 @@ from mtpc.atomic import atomic_open
 from mtpc.backbones import pretrained_model_dir
 from mtpc.data import (
     STREAM_SUFFIX,
-    is_heldout,
+    heldout_split,
     load_messages,
     pack,
     pack_stream,
     read_stream,
     sharegpt_corpus,
 )
+from mtpc.losses import next_byte_nll
 from mtpc.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, ByteTokenizer
 from tracking.runs import git_sha, machine
 
@@ -197,13 +198,9 @@ def _conversations(cfg: PretrainConfig) -> tuple[list[dict], list[dict]]:
         if cfg.heldout_data is None:
             raise ValueError(f"train_data={cfg.train_data!r} is a byte stream: set heldout_data too")
         return [], [] if cfg.heldout_data.endswith(STREAM_SUFFIX) else load_messages(cfg.heldout_data)
-    if cfg.train_data == "sharegpt":
-        corpus = sharegpt_corpus()
-        train, heldout = corpus.train, corpus.heldout
-    else:
-        convs = load_messages(cfg.train_data)
-        train = [c for c in convs if not is_heldout(c["id"])]
-        heldout = [c for c in convs if is_heldout(c["id"])] or train[-max(1, len(train) // 20):]
+    train, heldout = heldout_split("sharegpt" if cfg.train_data == "sharegpt" else load_messages(cfg.train_data))
+    if cfg.train_data != "sharegpt" and not heldout:
+        heldout = train[-max(1, len(train) // 20):]
     if cfg.heldout_data is not None:
         heldout = [] if cfg.heldout_data.endswith(STREAM_SUFFIX) else load_messages(cfg.heldout_data)
     if not train or not (heldout or str(cfg.heldout_data).endswith(STREAM_SUFFIX)):
@@ -220,17 +217,10 @@ def _packed(source: str | None, convs: list[dict] | None, seq_len: int, max_rows
     return pack(convs, ByteTokenizer(), seq_len, max_rows=max_rows)
 
 
-def present_targets(doc_ids: torch.Tensor) -> torch.Tensor:
-    """(B, S) -> (B, S-1) bool: target t+1 is present for position t (same document, not padding)."""
-    return (doc_ids[:, 1:] == doc_ids[:, :-1]) & (doc_ids[:, :-1] >= 0)
-
-
-def next_byte_nll(model: LlamaForCausalLM, input_ids: torch.Tensor, doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Summed next-byte NLL (nats) over present targets and their count."""
-    logits = model(input_ids=input_ids).logits[:, :-1].float()  # (B, S-1, v)
-    keep = present_targets(doc_ids)
-    nll = torch.nn.functional.cross_entropy(logits[keep], input_ids[:, 1:][keep], reduction="sum")
-    return nll, int(keep.sum())
+def summed_nll(model: LlamaForCausalLM, input_ids: torch.Tensor, doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed next-byte NLL (nats) over present targets (`mtpc.losses.next_byte_nll`) and their count."""
+    nll, present = next_byte_nll(model(input_ids=input_ids).logits, input_ids, doc_ids)
+    return nll.sum(), int(present.sum())
 
 
 @torch.no_grad()
@@ -243,10 +233,8 @@ def heldout_bits_per_byte(model: LlamaForCausalLM, rows, batch_size: int = 8) ->
         ids = rows.input_ids[i : i + batch_size].to(device)
         doc = rows.doc_ids[i : i + batch_size].to(device)
         score = rows.score_mask[i : i + batch_size, 1:].to(device)
-        logits = model(input_ids=ids).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # (B, S-1)
-        keep = present_targets(doc)
-        for name, m in (("all", keep), ("assistant", keep & score)):
+        nll, present = next_byte_nll(model(input_ids=ids).logits, ids, doc)  # (P,), (B, S-1)
+        for name, m in (("all", torch.ones_like(nll, dtype=torch.bool)), ("assistant", score[present])):
             tot[name][0] += float(nll[m].sum())
             tot[name][1] += int(m.sum())
     return {
@@ -429,7 +417,7 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, run_dir: str | Path | Non
             for g in opt.param_groups:
                 g["lr"] = cfg.lr * lr_factor(cfg, state["step"], progress(state["step"]))
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                nll, n = next_byte_nll(compiled, ids, doc)
+                nll, n = summed_nll(compiled, ids, doc)
             loss = nll / max(n, 1)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

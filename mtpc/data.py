@@ -225,6 +225,20 @@ def is_heldout(conv_id: str, fraction: float = HELDOUT_PER_10000 / 10000) -> boo
     return h % 10000 < round(fraction * 10000)
 
 
+def heldout_split(
+    source: str | list[dict], fraction: float = HELDOUT_PER_10000 / 10000
+) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) conversations, each in corpus order: the one split of pre-training and head
+    training. "sharegpt": the bundled corpus's own chat-level split (`sharegpt_corpus`); a list of
+    conversations: by `is_heldout(id, fraction)`."""
+    if isinstance(source, str):
+        if source != "sharegpt":
+            raise ValueError(f"heldout_split: a source by name must be 'sharegpt', got {source!r}")
+        corpus = sharegpt_corpus()
+        return list(corpus.train), list(corpus.heldout)
+    return [c for c in source if not is_heldout(c["id"], fraction)], [c for c in source if is_heldout(c["id"], fraction)]
+
+
 def ascii_fraction(messages: Sequence[dict]) -> float:
     text = "".join(m["content"] for m in messages)
     return sum(c < "\x80" for c in text) / max(1, len(text))

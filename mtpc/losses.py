@@ -92,6 +92,20 @@ def window_targets(input_ids: Tensor, score_mask: Tensor, doc_ids: Tensor, windo
     return x.contiguous(), present, scored
 
 
+def present_targets(doc_ids: Tensor) -> Tensor:
+    """(B, S) -> (B, S-1) bool: the next byte of position t is present (same document, not padding)."""
+    return (doc_ids[:, 1:] == doc_ids[:, :-1]) & (doc_ids[:, :-1] >= 0)
+
+
+def next_byte_nll(logits: Tensor, input_ids: Tensor, doc_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """The backbone's own next-byte NLL (nats, float32) of every present target, in row-major order,
+    and where they are: logits (B, S, v) -> nll (P,), present (B, S-1) bool with P True entries.
+    What pre-training trains and scores and what head training reports as the STP floor."""
+    present = present_targets(doc_ids)
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].float()[present], input_ids[:, 1:][present], reduction="none")
+    return nll, present
+
+
 def loss_weights(scored: Tensor, gamma: float, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor]:
     """Per-target weights such that L_j = sum_{b,t} stat[b,t,j] nll[b,t,j] and
     loss = sum_{b,t,j} loss_w[b,t,j] nll[b,t,j]; computed on the whole batch before chunking.

@@ -211,3 +211,15 @@ def test_bad_arguments_name_the_argument(change, match):
     args = dict(e=e, ids=ids, score=score, docs=docs, gamma=None, chunk_size=4) | change
     with pytest.raises(ValueError, match=match):
         window_loss(head, args["e"], args["ids"], args["score"], args["docs"], gamma=args["gamma"], chunk_size=args["chunk_size"])
+
+
+def test_next_byte_nll_scores_present_targets_only():
+    from mtpc.losses import next_byte_nll
+
+    g = torch.Generator().manual_seed(0)
+    logits, ids = torch.randn(2, 5, 7, generator=g), torch.randint(0, 7, (2, 5), generator=g)
+    doc = torch.tensor([[0, 0, 1, 1, -1], [0, 0, 0, 0, 0]])
+    nll, present = next_byte_nll(logits, ids, doc)
+    assert present.tolist() == [[True, False, True, False], [True] * 4]
+    want = -torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0][present]
+    torch.testing.assert_close(nll, want)
