@@ -37,6 +37,7 @@ import torch
 import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from experiments.config import CONFIG_DIR, Fail, apply_overrides, parse_section, parse_sets
 from mtpc.atomic import atomic_open
 from mtpc.backbones import pretrained_model_dir
 from mtpc.data import (
@@ -52,7 +53,6 @@ from mtpc.losses import next_byte_nll
 from mtpc.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, ByteTokenizer
 from tracking.runs import git_sha, machine
 
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 CONFIGS = {"cpu": CONFIG_DIR / "pretrain_cpu.yaml", "gpu": CONFIG_DIR / "pretrain_gpu.yaml"}
 METRICS_FILE = "pretrain_metrics.json"
 
@@ -173,19 +173,20 @@ class PretrainConfig:
 
 
 def load_config(path: str | Path, **overrides) -> PretrainConfig:
-    """Read a YAML into a validated `PretrainConfig`; unknown keys are errors naming the file."""
+    """Read a YAML into a validated `PretrainConfig` through the suite's config pieces
+    (`experiments.config`: the override rule, the typed section parser); errors name the file."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"pretrain config {path}: no such file (shipped: {sorted(CONFIGS)})")
     raw = yaml.safe_load(path.read_text()) or {}
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a mapping of PretrainConfig fields")
-    raw.update(overrides)
+    raw = apply_overrides(raw, overrides)
     known = {f.name for f in dataclasses.fields(PretrainConfig)}
     unknown = sorted(set(raw) - known)
-    if unknown:
+    if unknown:  # all of them in one message (parse_section stops at the first)
         raise ValueError(f"{path}: unknown key(s) {unknown}; expected some of {sorted(known)}")
-    cfg = PretrainConfig(**raw)
+    cfg = parse_section(PretrainConfig, raw, "", Fail(str(path)))
     cfg.validate(str(path))
     return cfg
 
@@ -567,12 +568,7 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet()
     try:
-        overrides = {}
-        for item in args.set:
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise ValueError(f"--set {item!r}: expected KEY=VALUE")
-            overrides[key.strip()] = yaml.safe_load(value)
+        overrides = parse_sets(args.set)
         name = ("gpu" if torch.cuda.is_available() else "cpu") if args.config == "auto" else args.config
         cfg = load_config(CONFIGS.get(name, name), **overrides)
     except ValueError as e:
