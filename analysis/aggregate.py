@@ -1,7 +1,9 @@
 """Group evaluation runs into settings and configurations, mean ± std over prompt sets.
 
 A *setting* is what a figure or table holds fixed: backbone, mode, extra_token, eos, temperature,
-top_p, hardware. A *configuration* is a point in it: circuit, window n, rank r, LoRA depth k, and
+top_p, hardware and acceptance_method (offline: acceptance teacher-forced, mu_lat timed on a
+subset; online: every prompt timed through the loop), so the two methods never share a figure,
+a table or an average. A *configuration* is a point in it: circuit, window n, rank r, LoRA depth k, and
 the training axes kl_beta (0: cross-entropy), kl_temperature and train_seed, so runs trained
 differently (CE vs distillation, two seeds) are never averaged together.
 Every metric is averaged as logged (the logged ``throughput`` is never recomputed); std is the
@@ -22,7 +24,8 @@ from analysis.front import pareto_front
 from analysis.load import ACC_POS_RE, OPTIONAL_METRICS, REQUIRED_METRICS
 from mtpc.names import CIRCUIT_KINDS
 
-SETTING_KEYS: tuple[str, ...] = ("backbone", "mode", "extra_token", "eos", "temperature", "top_p", "hardware")
+SETTING_KEYS: tuple[str, ...] = ("backbone", "mode", "extra_token", "eos", "temperature", "top_p", "hardware",
+                                  "acceptance_method")
 CONFIG_KEYS: tuple[str, ...] = ("circuit", "window", "rank", "lora_depth", "kl_beta", "kl_temperature", "train_seed")
 
 
@@ -41,6 +44,7 @@ class Setting:
     top_p: float | None = None
     hardware: str | None = None
     eos: str | None = None
+    acceptance_method: str | None = None  # None: online (stores from before the param)
 
     def title(self) -> str:
         parts = [self.backbone, self.mode]
@@ -54,6 +58,8 @@ class Setting:
             parts.append(f"top-p={self.top_p:g}")
         if self.hardware is not None:
             parts.append(self.hardware)
+        if self.acceptance_method == "offline":
+            parts.append("offline acceptance (mu_lat timed on a subset)")
         return ", ".join(parts)
 
     def slug(self) -> str:
@@ -69,6 +75,8 @@ class Setting:
             parts.append(f"p{self.top_p:g}")
         if self.hardware is not None:
             parts.append(self.hardware)
+        if self.acceptance_method == "offline":
+            parts.append("offline")
         return re.sub(r"[^A-Za-z0-9._=-]+", "-", "_".join(parts)).strip("-")
 
 
@@ -83,6 +91,7 @@ def short_slugs(settings: list[Setting]) -> list[str]:
         lambda s: f"p{s.top_p:g}" if s.mode == "sample" and s.top_p is not None else None,
         lambda s: s.backbone,
         lambda s: s.hardware,
+        lambda s: s.acceptance_method or "online",
     )
     varying = [f for f in parts_of if len({f(s) for s in settings} - {None}) > 1]
     out = []
@@ -128,7 +137,7 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
         if k in out.columns:
             out[k] = out[k].astype("Int64")
     # groupby turns None into NaN in object keys: give None back
-    for k in ("backbone", "mode", "extra_token", "eos", "hardware", "circuit"):
+    for k in ("backbone", "mode", "extra_token", "eos", "hardware", "circuit", "acceptance_method"):
         if k in out.columns:
             out[k] = out[k].astype(object).where(out[k].notna(), None)
     out["_circuit_order"] = (
@@ -196,6 +205,7 @@ def _setting_of(row: pd.Series) -> Setting:
         top_p=None if top_p is None else float(top_p),
         hardware=get("hardware"),
         eos=get("eos"),
+        acceptance_method=get("acceptance_method"),
     )
 
 
