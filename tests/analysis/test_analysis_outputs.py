@@ -109,6 +109,8 @@ def test_offline_and_online_runs_never_share_a_setting(evals):
     offline = copy.deepcopy([e for e in evals if e.params["circuit"] == "cp"])
     for e in offline:
         e.params["acceptance_method"] = "offline"
+        e.metrics["derived_throughput"] = e.metrics["throughput"] * 1.5
+        e.metrics["derived_speedup_vs_stp"] = e.metrics["speedup_vs_stp"] * 1.5
     runs = frame_from_evaluations(evals + offline)
     assert set(runs["acceptance_method"]) == {"online", "offline"}  # the old runs read as online
     parts = split_settings(aggregate(runs))
@@ -119,6 +121,12 @@ def test_offline_and_online_runs_never_share_a_setting(evals):
     assert short_slugs([by["online"][0], by["offline"][0]]) == ["greedy_online", "greedy_offline"]
     table = tables.to_markdown(tables.build_table(*by["offline"]))
     assert "offline acceptance" in table
+    # the offline setting's figures and table read the derived throughput, as logged; the measured one is kept
+    off = by["offline"][1]
+    assert np.allclose(off["throughput_mean"], off["derived_throughput_mean"])
+    assert np.allclose(off["throughput_mean"], 1.5 * off["measured_throughput_mean"])
+    assert np.allclose(off["speedup_vs_stp_mean"], off["derived_speedup_vs_stp_mean"])
+    assert "derived_throughput_mean" not in by["online"][1] or by["online"][1]["derived_throughput_mean"].isna().all()
 
 
 def test_table_values_bold_and_stp_row(evals, setting_part):
