@@ -1,7 +1,9 @@
 """Group evaluation runs into settings and configurations, mean ± std over prompt sets.
 
 A *setting* is what a figure or table holds fixed: backbone, mode, extra_token, eos, temperature,
-top_p, hardware. A *configuration* is a point in it: circuit, window n, rank r, LoRA depth k, and
+top_p, hardware and acceptance_method (offline: acceptance teacher-forced, mu_lat timed on a
+subset; online: every prompt timed through the loop), so the two methods never share a figure,
+a table or an average. A *configuration* is a point in it: circuit, window n, rank r, LoRA depth k, and
 the training axes kl_beta (0: cross-entropy), kl_temperature and train_seed, so runs trained
 differently (CE vs distillation, two seeds) are never averaged together.
 Every metric is averaged as logged (the logged ``throughput`` is never recomputed); std is the
@@ -22,7 +24,8 @@ from analysis.front import pareto_front
 from analysis.load import ACC_POS_RE, OPTIONAL_METRICS, REQUIRED_METRICS
 from mtpc.names import CIRCUIT_KINDS
 
-SETTING_KEYS: tuple[str, ...] = ("backbone", "mode", "extra_token", "eos", "temperature", "top_p", "hardware")
+SETTING_KEYS: tuple[str, ...] = ("backbone", "mode", "extra_token", "eos", "temperature", "top_p", "hardware",
+                                  "acceptance_method")
 CONFIG_KEYS: tuple[str, ...] = ("circuit", "window", "rank", "lora_depth", "kl_beta", "kl_temperature", "train_seed")
 
 
@@ -41,6 +44,7 @@ class Setting:
     top_p: float | None = None
     hardware: str | None = None
     eos: str | None = None
+    acceptance_method: str | None = None  # None: online (stores from before the param)
 
     def title(self) -> str:
         parts = [self.backbone, self.mode]
@@ -54,6 +58,8 @@ class Setting:
             parts.append(f"top-p={self.top_p:g}")
         if self.hardware is not None:
             parts.append(self.hardware)
+        if self.acceptance_method == "offline":
+            parts.append("offline acceptance, throughput derived (bytes/cycle ÷ mu_lat timed on a subset)")
         return ", ".join(parts)
 
     def slug(self) -> str:
@@ -69,6 +75,8 @@ class Setting:
             parts.append(f"p{self.top_p:g}")
         if self.hardware is not None:
             parts.append(self.hardware)
+        if self.acceptance_method == "offline":
+            parts.append("offline")
         return re.sub(r"[^A-Za-z0-9._=-]+", "-", "_".join(parts)).strip("-")
 
 
@@ -83,6 +91,7 @@ def short_slugs(settings: list[Setting]) -> list[str]:
         lambda s: f"p{s.top_p:g}" if s.mode == "sample" and s.top_p is not None else None,
         lambda s: s.backbone,
         lambda s: s.hardware,
+        lambda s: s.acceptance_method or "online",
     )
     varying = [f for f in parts_of if len({f(s) for s in settings} - {None}) > 1]
     out = []
@@ -128,7 +137,7 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
         if k in out.columns:
             out[k] = out[k].astype("Int64")
     # groupby turns None into NaN in object keys: give None back
-    for k in ("backbone", "mode", "extra_token", "eos", "hardware", "circuit"):
+    for k in ("backbone", "mode", "extra_token", "eos", "hardware", "circuit", "acceptance_method"):
         if k in out.columns:
             out[k] = out[k].astype(object).where(out[k].notna(), None)
     out["_circuit_order"] = (
@@ -196,18 +205,35 @@ def _setting_of(row: pd.Series) -> Setting:
         top_p=None if top_p is None else float(top_p),
         hardware=get("hardware"),
         eos=get("eos"),
+        acceptance_method=get("acceptance_method"),
     )
+
+
+def _derived_as_throughput(part: pd.DataFrame) -> pd.DataFrame:
+    """An offline setting's rows with the derived figures in the throughput columns (the measured ones
+    of the timed subset kept as `measured_<metric>_*`), so its figures and table use one definition
+    throughout: bytes per cycle (offline) / mu_lat (timed), as logged (never recomputed here)."""
+    for metric in ("throughput", "speedup_vs_stp"):
+        for stat in ("mean", "std"):
+            col, derived = f"{metric}_{stat}", f"derived_{metric}_{stat}"
+            if col in part.columns:
+                part[f"measured_{col}"] = part[col]
+            part[col] = part[derived] if derived in part.columns else np.nan
+    return part
 
 
 def split_settings(agg: pd.DataFrame) -> list[tuple[Setting, pd.DataFrame]]:
     """The aggregated configurations split by setting, each with an `on_front` column: the Pareto
-    front of (mu_lat_mean down, mu_acc_mean up) within the setting."""
+    front of (mu_lat_mean down, mu_acc_mean up) within the setting. In an offline setting the
+    throughput columns hold the logged derived throughput (`_derived_as_throughput`)."""
     out: list[tuple[Setting, pd.DataFrame]] = []
     settings: dict[Setting, list[int]] = {}
     for idx, row in agg.iterrows():
         settings.setdefault(_setting_of(row), []).append(idx)
     for setting, rows in settings.items():
         part = agg.loc[rows].copy()
+        if setting.acceptance_method == "offline":
+            part = _derived_as_throughput(part)
         part["on_front"] = pareto_front(part, x="mu_acc_mean", y="mu_lat_mean", x_dir="max", y_dir="min")
         out.append((setting, part.reset_index(drop=True)))
     return out

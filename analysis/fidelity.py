@@ -49,6 +49,10 @@ from tracking.schema import DEV_SET_PREFIX, PER_PROMPT_ARTIFACT
 #: per-prompt (numerator, denominator) of each ratio-of-pooled-means metric
 PARTS = {"mu_acc": ("accepted", "cycles"), "mu_lat": ("decode_s", "cycles"), "throughput": ("decode_generated", "decode_s")}
 H1_THRESHOLD, H2_THRESHOLD = 1.05, 1.25
+#: metrics read from per-prompt decode times: an offline run has them for its timed subset only
+TIMED_METRICS = ("mu_lat", "throughput")
+#: `load_per_prompt` key suffix of an offline run's timed-subset records (`latency_per_prompt`)
+LATENCY_KEY = "/latency"
 
 
 @dataclass(frozen=True)
@@ -81,11 +85,13 @@ def select(df: pd.DataFrame, sl: Slice, dev: bool, **config: Any) -> pd.DataFram
     return df[keep.to_numpy(dtype=bool)]
 
 
-def _records(runs: pd.DataFrame, per_prompt: dict[str, list[dict]]) -> dict[tuple[int, str, int], dict]:
-    """(train_seed, prompt_set, prompt) -> record, over the given runs."""
+def _records(runs: pd.DataFrame, per_prompt: dict[str, list[dict]], metric: str = "mu_acc") -> dict[tuple[int, str, int], dict]:
+    """(train_seed, prompt_set, prompt) -> record, over the given runs. The timed metrics (mu_lat,
+    throughput) of an offline run read its timed subset's records (`<run id>/latency`)."""
     out = {}
     for rid, seed in zip(runs["run_id"], runs["train_seed"].fillna(0).astype(int), strict=True):
-        for rec in per_prompt.get(rid, []):
+        key = f"{rid}{LATENCY_KEY}" if metric in TIMED_METRICS and f"{rid}{LATENCY_KEY}" in per_prompt else rid
+        for rec in per_prompt.get(key, []):
             out[(seed, str(rec["prompt_set"]), int(rec["prompt"]))] = rec
     return out
 
@@ -93,7 +99,7 @@ def _records(runs: pd.DataFrame, per_prompt: dict[str, list[dict]]) -> dict[tupl
 def paired(df: pd.DataFrame, per_prompt: dict[str, list[dict]], a: dict, b: dict, sl: Slice,
            metric: str = "mu_acc", dev: bool = False) -> list[PairedSample]:
     """One PairedSample per training seed that both configurations have, over the prompts both saw."""
-    ra, rb = _records(select(df, sl, dev, **a), per_prompt), _records(select(df, sl, dev, **b), per_prompt)
+    ra, rb = _records(select(df, sl, dev, **a), per_prompt, metric), _records(select(df, sl, dev, **b), per_prompt, metric)
     num, den = PARTS[metric]
     out = []
     for seed in sorted({k[0] for k in ra} & {k[0] for k in rb}):
@@ -111,7 +117,7 @@ def paired(df: pd.DataFrame, per_prompt: dict[str, list[dict]], a: dict, b: dict
 def pooled(df: pd.DataFrame, per_prompt: dict[str, list[dict]], config: dict, sl: Slice, metric: str = "mu_acc",
            dev: bool = True) -> float:
     """The ratio of pooled per-prompt sums of one configuration (all seeds) — for selections on dev sets."""
-    recs = list(_records(select(df, sl, dev, **config), per_prompt).values())
+    recs = list(_records(select(df, sl, dev, **config), per_prompt, metric).values())
     num, den = PARTS[metric]
     d = sum(r[den] for r in recs)
     return sum(r[num] for r in recs) / d if d else math.nan
@@ -326,6 +332,10 @@ def training_table(trials: pd.DataFrame) -> list[str]:
 
 def report(df: pd.DataFrame, pp: dict[str, list[dict]], h2_kl_beta: float = 0.0, resamples: int = 10_000,
            trials: pd.DataFrame | None = None, temperature: float = 1.0) -> str:
+    methods = sorted(set(df["acceptance_method"].fillna("online"))) if "acceptance_method" in df else ["online"]
+    if len(methods) > 1:
+        raise ValueError(f"the experiment holds evaluation runs of both acceptance methods {methods}: the decisions "
+                         "compare one; evaluate every head with one method (eval.acceptance), or read a store that holds one")
     sl = Slice(temperature=temperature)
     l1, v1 = h1(df, pp, resamples, sl)
     l2, v2 = h2(df, pp, h2_kl_beta, resamples, sl)
@@ -360,7 +370,10 @@ def load_per_prompt(client, run_ids: list[str]) -> dict[str, list[dict]]:
                 d = Path(tmp) / str(i)
                 d.mkdir()
                 path = client.download_artifacts(rid, PER_PROMPT_ARTIFACT, str(d))
-                out[rid] = json.loads(Path(path).read_text())["per_prompt"]
+                data = json.loads(Path(path).read_text())
+                out[rid] = data["per_prompt"]
+                if data.get("latency_per_prompt"):  # offline: the timed subset's online records
+                    out[f"{rid}{LATENCY_KEY}"] = data["latency_per_prompt"]
     finally:
         if old is None:
             os.environ.pop(key, None)

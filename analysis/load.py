@@ -3,7 +3,8 @@
 One row per *evaluation* run (`tracking.is_evaluation_run`: a child run of a trial carrying the
 params `mode` and `prompt_set`, written by `tracking.log_evaluation`). Parent (trial) runs,
 analysis summary runs and unfinished runs are left out. Params are typed (ints, floats, strings);
-optional params (``extra_token``, ``temperature``, ``seed``, ``hardware``, ``top_p``, ``eos``, and
+optional params (``extra_token``, ``temperature``, ``seed``, ``hardware``, ``top_p``, ``eos``,
+``acceptance_method`` (absent: "online", how every run was evaluated before the offline method), and
 the training axes ``kl_beta``, ``kl_temperature``, ``train_seed``) and optional metrics become
 NaN/None when absent, so stores written before a param existed still load. Per-position
 acceptance metrics ``acceptance_pos_<i>`` (i = 1-based window position) become columns of their own.
@@ -50,6 +51,7 @@ OPTIONAL_PARAMS: dict[str, type] = {
     "kl_temperature": float,  # training: temperature of the teacher in the KL term
     "train_seed": int,  # training seed of the head (the evaluation seed is `seed`)
     "converged": int,  # 1: held-out window NLL changed < 1 % over the last fifth of training; 0: undertrained
+    "acceptance_method": str,  # offline | online (ACCEPTANCE_METHODS); a run without it is online
 }
 #: metrics without which a run cannot be placed on the Pareto plot or in a table
 REQUIRED_METRICS: tuple[str, ...] = PARETO_METRICS
@@ -159,6 +161,7 @@ def run_record(
             row[name] = _parse(params.get(name), kind)
         except ValueError:
             missing.append(f"param {name} (unparsable {params.get(name)!r})")
+    row["acceptance_method"] = row.get("acceptance_method") or "online"  # stores from before the param: online
     for name in REQUIRED_METRICS:
         value = metrics.get(name)
         if value is None or not math.isfinite(value):

@@ -253,6 +253,11 @@ class EvalConfig:
     """EOS treatments evaluated: banned (probability 0: equal lengths) and/or allowed (EOS stops an answer)"""
     stp: bool = True
     """run the plain model beside every head (speedup_vs_stp); false halves the evaluation"""
+    acceptance: str = "offline"
+    """offline (acceptance teacher-forced on the plain model's continuations of every prompt; mu_lat
+    timed by the online loop on `latency_prompts`) or online (every prompt through the timed loop)"""
+    latency_prompts: int = 16
+    """offline: the first this many prompts of each set go through the online loop (and STP), timed"""
 
     def check(self, fail: Fail) -> EvalConfig:
         """The bounds of every field (`fail(key, msg)` raises); returns self."""
@@ -264,6 +269,11 @@ class EvalConfig:
         fail.integer("eval.n_prompts", self.n_prompts, 1, 100000)
         fail.integer("eval.max_new_tokens", self.max_new_tokens, 1, 1_000_000)
         fail.choice("eval.extra_token", self.extra_token, names.EXTRA_TOKEN_OPTIONS)
+        fail.choice("eval.acceptance", self.acceptance, schema.ACCEPTANCE_METHODS)
+        if self.acceptance == "offline" and self.extra_token != "keep":
+            fail("eval.extra_token", f"{self.extra_token!r} is online-only (offline acceptance mirrors the keep "
+                 "cycle; drop is not exact): expected keep, or eval.acceptance: online")
+        fail.integer("eval.latency_prompts", self.latency_prompts, 1, 100000)
         for t in self.temperatures:
             fail.number("eval.temperatures", t, 1e-6, 100.0)
         fail.number("eval.top_p", self.top_p, 1e-6, 1.0)

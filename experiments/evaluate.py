@@ -2,7 +2,8 @@
 
     python -m experiments.evaluate --head <dir> [--ff-head <dir>] [--prompts heldout|<jsonl>]
         [--num-prompts 16 --sets 1 --max-new-tokens 128] [--mode greedy|sample|both]
-        [--eos banned|allowed|both] --out results.json [--mlflow-parent-run <id>]
+        [--eos banned|allowed|both] [--acceptance offline|online --latency-prompts 16]
+        --out results.json [--mlflow-parent-run <id>]
 
 The flags' defaults are `experiments.config.EvalConfig`'s, the evaluation settings a sweep spec's
 `eval` section and a sweep trial use too.
@@ -13,6 +14,17 @@ per (head, mode, extra_token, eos, prompt_set) under a parent run, written by
 `tracking.log_evaluation`: the `tracking.schema.EVAL_PARAMS` params, the `EVAL_METRICS` metrics, the
 per-position acceptance as metrics `acceptance_pos_<i>`, the accepted-length histogram and the
 per-prompt records as artifacts).
+
+How acceptance is obtained (`--acceptance`, the run param `acceptance_method`; a run without it is
+online): `offline` (default) computes mu_acc, tokens_per_cycle, the per-position acceptance and the
+histogram from the plain model's continuation of every prompt, teacher-forced
+(mtpc/speculative/offline.py: greedy exact, cycle for cycle; sampling the loop's expectations, floats)
+and times only the first `--latency-prompts` prompts of each set through the speculative loop and
+STP: mu_lat, max_throughput, `throughput` and speedup_vs_stp are that subset's, measured, and
+`derived_throughput` = tokens_per_cycle (offline) / mu_lat (timed) and `derived_speedup_vs_stp` =
+derived_throughput / stp_throughput are logged beside them under their own names. Offline is the
+keep cycle only: `--extra-token drop` needs `--acceptance online`, which runs every prompt through
+the timed loop (as before the offline method existed).
 
 Metric names are `tracking.schema.EVAL_METRICS`. Per prompt set they are pooled over its prompts:
 mu_lat = cycle seconds / cycles, mu_acc = accepted drafts / cycles, tokens_per_cycle = bytes
@@ -54,9 +66,11 @@ from experiments.config import EvalConfig
 from mtpc import MtpcModel
 from mtpc.atomic import check_writable, write_json
 from mtpc.names import DECODE_MODES, EXTRA_TOKEN_OPTIONS
+from mtpc.speculative.offline import pool_offline
 from mtpc.textstats import degeneracy_metrics, degenerate
 from tracking.runs import machine, machine_line
 from tracking.schema import (
+    ACCEPTANCE_METHODS,
     DEGENERACY_METRICS,
     DEGENERATE_WARN_FRACTION,
     EOS_MODES,
@@ -168,12 +182,16 @@ def _answer(model: MtpcModel, ids: torch.Tensor) -> bytes | list[int]:
 def _per_prompt(prompts: list[torch.Tensor], stats_list: list[Any], answers: list[bytes | list[int]],
                 set_idx: int) -> list[dict[str, Any]]:
     """One record per prompt (same order in every run of a set, so runs pair up prompt by prompt);
-    `prompt_sha` (of the prompt's ids) lets a reader check that two runs saw the same prompt."""
+    `prompt_sha` (of the prompt's ids) lets a reader check that two runs saw the same prompt.
+    `accepted` is the accepted drafts summed over the prompt's cycles: a count online, an expectation
+    (a float, kept unrounded) offline under sampling, where `cycles` is one too and `decode_s` None
+    (nothing was timed)."""
     out = []
     for i, (p, s, a) in enumerate(zip(prompts, stats_list, answers, strict=True)):
         sha = hashlib.sha1(",".join(map(str, p.tolist())).encode()).hexdigest()[:12]
+        accepted = s.accepted if hasattr(s, "accepted") else int(round(s.mu_acc * s.cycles))  # online: a count
         out.append({"prompt_set": set_idx, "prompt": i, "prompt_sha": sha, "cycles": s.cycles,
-                    "accepted": int(round(s.mu_acc * s.cycles)), "decode_s": s.decode_s,
+                    "accepted": accepted, "decode_s": getattr(s, "decode_s", None),
                     "decode_generated": s.decode_generated, "degenerate": degenerate(a)})  # fmt: skip
     return out
 
@@ -242,6 +260,37 @@ def _generate(model: MtpcModel, job: EvalJob, extra_token: str | None, seed: int
     return stats, answers
 
 
+def _decode_config(model: MtpcModel, job: EvalJob, kw: dict[str, Any]) -> Any:
+    """The `DecodeConfig` `model.generate` / `generate_plain` use for this job (stop ids as the model sets them)."""
+    from mtpc.speculative.loop import DecodeConfig
+
+    stops = tuple(getattr(model.backbone, "stop_token_ids", ()) or ())
+    return DecodeConfig(mode=job.mode, ban_eos=job.eos == "banned",
+                        eos_id=stops if len(stops) > 1 else model.backbone.eos_token_id, **kw)  # fmt: skip
+
+
+def _offline(models: dict[str, MtpcModel], job: EvalJob, seed: int, kw: dict[str, Any], batch: int) -> tuple[
+        list[list[int]], dict[str, list[Any]]]:  # fmt: skip
+    """The plain model's continuations of the job's prompts (prompt i seeded seed + i, as STP) and, per
+    head, its offline keep-cycle counts on them: one teacher-forced pass per backbone (heads with
+    lora_depth 0 share one), reused by every head on it (mtpc/speculative/offline.py)."""
+    from mtpc.speculative.offline import continuations, offline_acceptance, teacher_force
+
+    first = next(iter(models.values()))
+    cfg = _decode_config(first, job, kw)
+    bb = first.backbone
+    batch = batch if getattr(bb, "engine", "hf") == "compact" else 1  # batched decoding needs the compact forward
+    ys = continuations(bb, job.prompts, cfg, seeds=[seed + i for i in range(len(job.prompts))], batch_size=batch)
+    passes: dict[int, Any] = {}
+    out = {}
+    for name, model in models.items():
+        key = id(model.backbone)
+        if key not in passes:
+            passes[key] = teacher_force(model.backbone, job.prompts, ys, _decode_config(model, job, kw))
+        out[name] = offline_acceptance(passes[key], model.head)
+    return ys, out
+
+
 def evaluate_heads(
     models: dict[str, MtpcModel] | MtpcModel,
     prompt_sets: list[list[str | bytes | torch.Tensor]],
@@ -258,6 +307,9 @@ def evaluate_heads(
     set_names: list[str] | None = None,
     stp: bool = True,
     evabyte_mtp: bool = False,
+    acceptance: str = "online",
+    latency_prompts: int = EvalConfig.latency_prompts,
+    continuation_batch: int = 16,
 ) -> dict[str, Any]:
     """Run STP and every head on every prompt set in this process; returns a JSON-able dict.
 
@@ -269,8 +321,18 @@ def evaluate_heads(
     stp: run the plain model beside the heads (default); False skips it (about half the time of an
     evaluation) and leaves out every stp_* metric and speedup_vs_stp.
     evabyte_mtp: also run the backbone's own multi-byte decoding, greedy (experiments/evabyte_mtp.py).
+    acceptance: "online" (default here; the CLI's and a sweep's default is EvalConfig's "offline"):
+    every prompt through the timed speculative loop. "offline": mu_acc, tokens_per_cycle, the
+    per-position acceptance and the histogram come from the plain model's continuation of every
+    prompt, teacher-forced (exact cycles when greedy, expectations when sampling; extra_token keep
+    only); only the first `latency_prompts` prompts of each set go through the timed loop (and STP),
+    which gives mu_lat, max_throughput, the measured `throughput` and speedup_vs_stp of that subset;
+    `derived_throughput` = tokens_per_cycle (offline) / mu_lat (timed) and `derived_speedup_vs_stp`
+    = derived_throughput / stp_throughput. The degeneracy metrics read the continuations.
+    continuation_batch: offline, prompts decoded at once for the continuations (compact Llama forward).
     Prompt i of a set is sampled with seed + i for STP and every head alike.
-    Everything timed runs under `experiments.background.timing`: one timer on the machine at a time.
+    Everything timed runs under `experiments.background.timing`: one timer on the machine at a time
+    (the offline computation runs after it, untimed).
     The evaluation is a list of `EvalJob`s, one per (mode, eos, prompt set) in that order; each runs
     STP (when `stp`) and then every (head, extra_token).
     """
@@ -285,6 +347,14 @@ def evaluate_heads(
     if bad:
         raise ValueError(f"modes must be in {DECODE_MODES}, extra_tokens in {EXTRA_TOKEN_OPTIONS} and eos in "
                          f"{EOS_MODES}; got {bad}")
+    if acceptance not in ACCEPTANCE_METHODS:
+        raise ValueError(f"acceptance: {acceptance!r} is not one of {list(ACCEPTANCE_METHODS)}")
+    offline = acceptance == "offline"
+    if offline and set(extra_tokens) != {"keep"}:
+        raise ValueError(f"extra_token {[e for e in extra_tokens if e != 'keep']}: offline acceptance mirrors the keep "
+                         "cycle only (drop is not exact); expected keep, or acceptance online")  # fmt: skip
+    if latency_prompts < 1:
+        raise ValueError(f"latency_prompts: expected an integer >= 1, got {latency_prompts}")
     if ff_name is not None and ff_name not in models:
         raise ValueError(f"ff_name={ff_name!r} is not one of the models {sorted(models)}")
     if set_names is not None and len(set_names) != len(prompt_sets):
@@ -295,35 +365,64 @@ def evaluate_heads(
     names = list(set_names or range(len(prompt_sets)))
     jobs = [EvalJob(mode, eos_mode, name, ps) for mode in modes for eos_mode in eos
             for name, ps in zip(names, encoded, strict=True)]
+    # what the loop times: every prompt online; offline the first `latency_prompts` of each set
+    timed_jobs = [EvalJob(j.mode, j.eos, j.set_name, j.prompts[:latency_prompts]) if offline else j for j in jobs]
     heads = [(name, model, extra) for name, model in models.items() for extra in extra_tokens]
+    timed: list[tuple[Any, list[Any]]] = []  # per job: STP (stats, answers) or None, [(stats, answers) per head]
+    with timing(progress):  # nothing else times on this machine meanwhile; the background pre-training paused
+        bar = tqdm(total=sum(len(j.prompts) for j in timed_jobs) * (int(stp) + len(heads)), desc="evaluate",
+                   disable=not progress, file=sys.stderr)
+        for job in timed_jobs:
+            base = _generate(first, job, None, seed, kw, bar) if stp else None
+            timed.append((base, [_generate(model, job, extra, seed, kw, bar) for _name, model, extra in heads]))
+        bar.close()
+    untimed: list[tuple[list[list[int]], dict[str, list[Any]]]] = []
+    if offline:
+        for job in tqdm(jobs, desc="offline acceptance", disable=not progress, file=sys.stderr):
+            untimed.append(_offline(models, job, seed, kw, continuation_batch))
     stp_rows: dict[str, list[dict]] = {mode: [] for mode in modes}
     runs: list[dict[str, Any]] = []
-    with timing(progress):  # nothing else times on this machine meanwhile; the background pre-training paused
-        bar = tqdm(total=sum(len(j.prompts) for j in jobs) * (int(stp) + len(heads)), desc="evaluate",
-                   disable=not progress, file=sys.stderr)
-        for job in jobs:
-            base = None
-            if stp:
-                stats, answers = _generate(first, job, None, seed, kw, bar)
-                base = _pool(stats, 1, answers)
-                stp_rows[job.mode].append({
-                    "prompt_set": job.set_name, "eos": job.eos, "mu_lat": base["mu_lat"], "throughput": base["throughput"],
-                    "generated": base["generated"], "peak_mem_bytes": base["peak_mem_bytes"],
-                    **{k: base[k] for k in DEGENERACY_METRICS}, "per_prompt": _per_prompt(job.prompts, stats, answers, job.set_name),
-                })  # fmt: skip
-            for name, model, extra in heads:
-                stats, answers = _generate(model, job, extra, seed, kw, bar)
-                metrics = _pool(stats, model.window, answers)
-                if base is not None:
-                    metrics.update(stp_mu_lat=base["mu_lat"], stp_throughput=base["throughput"],
-                                   speedup_vs_stp=metrics["throughput"] / base["throughput"])
-                    metrics.update({f"stp_{k}": base[k] for k in DEGENERACY_METRICS})
-                runs.append({
-                    "head": name, **_describe(model), "mode": job.mode, "extra_token": extra, "eos": job.eos,
-                    "temperature": temperature, "top_p": top_p, "prompt_set": job.set_name, "seed": seed,
-                    "metrics": metrics, "per_prompt": _per_prompt(job.prompts, stats, answers, job.set_name),
-                })  # fmt: skip
-        bar.close()
+    for j, (job, tjob) in enumerate(zip(jobs, timed_jobs, strict=True)):
+        base_t, head_t = timed[j]
+        if offline:
+            ys, off = untimed[j]
+            texts = [_answer(first, torch.tensor(y, dtype=torch.long)) for y in ys]
+            text_stats = degeneracy_metrics(texts)  # the plain model's text: STP's and (in distribution) every head's
+        base = None
+        if base_t is not None:
+            stats, answers = base_t
+            base = _pool(stats, 1, answers)
+            if offline:
+                base.update(text_stats)
+            stp_rows[job.mode].append({
+                "prompt_set": job.set_name, "eos": job.eos, "mu_lat": base["mu_lat"], "throughput": base["throughput"],
+                "generated": base["generated"], "peak_mem_bytes": base["peak_mem_bytes"], "timed_prompts": len(tjob.prompts),
+                **{k: base[k] for k in DEGENERACY_METRICS}, "per_prompt": _per_prompt(tjob.prompts, stats, answers, job.set_name),
+            })  # fmt: skip
+        for (name, model, extra), (stats, answers) in zip(heads, head_t, strict=True):
+            metrics = _pool(stats, model.window, answers)
+            run: dict[str, Any] = {"latency_prompts": len(tjob.prompts)} if offline else {}
+            if offline:
+                pooled = pool_offline(off[name])
+                run["latency_per_prompt"] = _per_prompt(tjob.prompts, stats, answers, job.set_name)
+                metrics.update({k: pooled[k] for k in ("mu_acc", "tokens_per_cycle", "cycles", "generated",
+                                                       "per_position_acceptance", "accepted_length_histogram")})
+                metrics.update(text_stats)
+                metrics.pop("backbone_calls")  # of the timed subset only: not this run's count
+                metrics["derived_throughput"] = pooled["tokens_per_cycle"] / metrics["mu_lat"]
+            if base is not None:
+                metrics.update(stp_mu_lat=base["mu_lat"], stp_throughput=base["throughput"],
+                               speedup_vs_stp=metrics["throughput"] / base["throughput"])
+                if offline:
+                    metrics["derived_speedup_vs_stp"] = metrics["derived_throughput"] / base["throughput"]
+                metrics.update({f"stp_{k}": base[k] for k in DEGENERACY_METRICS})
+            per_prompt = (_per_prompt(job.prompts, off[name], texts, job.set_name) if offline
+                          else _per_prompt(job.prompts, stats, answers, job.set_name))  # fmt: skip
+            runs.append({
+                "head": name, **_describe(model), "mode": job.mode, "extra_token": extra, "eos": job.eos,
+                "temperature": temperature, "top_p": top_p, "prompt_set": job.set_name, "seed": seed,
+                "acceptance_method": acceptance, **run, "metrics": metrics, "per_prompt": per_prompt,
+            })  # fmt: skip
     if ff_name is not None:
         at = lambda r: (r["mode"], r["extra_token"], r["eos"], r["prompt_set"])  # noqa: E731
         ref = {at(r): r["metrics"]["throughput"] for r in runs if r["head"] == ff_name}
@@ -332,13 +431,15 @@ def evaluate_heads(
     if evabyte_mtp and "greedy" in modes:
         from experiments.evabyte_mtp import evabyte_mtp_runs
 
-        runs += evabyte_mtp_runs(first, encoded, max_new_tokens, set_names=set_names, eos=eos, seed=seed)
+        own = evabyte_mtp_runs(first, encoded, max_new_tokens, set_names=set_names, eos=eos, seed=seed)
+        runs += [{"acceptance_method": "online", **r} for r in own]  # its own decoding, timed
     results = {
         # where and how it ran: the engine's weight layout changes latencies as much as the CPU does
         "hardware": f"{hardware()}; engine {first.engine_label()}",
         "config": {
             "modes": list(modes), "extra_tokens": list(extra_tokens), "eos": list(eos), "sets": len(prompt_sets),
             "num_prompts": [len(ps) for ps in prompt_sets], "ff_head": ff_name, **kw, "seed": seed,
+            "acceptance": acceptance, **({"latency_prompts": latency_prompts} if offline else {}),
         },
         "stp": stp_rows,
         "runs": runs,
@@ -348,15 +449,18 @@ def evaluate_heads(
 
 
 def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Mean ± std (over prompt sets) of each metric per (head, mode, extra_token, eos, temperature)."""
+    """Mean ± std (over prompt sets) of each metric per (head, mode, extra_token, eos, temperature,
+    acceptance_method): offline and online figures are never averaged together."""
     groups: dict[tuple, list[dict]] = {}
     for r in results["runs"]:
-        key = (r["head"], r["mode"], r["extra_token"], r.get("eos", "banned"), r.get("temperature"))
+        key = (r["head"], r["mode"], r["extra_token"], r.get("eos", "banned"), r.get("temperature"),
+               r.get("acceptance_method", "online"))
         groups.setdefault(key, []).append(r)
     out = []
-    for (_head, mode, extra, eos, temperature), rs in groups.items():
+    for (_head, mode, extra, eos, temperature, method), rs in groups.items():
         row = {k: rs[0][k] for k in ("head", "backbone", "circuit", "window", "rank", "lora_depth")}
-        row.update({"mode": mode, "extra_token": extra, "eos": eos, "temperature": temperature, "sets": len(rs)})
+        row.update({"mode": mode, "extra_token": extra, "eos": eos, "temperature": temperature,
+                    "acceptance_method": method, "sets": len(rs)})
         for k in SUMMARY_METRICS:
             vals = [r["metrics"][k] for r in rs if k in r["metrics"]]
             if vals:
@@ -393,9 +497,11 @@ def log_evaluation_to_mlflow(
     `tracking.log_evaluation` (named e.g. `cp-r8-n16-k0/sample/set1`); returns their ids.
 
     Each carries the EVAL_PARAMS params (backbone, circuit, window, rank, lora_depth, mode,
-    extra_token, eos, temperature, prompt_set, seed, top_p, hardware) plus `params` (e.g. the trial's
-    config), the scalar metrics, `acceptance_pos_<i>` (1-based window position), the histogram
-    as `accepted_length_histogram.json` and the per-prompt records as `per_prompt.json`. heads:
+    extra_token, eos, temperature, prompt_set, seed, top_p, hardware, acceptance_method; offline
+    also latency_prompts) plus `params` (e.g. the trial's config), the scalar metrics,
+    `acceptance_pos_<i>` (1-based window position), the histogram as `accepted_length_histogram.json`
+    and the per-prompt records as `per_prompt.json` (offline: `per_prompt` the offline records of
+    every prompt, `latency_per_prompt` the timed subset's online ones). heads:
     which heads to log (default: all but the ff reference). tracking_uri: by the tracking-URI rule
     (None: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db).
     """
@@ -409,13 +515,17 @@ def log_evaluation_to_mlflow(
     for r in results["runs"]:
         if r["head"] not in heads:
             continue
-        p = {k: results["hardware"] if k == "hardware" else r[k] for k in EVAL_PARAMS}
+        p = {k: results["hardware"] if k == "hardware" else r.get(k, "online") if k == "acceptance_method" else r[k]
+             for k in EVAL_PARAMS}
         p["max_new_tokens"] = results["config"]["max_new_tokens"]
+        if "latency_prompts" in r:
+            p["latency_prompts"] = r["latency_prompts"]
         for k, v in (params or {}).items():
             p.setdefault(k, v)
         m = r["metrics"]
         scalars = {k: v for k, v in m.items() if k not in ("per_position_acceptance", "accepted_length_histogram")}
-        extra = {PER_PROMPT_ARTIFACT: {"per_prompt": r["per_prompt"]}} if r.get("per_prompt") else None
+        records = {k: r[k] for k in ("per_prompt", "latency_per_prompt") if r.get(k)}
+        extra = {PER_PROMPT_ARTIFACT: records} if records else None
         ids.append(tracking.log_evaluation(
             uri, parent_run_id, p, scalars, per_position_acceptance=m["per_position_acceptance"],
             histogram=m["accepted_length_histogram"], artifacts=extra, experiment_id=exp_id,
@@ -449,6 +559,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=d.temperatures[0])
     ap.add_argument("--top-p", type=float, default=d.top_p)
     ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--acceptance", default=d.acceptance, choices=ACCEPTANCE_METHODS,
+                    help="offline (default: acceptance teacher-forced on the plain model's continuations of every "
+                         "prompt, mu_lat timed on --latency-prompts) or online (every prompt through the timed loop)")
+    ap.add_argument("--latency-prompts", type=int, default=d.latency_prompts,
+                    help="offline: prompts per set timed through the online loop and STP (the first ones)")
     ap.add_argument("--eos", default=",".join(d.eos),
                     help="banned (default: EOS gets probability 0, equal lengths), allowed (EOS stops), or both")
     ap.add_argument("--device", default=None, help="cpu, cuda, ... (default: where the backbone loads)")
@@ -472,6 +587,9 @@ def main(argv: list[str] | None = None) -> int:
         modes = _choices(args.mode, DECODE_MODES, "--mode")
         extras = _choices(args.extra_token, EXTRA_TOKEN_OPTIONS, "--extra-token")
         eos = _choices(args.eos, EOS_MODES, "--eos")
+        if args.acceptance == "offline" and "drop" in extras:
+            raise ValueError("--extra-token drop: online-only (offline acceptance mirrors the keep cycle; drop is not "
+                             "exact); expected keep, or --acceptance online")
         check_writable(args.out, "--out")  # before anything decodes: the results must have a place to go
         for flag in ("head", "ff_head"):
             d = getattr(args, flag)
@@ -493,7 +611,8 @@ def main(argv: list[str] | None = None) -> int:
         results = evaluate_heads(
             models, prompt_sets, modes, extras, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_p=args.top_p, seed=args.seed, eos=eos, ff_name="ff" if args.ff_head else None,
-            progress=not args.no_progress, evabyte_mtp=args.evabyte_mtp,
+            progress=not args.no_progress, evabyte_mtp=args.evabyte_mtp, acceptance=args.acceptance,
+            latency_prompts=args.latency_prompts,
         )  # fmt: skip
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -504,8 +623,10 @@ def main(argv: list[str] | None = None) -> int:
     write_json(out, results, indent=2)
     for row in results["summary"]:
         m = {k: f"{row[k]['mean']:.4g}±{row[k]['std']:.2g}"
-             for k in ("mu_acc", "tokens_per_cycle", "speedup_vs_stp", *DEGENERACY_METRICS) if k in row}
-        print(f"{row['head']:>5} {row['circuit']:>5} n={row['window']} {row['mode']}/{row['extra_token']}/eos {row['eos']}: {m}")
+             for k in ("mu_acc", "tokens_per_cycle", "speedup_vs_stp", "derived_speedup_vs_stp", *DEGENERACY_METRICS)
+             if k in row}
+        print(f"{row['head']:>5} {row['circuit']:>5} n={row['window']} {row['mode']}/{row['extra_token']}/eos {row['eos']} "
+              f"({row['acceptance_method']}): {m}")
     for line in degeneracy_warnings(results["summary"]):
         print(line, file=sys.stderr)
     if args.mlflow_parent_run:

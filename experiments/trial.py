@@ -142,7 +142,8 @@ def evaluate_head(head_dir: Path, cfg: TrainConfig, evaluation: EvalConfig, *, p
         passes = tuple(m for m, t in eval_passes(e.modes, e.temperatures) if t == temperature)
         res = evaluate_heads(
             {"head": model}, sets, passes, (e.extra_token,), max_new_tokens=e.max_new_tokens, temperature=temperature,
-            top_p=e.top_p, seed=e.seed, eos=e.eos, set_names=names, stp=e.stp,
+            top_p=e.top_p, seed=e.seed, eos=e.eos, set_names=names, stp=e.stp, acceptance=e.acceptance,
+            latency_prompts=e.latency_prompts,
         )
         if results is None:
             results = res

@@ -99,6 +99,36 @@ def test_settings_split_by_mode_and_extra_token(evals):
     assert len(set(slugs)) == 3 and all(re.fullmatch(r"[A-Za-z0-9._=-]+", s) for s in slugs)
 
 
+def test_offline_and_online_runs_never_share_a_setting(evals):
+    """acceptance_method is part of the setting: offline runs get their own figures and tables; a run
+    without the param (a store from before it) is online."""
+    import copy
+
+    from analysis.aggregate import short_slugs
+
+    offline = copy.deepcopy([e for e in evals if e.params["circuit"] == "cp"])
+    for e in offline:
+        e.params["acceptance_method"] = "offline"
+        e.metrics["derived_throughput"] = e.metrics["throughput"] * 1.5
+        e.metrics["derived_speedup_vs_stp"] = e.metrics["speedup_vs_stp"] * 1.5
+    runs = frame_from_evaluations(evals + offline)
+    assert set(runs["acceptance_method"]) == {"online", "offline"}  # the old runs read as online
+    parts = split_settings(aggregate(runs))
+    assert len(parts) == 2
+    by = {s.acceptance_method: (s, p) for s, p in parts}
+    assert set(by["offline"][1]["circuit"]) == {"cp"} and set(by["online"][1]["circuit"]) == set(CIRCUIT_KINDS)
+    assert "offline acceptance" in by["offline"][0].title() and "offline" not in by["online"][0].title()
+    assert short_slugs([by["online"][0], by["offline"][0]]) == ["greedy_online", "greedy_offline"]
+    table = tables.to_markdown(tables.build_table(*by["offline"]))
+    assert "offline acceptance" in table
+    # the offline setting's figures and table read the derived throughput, as logged; the measured one is kept
+    off = by["offline"][1]
+    assert np.allclose(off["throughput_mean"], off["derived_throughput_mean"])
+    assert np.allclose(off["throughput_mean"], 1.5 * off["measured_throughput_mean"])
+    assert np.allclose(off["speedup_vs_stp_mean"], off["derived_speedup_vs_stp_mean"])
+    assert "derived_throughput_mean" not in by["online"][1] or by["online"][1]["derived_throughput_mean"].isna().all()
+
+
 def test_table_values_bold_and_stp_row(evals, setting_part):
     setting, part = setting_part
     table = tables.build_table(setting, part)

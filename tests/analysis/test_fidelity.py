@@ -145,3 +145,21 @@ def test_a_reading_at_another_temperature_compares_its_runs_and_keeps_the_t1_dev
     assert "btree n=16" in lines[0] and verdict == "not reproduced", lines  # the same T = 1 dev choice
     text = fidelity.report(df, pp, resamples=200, temperature=0.8)
     assert text.startswith("# Fidelity study: decisions read at sampling T = 0.8")
+
+
+def test_offline_runs_read_timing_from_their_timed_subset_and_methods_never_mix():
+    """An offline run's per-prompt records carry no decode time (decode_s None); mu_lat and throughput
+    read its timed subset's records (`<run id>/latency`); a store with both methods is refused."""
+    df, pp = make(PAPER, lat=LAT)
+    sl = fidelity.Slice()
+    cfg = {"circuit": "hmm", "window": 16, "rank": 32, "lora_depth": 0, "kl_beta": 0.0}
+    want = fidelity.pooled(df, pp, cfg, sl, "mu_lat", dev=False)
+    off = {}
+    for rid, recs in pp.items():
+        off[rid] = [{**r, "decode_s": None} for r in recs]
+        off[f"{rid}{fidelity.LATENCY_KEY}"] = recs  # here the timed subset is every prompt
+    assert fidelity.pooled(df, off, cfg, sl, "mu_lat", dev=False) == pytest.approx(want)
+    assert fidelity.pooled(df, off, cfg, sl, "mu_acc", dev=False) == pytest.approx(fidelity.pooled(df, pp, cfg, sl, "mu_acc", dev=False))
+    mixed = df.assign(acceptance_method=["offline" if i % 2 else "online" for i in range(len(df))])
+    with pytest.raises(ValueError, match="both acceptance methods"):
+        fidelity.report(mixed, pp, resamples=100)

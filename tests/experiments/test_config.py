@@ -82,6 +82,7 @@ def test_evaluate_cli_defaults_are_eval_config_defaults():
     assert ap_defaults["max_new_tokens"] == d.max_new_tokens and ap_defaults["mode"] == ",".join(d.modes)
     assert ap_defaults["eos"] == ",".join(d.eos) and ap_defaults["extra_token"] == d.extra_token
     assert ap_defaults["top_p"] == d.top_p and ap_defaults["temperature"] == d.temperatures[0]
+    assert (ap_defaults["acceptance"], ap_defaults["latency_prompts"]) == (d.acceptance, d.latency_prompts) == ("offline", 16)
 
 
 def _cli_defaults() -> dict:
@@ -131,6 +132,9 @@ def test_parse_section_names_the_key():
         parse_section(Objective, {"metric": "mu_acc"}, "objectives[0]", fail)
     with pytest.raises(ValueError, match=r"eval\.top_p: 1\.5 out of range"):
         EvalConfig(top_p=1.5).check(fail)
+    with pytest.raises(ValueError, match=r"f\.yaml: eval\.extra_token: 'drop' is online-only .* expected keep, or eval\.acceptance: online"):
+        EvalConfig(extra_token="drop").check(fail)
+    assert EvalConfig(extra_token="drop", acceptance="online").check(fail).acceptance == "online"
 
 
 def test_a_bad_trainer_key_in_a_spec_is_found_by_the_check(tmp_path):

@@ -16,7 +16,7 @@ from mtpc.tokenizer import ByteTokenizer
 from tests.backbone_helpers import tiny_llama
 
 PARAMS = ("backbone", "circuit", "window", "rank", "lora_depth", "mode", "extra_token", "temperature",
-          "prompt_set", "seed", "hardware", "top_p")  # fmt: skip
+          "prompt_set", "seed", "hardware", "top_p", "acceptance_method")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_cli_writes_json_with_every_metric(exported, tmp_path, capsys):
     rc = main([
         "--head", str(exported / "cp"), "--ff-head", str(exported / "ff"), "--prompts", str(exported / "prompts.jsonl"),
         "--num-prompts", "2", "--sets", "2", "--max-new-tokens", "12", "--mode", "both", "--extra-token", "both",
-        "--out", str(out), "--no-progress",
+        "--acceptance", "online", "--out", str(out), "--no-progress",
     ])  # fmt: skip
     assert rc == 0, capsys.readouterr().err
     res = json.loads(out.read_text())
@@ -65,6 +65,7 @@ def test_cli_writes_json_with_every_metric(exported, tmp_path, capsys):
             assert k in m and m[k] == m[k], k
         assert len(m["per_position_acceptance"]) == 4 and sum(m["accepted_length_histogram"]) == m["cycles"]
         assert m["generated"] == 2 * 12  # EOS banned by default: equal lengths
+        assert r["acceptance_method"] == "online" and "derived_throughput" not in m
         if r["head"] == "ff":
             assert m["speedup_vs_ff"] == pytest.approx(1.0)
     assert {(s["head"], s["mode"], s["extra_token"]) for s in res["summary"]} == {
@@ -157,3 +158,54 @@ def test_a_prompts_file_with_invalid_utf8_names_file_and_line(tmp_path):
     bad.write_bytes(b'"fine"\n"also fine"\n"caf\xe9"\n')
     with pytest.raises(ValueError, match=rf"{bad}:3: not valid UTF-8"):
         load_prompt_sets(str(bad), 1, 1)
+
+
+def test_offline_cli_derives_throughput_beside_the_timed_subset(exported, tmp_path, capsys):
+    """The default (offline): acceptance from every prompt's continuation, mu_lat from the first
+    --latency-prompts prompts timed online; derived_throughput = tokens_per_cycle / mu_lat, named so."""
+    out = tmp_path / "r.json"
+    rc = main(["--head", str(exported / "cp"), "--ff-head", str(exported / "ff"), "--prompts", str(exported / "prompts.jsonl"),
+               "--num-prompts", "3", "--sets", "2", "--max-new-tokens", "10", "--mode", "both", "--latency-prompts", "1",
+               "--out", str(out), "--no-progress"])  # fmt: skip
+    assert rc == 0, capsys.readouterr().err
+    res = json.loads(out.read_text())
+    assert res["config"]["acceptance"] == "offline" and res["config"]["latency_prompts"] == 1
+    assert len(res["runs"]) == 2 * 2 * 2  # heads x modes x sets
+    for r in res["runs"]:
+        m = r["metrics"]
+        assert r["acceptance_method"] == "offline" and r["latency_prompts"] == 1
+        assert m["generated"] == 3 * 10  # every prompt, not only the timed one
+        assert m["derived_throughput"] == pytest.approx(m["tokens_per_cycle"] / m["mu_lat"])
+        assert m["derived_speedup_vs_stp"] == pytest.approx(m["derived_throughput"] / m["stp_throughput"])
+        assert m["throughput"] > 0 and m["speedup_vs_stp"] == pytest.approx(m["throughput"] / m["stp_throughput"])
+        assert sum(m["accepted_length_histogram"]) == pytest.approx(m["cycles"])
+        assert len(r["per_prompt"]) == 3 and len(r["latency_per_prompt"]) == 1
+        assert r["latency_per_prompt"][0]["decode_s"] > 0 and r["per_prompt"][0]["decode_s"] is None
+        if r["mode"] == "greedy":  # exact cycles: the offline counts are whole numbers
+            assert all(float(p["accepted"]).is_integer() for p in r["per_prompt"])
+    for rows in res["stp"].values():
+        assert all(row["timed_prompts"] == 1 and len(row["per_prompt"]) == 1 for row in rows)
+    assert {s["acceptance_method"] for s in res["summary"]} == {"offline"}
+    assert "(offline)" in capsys.readouterr().out
+
+
+def test_offline_greedy_equals_the_online_loop_in_evaluate(exported):
+    """Greedy, float32, tiny model: the offline mu_acc and cycles of a set equal the online loop's."""
+    m = MtpcModel.from_pretrained(exported / "cp")
+    prompts = [["one", "two", "three"]]
+    kw = {"max_new_tokens": 12, "progress": False, "stp": False}
+    on = evaluate_heads(m, prompts, ("greedy",), acceptance="online", **kw)["runs"][0]
+    off = evaluate_heads(m, prompts, ("greedy",), acceptance="offline", latency_prompts=1, **kw)["runs"][0]
+    assert [p["cycles"] for p in off["per_prompt"]] == [p["cycles"] for p in on["per_prompt"]]
+    assert [p["accepted"] for p in off["per_prompt"]] == [p["accepted"] for p in on["per_prompt"]]
+    assert off["metrics"]["mu_acc"] == pytest.approx(on["metrics"]["mu_acc"])
+
+
+def test_offline_refuses_drop_in_one_line(exported, tmp_path, capsys):
+    rc = main(["--head", str(exported / "cp"), "--prompts", str(exported / "prompts.jsonl"), "--extra-token", "drop",
+               "--out", str(tmp_path / "r.json")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "--extra-token drop" in err and "--acceptance online" in err
+    m = MtpcModel.from_pretrained(exported / "cp")
+    with pytest.raises(ValueError, match="keep"):
+        evaluate_heads(m, [["one"]], ("greedy",), ("drop",), acceptance="offline", progress=False)

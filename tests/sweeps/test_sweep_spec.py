@@ -83,6 +83,8 @@ def test_full_product_flag(tmp_path):
         (lambda d: d.update(eval={"n_prompts": -3}), "eval.n_prompts", "out of range"),
         (lambda d: d.update(eval={"modes": ["beam"]}), "eval.modes", "not one of"),
         (lambda d: d.update(eval={"top_p": 1.5}), "eval.top_p", "out of range"),
+        (lambda d: d.update(eval={"acceptance": "teacher"}), "eval.acceptance", "not one of"),
+        (lambda d: d.update(eval={"extra_token": "drop"}), "eval.extra_token", "online-only"),
         (lambda d: d.update(slurm={"tasks": 0}), "slurm.tasks", "out of range"),
         (lambda d: d.update(n_trials=7), "n_trials", "grid"),
         (lambda d: d.pop("objectives"), "objectives", "missing"),
