@@ -20,6 +20,8 @@ multi-process or self-requeueing one) it installs no SIGUSR1 handler, and SLURME
 `YieldToTimer` makes training wait before each batch while another process times something
 (experiments.background.wait_while_timing), so trials trained side by side do not disturb a
 trial's timed latency phase.
+Under DDP the request is reduced across ranks after every optimizer step (any rank asked: all stop
+at that step), and the checkpoint is written once (Lightning's rank 0) after all ranks reach it.
 Leaves out: ModelCheckpoint's periodic checkpoints (train.py adds it), requeueing.
 """
 
@@ -79,7 +81,10 @@ class StopCheckpoint(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.fit_loop._should_accumulate():
             return
-        if self._stop_requested() and not self.stopped:
+        requested = self._stop_requested()
+        if trainer.world_size > 1:  # a signal may reach one rank only: all stop at this step if any was asked
+            requested = trainer.strategy.reduce_boolean_decision(requested, all=False)
+        if requested and not self.stopped:
             self._save(trainer)
             self.stopped = True
             trainer.should_stop = True

@@ -57,7 +57,7 @@ ALLOWED_CLASSES = frozenset({
     "lightning.pytorch.accelerators.CUDAAccelerator", "lightning.pytorch.accelerators.MPSAccelerator",
 })  # fmt: skip
 #: Trainer arguments the suite sets itself (a YAML `trainer:` section cannot set them)
-TRAINER_OWNED = ("callbacks", "logger", "plugins", "default_root_dir", "enable_checkpointing")
+TRAINER_OWNED = ("callbacks", "logger", "plugins", "default_root_dir", "enable_checkpointing", "use_distributed_sampler")
 
 
 @dataclass
@@ -160,7 +160,9 @@ class DataConfig:
     seq_len: int = 8192
     """bytes (tokens) per packed row (the paper: 8192)"""
     batch_size: int = 1
-    """rows per step; the effective batch is batch_size * trainer.accumulate_grad_batches"""
+    """rows per step on each device; the global batch is devices x num_nodes x batch_size x trainer.accumulate_grad_batches"""
+    global_batch_size: int | None = None
+    """rows per optimizer step over all devices and nodes. null: devices x num_nodes x batch_size x accumulate_grad_batches (the resolved config states it); set: trainer.accumulate_grad_batches is derived from it, so the step keeps its size at any device count (it must divide evenly)"""
     val_fraction: float = 0.02
     """share of conversations held out (by a hash of the chat id); sharegpt uses the corpus's own held-out chats"""
     max_train_conversations: int | None = None
@@ -310,14 +312,43 @@ class TrainConfig:
         _check_trainer(fail, self.trainer)
         self.data.check(fail, self.model.window)
         self.run.check(fail)
+        self.accumulation(fail)
         return self
 
+    def accumulation(self, fail: Fail | None = None) -> int:
+        """accumulate_grad_batches: derived from data.global_batch_size when that is set (which must
+        then be devices x num_nodes x batch_size x an integer, and agree with a configured
+        accumulate_grad_batches), else the trainer's (default 1)."""
+        fail = fail or Fail(self.source)
+        configured = self.trainer.get("accumulate_grad_batches")
+        total = self.data.global_batch_size
+        if total is None:
+            return configured or 1
+        if not _integer(total) or total < 1:
+            fail("data.global_batch_size", f"got {total!r}; expected a positive integer or null")
+        per_step = world_size(self.trainer) * self.data.batch_size
+        if total % per_step:
+            fail("data.global_batch_size", f"{total} rows is not a multiple of devices x num_nodes x data.batch_size "
+                 f"= {per_step}")
+        derived = total // per_step
+        if configured not in (None, derived):
+            fail("trainer.accumulate_grad_batches", f"{configured} disagrees with data.global_batch_size {total} = "
+                 f"{per_step} rows per step x {derived}; set one of them")
+        return derived
+
     def resolved(self) -> TrainConfig:
-        """With the run's defaults filled in: name, absolute dir and export_dir."""
+        """With the run's defaults filled in: name, absolute dir and export_dir; the global batch
+        (data.global_batch_size) and the accumulation it implies (trainer.accumulate_grad_batches)."""
         name = self.run.name or default_run_name(self)
         run_dir = Path(self.run.dir or Path("runs") / name).resolve()
         export = Path(self.run.export_dir or run_dir / "head").resolve()
-        return replace(self, run=replace(self.run, name=name, dir=str(run_dir), export_dir=str(export)))
+        accumulate = self.accumulation()
+        trainer = dict(self.trainer)
+        if accumulate != 1 or "accumulate_grad_batches" in trainer:
+            trainer["accumulate_grad_batches"] = accumulate
+        total = world_size(trainer) * self.data.batch_size * accumulate
+        return replace(self, run=replace(self.run, name=name, dir=str(run_dir), export_dir=str(export)),
+                       data=replace(self.data, global_batch_size=total), trainer=trainer)
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML layout (what `load_config` reads back), plain types only."""
@@ -330,15 +361,40 @@ class TrainConfig:
         """MLflow params: every model field (backbone, circuit, window, rank, lora_depth, revision, ...),
         the seed, the data and trainer settings a comparison needs, and the bytes per optimizer step."""
         d, t = self.data, self.trainer
-        accumulate = t.get("accumulate_grad_batches") or 1
+        accumulate = self.accumulation()
+        world = world_size(t)
         return {
             **asdict(self.model), "seed": self.seed_everything, "train_seed": self.seed_everything,
             "data_source": d.source, "extra_train_source": d.extra_train_source, "seq_len": d.seq_len,
             "batch_size": d.batch_size, "on_error": d.on_error,
             "accumulate_grad_batches": accumulate, "max_epochs": t.get("max_epochs"),
             "max_steps": t.get("max_steps"), "precision": t.get("precision"),
-            "bytes_per_step": d.seq_len * d.batch_size * accumulate,
+            "devices": t.get("devices", "auto"), "num_nodes": t.get("num_nodes", 1), "strategy": t.get("strategy", "auto"),
+            "world_size": world, "global_batch_size": world * d.batch_size * accumulate,
+            "bytes_per_step": d.seq_len * world * d.batch_size * accumulate,
         }  # fmt: skip
+
+
+def world_size(trainer: dict[str, Any]) -> int:
+    """Processes of a run: devices x num_nodes from the trainer section (`devices` an int, a list or a
+    "0,1" string of device ids; -1 or "auto": every GPU of the node when the accelerator is not the
+    CPU, 1 on the CPU)."""
+    devices, nodes = trainer.get("devices", "auto"), trainer.get("num_nodes", 1) or 1
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        devices = int(devices)
+    elif isinstance(devices, str) and "," in devices:
+        devices = [d for d in devices.split(",") if d.strip()]
+    if isinstance(devices, (list, tuple)):
+        n = len(devices)
+    elif _integer(devices) and devices > 0:
+        n = devices
+    elif trainer.get("accelerator", "auto") == "cpu":
+        n = 1
+    else:
+        import torch
+
+        n = torch.cuda.device_count() or 1
+    return int(n) * int(nodes)
 
 
 def apply_point(cfg: TrainConfig, point: dict[str, Any]) -> TrainConfig:

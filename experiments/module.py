@@ -1,7 +1,9 @@
 """LightningModule: a frozen backbone + an MtPC head (+ LoRA on the draft top), trained with the window loss.
 
 Holds `MtpcTrainModule` (built from a `ModelConfig`; training/validation steps, the two-stage
-schedule: head only for the first `lora_start_epoch` epochs, then head + LoRA), `build_backbone`
+schedule: head only for the first `lora_start_epoch` epochs, then head + LoRA; the loss over the
+global batch under DDP and gradient accumulation; validation as sums and counts reduced across
+ranks), `build_backbone`
 (the `tiny` in-process Llama of `experiments.config.TINY_BACKBONE` for debug runs, else
 `mtpc.backbones.load_backbone`).
 Checkpoints hold only the trainable tensors (head + LoRA) and the RNG states; the frozen backbone
@@ -75,6 +77,12 @@ class MtpcTrainModule(L.LightningModule):
         for p in self.backbone.parameters():
             p.requires_grad_(False)
         self.lora_params = list(self.backbone.lora_parameters()) if c.lora_depth > 0 else []
+        # LoRA requires grad from the start, so DDP (which registers the parameters that require grad
+        # when it wraps the model) all-reduces its gradients once LoRA trains; before
+        # lora_start_epoch the backbone runs without grad, so LoRA gets no gradient (None: Adam
+        # leaves it and its state alone) and DDP, told so (train.py: find_unused_parameters), skips it
+        for p in self.lora_params:
+            p.requires_grad_(True)
         head = HeadConfig(kind=c.circuit, window=c.window, rank=c.rank, vocab=self.backbone.vocab_size,
                           hidden=self.backbone.hidden_size, lora_depth=c.lora_depth, backbone=c.backbone,
                           leaf_delta_rank=c.leaf_delta_rank)
@@ -96,12 +104,6 @@ class MtpcTrainModule(L.LightningModule):
     def lora_active(self) -> bool:
         return bool(self.lora_params) and self.current_epoch >= self.config.lora_start_epoch
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # per batch, not per epoch: Lightning skips on_train_epoch_start when resuming mid-epoch
-        active = self.lora_active()
-        for p in self.lora_params:
-            p.requires_grad_(active)
-
     def configure_optimizers(self) -> torch.optim.Optimizer:
         params = [{"params": list(self.head.parameters())}]
         if self.lora_params:
@@ -110,12 +112,14 @@ class MtpcTrainModule(L.LightningModule):
         return torch.optim.Adam(params, lr=c.lr, betas=tuple(c.betas), weight_decay=c.weight_decay)
 
     # -- steps ------------------------------------------------------------------------------------
-    def _loss(self, batch: tuple[torch.Tensor, ...], grad_backbone: bool, teacher: bool = False):
+    def _loss(self, batch: tuple[torch.Tensor, ...], grad_backbone: bool, teacher: bool = False,
+              examples: torch.Tensor | None = None):
         """The window loss; the teacher (the backbone's STP logits of the verifier top, frozen) is
-        computed when distilling or when `teacher` asks for it (validation logs the KL)."""
+        computed when distilling or when `teacher` asks for it (validation logs the KL).
+        examples (n,): the per-offset example counts L_j is normalised by (None: the batch's own)."""
         from mtpc.losses import window_loss
 
-        ids, score_mask, doc_ids = batch  # (B, S) each
+        ids, score_mask, doc_ids = batch[:3]  # (B, S) each
         with torch.set_grad_enabled(grad_backbone and torch.is_grad_enabled()):
             out = self.backbone(ids)
         e = out.draft_hidden  # (B, S, d)
@@ -125,33 +129,80 @@ class MtpcTrainModule(L.LightningModule):
             with torch.no_grad():
                 logits = self.backbone.stp_logits(out.verify_hidden.detach())  # (B, S, v)
         res = window_loss(self.head, e, ids, score_mask, doc_ids, gamma=c.gamma, chunk_size=c.chunk_size,
-                          teacher_logits=logits, kl_beta=c.kl_beta, kl_temperature=c.kl_temperature)
+                          teacher_logits=logits, kl_beta=c.kl_beta, kl_temperature=c.kl_temperature,
+                          examples=examples)
         return res, out, logits
 
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
-        res, _, _ = self._loss(batch, grad_backbone=self.lora_active())
+        """The window loss over the global batch (DESIGN section 4): the loader hands every batch its
+        optimizer step's per-offset example counts (all ranks, all accumulated micro-batches), so
+        this rank's micro-batch contributes its share of the step's L_j; the share is multiplied by
+        world_size x accumulate_grad_batches because DDP averages gradients over ranks and Lightning
+        divides each micro-batch's loss by accumulate_grad_batches. The gradient is then that of the
+        whole step's loss, as one process with the whole batch would compute it (same rows, same
+        counts). One device, no accumulation: the counts are the batch's own, the factor 1."""
+        counts = batch[3] if len(batch) > 3 else None
+        res, _, _ = self._loss(batch, grad_backbone=self.lora_active(), examples=counts)
+        scale = 1.0
+        if counts is not None:
+            scale = float(self.trainer.world_size * self.trainer.accumulate_grad_batches)
+        loss = res.loss * scale
+        # logged: the mean over ranks of the scaled shares (one all_reduce) = the step's loss without accumulation
+        shown = torch.stack([res.loss.detach(), res.window_nll, res.bits_per_byte,
+                             res.window_kl if res.window_kl is not None else res.window_nll]).float() * scale
+        if self.trainer.world_size > 1:
+            shown = self.trainer.strategy.reduce(shown, reduce_op="mean")
         bs = batch[0].shape[0]
-        self.log("train_loss", res.loss, prog_bar=True, batch_size=bs)
-        self.log("train_window_nll", res.window_nll, batch_size=bs)
-        self.log("train_bits_per_byte", res.bits_per_byte, batch_size=bs)
+        self.log("train_loss", shown[0], prog_bar=True, batch_size=bs)
+        self.log("train_window_nll", shown[1], batch_size=bs)
+        self.log("train_bits_per_byte", shown[2], batch_size=bs)
         if res.window_kl is not None:
-            self.log("train_window_kl", res.window_kl, batch_size=bs)
-        return res.loss
+            self.log("train_window_kl", shown[3], batch_size=bs)
+        return loss
+
+    # -- validation: sums and counts over the epoch, reduced across ranks once at its end ----------
+    def on_validation_epoch_start(self) -> None:
+        n = self.config.window
+        # [sum_b L_bj (n), sum_b K_bj (n), examples with a target at j (n), sum of stp per-example NLL, its count]
+        self._val_sums = torch.zeros(3 * n + 2, dtype=torch.float64, device=self.device)
 
     def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
-        res, out, logits = self._loss(batch, grad_backbone=False, teacher=True)
-        bs = batch[0].shape[0]
-        self.log("val_loss", res.loss, batch_size=bs, prog_bar=True)
-        self.log("val_window_nll", res.window_nll, batch_size=bs)
-        self.log("val_bits_per_byte", res.bits_per_byte, batch_size=bs)
-        self.log("val_window_kl", res.window_kl, batch_size=bs)  # KL(p_T || q) summed over the window
-        for j, v in enumerate(res.per_position_nll.tolist(), start=1):
-            self.log(f"val_nll_{j}", v, batch_size=bs)
-        for j, v in enumerate(res.per_position_kl.tolist(), start=1):
-            self.log(f"val_kl_{j}", v, batch_size=bs)
-        stp = stp_nll(logits, *batch)
+        n = self.config.window
+        ones = torch.ones(n, device=batch[0].device)
+        res, out, logits = self._loss(batch, grad_backbone=False, teacher=True, examples=ones)  # per-example sums
+        sums = self._val_sums
+        sums[:n] += res.per_position_nll.double()
+        sums[n:2 * n] += res.per_position_kl.double()
+        sums[2 * n:3 * n] += res.examples.double()
+        stp = stp_nll(logits, *batch[:3], reduce=False)
         if stp is not None:
-            self.log("val_stp_nll", stp, batch_size=bs)
+            sums[3 * n] += stp.double().sum()
+            sums[3 * n + 1] += stp.numel()
+
+    def on_validation_epoch_end(self) -> None:
+        """Per-offset means over every held-out example with a target there, L_j = sum / count (the
+        same number whatever the batch size or the number of ranks), logged by every rank alike."""
+        import math
+
+        from mtpc.losses import default_gamma
+
+        c, n = self.config, self.config.window
+        sums = self._val_sums
+        if self.trainer.world_size > 1:
+            sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
+        counts = sums[2 * n:3 * n].clamp(min=1)
+        nll, kl = sums[:n] / counts, sums[n:2 * n] / counts
+        gamma = default_gamma(n) if c.gamma is None else float(c.gamma)
+        discount = gamma ** torch.arange(n, dtype=torch.float64, device=sums.device)
+        beta = float(c.kl_beta)
+        values = {"val_loss": (discount * ((1 - beta) * nll + beta * kl)).sum(), "val_window_nll": nll.sum(),
+                  "val_bits_per_byte": nll.sum() / n / math.log(2), "val_window_kl": kl.sum()}
+        values.update({f"val_nll_{j}": v for j, v in enumerate(nll, start=1)})
+        values.update({f"val_kl_{j}": v for j, v in enumerate(kl, start=1)})
+        if sums[3 * n + 1] > 0:  # the same on every rank after the reduction: all log it or none
+            values["val_stp_nll"] = sums[3 * n] / sums[3 * n + 1]
+        for key, v in values.items():
+            self.log(key, v.float(), prog_bar=key == "val_loss", sync_dist=self.trainer.world_size > 1)
 
     # -- checkpoints: trainable tensors + RNG states only -----------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -176,8 +227,9 @@ class MtpcTrainModule(L.LightningModule):
 
 
 def stp_nll(logits: torch.Tensor, ids: torch.Tensor, score_mask: torch.Tensor,
-            doc_ids: torch.Tensor) -> torch.Tensor | None:
-    """The backbone's own next-byte NLL (nats) on the scored targets, per-example mean then batch mean.
+            doc_ids: torch.Tensor, reduce: bool = True) -> torch.Tensor | None:
+    """The backbone's own next-byte NLL (nats) on the scored targets, per-example mean then batch mean
+    (reduce=False: the per-example means of the examples with a scored target).
 
     Same normalisation as the window loss at position 1, so it is the floor a head's val_nll_1 can reach.
     """
@@ -190,5 +242,6 @@ def stp_nll(logits: torch.Tensor, ids: torch.Tensor, score_mask: torch.Tensor,
     keep = count > 0
     if not keep.any():
         return None
-    return (nll.sum(-1)[keep] / count[keep]).mean()
+    per_example = nll.sum(-1)[keep] / count[keep]
+    return per_example.mean() if reduce else per_example
 

@@ -86,8 +86,9 @@ def check_ckpt_path(ckpt_path: str | Path | None, run_dir: Path) -> str | None:
     return str(path)
 
 
-def claim(run_dir: Path, config: dict[str, Any], ckpt_path: str | None) -> dict[str, str]:
+def claim(run_dir: Path, config: dict[str, Any], ckpt_path: str | None, write: bool = True) -> dict[str, str]:
     """Record (or confirm) this run's identity in `run_dir`; returns {"config_hash", "run_id"}.
+    write=False (a rank other than 0 of a multi-process run): the same checks, nothing written.
 
     Refuses (ValueError, one line) a directory whose checkpoints belong to another config, a fresh
     start over this run's own checkpoints, and a checkpoint file recorded by another run.
@@ -107,6 +108,8 @@ def claim(run_dir: Path, config: dict[str, Any], ckpt_path: str | None) -> dict[
         _check_checkpoint_identity(Path(ckpt_path), want, config)
     same = recorded is not None and recorded.get("config_hash") == want and ckpt_path is not None
     identity = {"config_hash": want, "run_id": recorded["run_id"] if same else uuid.uuid4().hex}
+    if not write:
+        return identity
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json(path, {**identity, "config": config}, indent=1, sort_keys=True, default=str)
     return identity

@@ -5,12 +5,18 @@
 A run: parse the config (`experiments.config`, types checked), check it once (`TrainConfig.check`:
 errors name the file and key, before the backbone or the data are loaded), seed, build
 `MtpcTrainModule(cfg.model)`, `ChatDataModule(cfg.data)` and a Trainer with `cfg.trainer` plus the
-suite's own `plugins=[LightningEnvironment()]` (a one-task SLURM job must not be taken for a
-multi-process or self-requeueing one), a ModelCheckpoint in `<run.dir>/checkpoints` (so
+suite's own cluster environment (`cluster_environment`: SLURM's under `srun` with more than one
+task, torchrun's under torchrun, else Lightning's, so a one-task SLURM job is not taken for a
+multi-process or self-requeueing one) and `use_distributed_sampler=False` (the loader shards by
+rank itself), a ModelCheckpoint in `<run.dir>/checkpoints` (so
 `--ckpt_path last` finds `last.ckpt`), the `StopCheckpoint` callback, the progress lines (`StepProgress`, unless
 `trainer.enable_progress_bar` is false) and the MLflow logger; fit;
 score the final head if the last step was not validated; export it with `mtpc.heads.save_head` to
-`run.export_dir`. Before anything loads, the trainer settings are checked, the resume path
+`run.export_dir`. Several devices or nodes (`trainer.devices`, `trainer.num_nodes`,
+`trainer.strategy: ddp`) run Lightning's DDP: standalone Lightning starts the other local ranks by
+running the same command again; under `srun` (one task per device) or `torchrun` every rank is
+started by the launcher. Only global rank 0 writes `run.json`, logs to MLflow (its logger is made
+once the rank is known), prints progress, writes checkpoints (Lightning) and exports the head. Before anything loads, the trainer settings are checked, the resume path
 (`run_dir.check_ckpt_path`: a local file; `last` must exist) and the run directory's identity
 (`run_dir.claim`: one run per directory); checkpoints are written atomically and loaded weights-only
 (`run_dir.AtomicCheckpointIO`).
@@ -102,14 +108,41 @@ def train_head(config: TrainConfig | dict[str, Any] | str | Path, overrides: dic
                 should_stop=should_stop)
 
 
+def cluster_environment() -> Any:
+    """Lightning's cluster environment for this process: TorchElasticEnvironment under torchrun;
+    SLURMEnvironment (without its auto-requeue: `StopCheckpoint` owns SIGUSR1) inside an `srun` step of
+    more than one task (every rank started by srun, ranks from SLURM_PROCID); else
+    LightningEnvironment (one process, or Lightning starting the other local ranks itself): a batch
+    script or a one-task step is one process, not a rank of a multi-process job."""
+    import os
+
+    from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment, TorchElasticEnvironment
+
+    if TorchElasticEnvironment.detect():
+        return TorchElasticEnvironment()
+    if int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
+        return SLURMEnvironment(auto_requeue=False)
+    return LightningEnvironment()
+
+
+def trainer_arguments(cfg: TrainConfig) -> dict[str, Any]:
+    """`cfg.trainer` plus what the suite sets: no DistributedSampler, and DDP told about unused
+    parameters when LoRA starts later (its parameters get no gradient before lora_start_epoch)."""
+    args = {**cfg.trainer, "use_distributed_sampler": False}
+    late_lora = cfg.model.lora_depth > 0 and cfg.model.lora_start_epoch > 0
+    if late_lora and args.get("strategy") == "ddp":
+        args["strategy"] = "ddp_find_unused_parameters_true"
+    return args
+
+
 def _check_trainer(cfg: TrainConfig) -> None:
     """Build the Trainer once without side effects, so a bad trainer value is a one-line error before work."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException
     from lightning.pytorch import Trainer
 
     try:
-        Trainer(**{**cfg.trainer, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
-                   "enable_model_summary": False})
+        Trainer(**{**trainer_arguments(cfg), "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+                   "enable_model_summary": False}, plugins=[cluster_environment()])
     except (MisconfigurationException, ValueError, TypeError) as err:
         named = re.search(r"`(\w+)`", str(err))
         key = f"trainer.{named.group(1)}" if named and named.group(1) in cfg.trainer else "trainer"
@@ -121,7 +154,6 @@ def _fit(cfg: TrainConfig, started: float, *, mlflow_run_id: str | None, ckpt_pa
     import lightning as L
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.plugins.environments import LightningEnvironment
 
     from experiments.callbacks import StopCheckpoint, YieldToTimer
     from experiments.datamodule import ChatDataModule
@@ -131,20 +163,24 @@ def _fit(cfg: TrainConfig, started: float, *, mlflow_run_id: str | None, ckpt_pa
     from experiments.run_dir import AtomicCheckpointIO, RunIdentity, claim
 
     run_dir = Path(cfg.run.dir)
-    identity = claim(run_dir, cfg.to_dict(), None if ckpt_path is None else str(ckpt_path))
     if cfg.run.cpu_threads:
         torch.set_num_threads(int(cfg.run.cpu_threads))
-    L.seed_everything(cfg.seed_everything, verbose=False)
-    module, data = MtpcTrainModule(cfg.model), ChatDataModule(cfg.data)
-    resuming = ckpt_path is not None
     stopper = StopCheckpoint(run_dir / "checkpoints" / "last.ckpt", should_stop)
     periodic = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
                                every_n_train_steps=cfg.run.checkpoint_every_n_steps or None)
-    logger = make_logger(cfg, run_id=mlflow_run_id, resuming=resuming) if cfg.run.tracking else False
-    # the suite's progress lines (experiments/progress.py) instead of Lightning's epoch-long bar
-    progress = [StepProgress(cfg.run.name)] if cfg.trainer.get("enable_progress_bar", True) else []
-    trainer = Trainer(**cfg.trainer, callbacks=[periodic, stopper, RunIdentity(identity), YieldToTimer(), *progress, *callbacks],
-                      plugins=[LightningEnvironment(), AtomicCheckpointIO()], default_root_dir=str(run_dir), logger=logger)
+    identity = RunIdentity({})
+    trainer = Trainer(**trainer_arguments(cfg), callbacks=[periodic, stopper, identity, YieldToTimer(), *callbacks],
+                      plugins=[cluster_environment(), AtomicCheckpointIO()], default_root_dir=str(run_dir), logger=False)
+    rank_zero = trainer.global_rank == 0  # known from the cluster environment before any rank starts
+    # every rank checks the run directory; rank 0 alone records it (the others would each draw a run id)
+    identity.identity = claim(run_dir, cfg.to_dict(), None if ckpt_path is None else str(ckpt_path), write=rank_zero)
+    L.seed_everything(cfg.seed_everything, verbose=False)
+    module, data = MtpcTrainModule(cfg.model), ChatDataModule(cfg.data)
+    resuming = ckpt_path is not None
+    if cfg.run.tracking and rank_zero:
+        trainer.logger = make_logger(cfg, run_id=mlflow_run_id, resuming=resuming)
+    if rank_zero and cfg.trainer.get("enable_progress_bar", True):
+        trainer.callbacks.append(StepProgress(cfg.run.name))  # the suite's lines instead of Lightning's bar
     trainer.fit(module, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None)
     return _finish(cfg, trainer, module, data, stopper, started)
 
@@ -155,6 +191,7 @@ def _finish(cfg: TrainConfig, trainer: Any, module: Any, data: Any, stopper: Any
     from experiments.mlflow_run import log_end
 
     run_dir = Path(cfg.run.dir)
+    rank_zero = trainer.global_rank == 0
     logger = trainer.logger if isinstance(trainer.logger, MLFlowLogger) else None
     common = {"checkpoint_dir": run_dir / "checkpoints", "run_dir": run_dir, "config": cfg.to_dict(), "model": module,
               "mlflow_run_id": logger.run_id if logger else None}
@@ -168,8 +205,10 @@ def _finish(cfg: TrainConfig, trainer: Any, module: Any, data: Any, stopper: Any
         metrics.update(_final_metrics(trainer))
     if cfg.data.on_error == "skip":
         metrics["data_skipped_records"] = float(data.skipped_records)
-    head_dir = _export(cfg, module)
     metrics["train_seconds"] = time.perf_counter() - started
+    if not rank_zero:  # rank 0 exports, logs and writes metrics.json
+        return TrainResult(head_dir=Path(cfg.run.export_dir), metrics=metrics, **common)
+    head_dir = _export(cfg, module)
     if logger:
         log_end(logger, metrics, trainer.global_step, head_dir)
     write_json(run_dir / "metrics.json", metrics, indent=2)
@@ -299,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         name = signal.Signals(result.stop_signal).name if result.stop_signal else "request"
         print(f"stopped by {name}: checkpoint in {result.checkpoint_dir}; resume with --ckpt_path last")
         return STOP_CODES.get(result.stop_signal, 3)
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    if rank_zero_only.rank != 0:  # the other ranks of a multi-process run say nothing
+        return 0
     print(f"head exported to {result.head_dir}")
     print(json.dumps({k: round(v, 5) for k, v in result.metrics.items()}, indent=1))
     return 0

@@ -66,6 +66,8 @@ class WindowLossOutput:
     """window_nll / n / ln 2 (detached)"""
     valid_targets: Tensor
     """(n,) number of scored targets at each window offset, summed over the batch"""
+    examples: Tensor | None = None
+    """(n,) number of examples (rows) of this batch with a scored target at each window offset"""
     per_position_kl: Tensor | None = None
     """(n,) KL(p_j || q_j) in nats, normalised like per_position_nll (detached); None without a teacher"""
     window_kl: Tensor | None = None
@@ -106,16 +108,23 @@ def next_byte_nll(logits: Tensor, input_ids: Tensor, doc_ids: Tensor) -> tuple[T
     return nll, present
 
 
-def loss_weights(scored: Tensor, gamma: float, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor]:
+def loss_weights(scored: Tensor, gamma: float, dtype: torch.dtype = torch.float32,
+                 examples: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Per-target weights such that L_j = sum_{b,t} stat[b,t,j] nll[b,t,j] and
     loss = sum_{b,t,j} loss_w[b,t,j] nll[b,t,j]; computed on the whole batch before chunking.
 
+    examples (n,): the number of examples with a scored target at offset j that L_j averages over
+    (None: this batch's own). A batch that is one part of a larger one (a rank's share of a DDP
+    step, one micro-batch of an accumulated step) passes the whole step's count, so that the parts'
+    losses add up to the whole batch's.
     Returns stat (B, S, n), loss_w (B, S, n), counts V summed over the batch (n,).
     """
     n = scored.shape[-1]
     scored_f = scored.to(dtype)
     V = scored_f.sum(dim=1)  # (B, n)  V_bj
-    examples = (V > 0).sum(dim=0).clamp(min=1).to(dtype)  # (n,) examples with a target at offset j
+    if examples is None:
+        examples = (V > 0).sum(dim=0)  # (n,) examples with a target at offset j
+    examples = examples.to(device=scored.device, dtype=dtype).clamp(min=1)
     stat = scored_f / (V.clamp(min=1).unsqueeze(1) * examples)  # (B, S, n)
     discount = gamma ** torch.arange(n, dtype=dtype, device=scored.device)  # (n,)
     return stat, stat * discount, V.sum(dim=0)
@@ -419,6 +428,7 @@ def window_loss(
     teacher_logits: Tensor | None = None,
     kl_beta: float = 0.0,
     kl_temperature: float = 1.0,
+    examples: Tensor | None = None,
 ) -> WindowLossOutput:
     """The discounted window loss of `head` on e (B, S, d) for the rows input_ids (B, S).
 
@@ -428,13 +438,14 @@ def window_loss(
     teacher_logits (B, S, v): the frozen backbone's STP logits at every position (not
     differentiated); given, the KL statistics are computed and each target's term is
     kl_beta KL(p_j || q_j) + (1 - kl_beta) NLL, p_j = softmax(teacher_logits[t + j - 1] / kl_temperature).
+    examples (n,): the example counts L_j is normalised by (`loss_weights`; None: this batch's own).
     """
     n = head.config.window
     gamma = default_gamma(n) if gamma is None else float(gamma)
     _validate(head, e, input_ids, score_mask, doc_ids, gamma, chunk_size, teacher_logits, kl_beta, kl_temperature)
     x, _, scored = window_targets(input_ids.long(), score_mask, doc_ids.long(), n)
     dtype = torch.float64 if next(head.parameters()).dtype == torch.float64 else torch.float32
-    stat_w, loss_w, counts = loss_weights(scored, gamma, dtype)  # (B, S, n), (B, S, n), (n,)
+    stat_w, loss_w, counts = loss_weights(scored, gamma, dtype, examples)  # (B, S, n), (B, S, n), (n,)
     B, S, d = e.shape
     active = scored.any(dim=-1).flatten().nonzero().squeeze(-1)  # (N,) rows with something to score
     e_rows = e.reshape(-1, d)[active]  # (N, d)
@@ -473,6 +484,7 @@ def window_loss(
         window_nll=total,
         bits_per_byte=total / n / math.log(2),
         valid_targets=counts,
+        examples=scored.any(dim=1).sum(dim=0),
         per_position_kl=per_kl,
         window_kl=None if per_kl is None else per_kl.sum(),
     )

@@ -18,7 +18,7 @@ from tests.evabyte_real import triton_shim, write_tiny_evabyte
 SMALL = {  # the shipped config scaled to the tiny model and the CPU
     "model.backbone_dtype": "float32", "model.chunk_size": "32", "data.source": "debug", "data.seq_len": "64",
     "data.batch_size": "2", "data.max_val_conversations": "4", "trainer.accelerator": "cpu", "trainer.precision": "32",
-    "trainer.accumulate_grad_batches": "1", "trainer.limit_train_batches": "2", "trainer.limit_val_batches": "1",
+    "data.global_batch_size": "2", "trainer.limit_train_batches": "2", "trainer.limit_val_batches": "1",
     "trainer.val_check_interval": "1.0", "run.tracking": "false",
 }  # fmt: skip
 
