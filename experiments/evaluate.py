@@ -61,7 +61,7 @@ import torch
 from tqdm import tqdm
 
 import tracking
-from experiments.background import timing
+from experiments.background import timing, wait_while_timing
 from experiments.config import EvalConfig
 from mtpc import MtpcModel
 from mtpc.atomic import check_writable, write_json
@@ -243,21 +243,34 @@ class EvalJob:
     prompts: list[torch.Tensor]
 
 
-def _generate(model: MtpcModel, job: EvalJob, extra_token: str | None, seed: int, kw: dict[str, Any],
-              bar: Any) -> tuple[list[Any], list[bytes | list[int]]]:
-    """The job's prompts through `model` (speculative with `extra_token`; None: the plain model), prompt i
-    sampled with seed + i: the per-prompt stats and answers."""
-    stats, answers = [], []
-    for i, p in enumerate(job.prompts):
-        ban = job.eos == "banned"
-        if extra_token is None:
-            out = model.generate_plain(p, mode=job.mode, seed=seed + i, ban_eos=ban, **kw)
-        else:
-            out = model.generate(p, mode=job.mode, seed=seed + i, extra_token=extra_token, ban_eos=ban, **kw)
-        stats.append(out.stats)
-        answers.append(_answer(model, out.ids))
-        bar.update()
-    return stats, answers
+def _generate_one(model: MtpcModel, job: EvalJob, i: int, extra_token: str | None, seed: int, kw: dict[str, Any]) -> Any:
+    """Prompt i of the job through `model` (speculative with `extra_token`; None: the plain model),
+    sampled with seed + i."""
+    ban = job.eos == "banned"
+    p = job.prompts[i]
+    if extra_token is None:
+        return model.generate_plain(p, mode=job.mode, seed=seed + i, ban_eos=ban, **kw)
+    return model.generate(p, mode=job.mode, seed=seed + i, extra_token=extra_token, ban_eos=ban, **kw)
+
+
+def _generate_interleaved(runners: list[tuple[MtpcModel, str | None]], job: EvalJob, seed: int, kw: dict[str, Any],
+                          bar: Any) -> list[tuple[list[Any], list[bytes | list[int]]]]:
+    """The job's prompts through every runner (model, extra_token; None: the plain model) in interleaved
+    rounds — prompt i through all of them before prompt i + 1 — after one short untimed warm-up call
+    each, so a drift of the machine's speed during the job falls on STP and every head alike.
+    Returns per runner its per-prompt stats and answers (prompt i sampled with seed + i)."""
+    if job.prompts:
+        warm = dict(kw, max_new_tokens=min(4, kw["max_new_tokens"]))
+        for model, extra in runners:
+            _generate_one(model, job, 0, extra, seed, warm)
+    out: list[tuple[list[Any], list[bytes | list[int]]]] = [([], []) for _ in runners]
+    for i in range(len(job.prompts)):
+        for (model, extra), (stats, answers) in zip(runners, out, strict=True):
+            o = _generate_one(model, job, i, extra, seed, kw)
+            stats.append(o.stats)
+            answers.append(_answer(model, o.ids))
+            bar.update()
+    return out
 
 
 def _decode_config(model: MtpcModel, job: EvalJob, kw: dict[str, Any]) -> Any:
@@ -331,8 +344,9 @@ def evaluate_heads(
     = derived_throughput / stp_throughput. The degeneracy metrics read the continuations.
     continuation_batch: offline, prompts decoded at once for the continuations (compact Llama forward).
     Prompt i of a set is sampled with seed + i for STP and every head alike.
-    Everything timed runs under `experiments.background.timing`: one timer on the machine at a time
-    (the offline computation runs after it, untimed).
+    Everything timed runs under `experiments.background.timing`: one timer on the machine at a time;
+    STP and the heads run each prompt in turn (interleaved rounds, after a short warm-up call each). The
+    offline computation runs after it, untimed, and waits while another process times.
     The evaluation is a list of `EvalJob`s, one per (mode, eos, prompt set) in that order; each runs
     STP (when `stp`) and then every (head, extra_token).
     """
@@ -373,12 +387,14 @@ def evaluate_heads(
         bar = tqdm(total=sum(len(j.prompts) for j in timed_jobs) * (int(stp) + len(heads)), desc="evaluate",
                    disable=not progress, file=sys.stderr)
         for job in timed_jobs:
-            base = _generate(first, job, None, seed, kw, bar) if stp else None
-            timed.append((base, [_generate(model, job, extra, seed, kw, bar) for _name, model, extra in heads]))
+            runners = ([(first, None)] if stp else []) + [(model, extra) for _name, model, extra in heads]
+            got = _generate_interleaved(runners, job, seed, kw, bar)
+            timed.append((got[0], got[1:]) if stp else (None, got))
         bar.close()
     untimed: list[tuple[list[list[int]], dict[str, list[Any]]]] = []
     if offline:
         for job in tqdm(jobs, desc="offline acceptance", disable=not progress, file=sys.stderr):
+            wait_while_timing()  # untimed, but heavy: not while another trial's latency is timed
             untimed.append(_offline(models, job, seed, kw, continuation_batch))
     stp_rows: dict[str, list[dict]] = {mode: [] for mode in modes}
     runs: list[dict[str, Any]] = []
