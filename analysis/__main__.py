@@ -33,6 +33,7 @@ from analysis.filters import Filters
 from analysis.hists import load_hists
 from analysis.load import AnalysisError, LoadResult, load
 from mtpc.names import CIRCUIT_KINDS, DECODE_MODES, EXTRA_TOKEN_OPTIONS
+from tracking.schema import BASELINE_METHODS
 
 DEFAULT_OUT = "outputs/analysis"
 MAX_LISTED_SKIPS = 20
@@ -61,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", nargs="+", type=int, help="keep only these windows n")
     p.add_argument("--lora-depth", nargs="+", type=int, help="keep only these LoRA depths k")
     p.add_argument(
-        "--circuit", nargs="+", choices=CIRCUIT_KINDS, help="keep only these circuits"
+        "--circuit", nargs="+", choices=(*CIRCUIT_KINDS, *BASELINE_METHODS),
+        help="keep only these circuits (or EvaByte's own decoding, evabyte-mtp)"
     )
     p.add_argument(
         "--prompt-sets", choices=("reported", "dev", "all"), default="reported",

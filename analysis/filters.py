@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from mtpc.names import CIRCUIT_KINDS, DECODE_MODES, EXTRA_TOKEN_OPTIONS
-from tracking.schema import DEV_SET_PREFIX
+from tracking.schema import BASELINE_METHODS, DEV_SET_PREFIX
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,9 @@ class Filters:
             if bad:
                 raise ValueError(f"filter extra_token={bad}: expected values in {list(EXTRA_TOKEN_OPTIONS)}")
         if self.circuit is not None:
-            bad = [m for m in self.circuit if m not in CIRCUIT_KINDS]
+            bad = [m for m in self.circuit if m not in (*CIRCUIT_KINDS, *BASELINE_METHODS)]
             if bad:
-                raise ValueError(f"filter circuit={bad}: expected values in {list(CIRCUIT_KINDS)}")
+                raise ValueError(f"filter circuit={bad}: expected values in {[*CIRCUIT_KINDS, *BASELINE_METHODS]}")
 
     def active(self) -> dict[str, tuple]:
         return {k: v for k, v in self.__dict__.items() if v is not None and k != "prompt_sets"}

@@ -27,9 +27,16 @@ import pandas as pd
 
 import tracking
 from analysis.filters import Filters, apply_filters
-from tracking.schema import ACCEPTANCE_PREFIX, EVAL_METRICS, PARETO_METRICS, POINTS_TAG, SWEEP_AXES
+from tracking.schema import (
+    ACCEPTANCE_PREFIX,
+    BASELINE_METHODS,
+    EVAL_METRICS,
+    PARETO_METRICS,
+    POINTS_TAG,
+    SWEEP_AXES,
+)
 
-#: params every evaluation run must carry, with their types
+#: params every evaluation run must carry, with their types (rank: but a baseline method's, BASELINE_METHODS)
 REQUIRED_PARAMS: dict[str, type] = {
     "backbone": str,
     "circuit": str,
@@ -153,8 +160,8 @@ def run_record(
             value = _parse(params.get(name), kind)
         except ValueError:
             value = None
-        if value is None:
-            missing.append(f"param {name}")
+        if value is None and not (name == "rank" and row.get("circuit") in BASELINE_METHODS):
+            missing.append(f"param {name}")  # a baseline method (EvaByte's own decoding) has no rank
         row[name] = value
     for name, kind in OPTIONAL_PARAMS.items():
         try:

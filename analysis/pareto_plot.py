@@ -170,9 +170,11 @@ _LABEL_OFFSETS = (  # (dx, dy) in points, horizontal alignment, vertical alignme
 
 
 def point_label(row) -> str:
-    """n/r/k, then β<kl_beta> for a distilled head and s<seed> for a training seed > 0 (CE and
-    distilled twins, and seeds, would otherwise carry the same label)."""
-    text = f"{row['window']}/{row['rank']}/{row['lora_depth']}"
+    """n/r/k (r "–" for a method without a rank: EvaByte's own decoding), then β<kl_beta> for a
+    distilled head and s<seed> for a training seed > 0 (CE and distilled twins, and seeds, would
+    otherwise carry the same label)."""
+    rank = "–" if pd.isna(row["rank"]) else row["rank"]
+    text = f"{row['window']}/{rank}/{row['lora_depth']}"
     beta, seed = row.get("kl_beta"), row.get("train_seed")
     if beta is not None and pd.notna(beta) and float(beta) > 0:
         text += f" β{float(beta):g}"

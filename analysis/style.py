@@ -19,6 +19,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from mtpc.names import CIRCUIT_KINDS  # noqa: E402
+from tracking.schema import EVABYTE_MTP  # noqa: E402
 
 COLUMN_WIDTH_IN = 3.3
 HEIGHT_IN = 2.5
@@ -31,6 +32,7 @@ CIRCUIT_STYLE: dict[str, tuple[str, str]] = {
     "cp": ("#E69F00", "s"),
     "hmm": ("#009E73", "^"),
     "btree": ("#CC79A7", "D"),
+    EVABYTE_MTP: ("#D55E00", "P"),  # EvaByte's own multi-byte decoding, a baseline
 }
 _OTHER_STYLE = ("#555555", "x")
 PAPER_RC = {

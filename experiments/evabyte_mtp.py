@@ -5,8 +5,9 @@ decoding with its 8 heads on every prompt, greedily only: its sampling is lossy 
 acceptance) and it neither bans EOS nor stops exactly at a byte budget, so its output is cut to
 `max_new_tokens` (and at the first stop id when EOS is allowed). Each run records bytes per step
 (`tokens_per_cycle`), throughput (bytes after the prefill / decode seconds) and `equals_greedy` (its
-bytes = plain greedy decoding's, with the same EOS treatment), under the method name
-`evabyte-mtp`. Returns [] for a backbone without `multi_byte_generate` (only EvaByte has it).
+bytes = plain greedy decoding's, with the same EOS treatment), and, a step standing for a
+cycle, `mu_lat` (seconds per step) and `mu_acc` (bytes per step beyond the verified one), so the
+analysis places it on the Pareto plot, under the method name `evabyte-mtp` (no rank). Returns [] for a backbone without `multi_byte_generate` (only EvaByte has it).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any
 
 import torch
 
-METHOD = "evabyte-mtp"
+from tracking.schema import EVABYTE_MTP as METHOD
+
 NOTE = "greedy only; EOS not banned by the method itself and output truncated to the budget"
 
 
@@ -60,9 +62,20 @@ def evabyte_mtp_runs(model: Any, encoded_sets: list[list[torch.Tensor]], max_new
                 "head": METHOD, "backbone": str(bb.name), "circuit": METHOD, "window": int(cfg.num_pred_heads),
                 "rank": None, "lora_depth": 0, "mode": "greedy", "extra_token": "keep", "eos": eos_mode,
                 "temperature": None, "top_p": None, "prompt_set": set_idx, "seed": seed, "note": NOTE,
-                "metrics": {"tokens_per_cycle": produced / steps if steps else float("nan"), "cycles": steps,
-                            "generated": produced, "throughput": produced / decode_s if decode_s else float("nan"),
+                "metrics": {**_step_metrics(produced, steps, decode_s, int(cfg.num_pred_heads)), "cycles": steps,
+                            "generated": produced,
                             "equals_greedy": equal / len(prompts) if prompts else float("nan"),
                             "per_position_acceptance": [], "accepted_length_histogram": hist},
             })  # fmt: skip
     return runs
+
+
+def _step_metrics(produced: int, steps: int, decode_s: float, heads: int) -> dict[str, float]:
+    """The Pareto metrics of the suite's heads, a step standing for a cycle: mu_lat = seconds per step,
+    mu_acc = bytes per step beyond the one verified byte, the accept-all bound = heads / mu_lat."""
+    nan = float("nan")
+    tpc = produced / steps if steps else nan
+    mu_lat = decode_s / steps if steps else nan
+    return {"tokens_per_cycle": tpc, "mu_acc": tpc - 1.0, "mu_lat": mu_lat,
+            "throughput": produced / decode_s if decode_s else nan,
+            "max_throughput": heads / mu_lat if steps and decode_s else nan}  # fmt: skip

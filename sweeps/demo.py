@@ -154,8 +154,9 @@ def _demo(a: argparse.Namespace, out: Path, phases: Phases) -> int:
     print(f"trials: {st['states']}")
     fig_dir = out / "analysis"
     phases.step("3/4 python -m analysis: Pareto fronts, figures and tables")
-    r = subprocess.run([sys.executable, "-m", "analysis", "--tracking-uri", spec.tracking_uri, "--experiment", spec.experiment,
-                        "--out", str(fig_dir)], cwd=REPO)
+    cmd, env = run.python_module("analysis", "--tracking-uri", spec.tracking_uri, "--experiment", spec.experiment,
+                                 "--out", str(fig_dir))
+    r = subprocess.run(cmd, cwd=REPO, env=env)
     if r.returncode != 0:
         print(f"python -m analysis exited with {r.returncode}", file=sys.stderr)
         rc = rc or r.returncode

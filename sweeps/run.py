@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -67,17 +68,31 @@ _SEVERITY = (EXIT_BAD_INPUT, EXIT_TRACKING, EXIT_PREEMPTED, EXIT_WORKER_DIED)
 POLL_S = 0.2
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def python_module(module: str, *args: str) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of a child `python -m module args` of the suite: PYTHONSAFEPATH=1
+    keeps the current directory off its import path (and its children's); this checkout goes on
+    PYTHONPATH when this process imported it from a path entry (not from an installed package), so
+    the child runs the same code."""
+    env = dict(os.environ, PYTHONSAFEPATH="1")
+    if str(ROOT) in {os.path.realpath(p or os.curdir) for p in sys.path}:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return [sys.executable, "-m", module, *args], env
+
+
 def local_workers(spec: SweepSpec, n: int, extra: list[str]) -> int:
     """Start n worker processes and supervise them until all have exited; returns the runner's
     exit code. SIGINT/SIGTERM/SIGUSR1 are forwarded to the workers."""
-    cmd = [sys.executable, "-m", "sweeps.run", str(spec.path), "--worker", *extra]
+    cmd, env = python_module("sweeps.run", str(spec.path), "--worker", *extra)
     live: dict[int, subprocess.Popen] = {}
     codes: list[int] = []
     stopping: list[int] = []
     budget = spec.n_trials * (spec.max_retries + 1)
 
     def start() -> None:
-        p = subprocess.Popen(cmd)
+        p = subprocess.Popen(cmd, env=env)
         live[p.pid] = p
 
     def forward(signum, _frame) -> None:

@@ -14,7 +14,19 @@ import it; it imports none of them, and `mtpc/` stays free of MLflow).
 Everything is re-exported here: `import tracking; tracking.ensure_experiment(uri, name)`.
 """
 
-from tracking.evaluations import (
+import os as _os
+import sys as _sys
+
+# No import from the current directory (docs/reliability.md, "No code without consent"): `python -m`
+# puts it first on sys.path, where a planted `torch.py` or `yaml.py` would shadow the real module.
+# Dropped before anything is imported, unless it is the checkout this package runs from.
+_here = _os.path.dirname(_os.path.dirname(_os.path.realpath(__file__)))
+_cwd = _os.path.realpath(_os.getcwd())
+if _cwd != _here:
+    _sys.path[:] = [p for p in _sys.path if _os.path.realpath(p or _os.curdir) != _cwd]
+del _os, _sys, _here, _cwd
+
+from tracking.evaluations import (  # noqa: E402 - after the import-path guard
     NAME_PARAMS,
     SUMMARY_METRICS,
     SUMMARY_TAG,
@@ -26,7 +38,7 @@ from tracking.evaluations import (
     log_trial_summary,
     summary_metrics,
 )
-from tracking.runs import (
+from tracking.runs import (  # noqa: E402 - after the import-path guard
     ERROR_TAG,
     GIT_TAGS,
     PARENT_TAG,
@@ -43,8 +55,8 @@ from tracking.runs import (
     start_parent_run,
     terminate,
 )
-from tracking.schema import STORED_METRICS
-from tracking.store import (
+from tracking.schema import STORED_METRICS  # noqa: E402
+from tracking.store import (  # noqa: E402 - after the import-path guard
     DEFAULT_DB,
     TRACKING_ENV,
     TrackingError,
@@ -60,7 +72,7 @@ from tracking.store import (
     short,
     sqlite_path,
 )
-from tracking.views import VIEW_ID, runs_url, save_runs_view, view_columns
+from tracking.views import VIEW_ID, runs_url, save_runs_view, view_columns  # noqa: E402
 
 __all__ = [
     "DEFAULT_DB", "ERROR_TAG", "GIT_TAGS", "NAME_PARAMS", "PARENT_TAG", "STORED_METRICS", "SUMMARY_METRICS",

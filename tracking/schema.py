@@ -64,6 +64,11 @@ DEV_SET_PREFIX = "dev"
 #: model's continuations, mtpc/speculative/offline.py; mu_lat timed on a subset by the online loop)
 #: or online (every prompt through the speculative loop, timed). A run without the param is online.
 ACCEPTANCE_METHODS: tuple[str, ...] = ("offline", "online")
+#: a method logged in the evaluation's `circuit` param that is not a head of this suite: EvaByte's
+#: own multi-byte decoding (experiments/evabyte_mtp.py); it has no rank (the param is None), and
+#: the analysis shows it as a design of its own
+EVABYTE_MTP = "evabyte-mtp"
+BASELINE_METHODS: tuple[str, ...] = (EVABYTE_MTP,)
 #: params of every evaluation child run (copied from the trial, so children can be filtered alone)
 EVAL_PARAMS: tuple[str, ...] = (
     "backbone", "circuit", "window", "rank", "lora_depth", "mode", "extra_token", "eos", "temperature",

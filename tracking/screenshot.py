@@ -42,7 +42,7 @@ def free_port() -> int:
 
 def start_server(uri: str, port: int, log: Path, timeout_s: float = 180.0) -> subprocess.Popen:
     """`mlflow server` for `uri` on 127.0.0.1:`port`, in its own session; returns once /health answers."""
-    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false", PYTHONSAFEPATH="1")  # no import from the cwd
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),

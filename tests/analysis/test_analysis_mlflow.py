@@ -322,3 +322,91 @@ def test_no_analysis_file_is_named_like_an_installed_module():
                        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == [] and not {"tables"} & set(stems), r.stdout  # tables: named even where not installed
+
+
+class _OwnMtpBackbone:
+    """Just what `evabyte_mtp_runs` reads of an EvaByte backbone: its own `multi_byte_generate`
+    (here: the prompt + 12 bytes in steps of 3, 4, 2, 3 bytes), its config and its stop ids."""
+
+    name = "evabyte-tiny"
+    stop_token_ids = (2, 11)
+    eos_token_id = 2
+
+    def __init__(self):
+        import types
+
+        self.model = self
+        self.config = types.SimpleNamespace(num_pred_heads=8, return_dict=True)
+
+    def multi_byte_generate(self, ids, max_new_tokens, return_acc_lengths):
+        import torch
+
+        new = torch.arange(100, 112)[None]
+        return torch.cat([ids, new], 1)[:, : ids.shape[1] + max_new_tokens], [3, 4, 2, 3]
+
+
+class _OwnMtpModel:
+    def __init__(self):
+        self.backbone = _OwnMtpBackbone()
+
+    def generate_plain(self, p, **kw):
+        import types
+
+        import torch
+
+        return types.SimpleNamespace(ids=torch.arange(100, 100 + kw["max_new_tokens"]))
+
+
+def test_evabyte_mtp_runs_are_rows_of_the_analysis_and_a_design_of_their_own(tmp_path, capsys):
+    """EvaByte's own multi-byte decoding (`evaluate --evabyte-mtp`) logged beside a head through the
+    evaluator's own writer: `python -m analysis` shows it as a row (table, summary.csv) and the Pareto
+    plot draws it as a design of its own (circuit `evabyte-mtp`, no rank), not skipped for missing
+    metrics or an undefined rank."""
+    import pandas as pd
+    import torch
+
+    from analysis import pareto_plot, style
+    from analysis.aggregate import aggregate, split_settings
+    from experiments.evabyte_mtp import METHOD, evabyte_mtp_runs
+    from experiments.evaluate import log_evaluation_to_mlflow, summarize
+
+    prompts = [[torch.tensor([1, 72, 105]), torch.tensor([1, 80])] for _ in range(2)]
+    own = evabyte_mtp_runs(_OwnMtpModel(), prompts, 12, set_names=["chat", "code"], eos=("banned",))
+    assert len(own) == 2 and {r["circuit"] for r in own} == {METHOD}
+    m = own[0]["metrics"]
+    assert m["tokens_per_cycle"] == 2 * 12 / 8 and m["mu_acc"] == m["tokens_per_cycle"] - 1  # 3 bytes a step: 1 verified + 2
+    heads = []
+    for ev in synthetic_evaluations(circuits=("cp",), windows=(8,), prompt_sets=("chat", "code")):
+        p = ev.params
+        heads.append({**{k: p[k] for k in ("backbone", "circuit", "window", "rank", "lora_depth", "mode", "prompt_set", "seed")},
+                      "head": "head", "backbone": "evabyte-tiny", "extra_token": "keep", "eos": "banned",
+                      "temperature": None, "top_p": None,
+                      "metrics": {**{k: v for k, v in ev.metrics.items() if not k.startswith("acceptance_pos_")},
+                                  "per_position_acceptance": [None], "accepted_length_histogram": ev.hist}})
+    results = {"hardware": "test", "config": {"ff_head": None, "max_new_tokens": 12}, "stp": {}, "runs": heads + own}
+    results["summary"] = summarize(results)
+    uri = fresh_tracking_uri(tmp_path / "mlflow")
+    exp = tracking.ensure_experiment(uri, "evabyte")
+    parent = tracking.start_parent_run(uri, exp, "trial", params={}, tags={})
+    assert len(log_evaluation_to_mlflow(results, parent, tracking_uri=uri)) == 4
+
+    result, _, _ = load(uri, "evabyte")
+    assert not result.skipped, result.skipped
+    df = result.runs
+    assert sorted(df["circuit"]) == ["cp", "cp", METHOD, METHOD]
+    assert df.loc[df.circuit == METHOD, "rank"].isna().all()
+    ((_, part),) = split_settings(aggregate(df))
+    assert sorted(part["circuit"]) == ["cp", METHOD]
+    row = part[part.circuit == METHOD].iloc[0]
+    assert row["n_evals"] == 2 and row["mu_acc_mean"] == pytest.approx(2.0)
+    ax = pareto_plot.pareto_figure(*split_settings(aggregate(df))[0]).axes[0]
+    assert {c.get_gid() for c in ax.collections} >= {"circuit-cp", f"circuit-{METHOD}"}
+    assert style.circuit_style(METHOD) != style.circuit_style("cp")  # its own colour and marker
+    assert "8/–/0" in [t.get_text() for t in ax.texts if t.get_gid() == "point-label"]
+
+    out = tmp_path / "out"
+    assert cli.main(["--tracking-uri", uri, "--experiment", "evabyte", "--out", str(out), "--no-log-to-mlflow"]) == 0
+    assert "skipped" not in capsys.readouterr().err
+    summary = pd.read_csv(out / "summary.csv")
+    assert sorted(summary["circuit"]) == ["cp", METHOD]
+    assert METHOD in (out / "table_greedy.md").read_text()

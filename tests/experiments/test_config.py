@@ -223,6 +223,40 @@ def test_a_class_outside_the_allow_list_is_refused_before_any_import(tmp_path, m
         assert not marker.exists(), args
 
 
+PLANTED = ("torch", "yaml", "pandas", "optuna", "mlflow", "lightning", "jsonargparse")
+
+
+@pytest.mark.slow
+def test_no_cli_imports_a_module_planted_in_the_current_directory(tmp_path):
+    """`python -m` puts the current directory first on sys.path: a `torch.py` or `yaml.py` planted
+    where a user runs a CLI would be imported instead of the real module. Each CLI package drops the
+    directory before importing anything, so none of the planted modules (each writes a marker) runs;
+    the suite's own children (sweep workers, the demo's analysis) also run with PYTHONSAFEPATH=1,
+    which keeps even a planted package named like the suite's own off their path."""
+    import os
+    import subprocess
+    import sys
+
+    from sweeps.run import python_module
+
+    for name in PLANTED:
+        (tmp_path / f"{name}.py").write_text(f"import pathlib\npathlib.Path(__file__).with_name('RAN-{name}').write_text('x')\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))  # the suite found after the cwd, as an installed package is
+    for cli in (["experiments.train", "fit", "--help"], ["experiments.evaluate", "--help"], ["sweeps.run", "--help"],
+                ["analysis", "--help"]):
+        r = subprocess.run([sys.executable, "-m", *cli], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and "usage:" in r.stdout, (cli, r.stderr[-2000:])
+        assert not sorted(tmp_path.glob("RAN-*")), cli
+    # a child of the suite: even a planted `sweeps/` package is not what it runs
+    (tmp_path / "sweeps").mkdir()
+    (tmp_path / "sweeps" / "__init__.py").write_text("import pathlib\npathlib.Path(__file__).parents[1].joinpath('RAN-sweeps').write_text('x')\n")
+    cmd, child_env = python_module("sweeps.run", "--help")
+    assert child_env["PYTHONSAFEPATH"] == "1" and str(REPO) in child_env["PYTHONPATH"].split(os.pathsep)
+    r = subprocess.run(cmd, cwd=tmp_path, env=child_env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "usage: python -m sweeps.run" in r.stdout, r.stderr[-2000:]
+    assert not sorted(tmp_path.glob("RAN-*"))
+
+
 def test_check_refuses_an_evaluation_longer_than_the_backbone_context(tmp_path):
     """--check (validate_trial_configs) finds an evaluation that cannot fit the backbone's context:
     the longest drawn prompt + eval.max_new_tokens + window > max_context (tiny: 1024), before training."""
