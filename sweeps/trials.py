@@ -147,9 +147,11 @@ def fixture_trial(ctx: TrialContext) -> None:
                 params = {
                     "backbone": "fixture", **point, "mode": mode,
                     "extra_token": e.extra_token, "eos": eos, "temperature": temperature, "prompt_set": ps,
-                    "seed": e.seed, "hardware": "fixture", "top_p": e.top_p,
+                    "seed": e.seed, "hardware": "fixture", "top_p": e.top_p, "acceptance_method": e.acceptance,
                 }
                 metrics = fixture_metrics(point, mode, e.extra_token)
+                if e.acceptance == "offline":  # as evaluate names them: derived from offline acceptance and timed latency
+                    metrics.update(derived_throughput=metrics["throughput"], derived_speedup_vs_stp=metrics["speedup_vs_stp"])
                 per_pos = [None] + [metrics.pop(f"{ACCEPTANCE_PREFIX}{i}") for i in range(2, point["window"] + 1)]
                 tracking.log_evaluation(
                     uri, parent, params, metrics, per_position_acceptance=per_pos,
