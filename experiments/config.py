@@ -260,6 +260,9 @@ class EvalConfig:
     timed by the online loop on `latency_prompts`) or online (every prompt through the timed loop)"""
     latency_prompts: int = 16
     """offline: the first this many prompts of each set go through the online loop (and STP), timed"""
+    continuation_cache: bool = True
+    """offline: share the plain model's continuations through the on-disk cache (computed once per
+    backbone weights, decode config, prompts and seeds, by whichever trial asks first); false recomputes them"""
 
     def check(self, fail: Fail) -> EvalConfig:
         """The bounds of every field (`fail(key, msg)` raises); returns self."""

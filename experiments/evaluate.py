@@ -282,18 +282,22 @@ def _decode_config(model: MtpcModel, job: EvalJob, kw: dict[str, Any]) -> Any:
                         eos_id=stops if len(stops) > 1 else model.backbone.eos_token_id, **kw)  # fmt: skip
 
 
-def _offline(models: dict[str, MtpcModel], job: EvalJob, seed: int, kw: dict[str, Any], batch: int) -> tuple[
-        list[list[int]], dict[str, list[Any]]]:  # fmt: skip
+def _offline(models: dict[str, MtpcModel], job: EvalJob, seed: int, kw: dict[str, Any], batch: int,
+             cache: bool = True) -> tuple[list[list[int]], dict[str, list[Any]]]:  # fmt: skip
     """The plain model's continuations of the job's prompts (prompt i seeded seed + i, as STP) and, per
     head, its offline keep-cycle counts on them: one teacher-forced pass per backbone (heads with
-    lora_depth 0 share one), reused by every head on it (mtpc/speculative/offline.py)."""
-    from mtpc.speculative.offline import continuations, offline_acceptance, teacher_force
+    lora_depth 0 share one), reused by every head on it (mtpc/speculative/offline.py). The
+    continuations come from the on-disk cache when another evaluation computed them already
+    (mtpc/speculative/continuation_cache.py; `cache` False: computed here, nothing stored)."""
+    from mtpc.speculative.continuation_cache import cached_continuations
+    from mtpc.speculative.offline import offline_acceptance, teacher_force
 
     first = next(iter(models.values()))
     cfg = _decode_config(first, job, kw)
     bb = first.backbone
     batch = batch if getattr(bb, "engine", "hf") == "compact" else 1  # batched decoding needs the compact forward
-    ys = continuations(bb, job.prompts, cfg, seeds=[seed + i for i in range(len(job.prompts))], batch_size=batch)
+    ys = cached_continuations(bb, job.prompts, cfg, seeds=[seed + i for i in range(len(job.prompts))], batch_size=batch,
+                              cache=cache)
     passes: dict[int, Any] = {}
     out = {}
     for name, model in models.items():
@@ -323,6 +327,7 @@ def evaluate_heads(
     acceptance: str = "online",
     latency_prompts: int = EvalConfig.latency_prompts,
     continuation_batch: int = 16,
+    continuation_cache: bool = True,
 ) -> dict[str, Any]:
     """Run STP and every head on every prompt set in this process; returns a JSON-able dict.
 
@@ -343,6 +348,9 @@ def evaluate_heads(
     `derived_throughput` = tokens_per_cycle (offline) / mu_lat (timed) and `derived_speedup_vs_stp`
     = derived_throughput / stp_throughput. The degeneracy metrics read the continuations.
     continuation_batch: offline, prompts decoded at once for the continuations (compact Llama forward).
+    continuation_cache: offline, read and store the continuations in the on-disk cache shared by every
+    evaluation and process (mtpc/speculative/continuation_cache.py; keyed by the backbone's weights,
+    the decode config, the prompts and seeds); False computes them here and stores nothing.
     Prompt i of a set is sampled with seed + i for STP and every head alike.
     Everything timed runs under `experiments.background.timing`: one timer on the machine at a time;
     STP and the heads run each prompt in turn (interleaved rounds, after a short warm-up call each). The
@@ -395,7 +403,7 @@ def evaluate_heads(
     if offline:
         for job in tqdm(jobs, desc="offline acceptance", disable=not progress, file=sys.stderr):
             wait_while_timing()  # untimed, but heavy: not while another trial's latency is timed
-            untimed.append(_offline(models, job, seed, kw, continuation_batch))
+            untimed.append(_offline(models, job, seed, kw, continuation_batch, continuation_cache))
     stp_rows: dict[str, list[dict]] = {mode: [] for mode in modes}
     runs: list[dict[str, Any]] = []
     for j, (job, tjob) in enumerate(zip(jobs, timed_jobs, strict=True)):
@@ -580,6 +588,9 @@ def main(argv: list[str] | None = None) -> int:
                          "prompt, mu_lat timed on --latency-prompts) or online (every prompt through the timed loop)")
     ap.add_argument("--latency-prompts", type=int, default=d.latency_prompts,
                     help="offline: prompts per set timed through the online loop and STP (the first ones)")
+    ap.add_argument("--no-continuation-cache", action="store_true", default=not d.continuation_cache,
+                    help="offline: compute the plain model's continuations here instead of reading / storing them in "
+                         "the cache shared by every evaluation ($MTPC_CONTINUATION_CACHE_DIR, else <mtpc cache>/continuations)")
     ap.add_argument("--eos", default=",".join(d.eos),
                     help="banned (default: EOS gets probability 0, equal lengths), allowed (EOS stops), or both")
     ap.add_argument("--device", default=None, help="cpu, cuda, ... (default: where the backbone loads)")
@@ -628,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
             models, prompt_sets, modes, extras, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_p=args.top_p, seed=args.seed, eos=eos, ff_name="ff" if args.ff_head else None,
             progress=not args.no_progress, evabyte_mtp=args.evabyte_mtp, acceptance=args.acceptance,
-            latency_prompts=args.latency_prompts,
+            latency_prompts=args.latency_prompts, continuation_cache=not args.no_continuation_cache,
         )  # fmt: skip
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

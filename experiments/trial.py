@@ -143,7 +143,7 @@ def evaluate_head(head_dir: Path, cfg: TrainConfig, evaluation: EvalConfig, *, p
         res = evaluate_heads(
             {"head": model}, sets, passes, (e.extra_token,), max_new_tokens=e.max_new_tokens, temperature=temperature,
             top_p=e.top_p, seed=e.seed, eos=e.eos, set_names=names, stp=e.stp, acceptance=e.acceptance,
-            latency_prompts=e.latency_prompts,
+            latency_prompts=e.latency_prompts, continuation_cache=e.continuation_cache,
         )
         if results is None:
             results = res

@@ -201,6 +201,45 @@ def test_offline_greedy_equals_the_online_loop_in_evaluate(exported):
     assert off["metrics"]["mu_acc"] == pytest.approx(on["metrics"]["mu_acc"])
 
 
+def test_a_second_head_reuses_the_cached_continuations(exported, monkeypatch):
+    """Another head's offline evaluation on the same backbone, prompts and decode config reads the
+    continuations the first one stored (no new `continuations` call) and gives the same results as
+    computing them afresh."""
+    from mtpc.speculative import offline
+
+    calls = []
+    real = offline.continuations
+    monkeypatch.setattr(offline, "continuations", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    prompts = [["one", "two", "three"], ["four", "five"]]
+    kw = {"max_new_tokens": 10, "progress": False, "stp": False, "acceptance": "offline", "latency_prompts": 1,
+          "temperature": 0.8}  # fmt: skip
+    cp = MtpcModel.from_pretrained(exported / "cp")
+    evaluate_heads(cp, prompts, ("greedy", "sample"), **kw)
+    assert len(calls) == 4  # (mode, set) jobs
+    ff = MtpcModel.from_pretrained(exported / "ff")
+    cached = evaluate_heads(ff, prompts, ("greedy", "sample"), **kw)
+    assert len(calls) == 4  # nothing recomputed
+    fresh = evaluate_heads(ff, prompts, ("greedy", "sample"), continuation_cache=False, **kw)
+    assert len(calls) == 8
+    strip = lambda r: [{k: v for k, v in p.items() if k not in ("decode_s", "prefill_s")} for p in r["per_prompt"]]  # noqa: E731
+    assert [strip(r) for r in cached["runs"]] == [strip(r) for r in fresh["runs"]]
+    for a, b in zip(cached["runs"], fresh["runs"], strict=True):
+        assert a["metrics"]["mu_acc"] == b["metrics"]["mu_acc"] and a["metrics"]["cycles"] == b["metrics"]["cycles"]
+
+
+def test_cli_no_continuation_cache_stores_nothing(exported, tmp_path, capsys):
+    from mtpc.speculative.continuation_cache import cache_root
+
+    args = ["--head", str(exported / "cp"), "--prompts", str(exported / "prompts.jsonl"), "--num-prompts", "2",
+            "--max-new-tokens", "6", "--mode", "greedy", "--latency-prompts", "1", "--no-progress"]  # fmt: skip
+    assert main([*args, "--no-continuation-cache", "--out", str(tmp_path / "a.json")]) == 0, capsys.readouterr().err
+    assert not list(cache_root().glob("*.json"))
+    assert main([*args, "--out", str(tmp_path / "b.json")]) == 0, capsys.readouterr().err
+    assert len(list(cache_root().glob("*.json"))) == 1
+    runs = [json.loads((tmp_path / f).read_text())["runs"][0]["per_prompt"] for f in ("a.json", "b.json")]
+    assert [p["accepted"] for p in runs[0]] == [p["accepted"] for p in runs[1]]
+
+
 def test_offline_refuses_drop_in_one_line(exported, tmp_path, capsys):
     rc = main(["--head", str(exported / "cp"), "--prompts", str(exported / "prompts.jsonl"), "--extra-token", "drop",
                "--out", str(tmp_path / "r.json")])  # fmt: skip

@@ -1,0 +1,162 @@
+"""The on-disk continuation cache (mtpc/speculative/continuation_cache.py): what its key covers, a
+corrupt entry recomputed with a warning, and two processes computing one key once. The evaluation
+reusing it across heads is tested in tests/experiments/test_evaluate.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtpc.speculative import offline
+from mtpc.speculative.continuation_cache import (
+    cache_root,
+    cached_continuations,
+    continuation_key,
+    weights_fingerprint,
+)
+from mtpc.speculative.loop import DecodeConfig
+from tests.mtpc.test_speculative import _peaked_backbone, _prompts
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cfg(bb, **kw):
+    return DecodeConfig(**{"max_new_tokens": 8, "mode": "sample", "eos_id": bb.eos_token_id, "ban_eos": True, **kw})
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    calls = []
+    real = offline.continuations
+
+    def wrapper(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(offline, "continuations", wrapper)
+    wrapper.real = real
+    wrapper.calls = calls
+    return calls
+
+
+def test_the_key_follows_weights_decode_config_prompts_and_seeds():
+    bb = _peaked_backbone(0, vocab=6)
+    prompts = _prompts(6, 3, seed=4)
+    seeds = [7, 8, 9]
+    key = lambda b=bb, p=prompts, s=seeds, **kw: continuation_key(b, p, _cfg(bb, **kw), s)[0]  # noqa: E731
+    base = key()
+    assert key() == base  # deterministic
+    other = _peaked_backbone(0, vocab=6, seed=1)  # other weights, same shapes
+    assert weights_fingerprint(other) != weights_fingerprint(bb) and key(b=other) != base
+    nudged = _peaked_backbone(0, vocab=6)
+    with torch.no_grad():
+        nudged.model.model.layers[0].mlp.up_proj.weight.add_(1e-6)  # one tensor, slightly
+    assert key(b=nudged) != base
+    assert key(temperature=0.8) != base and key(top_p=0.9) != base and key(max_new_tokens=9) != base
+    assert key(ban_eos=False) != base
+    assert key(p=[prompts[0], prompts[1], torch.cat([prompts[2], prompts[2][:1]])]) != base
+    assert key(s=[7, 8, 10]) != base
+    # greedy ignores temperature, top_p and seeds: one entry serves every temperature pass
+    g = lambda **kw: key(mode="greedy", **kw)  # noqa: E731
+    assert g() == g(temperature=0.8, top_p=0.5) == g(s=[1, 2, 3]) != base
+    # the verifier's weights only: a LoRA draft top on the same model shares the entry
+    with_lora = _peaked_backbone(1, vocab=6)
+    assert weights_fingerprint(with_lora) == weights_fingerprint(bb)
+
+
+def test_large_tensors_are_sampled(monkeypatch):
+    """Above SAMPLE elements a tensor contributes evenly spaced elements (first and last included)."""
+    from mtpc.speculative import continuation_cache as cc
+
+    bb, other = _peaked_backbone(0, vocab=6), _peaked_backbone(0, vocab=6, seed=1)
+    monkeypatch.setattr(cc, "SAMPLE", 5)
+    assert weights_fingerprint(bb) == weights_fingerprint(_peaked_backbone(0, vocab=6)) != weights_fingerprint(other)
+    before = weights_fingerprint(bb)
+    with torch.no_grad():
+        bb.model.lm_head.weight.view(-1)[-1] += 1.0  # the last element is always sampled
+    assert weights_fingerprint(bb) != before
+
+
+def test_an_entry_is_computed_once_and_read_back(counted):
+    bb = _peaked_backbone(0, vocab=6)
+    prompts, cfg = _prompts(6, 3, seed=4), _cfg(bb)
+    first = cached_continuations(bb, prompts, cfg, [7, 8, 9])
+    assert first == offline.continuations.real(bb, prompts, cfg, seeds=[7, 8, 9])  # what it computes, uncached
+    again = cached_continuations(bb, prompts, cfg, [7, 8, 9])
+    assert again == first and len(counted) == 1
+    assert len(list(cache_root().glob("*.json"))) == 1
+    assert cached_continuations(bb, prompts, cfg, [7, 8, 9], cache=False) == first and len(counted) == 2
+    assert len(list(cache_root().glob("*.json"))) == 1  # cache=False stores nothing
+
+
+@pytest.mark.parametrize("damage", ["continuations", "checksum", "truncated", "not json"])
+def test_a_corrupt_entry_is_recomputed_with_one_warning_naming_the_file(counted, damage):
+    bb = _peaked_backbone(0, vocab=6)
+    prompts, cfg = _prompts(6, 3, seed=4), _cfg(bb)
+    ys = cached_continuations(bb, prompts, cfg, [7, 8, 9])
+    (path,) = cache_root().glob("*.json")
+    raw = path.read_text()
+    entry = json.loads(raw)
+    if damage == "continuations":  # a flipped byte the checksum catches
+        entry["continuations"][0][0] = (entry["continuations"][0][0] + 1) % 6
+        path.write_text(json.dumps(entry))
+    elif damage == "checksum":
+        entry["sha256"] = "0" * 64
+        path.write_text(json.dumps(entry))
+    elif damage == "truncated":
+        path.write_text(raw[: len(raw) // 2])
+    else:
+        path.write_bytes(b"\xff\x00garbage")
+    with pytest.warns(UserWarning) as rec:
+        again = cached_continuations(bb, prompts, cfg, [7, 8, 9])
+    msgs = [str(w.message) for w in rec]
+    assert len(msgs) == 1 and str(path) in msgs[0] and "corrupt" in msgs[0] and "\n" not in msgs[0]
+    assert again == ys and len(counted) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # rewritten whole: read back without a warning
+        assert cached_continuations(bb, prompts, cfg, [7, 8, 9]) == ys and len(counted) == 2
+
+
+_WORKER = """
+import sys, time, torch
+from mtpc.speculative import offline
+from mtpc.speculative.continuation_cache import cached_continuations
+from mtpc.speculative.loop import DecodeConfig
+from tests.mtpc.test_speculative import _peaked_backbone, _prompts
+torch.set_num_threads(1)
+real = offline.continuations
+def slow(*a, **kw):
+    with open(sys.argv[1], "a") as f:
+        f.write("computed\\n")
+    time.sleep(2.0)  # long enough for the other process to find the lock taken
+    return real(*a, **kw)
+offline.continuations = slow
+bb = _peaked_backbone(0, vocab=6)
+cfg = DecodeConfig(max_new_tokens=8, mode="sample", eos_id=bb.eos_token_id, ban_eos=True)
+with open(sys.argv[2], "w") as f:  # ready: both processes start asking at about the same moment
+    f.write("ready")
+import os
+while not all(os.path.exists(p) for p in sys.argv[3:]):
+    time.sleep(0.01)
+print(cached_continuations(bb, _prompts(6, 3, seed=4), cfg, [7, 8, 9]))
+"""
+
+
+def test_two_processes_asking_at_once_compute_once(tmp_path):
+    log = tmp_path / "computed.log"
+    ready = [tmp_path / "ready0", tmp_path / "ready1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(log), str(ready[i]), *map(str, ready)], cwd=REPO,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]  # fmt: skip
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    assert log.read_text().count("computed") == 1
+    assert outs[0][0] == outs[1][0] and outs[0][0].startswith("[[")
+    assert len(list(cache_root().glob("*.json"))) == 1
