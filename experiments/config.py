@@ -241,6 +241,9 @@ class EvalConfig:
     """extra disjoint development sets (dev0, ...): for choosing settings, never reported"""
     n_prompts: int = 16
     """prompts per set"""
+    dev_n_prompts: int | None = None
+    """prompts per development set (default n_prompts); drawn after the reported sets, so resizing them
+    leaves the reported prompts as they are"""
     max_new_tokens: int = 128
     """bytes generated per prompt"""
     extra_token: str = "keep"
@@ -272,6 +275,8 @@ class EvalConfig:
         fail.integer("eval.sets", self.sets, 1, 1000)
         fail.integer("eval.dev_sets", self.dev_sets, 0, 1000)
         fail.integer("eval.n_prompts", self.n_prompts, 1, 100000)
+        if self.dev_n_prompts is not None:
+            fail.integer("eval.dev_n_prompts", self.dev_n_prompts, 1, 100000)
         fail.integer("eval.max_new_tokens", self.max_new_tokens, 1, 1_000_000)
         fail.choice("eval.extra_token", self.extra_token, names.EXTRA_TOKEN_OPTIONS)
         fail.choice("eval.acceptance", self.acceptance, schema.ACCEPTANCE_METHODS)

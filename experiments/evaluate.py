@@ -119,8 +119,10 @@ def _read_prompt_file(path: Path) -> list[str]:
 
 
 def load_prompt_sets(source: str = EvalConfig.prompts, num_prompts: int = EvalConfig.n_prompts, sets: int = EvalConfig.sets,
-                     seed: int = EvalConfig.seed) -> list[list[str]]:
-    """`sets` disjoint sets of `num_prompts` prompts drawn (seeded) from the held-out ShareGPT prompts or a .jsonl."""
+                     seed: int = EvalConfig.seed, *, dev_sets: int = 0, dev_num_prompts: int | None = None) -> list[list[str]]:  # fmt: skip
+    """`sets` disjoint sets of `num_prompts` prompts drawn (seeded) from the held-out ShareGPT prompts or
+    a .jsonl, then `dev_sets` development sets of `dev_num_prompts` (default `num_prompts`), disjoint
+    from them and from each other (`draw_prompt_sets`)."""
     if num_prompts < 1 or sets < 1:
         raise ValueError(f"num_prompts and sets must be >= 1, got {num_prompts} and {sets}")
     if source == "heldout":
@@ -132,17 +134,28 @@ def load_prompt_sets(source: str = EvalConfig.prompts, num_prompts: int = EvalCo
         if not path.is_file():
             raise ValueError(f"--prompts: {source!r} is neither 'heldout' nor an existing .jsonl file")
         pool = _read_prompt_file(path)
-    return draw_prompt_sets(pool, source, num_prompts, sets, seed)
+    return draw_prompt_sets(pool, source, num_prompts, sets, seed, dev_sets=dev_sets, dev_num_prompts=dev_num_prompts)
 
 
-def draw_prompt_sets(pool: list[str], source: str, num_prompts: int, sets: int, seed: int) -> list[list[str]]:
-    """The seeded draw of `load_prompt_sets` from a pool of prompts (`source` names it in errors)."""
-    need = num_prompts * sets
+def draw_prompt_sets(pool: list[str], source: str, num_prompts: int, sets: int, seed: int, *, dev_sets: int = 0,
+                     dev_num_prompts: int | None = None) -> list[list[str]]:  # fmt: skip
+    """The seeded draw of `load_prompt_sets` from a pool of prompts (`source` names it in errors): the
+    pool shuffled with `seed`, cut into `sets` consecutive slices of `num_prompts`, then `dev_sets`
+    slices of `dev_num_prompts` after them. With dev_num_prompts = num_prompts (the default) this is
+    the draw of sets + dev_sets equal sets: a study that only resizes its dev sets keeps its reported prompts."""
+    if num_prompts < 1 or sets < 1 or dev_sets < 0 or (dev_num_prompts is not None and dev_num_prompts < 1):
+        raise ValueError(f"num_prompts and sets must be >= 1, dev_sets >= 0 and dev_num_prompts >= 1; got "
+                         f"{num_prompts}, {sets}, {dev_sets}, {dev_num_prompts}")  # fmt: skip
+    dev_n = num_prompts if dev_num_prompts is None else dev_num_prompts
+    sizes = [num_prompts] * sets + [dev_n] * dev_sets
+    need = sum(sizes)
     if len(pool) < need:
-        raise ValueError(f"--prompts {source}: {len(pool)} prompts, but sets x num_prompts = {need} are needed")
+        what = "sets x num_prompts" if not dev_sets else "sets x num_prompts + dev_sets x dev_num_prompts"
+        raise ValueError(f"--prompts {source}: {len(pool)} prompts, but {what} = {need} are needed")
     pool = list(pool)
     random.Random(seed).shuffle(pool)
-    return [pool[i * num_prompts : (i + 1) * num_prompts] for i in range(sets)]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [pool[a : a + n] for a, n in zip(starts, sizes, strict=True)]
 
 
 def longest_prompt(e: EvalConfig) -> tuple[int, str]:
@@ -155,7 +168,6 @@ def longest_prompt(e: EvalConfig) -> tuple[int, str]:
     from mtpc.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
-    sets = e.sets + e.dev_sets
     if e.prompts == "heldout":
         built = cache_dir() / "data" / CORPUS_VERSION / "heldout_prompts.json"
         if not built.is_file():
@@ -166,7 +178,8 @@ def longest_prompt(e: EvalConfig) -> tuple[int, str]:
         if not path.is_file():
             raise ValueError(f"eval.prompts: {e.prompts!r} is neither 'heldout' nor an existing .jsonl file")
         pool = _read_prompt_file(path)
-    drawn = [p for ps in draw_prompt_sets(pool, e.prompts, e.n_prompts, sets, e.seed) for p in ps]
+    drawn = [p for ps in draw_prompt_sets(pool, e.prompts, e.n_prompts, e.sets, e.seed, dev_sets=e.dev_sets,
+                                           dev_num_prompts=e.dev_n_prompts) for p in ps]  # fmt: skip
     return max(len(tok.render_prompt(p)) for p in drawn), "the longest drawn prompt"
 
 

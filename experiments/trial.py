@@ -136,7 +136,8 @@ def evaluate_head(head_dir: Path, cfg: TrainConfig, evaluation: EvalConfig, *, p
     e = evaluation
     model = load_for_eval(head_dir, cfg.model)
     names = prompt_set_names(e.sets, e.dev_sets)
-    sets = load_prompt_sets(e.prompts, e.n_prompts, len(names), e.seed)  # disjoint draws: dev prompts never overlap reported ones
+    sets = load_prompt_sets(e.prompts, e.n_prompts, e.sets, e.seed, dev_sets=e.dev_sets,
+                            dev_num_prompts=e.dev_n_prompts)  # disjoint draws: dev prompts never overlap reported ones
     results = None
     for temperature in e.temperatures:
         passes = tuple(m for m, t in eval_passes(e.modes, e.temperatures) if t == temperature)

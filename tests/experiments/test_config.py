@@ -83,6 +83,7 @@ def test_evaluate_cli_defaults_are_eval_config_defaults():
     assert ap_defaults["eos"] == ",".join(d.eos) and ap_defaults["extra_token"] == d.extra_token
     assert ap_defaults["top_p"] == d.top_p and ap_defaults["temperature"] == d.temperatures[0]
     assert (ap_defaults["acceptance"], ap_defaults["latency_prompts"]) == (d.acceptance, d.latency_prompts) == ("offline", 16)
+    assert ap_defaults["no_continuation_cache"] is (not d.continuation_cache) is False
 
 
 def _cli_defaults() -> dict:
@@ -135,6 +136,10 @@ def test_parse_section_names_the_key():
     with pytest.raises(ValueError, match=r"f\.yaml: eval\.extra_token: 'drop' is online-only .* expected keep, or eval\.acceptance: online"):
         EvalConfig(extra_token="drop").check(fail)
     assert EvalConfig(extra_token="drop", acceptance="online").check(fail).acceptance == "online"
+    with pytest.raises(ValueError, match=r"eval\.dev_n_prompts: 0 out of range"):
+        EvalConfig(dev_n_prompts=0).check(fail)
+    assert parse_section(EvalConfig, {"dev_n_prompts": 100, "continuation_cache": False}, "eval", fail).dev_n_prompts == 100
+    assert EvalConfig().continuation_cache and EvalConfig().dev_n_prompts is None
 
 
 def test_a_bad_trainer_key_in_a_spec_is_found_by_the_check(tmp_path):

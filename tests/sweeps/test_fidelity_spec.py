@@ -53,9 +53,12 @@ def test_every_point_validates_as_a_training_config(tmp_path):
 
 
 def test_the_cpu_variant_decides_h1_and_h2_with_two_seeds(tmp_path):
-    """sweeps/fidelity_cpu.yaml (the study as run on the CPU): CE and distilled twins for every circuit
-    at n = 8, every circuit at n = 16, two seeds everywhere, the prompt sets issue 14 asks for, the
-    priority order H1 (cp, btree) before H2 before the rest, and every point validates."""
+    """sweeps/fidelity_cpu.yaml (the study on the CPU, near the paper's size): CE and distilled twins
+    for every circuit at n = 8, every circuit at n = 16, LoRA depths 1 and 2 for ff and btree last, two
+    seeds everywhere, the priority order H1 (cp, btree) before H2 before the rest, offline acceptance
+    on 3 x 225 prompts x 256 bytes plus a dev set of 100, greedy and sampling at T = 1 and 0.8, EOS
+    banned, a study name of its own (never resuming or mixing with the 32-prompt run's), and every
+    point validates."""
     from sweeps.run import validate_trial_configs
 
     spec = load_spec(CPU_SPEC, env={}, overrides={"output_dir": str(tmp_path)})
@@ -67,12 +70,51 @@ def test_the_cpu_variant_decides_h1_and_h2_with_two_seeds(tmp_path):
         assert (circ, 8, 0.0) in configs and (circ, 8, 0.5) in configs and (circ, 16, 0.0) in configs
     order = [(p["circuit"], p["window"]) for p in spec.grid]
     assert order.index(("btree", 8)) < order.index(("ff", 16)) < order.index(("ff", 8))
+    assert {(p["circuit"], p["lora_depth"]) for p in spec.grid if p["lora_depth"]} == {
+        (c, k) for c in ("ff", "btree") for k in (1, 2)}  # fmt: skip
+    assert all(p["lora_depth"] == 0 for p in spec.grid[: len(spec.grid) - 8])  # RQ3 runs last
     e = spec.eval
-    assert e.sets >= 3 and e.n_prompts >= 32 and e.max_new_tokens == 128 and e.dev_sets == 1
-    assert e.modes == ("sample",) and e.temperatures == (1.0,)
+    assert (e.acceptance, e.sets, e.n_prompts, e.max_new_tokens, e.dev_sets, e.dev_n_prompts) == ("offline", 3, 225, 256, 1, 100)
+    assert e.modes == ("greedy", "sample") and e.temperatures == (1.0, 0.8) and e.eos == ("banned",)
+    assert e.continuation_cache and e.extra_token == "keep"
+    assert spec.study == "mtpc-fidelity-cpu-225" and spec.study != "mtpc-fidelity-cpu"
     steps, every = spec.train.trainer["max_steps"], spec.train.trainer["val_check_interval"]
     assert every <= 0.8 * steps and steps % every == 0
     assert validate_trial_configs(spec) == len(spec.grid)
+
+
+def test_the_cpu_variant_draws_disjoint_sets_from_the_heldout_pool():
+    """783 held-out prompts hold 3 x 225 reported + 100 dev, disjoint; the reported sets are the draw
+    of 3 x 225 alone (resizing dev leaves them as they are), dev0 comes after them. A stand-in pool of
+    783 distinct prompts; the real held-out pool too when the corpus is built."""
+    from experiments.evaluate import draw_prompt_sets
+    from experiments.trial import prompt_set_names
+
+    e = load_spec(CPU_SPEC, env={}).eval
+    assert prompt_set_names(e.sets, e.dev_sets) == ["0", "1", "2", "dev0"]
+    pools = [[f"prompt {i}" for i in range(783)]]
+    try:
+        from mtpc.data import CORPUS_VERSION
+        from mtpc.paths import cache_dir
+
+        built = cache_dir() / "data" / CORPUS_VERSION / "heldout_prompts.json"
+        if built.is_file():
+            import json
+
+            pools.append(json.loads(built.read_text(encoding="utf-8")))
+    except ImportError:
+        pass
+    for pool in pools:
+        assert len(pool) == 783
+        sets = draw_prompt_sets(pool, "heldout", e.n_prompts, e.sets, e.seed, dev_sets=e.dev_sets,
+                                dev_num_prompts=e.dev_n_prompts)  # fmt: skip
+        assert [len(x) for x in sets] == [225, 225, 225, 100]
+        assert len({p for x in sets for p in x}) == 775
+        assert sets[:3] == draw_prompt_sets(pool, "heldout", e.n_prompts, e.sets, e.seed)
+        equal = draw_prompt_sets(pool, "heldout", 100, 4, e.seed)  # dev of the reported size: the old draw
+        assert draw_prompt_sets(pool, "heldout", 100, 3, e.seed, dev_sets=1, dev_num_prompts=100) == equal
+    with pytest.raises(ValueError, match="dev_sets x dev_num_prompts = 809"):
+        draw_prompt_sets(pools[0], "heldout", 225, 3, 0, dev_sets=1, dev_num_prompts=134)
 
 
 @pytest.mark.slow
