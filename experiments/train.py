@@ -116,7 +116,11 @@ def cluster_environment() -> Any:
     script or a one-task step is one process, not a rank of a multi-process job."""
     import os
 
-    from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment, TorchElasticEnvironment
+    from lightning.fabric.plugins.environments import (
+        LightningEnvironment,
+        SLURMEnvironment,
+        TorchElasticEnvironment,
+    )
 
     if TorchElasticEnvironment.detect():
         return TorchElasticEnvironment()
