@@ -477,7 +477,8 @@ def fit_parser(trainer_types: bool = True) -> Any:
 
 
 def build_fit_parser(trainer_types: bool = True) -> Any:
-    """The `fit` arguments: --config, --seed_everything, --model.*, --data.*, --trainer.*, --run.*, --ckpt_path."""
+    """The `fit` arguments: --config, --seed_everything, --model.*, --data.*, --trainer.*, --run.*, --ckpt_path,
+    --mlflow_run_id."""
     from jsonargparse import ActionConfigFile, ArgumentParser
 
     _settings()
@@ -494,6 +495,8 @@ def build_fit_parser(trainer_types: bool = True) -> Any:
         p.add_argument("--trainer", type=dict[str, Any], default={}, help="lightning.Trainer arguments")
     p.add_class_arguments(RunConfig, "run")
     p.add_argument("--ckpt_path", type=str | None, default=None, help="resume from this checkpoint; `last`: <run.dir>/checkpoints/last.ckpt")
+    p.add_argument("--mlflow_run_id", type=str | None, default=None,
+                   help="log into this existing MLflow run and leave it open (a sweep trial's parent run); rank 0 only")
     return p
 
 
@@ -548,6 +551,7 @@ def load_config(config: TrainConfig | dict[str, Any] | str | Path, overrides: di
         raise ValueError(f"{source}: expected a mapping of sections (model, data, trainer, run), got {type(raw).__name__}")
     raw = apply_overrides(raw, overrides or {})
     raw.pop("ckpt_path", None)
+    raw.pop("mlflow_run_id", None)
     check_class_paths(raw, Fail(source))
     try:
         ns = fit_parser(trainer_types).parse_object(raw)

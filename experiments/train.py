@@ -237,8 +237,8 @@ def _final_metrics(trainer: Any) -> dict[str, float]:
 # the CLI
 # ---------------------------------------------------------------------------------------------------
 
-def parse_cli(argv: list[str] | None) -> tuple[TrainConfig, str | None]:
-    """`fit [--config FILE]... [--section.key VALUE]...` -> (config, ckpt_path); ValueError with one line."""
+def parse_cli(argv: list[str] | None) -> tuple[TrainConfig, str | None, str | None]:
+    """`fit [--config FILE]... [--section.key VALUE]...` -> (config, ckpt_path, mlflow_run_id); ValueError with one line."""
     from jsonargparse import ArgumentParser
 
     from experiments.config import build_fit_parser, check_cli_class_paths
@@ -260,7 +260,7 @@ def parse_cli(argv: list[str] | None) -> tuple[TrainConfig, str | None]:
         _check_trainer(cfg.check())
     except ValueError as err:
         raise ValueError(_blame(str(err), cfg.source, sources)) from None
-    return cfg, fit.ckpt_path
+    return cfg, fit.ckpt_path, fit.mlflow_run_id
 
 
 def _key_sources(argv: list[str]) -> dict[str, str]:
@@ -330,8 +330,8 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet()
     try:
-        cfg, ckpt_path = parse_cli(argv)
-        result = train_head(cfg, ckpt_path=ckpt_path)
+        cfg, ckpt_path, mlflow_run_id = parse_cli(argv)
+        result = train_head(cfg, ckpt_path=ckpt_path, mlflow_run_id=mlflow_run_id)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

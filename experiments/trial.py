@@ -172,8 +172,11 @@ def run_trial(
     checkpoint_dir: str | Path | None = None,
     should_stop: Callable[[], bool] | None = None,
     preempted_exc: type[Exception] = KeyboardInterrupt,
+    group: Any = None,
 ) -> None:
-    """Train + evaluate one grid point; log into the parent run (created here if not given)."""
+    """Train + evaluate one grid point; log into the parent run (created here if not given).
+    `group`: an `experiments.launch.ProcessGroup` of more than one rank trains in its own process
+    group (the config's trainer then holds its devices and strategy); else training runs here."""
     from experiments.quiet import quiet
 
     quiet()  # a sweep worker is a command line too: only the suite's own messages
@@ -189,7 +192,8 @@ def run_trial(
         exp_name = tracking.client(mlflow_tracking_uri).get_experiment(mlflow_experiment_id).name
         cfg = trial_config(train, point, tracking_uri=mlflow_tracking_uri, experiment=exp_name, run_dir=run_dir)
         _train_and_evaluate(cfg, evaluation, uri=mlflow_tracking_uri, exp_id=mlflow_experiment_id, parent_run_id=parent_run_id,
-                            run_dir=run_dir, should_stop=should_stop or (lambda: False), preempted_exc=preempted_exc)
+                            run_dir=run_dir, should_stop=should_stop or (lambda: False), preempted_exc=preempted_exc,
+                            group=group)
     finally:
         if previous is None:
             os.environ.pop("MLFLOW_TRACKING_URI", None)
@@ -199,19 +203,28 @@ def run_trial(
 
 def _train_and_evaluate(
     cfg: TrainConfig, evaluation: EvalConfig, *, uri: str, exp_id: str, parent_run_id: str, run_dir: Path,
-    should_stop: Callable[[], bool], preempted_exc: type[Exception],
+    should_stop: Callable[[], bool], preempted_exc: type[Exception], group: Any = None,
 ) -> None:
-    from experiments.train import train_head
-
     ckpt = run_dir / "checkpoints" / "last.ckpt"
-    result = train_head(cfg, mlflow_run_id=parent_run_id, ckpt_path="last" if ckpt.exists() else None,
-                        should_stop=should_stop)
-    if result.preempted or should_stop():
+    if group is not None and group.ranks > 1:
+        from experiments.launch import train_process_group
+
+        preempted = train_process_group(cfg, group, mlflow_run_id=parent_run_id, should_stop=should_stop)
+        head_dir = Path(cfg.resolved().run.export_dir)
+    else:
+        from experiments.train import train_head
+
+        result = train_head(cfg, mlflow_run_id=parent_run_id, ckpt_path="last" if ckpt.exists() else None,
+                            should_stop=should_stop)
+        preempted, head_dir = result.preempted, result.head_dir
+    if preempted or should_stop():
         raise preempted_exc(f"training stopped on request; checkpoint {ckpt}")
     # children of an interrupted earlier attempt would be counted twice: drop them first
     tracking.discard_children(uri, exp_id, parent_run_id)
     history = [(m.step, m.value) for m in tracking.client(uri).get_metric_history(parent_run_id, "val_window_nll")]
     conv = convergence(history)  # the stopping rule: an undertrained head is reported as such
     tracking.log_metrics(uri, parent_run_id, {k: v for k, v in conv.items() if v == v})
-    evaluate_head(result.head_dir, cfg, evaluation, parent_run_id=parent_run_id, tracking_uri=uri,
+    # evaluation runs here, in the one process (the worker's) on the trial's first device, after the
+    # ranks have exited: mu_lat is batch-1 decoding latency, timed one stream at a time
+    evaluate_head(head_dir, cfg, evaluation, parent_run_id=parent_run_id, tracking_uri=uri,
                   out=run_dir / "evaluation.json", extra_params={"converged": int(conv["converged"])})

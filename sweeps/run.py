@@ -13,7 +13,9 @@
   (`-n N`, default 1), after re-enqueueing every point whose COMPLETE trials have lost their
   MLflow runs (a deleted or replaced tracking store; each named in a warning);
   `--retry-failed` also re-enqueues points whose trials all failed.
-- `--submit`: validate, init, then `sbatch slurm/sweep.sh` with the spec's resources.
+- `--submit`: validate, init, then `sbatch slurm/sweep.sh` with the spec's resources (a trial of
+  several ranks: each array task holds its nodes, tasks and GPUs; `sbatch_resources`). A worker in a
+  SLURM job too small for one trial stops at once with exit code 2 (`check_allocation`).
 - `--status`: trial counts per state, the RUNNING trials whose worker is gone, the FAIL trials
   with their errors (JSON).
 
@@ -161,17 +163,47 @@ def submit(spec: SweepSpec, script: Path, extra: list[str] = (), dry_run: bool =
     """Init, then sbatch the array with the spec's resources; `extra` (e.g. --set overrides) is
     passed on to every task's `sweeps.run` so the tasks see the same spec as this process."""
     init(spec)
-    s = spec.slurm
-    cmd = ["sbatch", f"--array=0-{s.tasks - 1}", f"--cpus-per-task={s.cpus_per_task}", f"--mem={s.mem}", f"--time={s.time}", f"--job-name={spec.study}"]
-    if s.partition:
-        cmd.append(f"--partition={s.partition}")
-    if s.gpus:
-        cmd.append(f"--gpus-per-task={s.gpus}")
-    cmd += list(s.extra_args) + [str(script), str(spec.path), *extra]
+    cmd = ["sbatch", *sbatch_resources(spec), f"--job-name={spec.study}", str(script), str(spec.path), *extra]
     log("submitting: " + " ".join(cmd))
     if not dry_run:
         subprocess.run(cmd, check=True)
     return cmd
+
+
+def sbatch_resources(spec: SweepSpec) -> list[str]:
+    """The sbatch options of the spec's `slurm` section: an array of `tasks` elements, each holding one
+    trial's devices (a multi-rank trial: its nodes, one task per rank, the GPUs per node)."""
+    s = spec.slurm
+    cmd = [f"--array=0-{s.tasks - 1}"]
+    if s.ranks > 1 or s.nodes_per_trial > 1:
+        cmd += [f"--nodes={s.nodes_per_trial}", f"--ntasks={s.ranks}", f"--ntasks-per-node={s.tasks_per_node}"]
+    else:
+        cmd.append("--ntasks=1")
+    cmd += [f"--cpus-per-task={s.cpus_per_task}", f"--mem={s.mem}", f"--time={s.time}"]
+    if s.partition:
+        cmd.append(f"--partition={s.partition}")
+    if s.gpus_per_trial:
+        cmd.append(f"--gpus-per-node={s.trial_gpus_per_node}")
+    elif s.gpus:
+        cmd.append(f"--gpus-per-task={s.gpus}")
+    return cmd + list(s.extra_args)
+
+
+def check_allocation(spec: SweepSpec, env: dict[str, str] | None = None) -> None:
+    """Inside a SLURM job, SpecError (naming the slurm key) unless the job holds one trial's ranks and
+    nodes: a plain `sbatch slurm/sweep.sh SPEC` gets the script's one task, not the spec's resources."""
+    import os
+
+    env = os.environ if env is None else env
+    s = spec.slurm
+    if "SLURM_JOB_ID" not in env or (s.ranks == 1 and s.nodes_per_trial == 1) or spec.trial_kind != "trial":
+        return
+    tasks, nodes = int(env.get("SLURM_NTASKS", "1")), int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1")))
+    if tasks < s.ranks or nodes < s.nodes_per_trial:
+        need = " ".join(sbatch_resources(spec)[1:4])
+        raise SpecError(f"{spec.path}: key 'slurm.tasks_per_trial': a trial takes {s.ranks} task(s) on "
+                        f"{s.nodes_per_trial} node(s) but SLURM job {env['SLURM_JOB_ID']} has {tasks} task(s) on {nodes} "
+                        f"node(s): submit with `python -m sweeps.run SPEC --submit`, or `sbatch {need} ... slurm/sweep.sh SPEC`")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.worker or a.task:
             stop = StopFlag()
             stop.install()
+            check_allocation(spec)
             if a.task:
                 init(spec, retry_failed=a.retry_failed)
             return worker(spec, max_trials=a.max_trials, stop=stop)

@@ -22,7 +22,7 @@ import itertools
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +87,7 @@ class SpecFile:
     eval: Any = None
     """the evaluation of every trial (experiments.config.EvalConfig)"""
     slurm: Any = None
-    """sbatch resources of --submit"""
+    """sbatch resources of --submit and the devices of one trial"""
     fixture: Any = None
     """the fixture trial's settings"""
     max_retries: Any = 1
@@ -129,14 +129,23 @@ class Objective:
         return self
 
 
+#: strategies a trial of several ranks can run: one process per device, started by srun or by
+#: Lightning's standalone launcher (experiments.launch); spawn/fork/notebook start their ranks inside
+#: the caller, FSDP and DeepSpeed are not what the suite trains with (docs/training.md)
+DDP_STRATEGIES = ("ddp", "ddp_find_unused_parameters_true", "ddp_find_unused_parameters_false")
+#: strategies of a one-rank trial (it trains inside the worker's process)
+SINGLE_STRATEGIES = ("auto", "single_device", *DDP_STRATEGIES)
+
+
 @dataclass(frozen=True)
 class SlurmSettings:
-    """Resources used by `python -m sweeps.run SPEC --submit` (plain `sbatch` uses the script's)."""
+    """Resources used by `python -m sweeps.run SPEC --submit` (plain `sbatch` uses the script's) and
+    the devices of one trial (what every array task must hold: one trial at a time per task)."""
 
     tasks: int = 4
-    """array size"""
+    """array size: trials at a time"""
     cpus_per_task: int = 1
-    """CPUs per task"""
+    """CPUs per task (per training rank of a multi-rank trial)"""
     mem: str = "2G"
     """memory per task"""
     time: str = "04:00:00"
@@ -144,9 +153,30 @@ class SlurmSettings:
     partition: str | None = None
     """SLURM partition (null: the cluster's default)"""
     gpus: int = 0
-    """GPUs per task"""
+    """GPUs per task of a one-rank trial (a multi-GPU trial says gpus_per_trial instead)"""
     extra_args: tuple[str, ...] = ()
     """further sbatch arguments"""
+    tasks_per_trial: int | None = None
+    """training processes (ranks) of one trial (null: gpus_per_trial, else 1); more than 1 trains with DDP in a process group the worker launches (srun under SLURM)"""
+    gpus_per_trial: int = 0
+    """GPUs of one trial, one rank per GPU (0: the ranks run on CPUs)"""
+    nodes_per_trial: int = 1
+    """nodes one trial spans (its ranks split evenly over them)"""
+    gpus_per_node: int | None = None
+    """GPUs of one node of the partition (null: not checked)"""
+
+    @property
+    def ranks(self) -> int:
+        """Training processes of one trial."""
+        return self.tasks_per_trial or self.gpus_per_trial or 1
+
+    @property
+    def tasks_per_node(self) -> int:
+        return self.ranks // self.nodes_per_trial
+
+    @property
+    def trial_gpus_per_node(self) -> int:
+        return self.gpus_per_trial // self.nodes_per_trial
 
     def check(self, fail: Fail) -> SlurmSettings:
         fail.integer("slurm.tasks", self.tasks, 1, 100000)
@@ -154,7 +184,83 @@ class SlurmSettings:
         fail.text("slurm.mem", self.mem)
         fail.text("slurm.time", self.time)
         fail.integer("slurm.gpus", self.gpus, 0, 64)
+        fail.integer("slurm.gpus_per_trial", self.gpus_per_trial, 0, 100000)
+        fail.integer("slurm.nodes_per_trial", self.nodes_per_trial, 1, 10000)
+        if self.tasks_per_trial is not None:
+            fail.integer("slurm.tasks_per_trial", self.tasks_per_trial, 1, 100000)
+            if self.gpus_per_trial and self.tasks_per_trial != self.gpus_per_trial:
+                fail("slurm.tasks_per_trial", f"{self.tasks_per_trial} != slurm.gpus_per_trial {self.gpus_per_trial}: "
+                     "a GPU trial runs one rank per GPU (give one of them)")
+        if self.gpus and self.gpus_per_trial:
+            fail("slurm.gpus", f"{self.gpus} GPUs per task beside slurm.gpus_per_trial {self.gpus_per_trial}: give "
+                 "gpus_per_trial alone")
+        if self.ranks % self.nodes_per_trial:
+            fail("slurm.nodes_per_trial", f"{self.ranks} ranks per trial do not split evenly over {self.nodes_per_trial} nodes")
+        if self.gpus_per_node is not None:
+            fail.integer("slurm.gpus_per_node", self.gpus_per_node, 0, 4096)
+            if self.nodes_per_trial == 1 and self.gpus_per_trial > self.gpus_per_node:
+                fail("slurm.gpus_per_trial", f"{self.gpus_per_trial} GPUs on a one-node trial (slurm.nodes_per_trial: 1) "
+                     f"but a node has slurm.gpus_per_node = {self.gpus_per_node}: raise nodes_per_trial or lower gpus_per_trial")
+            if self.trial_gpus_per_node > self.gpus_per_node:
+                fail("slurm.gpus_per_trial", f"{self.gpus_per_trial} GPUs over {self.nodes_per_trial} nodes is "
+                     f"{self.trial_gpus_per_node} per node, more than slurm.gpus_per_node = {self.gpus_per_node}")
         return self
+
+
+class _TrainFail(Fail):
+    """A training-config check inside a spec: keys under `train.`, the trial's resources named."""
+
+    def __init__(self, spec_fail: _SpecFail, why: str):
+        super().__init__(spec_fail.source)
+        self.spec_fail, self.why = spec_fail, why
+
+    def __call__(self, key: str, msg: str) -> None:
+        self.spec_fail(f"train.{key}", f"{msg} ({self.why})")
+
+
+def trial_resources(train: TrainConfig, slurm: SlurmSettings, fail: _SpecFail, own: dict[str, Any] | None = None) -> TrainConfig:
+    """The spec's training config with one trial's devices set from `slurm` (tasks per node as
+    `trainer.devices`, nodes as `num_nodes`, `ddp` unless a DDP variant is named, the accelerator
+    by GPUs or not), refusing a trainer section that disagrees with them, a strategy a trial cannot
+    run, and a global batch the trial's ranks cannot hold (devices x num_nodes x data.batch_size x
+    accumulation must equal data.global_batch_size). `own`: the trainer keys the spec's `train` section
+    sets itself (`devices` / `num_nodes` there must agree; the base config's are replaced)."""
+    t = dict(train.trainer)
+    own = own or {}
+    strategy = t.get("strategy", "auto")
+    ranks, per_node, nodes = slurm.ranks, slurm.tasks_per_node, slurm.nodes_per_trial
+    where = f"slurm: {ranks} rank(s) per trial on {nodes} node(s)"
+    if ranks == 1:
+        if not isinstance(strategy, str) or strategy not in SINGLE_STRATEGIES:
+            fail("train.trainer.strategy", f"{strategy!r}: a one-rank trial trains inside the sweep worker; expected one "
+                 f"of {list(SINGLE_STRATEGIES)} (several devices: slurm.tasks_per_trial or slurm.gpus_per_trial)")
+        if "devices" in own and t.get("devices", "auto") not in ("auto", None) and config.world_size({**t, "num_nodes": 1}) > 1:
+            fail("train.trainer.devices", f"{t['devices']!r} devices in a one-rank trial: Lightning would start the other "
+                 "ranks by running the sweep worker again; set slurm.tasks_per_trial (or gpus_per_trial) instead")
+        if "num_nodes" in own and (t.get("num_nodes") or 1) != 1:
+            fail("train.trainer.num_nodes", f"{t['num_nodes']!r} in a one-rank trial; set slurm.nodes_per_trial instead")
+    else:
+        if strategy == "auto":
+            strategy = "ddp"
+        if not isinstance(strategy, str) or strategy not in DDP_STRATEGIES:
+            fail("train.trainer.strategy", f"{strategy!r}: a trial's ranks are started one process per device (srun, or "
+                 f"Lightning's standalone launcher); expected one of {list(DDP_STRATEGIES)}")
+        if "devices" in own and t["devices"] not in ("auto", None) and config.world_size({**t, "num_nodes": 1}) != per_node:
+            fail("train.trainer.devices", f"{t['devices']!r} disagrees with the trial's {per_node} rank(s) per node ({where}); "
+                 "leave it out, the spec's slurm section sets it")
+        if "num_nodes" in own and t.get("num_nodes") not in (None, nodes):
+            fail("train.trainer.num_nodes", f"{t['num_nodes']!r} disagrees with slurm.nodes_per_trial {nodes}; leave it out")
+        accelerator = t.get("accelerator", "auto")
+        want = "gpu" if slurm.gpus_per_trial else "cpu"
+        if accelerator in ("auto", None):
+            accelerator = want
+        elif (accelerator == "cpu") != (want == "cpu"):
+            fail("train.trainer.accelerator", f"{accelerator!r} on a trial with slurm.gpus_per_trial = {slurm.gpus_per_trial}")
+        t.update(devices=per_node, num_nodes=nodes, strategy=strategy, accelerator=accelerator)
+    out = replace(train, trainer=t)
+    # the global batch against the trial's ranks (a one-rank trial is one device whatever `devices` says)
+    replace(out, trainer={**t, "devices": per_node, "num_nodes": nodes}).accumulation(_TrainFail(fail, where))
+    return out
 
 
 @dataclass(frozen=True)
@@ -432,6 +538,9 @@ def parse_spec(raw: Any, path: Path, *, env: dict[str, str]) -> SweepSpec:
         fail("objectives", "the same metric/mode appears twice")
 
     evs = parse_section(EvalConfig, top.eval, "eval", fail).check(fail)
+    slurm = parse_section(SlurmSettings, top.slurm, "slurm", fail).check(fail)
+    own = (top.train or {}).get("trainer") if isinstance(top.train, dict) else None
+    train = trial_resources(train_config(top.train, path), slurm, fail, own if isinstance(own, dict) else None)
     for o in objectives:
         if o.mode is not None and o.mode not in evs.modes:
             fail("objectives", f"objective mode {o.mode!r} is not evaluated (eval.modes = {list(evs.modes)})")
@@ -443,10 +552,10 @@ def parse_spec(raw: Any, path: Path, *, env: dict[str, str]) -> SweepSpec:
         storage=storage,
         tracking_uri=tracking,
         experiment=experiment,
-        train=train_config(top.train, path),
+        train=train,
         objectives=objectives,
         eval=evs,
-        slurm=parse_section(SlurmSettings, top.slurm, "slurm", fail).check(fail),
+        slurm=slurm,
         fixture=parse_section(FixtureSettings, top.fixture, "fixture", fail).check(fail),
         grid=grid,
         grid_slices=slices,

@@ -7,7 +7,9 @@ without stored results).
 - `fixture`: metrics are a deterministic function of the grid point (no torch import); it
   checkpoints a step counter, honours pre-emption, and can be told to fail on chosen points.
   Tests and cluster checks use it; it is not a model of real behaviour.
-- `trial`: `experiments.trial.run_trial` (train the head, evaluate speculative decoding).
+- `trial`: `experiments.trial.run_trial` (train the head, evaluate speculative decoding); a trial
+  of several ranks (`slurm.tasks_per_trial` / `gpus_per_trial`) trains in its own process group
+  (`experiments.launch`), evaluates in the worker.
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ def run_trial(ctx: TrialContext) -> None:
         fixture_trial(ctx)
         return
     from experiments import trial  # heavy imports (torch, lightning) only here
+    from experiments.launch import ProcessGroup
 
+    s = ctx.spec.slurm
     trial.run_trial(
         ctx.spec.train,
         ctx.point,
@@ -66,6 +70,7 @@ def run_trial(ctx: TrialContext) -> None:
         checkpoint_dir=ctx.checkpoint_dir,
         should_stop=ctx.should_stop,
         preempted_exc=Preempted,
+        group=ProcessGroup(ranks=s.ranks, nodes=s.nodes_per_trial, gpus_per_node=s.trial_gpus_per_node),
     )
 
 
