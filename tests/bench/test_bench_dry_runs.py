@@ -60,3 +60,18 @@ def test_bench_decode_heads_section_reports_degeneracy_beside_acceptance(tmp_pat
         assert 0.0 <= r["degenerate_fraction"] <= 1.0 and 0.0 < r["distinct_4gram_ratio"] <= 1.0
         assert r["mu_acc"] >= 0 and r["speedup_vs_stp"] > 0
     sys.modules.pop("bench_decode", None)
+
+
+@pytest.mark.slow
+def test_bench_ddp_dry_run_runs_both_variants_to_the_same_steps(tmp_path):
+    """1 process x 2 threads and 2 DDP processes x 1 thread, the same steps and global batch; a dry
+    run reports no times (the measurement is for a quiet machine)."""
+    import bench_ddp
+
+    out = tmp_path / "ddp.json"
+    assert bench_ddp.main(["--dry-run", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["variants"]) == {"one", "ddp2"} and report["dry_run"] is True
+    one, two = report["variants"]["one"], report["variants"]["ddp2"]
+    assert one["global_step"] == two["global_step"] == 2 and one["median_step_s"] is None
+    assert one["final_train_loss"][0] == pytest.approx(two["final_train_loss"][0], rel=1e-4)  # the same global batch
