@@ -20,6 +20,8 @@ once the rank is known), prints progress, writes checkpoints (Lightning) and exp
 (`run_dir.check_ckpt_path`: a local file; `last` must exist) and the run directory's identity
 (`run_dir.claim`: one run per directory); checkpoints are written atomically and loaded weights-only
 (`run_dir.AtomicCheckpointIO`).
+`--mlflow_run_id RUN` logs into an existing run and leaves it open (a multi-rank sweep trial's
+parent run, made by the worker: experiments/launch.py).
 CLI exit codes: 0 done, 2 bad config, data or resume path (one line naming file and key),
 3 stopped by SIGUSR1, 143 stopped by SIGTERM, 130 stopped by SIGINT (each after writing
 `checkpoints/last.ckpt`; resume with `--ckpt_path last`), 74 a write failed (e.g. no space left;
