@@ -76,6 +76,18 @@ def ship(model: LlamaForCausalLM, dest: str | Path, metrics: dict, rows: int = S
     return metrics
 
 
+def schedule(m: dict) -> str:
+    """The learning-rate and row-length schedule of the run, in words (one or two phases)."""
+    c = m["config"]
+    if not c.get("final_seq_len"):
+        return (f"lr {c['lr']} (cosine to {c['min_lr_ratio']}x), {m['steps']} steps of "
+                f"{c['batch_size']} x {c['seq_len']} bytes")
+    return (f"lr {c['lr']} held after {c['warmup_steps']} warm-up steps on rows of {c['batch_size']} x {c['seq_len']} "
+            f"bytes, then a final {c['final_fraction']:.0%} of the budget on rows of "
+            f"{c.get('final_batch_size') or c['batch_size']} x {c['final_seq_len']} bytes while the lr decays linearly to "
+            f"{c['min_lr_ratio']}x (warmup-stable-decay); {m['steps']} steps in all")
+
+
 def model_card(m: dict) -> str:
     """The short model card written beside the shipped weights."""
     c = m["config"]
@@ -96,8 +108,7 @@ loads these files after checking them against `MANIFEST.json`.
   data, and the conversations' own terms are unclear — treat the weights as research-only).
   English conversations (>= 98 % ASCII), split by conversation id (`mtpc.data.is_heldout`, 10 %
   held out); every byte of the chat-templated training conversations is a training target.
-- **Training**: next-byte cross-entropy, AdamW (lr {c['lr']}, cosine to {c['min_lr_ratio']}x, weight decay
-  {c['weight_decay']}), {m['steps']} steps of {c['batch_size']} x {c['seq_len']} bytes
+- **Training**: next-byte cross-entropy, AdamW (weight decay {c['weight_decay']}), {schedule(m)}
   ({m['train_bytes_seen']:,} bytes seen, {m['train_documents_cut_at_row_ends']} row ends inside a document across the packed corpus),
   {c['precision']}, on {where}, {m['train_active_minutes']:.1f} active minutes
   ({m['train_bytes_per_second']:,.0f} bytes/s).
