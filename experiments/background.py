@@ -103,6 +103,10 @@ def wait_while_timing() -> float:
     return time.monotonic() - t0
 
 
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 @contextlib.contextmanager
 def timing(progress: bool = False):
     """Hold the machine-wide timing lock and keep the background pre-training (if any) stopped while
@@ -127,6 +131,13 @@ def timing(progress: bool = False):
     waited = time.monotonic() - t0
     pid = live_pretraining()
     _depth.n = 1
+    # SIGTERM's default action (a `timeout`, a `kill`) ends the process without running the finally below,
+    # which would leave the pre-training stopped for good: while a pre-training is held, SIGTERM raises
+    # SystemExit instead (SIGINT already raises; SIGKILL cannot be caught: `kill -CONT <pid>` then).
+    held_term = None
+    if pid is not None and threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        held_term = signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
@@ -138,4 +149,6 @@ def timing(progress: bool = False):
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+        if held_term is not None:
+            signal.signal(signal.SIGTERM, held_term)
         lock.release()

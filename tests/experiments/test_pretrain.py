@@ -213,3 +213,27 @@ def test_work_beside_a_timer_waits_until_it_is_done(tmp_path, monkeypatch):
     out, _ = waiter.communicate(timeout=60)
     elapsed, waited = map(float, out.split())
     assert waited >= 1.0 and elapsed >= waited
+
+
+def test_a_timer_ended_by_sigterm_continues_the_pretraining(tmp_path):
+    """`timeout` or `kill` (SIGTERM) ending a process inside `timing()` must not leave the background
+    pre-training stopped: SIGTERM raises while a pre-training is held, so the SIGCONT still runs."""
+    state = lambda pid: Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
+    env = {**os.environ, "MTPC_CACHE_DIR": str(tmp_path), "MTPC_TIMING_LOCK": str(tmp_path / "timing.lock")}
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "experiments.pretrain"])
+    timer = None
+    try:
+        (tmp_path / "pretrain.pid").write_text(json.dumps({"pid": sleeper.pid, "run_dir": None}))
+        code = ("import time; from experiments.background import timing\n"
+                "with timing():\n    print('timing', flush=True); time.sleep(120)")
+        timer = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+        assert timer.stdout.readline().strip() == "timing"
+        assert state(sleeper.pid) == "T"
+        timer.terminate()
+        assert timer.wait(timeout=30) == 128 + signal.SIGTERM
+        time.sleep(0.05)
+        assert state(sleeper.pid) in "SR"
+    finally:
+        sleeper.kill()
+        if timer is not None and timer.poll() is None:
+            timer.kill()
