@@ -16,6 +16,8 @@ Work that shares the machine with a timer but must not disturb it — a sweep tr
 another trial's latency is timed — calls `wait_while_timing()` between steps (training does, through
 `experiments.callbacks.YieldToTimer`): it returns at once when nobody times, and otherwise waits
 until the timer is done, so a timed figure does not depend on what the other workers happen to do.
+What a timer starts inside its timed block (a bench timing a training subprocess) inherits
+`MTPC_TIMING_HELD_BY` and is part of the timing: it neither waits nor takes the lock again.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ from mtpc.paths import cache_dir
 
 PID_FILE = "pretrain.pid"
 TIMING_LOCK_ENV = "MTPC_TIMING_LOCK"
+TIMER_ENV = "MTPC_TIMING_HELD_BY"
+"""Set (to the timer's pid) in the environment of everything a timer starts inside `timing()`: such a
+child is part of what is timed, so it neither waits for the lock its parent holds nor takes it again."""
 _depth = threading.local()
 
 
@@ -91,8 +96,8 @@ def _wait_stopped(pid: int, timeout: float = 2.0) -> None:
 def wait_while_timing() -> float:
     """Block while another process holds the timing lock; return the seconds waited (0.0 at once
     when nobody times, or when this thread is the timer itself)."""
-    if getattr(_depth, "n", 0):
-        return 0.0
+    if getattr(_depth, "n", 0) or os.environ.get(TIMER_ENV):
+        return 0.0  # the timer itself, or a process its timed block started
     lock = FileLock(str(timing_lock_path()), mode=0o666)
     t0 = time.monotonic()
     try:
@@ -112,7 +117,7 @@ def timing(progress: bool = False):
     """Hold the machine-wide timing lock and keep the background pre-training (if any) stopped while
     the block runs; yields the seconds waited for the lock. With `progress`, says on stderr when it
     has to wait."""
-    depth = getattr(_depth, "n", 0)
+    depth = getattr(_depth, "n", 0) or (1 if os.environ.get(TIMER_ENV) else 0)  # started by a timer: nested
     if depth:
         _depth.n = depth + 1
         try:
@@ -131,6 +136,7 @@ def timing(progress: bool = False):
     waited = time.monotonic() - t0
     pid = live_pretraining()
     _depth.n = 1
+    os.environ[TIMER_ENV] = str(os.getpid())
     # SIGTERM's default action (a `timeout`, a `kill`) ends the process without running the finally below,
     # which would leave the pre-training stopped for good: while a pre-training is held, SIGTERM raises
     # SystemExit instead (SIGINT already raises; SIGKILL cannot be caught: `kill -CONT <pid>` then).
@@ -146,6 +152,7 @@ def timing(progress: bool = False):
         yield waited
     finally:
         _depth.n = 0
+        os.environ.pop(TIMER_ENV, None)
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)

@@ -237,3 +237,25 @@ def test_a_timer_ended_by_sigterm_continues_the_pretraining(tmp_path):
         sleeper.kill()
         if timer is not None and timer.poll() is None:
             timer.kill()
+
+
+def test_what_a_timer_starts_is_part_of_the_timing(tmp_path, monkeypatch):
+    """A process started inside `timing()` (a bench timing a training subprocess, whose training calls
+    wait_while_timing before each batch) neither waits for its parent's lock nor takes it again; one
+    started outside still waits."""
+    from experiments import background
+
+    monkeypatch.setenv("MTPC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("MTPC_TIMING_LOCK", str(tmp_path / "timing.lock"))
+    code = ("import time; from experiments.background import timing, wait_while_timing\n"
+            "w = wait_while_timing()\n"
+            "with timing() as waited:\n    print(round(w, 2), round(waited, 2), flush=True)")
+    outside = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ), stdout=subprocess.PIPE, text=True)
+    with background.timing():
+        inside = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), capture_output=True, text=True, timeout=60)
+        assert inside.returncode == 0 and inside.stdout.split() == ["0.0", "0.0"], inside.stderr[-2000:]
+        time.sleep(1.0)
+        assert outside.poll() is None  # started before the block, not by it: still waiting
+    assert background.TIMER_ENV not in os.environ
+    out, _ = outside.communicate(timeout=60)
+    assert float(out.split()[0]) >= 0.5
