@@ -34,7 +34,7 @@ SHARD_BYTES = 15_000_000  # < 16 MiB per file
 CARD_FILE = "MODEL_CARD.md"
 
 
-def ship(model: LlamaForCausalLM, dest: str | Path, metrics: dict, rows: int = SHIP_ROWS) -> dict:
+def ship(model: LlamaForCausalLM, dest: str | Path, metrics: dict, rows: int = SHIP_ROWS, command: str | None = None) -> dict:
     """Write `model` as the shipped default into `dest` (whole or not at all): bf16 safetensors
     shards of < 16 MiB, config, tokenizer config, the metrics with the held-out bits/byte of the
     weights *as loaded* (bf16 upcast to float32) on `rows` x 2048 held-out bytes and on the
@@ -62,7 +62,7 @@ def ship(model: LlamaForCausalLM, dest: str | Path, metrics: dict, rows: int = S
         slice_32k_bits_per_byte=part["heldout_bits_per_byte"],
         slice_32k_rows=min(SLICE_ROWS, rows),
         ship_eval_minutes=(time.monotonic() - t0) / 60,
-        ship_command=" ".join(["python", "-m", "experiments.pretrain", *sys.argv[1:]]),
+        ship_command=command or " ".join(["python", "-m", "experiments.pretrain", *sys.argv[1:]]),
         ship_git_sha=git_sha(),
     )
     (tmp / METRICS_FILE).write_text(json.dumps(metrics, indent=2) + "\n")
@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (src / METRICS_FILE).is_file():
         ap.error(f"{src}: no {METRICS_FILE} there (expected a directory written by experiments.pretrain)")
     model = LlamaForCausalLM.from_pretrained(src, dtype=torch.float32)
-    metrics = ship(model, args.out, json.loads((src / METRICS_FILE).read_text()), rows=args.rows)
+    metrics = ship(model, args.out, json.loads((src / METRICS_FILE).read_text()), rows=args.rows,
+                   command=" ".join(["python", "-m", "experiments.ship_default", *(argv if argv is not None else sys.argv[1:])]))
     print(json.dumps({k: v for k, v in metrics.items() if k not in ("config", "loss_curve", "heldout_curve")}, indent=2))
     print(f"shipped to {args.out}")
     return 0

@@ -3,8 +3,9 @@
 The float64 tests of test_offline_acceptance.py prove the two equal on tiny models. Here the real
 backbone (mtpc/default_model) decodes as an evaluation does (EOS banned; the continuations at
 batch 16 on the compact forward, the pass one sequence per call, the loop at batch 1), with a cp
-head started from its unembedding (untrained: it accepts few drafts, mostly repeated bytes, so the
-comparison mostly exercises the verifier's argmax at every position): in float32 a near-tie can round one way in the loop's
+head started from its unembedding (untrained: it accepts few drafts or none, so the comparison
+mostly exercises the verifier's argmax at every position; the float64 tests on tiny models cover
+cycles with accepted drafts): in float32 a near-tie can round one way in the loop's
 incremental calls and the other in the batched continuation or the one-pass teacher forcing, so
 a few prompts may differ; the rate is printed (`-s`) and must stay small. In float64 every prompt
 matches. The slow test runs the issue's size (96 prompts x 128 bytes); the fast one a small one.
@@ -84,7 +85,6 @@ def difference_rate(dtype: torch.dtype, n_prompts: int, max_new_tokens: int) -> 
 def _check(n_prompts: int, max_new_tokens: int) -> None:
     f32 = difference_rate(torch.float32, n_prompts, max_new_tokens)
     print(f"\noffline vs online greedy, default model: {f32}")
-    assert f32["online_mu_acc"] > 0  # some drafts accepted (an untrained head: few; the verifier's ties matter most)
     assert f32["cycles_differ"] <= 0.05, f32  # near-ties only
     f64 = difference_rate(torch.float64, n_prompts, max_new_tokens)
     print(f"offline vs online greedy, default model: {f64}")
