@@ -175,7 +175,10 @@ def _fit(cfg: TrainConfig, started: float, *, mlflow_run_id: str | None, ckpt_pa
     periodic = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
                                every_n_train_steps=cfg.run.checkpoint_every_n_steps or None)
     identity = RunIdentity({})
-    trainer = Trainer(**trainer_arguments(cfg), callbacks=[periodic, stopper, identity, YieldToTimer(), *callbacks],
+    # the suite's progress lines instead of Lightning's bar: given to the constructor, or Lightning adds its
+    # own bar beside them; Lightning's ProgressBar.setup disables it on every rank but 0
+    progress = [StepProgress(cfg.run.name)] if cfg.trainer.get("enable_progress_bar", True) else []
+    trainer = Trainer(**trainer_arguments(cfg), callbacks=[periodic, stopper, identity, YieldToTimer(), *progress, *callbacks],
                       plugins=[cluster_environment(), AtomicCheckpointIO()], default_root_dir=str(run_dir), logger=False)
     rank_zero = trainer.global_rank == 0  # known from the cluster environment before any rank starts
     # every rank checks the run directory; rank 0 alone records it (the others would each draw a run id)
@@ -185,8 +188,6 @@ def _fit(cfg: TrainConfig, started: float, *, mlflow_run_id: str | None, ckpt_pa
     resuming = ckpt_path is not None
     if cfg.run.tracking and rank_zero:
         trainer.logger = make_logger(cfg, run_id=mlflow_run_id, resuming=resuming)
-    if rank_zero and cfg.trainer.get("enable_progress_bar", True):
-        trainer.callbacks.append(StepProgress(cfg.run.name))  # the suite's lines instead of Lightning's bar
     trainer.fit(module, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None)
     return _finish(cfg, trainer, module, data, stopper, started)
 

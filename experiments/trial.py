@@ -145,6 +145,7 @@ def evaluate_head(head_dir: Path, cfg: TrainConfig, evaluation: EvalConfig, *, p
             {"head": model}, sets, passes, (e.extra_token,), max_new_tokens=e.max_new_tokens, temperature=temperature,
             top_p=e.top_p, seed=e.seed, eos=e.eos, set_names=names, stp=e.stp, acceptance=e.acceptance,
             latency_prompts=e.latency_prompts, continuation_cache=e.continuation_cache,
+            progress=False,  # a sweep trial: the worker prints one line per trial, not tqdm bars
         )
         if results is None:
             results = res
