@@ -82,10 +82,12 @@ def difference_rate(dtype: torch.dtype, n_prompts: int, max_new_tokens: int) -> 
             "online_mu_acc": accepted / cycles, "cycles_differ": differ_cycles / n_prompts, "text_differs": differ_text / n_prompts}  # fmt: skip
 
 
-def _check(n_prompts: int, max_new_tokens: int) -> None:
+def _check(n_prompts: int, max_new_tokens: int, float64: bool = True) -> None:
     f32 = difference_rate(torch.float32, n_prompts, max_new_tokens)
     print(f"\noffline vs online greedy, default model: {f32}")
     assert f32["cycles_differ"] <= 0.05, f32  # near-ties only
+    if not float64:
+        return
     f64 = difference_rate(torch.float64, n_prompts, max_new_tokens)
     print(f"offline vs online greedy, default model: {f64}")
     assert f64["cycles_differ"] == 0.0 and f64["text_differs"] == 0.0, f64
@@ -97,4 +99,4 @@ def test_offline_greedy_matches_the_loop_on_the_default_model_small():
 
 @pytest.mark.slow
 def test_offline_greedy_matches_the_loop_on_the_default_model_96x128():
-    _check(96, 128)
+    _check(96, 128, float64=False)  # the float32 rate at size; float64 exactness: the small test (float64 here is ~4x slower)
