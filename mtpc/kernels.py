@@ -37,7 +37,15 @@ def onednn_unsupported(device: torch.device | str, dtype: torch.dtype) -> str | 
         return f"weights='onednn' needs float32 or bfloat16 weights (got {dtype}; oneDNN has no float64)"
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return "weights='onednn': this torch build has no oneDNN (mkldnn) linear"
+    if dtype == torch.bfloat16 and not _bf16_supported():
+        return (f"weights='onednn' in bfloat16 needs a CPU with avx512bw/vl/dq or avx_ne_convert "
+                f"(this one: {torch.backends.cpu.get_cpu_capability()})")
     return None
+
+
+def _bf16_supported() -> bool:
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe()) if probe is not None else True
 
 
 def use_onednn(requested: bool | None, device: torch.device | str, dtype: torch.dtype, where: str) -> bool:
