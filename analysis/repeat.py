@@ -4,9 +4,10 @@
 
 Per setting (mode, temperature, ... as `analysis` splits them) and configuration: the ratio to its
 own STP in each run (the derived one for offline acceptance, as the tables show it) and the
-relative difference, mu_acc in each run; then each run's Pareto front and its winner, with the
-configurations within the tie band of the winner (`analysis.paper_tables.TIE_BAND`) named as
-unranked. Prints markdown and a last line `max |Δ ratio| = …`; exit 0 when the two runs hold the
+relative difference, mu_acc in each run; then each run's Pareto front and its winner (ranked by the
+ratio to own STP, `analysis.paper_tables.ranking_column`), with the configurations within the tie
+band of the winner (`analysis.paper_tables.TIE_BAND`) named as unranked; "tied" when each run's
+winner lies within the other's band. Prints markdown and a last line `max |Δ ratio| = …`; exit 0 when the two runs hold the
 same settings and configurations, 2 otherwise.
 """
 
@@ -20,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.aggregate import CONFIG_KEYS, split_settings
-from analysis.paper_tables import TIE_BAND, config_label
+from analysis.paper_tables import TIE_BAND, config_label, ranking_column, tied_with_best
 
 
 def _settings(path: Path) -> dict[str, pd.DataFrame]:
@@ -37,10 +38,17 @@ def _key(row: pd.Series) -> tuple:
 
 
 def _winners(part: pd.DataFrame, band: float) -> tuple[str, list[str]]:
-    tput = part["throughput_mean"].to_numpy(dtype=float)
-    i = int(np.nanargmax(tput))
-    tied = [config_label(part.iloc[j]) for j in range(len(part)) if j != i and tput[j] >= tput[i] * (1 - band)]
-    return config_label(part.iloc[i]), tied
+    key = np.nan_to_num(part[ranking_column(part)].to_numpy(dtype=float), nan=-np.inf)
+    best = config_label(part.iloc[int(np.argmax(key))])
+    return best, [config_label(part.iloc[j]) for j in tied_with_best(part, band)]
+
+
+def _same_winner(wa: str, ta: list[str], wb: str, tb: list[str]) -> str:
+    if wa == wb:
+        return "yes"
+    if wb in ta and wa in tb:
+        return "tied (each run's winner is within the other's tie band)"
+    return "no"
 
 
 def compare(a: Path, b: Path, band: float = TIE_BAND) -> tuple[str, float]:
@@ -58,7 +66,8 @@ def compare(a: Path, b: Path, band: float = TIE_BAND) -> tuple[str, float]:
             raise ValueError(f"{title}: the runs hold different configurations")
         lines += [f"### {title}", "", "| head | μ_acc A | μ_acc B | × own STP A | × own STP B | Δ | front A | front B |",
                   "|---|--:|--:|--:|--:|--:|:-:|:-:|"]
-        for key in sorted(ka, key=lambda k: -float(ka[k]["throughput_mean"])):
+        rank = ranking_column(pa)
+        for key in sorted(ka, key=lambda k: -float(ka[k][rank])):
             ra, rb = ka[key], kb[key]
             xa, xb = float(ra["speedup_vs_stp_mean"]), float(rb["speedup_vs_stp_mean"])
             delta = xb / xa - 1
@@ -69,7 +78,7 @@ def compare(a: Path, b: Path, band: float = TIE_BAND) -> tuple[str, float]:
         same_front = {_key(r) for _, r in pa[pa.on_front].iterrows()} == {_key(r) for _, r in pb[pb.on_front].iterrows()}
         lines += ["", f"winner A: {wa}" + (f" (within {band:.0%}, not ranked: {', '.join(ta)})" if ta else ""),
                   f"winner B: {wb}" + (f" (within {band:.0%}, not ranked: {', '.join(tb)})" if tb else ""),
-                  f"same winner: {'yes' if wa == wb else 'no'}; same front: {'yes' if same_front else 'no'}", ""]
+                  f"same winner: {_same_winner(wa, ta, wb, tb)}; same front: {'yes' if same_front else 'no'}", ""]
     lines.append(f"max |Δ ratio| = {worst:.1%}")
     return "\n".join(lines), worst
 

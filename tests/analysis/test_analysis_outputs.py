@@ -156,8 +156,9 @@ def test_table_values_bold_and_stp_row(evals, setting_part):
     assert tex.count(r"\mathbf{") == 5 and r"\toprule" in tex and tex.count(r" \\") == len(part) + 2
     assert f"$\\mathbf{{{best['throughput_mean']:.{d}f} \\pm {best['throughput_std']:.{d}f}}}$" in tex
     line = tables.best_configuration(setting, part)
-    assert f"{best['circuit']} n={best['window']} r={best['rank']} k={best['lora_depth']}" in line
-    assert f"{best['throughput_mean']:.1f}" in line
+    ranked = part.loc[part["speedup_vs_stp_mean"].idxmax()]  # the line ranks by × own STP (test below)
+    assert line.split(" — ")[0].endswith(tables.config_label(ranked))
+    assert f"{ranked['throughput_mean']:.1f}" in line
     if "kl_beta" in part.columns and pd.notna(best.get("kl_beta")):  # CE and distilled heads told apart
         assert f" β={best['kl_beta']:g}" in line
     twin = part.copy()
@@ -165,22 +166,28 @@ def test_table_values_bold_and_stp_row(evals, setting_part):
     assert " β=0.5 seed=1 — " in tables.best_configuration(setting, twin)
 
 
-def test_best_configuration_does_not_rank_throughputs_within_the_tie_band(setting_part):
-    """Heads whose throughput lies within the tie band of the best are named beside it, unranked;
-    one just outside is not (the demo's heads can lie within run-to-run timing noise)."""
+def test_best_configuration_ranks_by_own_stp_ratio_and_does_not_rank_within_the_tie_band(setting_part):
+    """"Best" ranks by the ratio to each evaluation's own STP (it cancels the machine's drift between
+    trials), the throughput only when no STP was logged; heads within the tie band of the best are
+    named beside it, unranked; one just outside is not."""
     setting, part = setting_part
     part = part.reset_index(drop=True).copy()
-    order = part["throughput_mean"].sort_values(ascending=False).index
-    top = float(part.loc[order[0], "throughput_mean"])
-    part.loc[order[1], "throughput_mean"] = top * 0.97  # inside 5 %
-    part.loc[order[2:], "throughput_mean"] = top * 0.94  # outside
+    assert tables.ranking_column(part) == "speedup_vs_stp_mean"
+    order = part["speedup_vs_stp_mean"].sort_values(ascending=False).index
+    top = float(part.loc[order[0], "speedup_vs_stp_mean"])
+    part.loc[order[1], "speedup_vs_stp_mean"] = top * 0.97  # inside 5 %
+    part.loc[order[2:], "speedup_vs_stp_mean"] = top * 0.94  # outside
+    part.loc[order[-1], "throughput_mean"] = 10 * part["throughput_mean"].max()  # fastest in B/s, not best
     line = tables.best_configuration(setting, part)
-    second = part.loc[order[1]]
-    assert "; within 5% of it, not ranked: " in line
+    first, second = part.loc[order[0]], part.loc[order[1]]
+    assert line.startswith(f"best [{setting.title()}]: {tables.config_label(first)} — ")
     tail = line.split("not ranked: ", 1)[1]
-    assert f"{second['circuit']} n={second['window']} r={second['rank']} k={second['lora_depth']}" in tail
-    assert f"({top * 0.94:.1f})" not in tail and f"({top * 0.97:.1f})" in tail
+    assert tail == f"{tables.config_label(second)} ({top * 0.97:.2f})"
+    assert "; within 5% of it in × own STP, not ranked: " in line
     assert "not ranked" not in tables.best_configuration(setting, part, tie_band=0.01)
+    no_stp = part.drop(columns=["speedup_vs_stp_mean"])
+    assert tables.ranking_column(no_stp) == "throughput_mean"
+    assert tables.config_label(part.loc[order[-1]]) in tables.best_configuration(setting, no_stp).split(" — ")[0]
 
 
 def test_table_stp_row_and_its_x_stp_column_agree(evals):
