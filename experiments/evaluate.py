@@ -299,19 +299,28 @@ def _offline(models: dict[str, MtpcModel], job: EvalJob, seed: int, kw: dict[str
              cache: bool = True) -> tuple[list[list[int]], dict[str, list[Any]]]:  # fmt: skip
     """The plain model's continuations of the job's prompts (prompt i seeded seed + i, as STP) and, per
     head, its offline keep-cycle counts on them: one teacher-forced pass per backbone (heads with
-    lora_depth 0 share one), reused by every head on it (mtpc/speculative/offline.py). The
-    continuations come from the on-disk cache when another evaluation computed them already
-    (mtpc/speculative/continuation_cache.py; `cache` False: computed here, nothing stored)."""
+    lora_depth 0 share one), reused by every head on it (mtpc/speculative/offline.py). On the compact
+    forward with k = 0 the batched decoding yields that pass as it goes (`decode_and_force`; its bytes
+    are stored in the cache for LoRA heads); otherwise the continuations come from the on-disk cache
+    when another evaluation computed them already (mtpc/speculative/continuation_cache.py; `cache`
+    False: computed here, nothing stored)."""
     from mtpc.speculative.continuation_cache import cached_continuations
-    from mtpc.speculative.offline import offline_acceptance, teacher_force
+    from mtpc.speculative.offline import decode_and_force, fused_pass_applies, offline_acceptance, teacher_force
 
     first = next(iter(models.values()))
     cfg = _decode_config(first, job, kw)
     bb = first.backbone
     batch = batch if getattr(bb, "engine", "hf") == "compact" else 1  # batched decoding needs the compact forward
-    ys = cached_continuations(bb, job.prompts, cfg, seeds=[seed + i for i in range(len(job.prompts))], batch_size=batch,
-                              cache=cache)
+    seeds = [seed + i for i in range(len(job.prompts))]
     passes: dict[int, Any] = {}
+    if fused_pass_applies(bb, batch):  # k = 0: decoding yields the pass too; cheaper than a cache hit's pass
+        fused = decode_and_force(bb, job.prompts, cfg, seeds=seeds, batch_size=batch)
+        passes[id(bb)] = fused
+        cached_continuations(bb, job.prompts, cfg, seeds=seeds, batch_size=batch, cache=cache,
+                             compute=lambda: fused.continuations)  # fmt: skip  # stored for other evaluations' LoRA heads
+        ys = fused.continuations
+    else:
+        ys = cached_continuations(bb, job.prompts, cfg, seeds=seeds, batch_size=batch, cache=cache)
     out = {}
     for name, model in models.items():
         key = id(model.backbone)
@@ -339,7 +348,7 @@ def evaluate_heads(
     evabyte_mtp: bool = False,
     acceptance: str = "online",
     latency_prompts: int = EvalConfig.latency_prompts,
-    continuation_batch: int = 16,
+    continuation_batch: int = 8,
     continuation_cache: bool = True,
 ) -> dict[str, Any]:
     """Run STP and every head on every prompt set in this process; returns a JSON-able dict.
@@ -360,7 +369,8 @@ def evaluate_heads(
     which gives mu_lat, max_throughput, the measured `throughput` and speedup_vs_stp of that subset;
     `derived_throughput` = tokens_per_cycle (offline) / mu_lat (timed) and `derived_speedup_vs_stp`
     = derived_throughput / stp_throughput. The degeneracy metrics read the continuations.
-    continuation_batch: offline, prompts decoded at once for the continuations (compact Llama forward).
+    continuation_batch: offline, prompts decoded at once for the continuations (compact Llama forward; 8
+        was the fastest of 4-64 on the default model on a 2-core CPU: larger batches pad more and attend longer).
     continuation_cache: offline, read and store the continuations in the on-disk cache shared by every
     evaluation and process (mtpc/speculative/continuation_cache.py; keyed by the backbone's weights,
     the decode config, the prompts and seeds); False computes them here and stores nothing.

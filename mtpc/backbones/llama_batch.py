@@ -60,6 +60,7 @@ class LlamaBatchEngine:
         self.rows, self.length = B, 0
         slots = torch.arange(cap, device=self.device)
         self._key_ok = slots[None, :] >= self.pad[:, None]  # (B, C) real (not padding) slots
+        self._key_add = torch.where(self._key_ok, self.eng._mask_values[0], self.eng._mask_values[1])  # additive
         self._slots = slots
         self.cos, sin = rope_table(a, P + new_tokens, self.device, self.dtype)  # (C, hd)
         self.sin = signed_sin(sin)
@@ -76,29 +77,39 @@ class LlamaBatchEngine:
         start, end = self.length, self.length + T
         slots = self._slots[start:end]  # (T,)
         pos = (slots[None, :] - self.pad[:, None]).clamp_min(0)  # (B, T) RoPE positions (padding: 0, unused)
-        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # (B, 1, T, hd)
-        keys_at = self._slots[None, None, :end]
-        allowed = self._key_ok[:, None, :end] & (
-            keys_at <= slots[None, :, None]
-        )  # (B, T, S) causal, real keys
-        allowed = allowed | (
-            keys_at == slots[None, :, None]
-        )  # a padding query sees itself: finite, never read
-        mask = torch.where(allowed, e._mask_values[0], e._mask_values[1]).unsqueeze(1)  # (B, 1, T, S)
+        if T == 1:  # one query per row sees every real key so far: the row's key mask, no causal part
+            mask = self._key_add[:, None, None, :end]  # (B, 1, 1, S), broadcast over the n_rep grouped rows
+            cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # (B, 1, 1, hd)
+        else:
+            keys_at = self._slots[None, None, :end]
+            allowed = self._key_ok[:, None, :end] & (keys_at <= slots[None, :, None])  # (B, T, S) causal, real keys
+            allowed = allowed | (keys_at == slots[None, :, None])  # a padding query sees itself: finite, never read
+            mask = torch.where(allowed, e._mask_values[0], e._mask_values[1]).unsqueeze(1)  # (B, 1, T, S)
+            if e.n_rep > 1:
+                mask = mask.repeat(1, 1, e.n_rep, 1)  # grouped rows r*T + t -> mask row t (LlamaEngine._attend)
+            cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # (B, 1, T, hd)
         x = F.embedding(ids, e.embed)  # (B, T, d)
         for layer, (kc, vc) in zip(e.layers, self.kv, strict=True):
             h = rms_norm(x, layer.ln1, a.norm_eps)
             q, k, v = e._group(h, layer, "qkv")
-            q = q.reshape(B, T, a.n_heads, a.head_dim).transpose(1, 2)  # (B, h, T, hd)
-            k, v = (t.reshape(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2) for t in (k, v))
+            if T == 1:  # (B, 1, h hd) is the grouped layout (B, h_kv, n_rep, hd) already: a view, no key copies
+                q = q.view(B, a.n_kv_heads, e.n_rep, a.head_dim)
+                k, v = (t.view(B, a.n_kv_heads, 1, a.head_dim) for t in (k, v))
+            else:
+                q = q.reshape(B, T, a.n_heads, a.head_dim).transpose(1, 2)  # (B, h, T, hd)
+                k, v = (t.reshape(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2) for t in (k, v))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             kc[:, :, start:end] = k
             vc[:, :, start:end] = v
-            keys, values = kc[:, :, :end], vc[:, :, :end]
-            if e.n_rep > 1:
-                keys, values = keys.repeat_interleave(e.n_rep, 1), values.repeat_interleave(e.n_rep, 1)
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=e.scale)
-            (o,) = e._group(y.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim), layer, "o")
+            keys, values = kc[:, :, :end], vc[:, :, :end]  # (B, h_kv, S, hd) views
+            if T == 1:
+                y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=e.scale)
+                y = y.reshape(B, 1, a.n_heads * a.head_dim)
+            else:  # grouped queries: the n_rep heads of a group attend to its key head as n_rep * T rows
+                qg = q.reshape(B, a.n_kv_heads, e.n_rep * T, a.head_dim)
+                y = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=e.scale)
+                y = y.view(B, a.n_heads, T, a.head_dim).transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim)
+            (o,) = e._group(y, layer, "o")
             x = x + o
             h = rms_norm(x, layer.ln2, a.norm_eps)
             g, u = e._group(h, layer, "gu")
@@ -106,4 +117,5 @@ class LlamaBatchEngine:
             x = x + down
         self.length = end
         h = rms_norm(x, e.norm, a.norm_eps)
+        self.hidden = h  # (B, T, d): the final normed state (the draft top's input when k = 0)
         return e._mm(h, e.lm_head_packed) if e.lm_head_packed is not None else F.linear(h, e.lm_head)

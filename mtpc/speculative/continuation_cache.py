@@ -45,6 +45,7 @@ import json
 import os
 import platform
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,7 @@ from mtpc.paths import cache_dir
 __all__ = ["CODE_VERSION", "ENV_VAR", "SAMPLE", "cache_root", "cached_continuations", "continuation_key",
            "entry_path", "weights_fingerprint"]  # fmt: skip
 
-CODE_VERSION = 1
+CODE_VERSION = 2
 """Bump when the continuation algorithm (offline.continuations, plain_decode(_batch), the chooser) changes its output."""
 ENV_VAR = "MTPC_CONTINUATION_CACHE_DIR"
 SAMPLE = 65536
@@ -182,16 +183,21 @@ def _read(path: Path, key: str, n: int) -> list[list[int]] | None:
 
 
 def cached_continuations(backbone: Any, prompts: list[Tensor], cfg: Any, seeds: list[int] | None = None,
-                         batch_size: int = 1, *, cache: bool = True, root: Path | None = None) -> list[list[int]]:  # fmt: skip
+                         batch_size: int = 1, *, cache: bool = True, root: Path | None = None,
+                         compute: Callable[[], list[list[int]]] | None = None) -> list[list[int]]:  # fmt: skip
     """`offline.continuations(backbone, prompts, cfg, seeds, batch_size)`, read from the cache when an
     entry with this key exists, else computed (once, under the key's file lock) and stored.
-    cache=False: computed, nothing read or written."""
+    cache=False: computed, nothing read or written. compute: what computes them on a miss, when the
+    caller wants more than the bytes (`offline.decode_and_force`: the same bytes and the pass);
+    it must return exactly what `continuations` would."""
     from filelock import FileLock
 
     from mtpc.speculative import offline
 
-    def compute() -> list[list[int]]:
-        return offline.continuations(backbone, prompts, cfg, seeds=seeds, batch_size=batch_size)
+    if compute is None:
+
+        def compute() -> list[list[int]]:
+            return offline.continuations(backbone, prompts, cfg, seeds=seeds, batch_size=batch_size)
 
     if not cache:
         return compute()

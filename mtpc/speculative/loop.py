@@ -202,11 +202,14 @@ def plain_decode_batch(
     prompts: list[Tensor],  # each (P_b,)
     cfg: DecodeConfig,
     choosers: list[Chooser],
+    observe: Callable[[Tensor, Tensor], None] | None = None,
 ) -> list[list[int]]:
     """Plain decoding of several prompts at once (a `LlamaBatchEngine`: `prefill(prompts, new_tokens)`
     and `step(ids (B,))`, each -> p logits (B, v)). Row b draws with choosers[b] (one per row, as
     batch-1 `plain_decode` with its own chooser); every row stops as batch 1 does (max_new_tokens,
-    the first stop id) and is ignored after that while the others run on. One host read per step."""
+    the first stop id) and is ignored after that while the others run on. One host read per step.
+    observe(logits (B, v), picked (B,)), if given, sees every step's logits and choices (before the
+    rows' stop checks; finished rows included)."""
     if len(choosers) != len(prompts):
         raise ValueError(f"choosers: one per prompt ({len(prompts)}), got {len(choosers)}")
     out: list[list[int]] = [[] for _ in prompts]
@@ -218,6 +221,8 @@ def plain_decode_batch(
         else:
             probs = target_probs(logits, cfg.temperature, cfg.top_p, cfg.banned)
             picked = torch.cat([as_index(choose(probs[b]), logits.device) for b, choose in enumerate(choosers)])
+        if observe is not None:
+            observe(logits, picked)
         for b, t in enumerate(picked.tolist()):  # the step's one host read
             if not done[b]:
                 done[b] = _finish(out[b], [t], cfg)

@@ -59,8 +59,8 @@ from mtpc.names import MIN_DECODE_WINDOW
 from mtpc.speculative.acceptance import TorchChooser, greedy_target, stop_hits, target_probs
 from mtpc.speculative.loop import DecodeConfig, plain_decode
 
-__all__ = ["OfflineStats", "TeacherForced", "continuations", "offline_acceptance", "pool_offline", "teacher_force",
-           "token_conditionals"]  # fmt: skip
+__all__ = ["OfflineStats", "TeacherForced", "continuations", "decode_and_force", "fused_pass_applies",
+           "offline_acceptance", "pool_offline", "teacher_force", "token_conditionals"]  # fmt: skip
 
 
 @dataclass
@@ -177,12 +177,11 @@ def continuations(
         from mtpc.speculative.loop import plain_decode_batch
 
         engine = LlamaBatchEngine(backbone)
-        out: list[list[int]] = []
-        for lo in range(0, len(prompts), batch_size):
-            rows = range(lo, min(lo + batch_size, len(prompts)))
-            out += plain_decode_batch(
-                engine, [prompts[i].to(dev) for i in rows], cfg, [chooser(i) for i in rows]
-            )
+        out: list[list[int]] = [[] for _ in prompts]
+        for rows in _length_batches(prompts, batch_size):
+            ys = plain_decode_batch(engine, [prompts[i].to(dev) for i in rows], cfg, [chooser(i) for i in rows])
+            for i, y in zip(rows, ys, strict=True):
+                out[i] = y
         return out
     out = []
     for i, prompt in enumerate(prompts):
@@ -190,6 +189,86 @@ def continuations(
         ids, _ = plain_decode(engine, prompt.to(dev), cfg, chooser(i))
         out.append(ids)
     return out
+
+
+def _length_batches(prompts: list[Tensor], batch_size: int) -> list[list[int]]:
+    """Prompt indices in batches of similar length (sorted; stable), so left padding stays short."""
+    order = sorted(range(len(prompts)), key=lambda i: prompts[i].shape[0])
+    return [order[lo : lo + batch_size] for lo in range(0, len(order), batch_size)]
+
+
+def fused_pass_applies(backbone: Any, batch_size: int) -> bool:
+    """Whether `decode_and_force` can serve this backbone: the compact Llama forward, no LoRA top
+    (k = 0: the draft top's state is the verifier's final state, which plain decoding computes)."""
+    return batch_size > 1 and getattr(backbone, "engine", "hf") == "compact" and backbone.lora_depth == 0
+
+
+@torch.inference_mode()
+def decode_and_force(
+    backbone: Any,
+    prompts: list[Tensor],
+    cfg: DecodeConfig,
+    seeds: list[int] | None = None,
+    batch_size: int = 16,
+) -> TeacherForced:
+    """`continuations` and `teacher_force` in one: batched plain decoding (as `continuations` with
+    this batch_size: the same bytes) that keeps, at every step, the verifier's final state (the
+    head's input when k = 0) and p(y_t) from the very logits y_t was chosen from. No second pass
+    over prompt + y: on this CPU that pass cost as much as the decoding. k = 0 on the compact
+    forward only (`fused_pass_applies`); in float64 equal to `teacher_force` on the same texts
+    (tests/mtpc/test_offline_acceptance.py), in float32 the batched products round differently,
+    as batched decoding's near-ties do."""
+    from mtpc.backbones.llama_batch import LlamaBatchEngine
+    from mtpc.speculative.loop import plain_decode_batch
+
+    _refuse_drop(cfg)
+    if not fused_pass_applies(backbone, batch_size):
+        raise ValueError("decode_and_force needs the compact Llama forward, lora_depth 0 and batch_size > 1 "
+                         f"(got engine={getattr(backbone, 'engine', 'hf')!r}, lora_depth={backbone.lora_depth}, "
+                         f"batch_size={batch_size}); use continuations + teacher_force")  # fmt: skip
+    if cfg.mode == "sample" and (seeds is None or len(seeds) != len(prompts)):
+        raise ValueError(f"seeds: sampling needs one seed per prompt ({len(prompts)}), got {seeds!r}")
+    dev = backbone.device
+    greedy = cfg.mode == "greedy"
+    n = len(prompts)
+    ys: list[list[int]] = [[] for _ in prompts]
+    hidden: list[Tensor | None] = [None] * n
+    scores: list[Tensor | None] = [None] * n  # greedy: argmax agrees; sampling: log p(y_t)
+    engine = LlamaBatchEngine(backbone)
+    for rows in _length_batches(prompts, batch_size):
+        states: list[Tensor] = []  # per step (B, d): the state before the byte chosen at that step
+        marks: list[Tensor] = []  # per step (B,)
+
+        def observe(logits: Tensor, picked: Tensor) -> None:
+            states.append(engine.hidden[:, -1].clone())
+            if greedy:
+                marks.append(greedy_target(logits, cfg.banned) == picked)
+            else:
+                p = target_probs(logits, cfg.temperature, cfg.top_p, cfg.banned)
+                marks.append(p.gather(-1, picked.view(-1, 1))[:, 0].log())
+
+        choosers = []
+        for i in rows:
+            gen = torch.Generator(device=dev)
+            if seeds is not None:
+                gen.manual_seed(int(seeds[i]))
+            choosers.append(TorchChooser(gen))
+        out = plain_decode_batch(engine, [prompts[i].to(dev) for i in rows], cfg, choosers, observe=observe)
+        st, mk = torch.stack(states, 1), torch.stack(marks, 1)  # (B, steps, d), (B, steps)
+        for r, i in enumerate(rows):
+            T = len(out[r])
+            ys[i] = out[r]
+            hidden[i] = st[r, : T - 1].clone()
+            scores[i] = mk[r, :T].clone()
+    return TeacherForced(
+        cfg=cfg,
+        lora_depth=0,
+        prompts=[p.clone() for p in prompts],
+        continuations=ys,
+        hidden=hidden,  # type: ignore[arg-type]
+        log_p=None if greedy else scores,  # type: ignore[arg-type]
+        argmax_agrees=scores if greedy else None,  # type: ignore[arg-type]
+    )
 
 
 # ----------------------------------------------------------------------------- the pass

@@ -221,6 +221,37 @@ def test_continuations_are_generate_plains_and_pool_uses_the_metric_names():
     assert 0 <= pooled["mu_acc"] <= 2 and pooled["tokens_per_cycle"] >= 1
 
 
+@pytest.mark.parametrize("mode", ["greedy", "sample"])
+def test_decode_and_force_equals_continuations_then_teacher_force(mode):
+    """The fused path (batched decoding keeping each step's state and p(y_t)) is the two-step path:
+    the same bytes, the same head inputs and log p in float64, hence the same counts per head;
+    prompts of different lengths in one batch, EOS allowed (rows end at different steps)."""
+    from mtpc.speculative.offline import decode_and_force, fused_pass_applies
+
+    bb = _peaked_backbone(0, vocab=6)
+    prompts = _prompts(6, 7, seed=5)
+    cfg = DecodeConfig(max_new_tokens=12, mode=mode, eos_id=bb.eos_token_id, ban_eos=False)
+    seeds = [11 + i for i in range(len(prompts))]
+    fused = decode_and_force(bb, prompts, cfg, seeds=seeds, batch_size=3)
+    ys = continuations(bb, prompts, cfg, seeds=seeds)
+    assert fused.continuations == ys and len({len(y) for y in ys}) > 1
+    tf = teacher_force(bb, prompts, ys, cfg)
+    for a, b in zip(fused.hidden, tf.hidden, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    pairs = zip(fused.log_p or fused.argmax_agrees, tf.log_p or tf.argmax_agrees, strict=True)
+    for a, b in pairs:
+        if mode == "sample":
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        else:
+            assert torch.equal(a, b)
+    for head in _heads(bb, 3).values():
+        for a, b in zip(offline_acceptance(fused, head.head), offline_acceptance(tf, head.head), strict=True):
+            assert _counts_off(a) == pytest.approx(_counts_off(b), rel=1e-9, abs=1e-12)
+    assert not fused_pass_applies(_peaked_backbone(1, vocab=6), 3)  # a LoRA top: its own pass
+    with pytest.raises(ValueError, match="lora_depth 0"):
+        decode_and_force(_peaked_backbone(1, vocab=6), prompts, cfg, seeds=seeds, batch_size=3)
+
+
 def test_refuses_drop_and_impossible_continuations():
     bb = _peaked_backbone(0, vocab=6)
     m = MtpcModel.from_components(bb, {"kind": "cp", "window": 3, "rank": 2})

@@ -1,12 +1,12 @@
 """Offline greedy acceptance against the online loop on the shipped default model, cycle for cycle.
 
 The float64 tests of test_offline_acceptance.py prove the two equal on tiny models. Here the real
-backbone (mtpc/default_model) decodes as an evaluation does (EOS banned; the continuations at
-batch 16 on the compact forward, the pass one sequence per call, the loop at batch 1), with a cp
+backbone (mtpc/default_model) decodes as an evaluation does (EOS banned; the continuations and the
+pass in one, `decode_and_force` at batch 8 on the compact forward, the loop at batch 1), with a cp
 head started from its unembedding (untrained: it accepts few drafts or none, so the comparison
 mostly exercises the verifier's argmax at every position; the float64 tests on tiny models cover
 cycles with accepted drafts): in float32 a near-tie can round one way in the loop's
-incremental calls and the other in the batched continuation or the one-pass teacher forcing, so
+incremental calls and the other in the batched decoding, so
 a few prompts may differ; the rate is printed (`-s`) and must stay small. In float64 every prompt
 matches. The slow test runs the issue's size (96 prompts x 128 bytes); the fast one a small one.
 Prompts: the held-out ShareGPT prompts when the corpus is built, else sentences of the docs.
@@ -22,7 +22,7 @@ import torch
 
 from mtpc import MtpcModel
 from mtpc.speculative.loop import DecodeConfig
-from mtpc.speculative.offline import continuations, offline_acceptance, teacher_force
+from mtpc.speculative.offline import decode_and_force, offline_acceptance
 from tests.mtpc.test_offline_acceptance import _online
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,8 +69,8 @@ def difference_rate(dtype: torch.dtype, n_prompts: int, max_new_tokens: int) -> 
     stops = tuple(bb.stop_token_ids or ())
     cfg = DecodeConfig(max_new_tokens=max_new_tokens, mode="greedy", ban_eos=True,
                        eos_id=stops if len(stops) > 1 else bb.eos_token_id)  # fmt: skip
-    ys = continuations(bb, prompts, cfg, batch_size=16)  # as experiments.evaluate computes them
-    offline = offline_acceptance(teacher_force(bb, prompts, ys, cfg), m.head)
+    tf = decode_and_force(bb, prompts, cfg, batch_size=8)  # as experiments.evaluate computes them (k = 0)
+    ys, offline = tf.continuations, offline_acceptance(tf, m.head)
     differ_cycles = differ_text = cycles = accepted = 0
     for p, y, off in zip(prompts, ys, offline, strict=True):
         out, st = _online(m, p, cfg)
