@@ -5,8 +5,10 @@
     python bench/bench_offline.py --tiny --prompts 4 --sets 1 --max-new-tokens 16  # dry run (random tiny Llama)
 
 For each mode (greedy, sampling at T = 1; EOS banned): the offline arm times `continuations`
-(plain decoding, `--batch` prompts at once on the compact forward), `teacher_force` (one pass)
-and `offline_acceptance` per head; the online arm (`--online`, default on) runs
+(plain decoding, `--batch` prompts at once on the compact forward, batches of similar length),
+`teacher_force` (one pass), `decode_and_force` (the two fused: what the suite runs for k = 0 on
+the compact forward; its texts are compared with the two-step ones) and `offline_acceptance`
+per head; the online arm (`--online`, default on) runs
 `MtpcModel.generate` on the same prompts with the same seeds for the first head. Beside the
 times it records the agreement of the two: greedy, the fraction of prompts whose offline cycles
 differ from the online loop's (float32: near-ties); sampling, the mean and 99 % interval of
@@ -91,7 +93,14 @@ def _interval(d: list[float]) -> dict:
 def measure(args) -> dict:
     from mtpc.backbones import load_backbone
     from mtpc.speculative.loop import DecodeConfig
-    from mtpc.speculative.offline import continuations, offline_acceptance, pool_offline, teacher_force
+    from mtpc.speculative.offline import (
+        continuations,
+        decode_and_force,
+        fused_pass_applies,
+        offline_acceptance,
+        pool_offline,
+        teacher_force,
+    )
 
     torch.set_num_threads(args.threads)
     bb = _tiny_backbone() if args.tiny else load_backbone("default")
@@ -103,7 +112,8 @@ def measure(args) -> dict:
     for mode in DECODE_MODES:
         cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, mode=mode, eos_id=bb.eos_token_id, ban_eos=True)
         rec = {"continuations_s": 0.0, "pass_s": 0.0, "per_head_s": [0.0] * len(models), "online_s": 0.0,
-               "metrics": [], "greedy_prompts_differing": 0, "d_accepted": [], "d_cycles": []}  # fmt: skip
+               "metrics": [], "greedy_prompts_differing": 0, "d_accepted": [], "d_cycles": [], "fused_s": 0.0,
+               "fused_texts_differing": 0, "greedy_texts_differing_online": 0}  # fmt: skip
         for prompts in sets:
             seeds = list(range(len(prompts)))
             t0 = time.perf_counter()
@@ -113,6 +123,13 @@ def measure(args) -> dict:
             t2 = time.perf_counter()
             rec["continuations_s"] += t1 - t0
             rec["pass_s"] += t2 - t1
+            fused = None
+            if fused_pass_applies(bb, args.batch):
+                t = time.perf_counter()
+                fused = decode_and_force(bb, prompts, cfg, seeds=seeds, batch_size=args.batch)
+                rec["fused_s"] += time.perf_counter() - t
+                rec["fused_texts_differing"] += sum(a != b for a, b in zip(fused.continuations, ys, strict=True))
+                tf = fused  # the heads below read the fused pass (the suite's path for k = 0)
             offline = []
             for j, m in enumerate(models):
                 t = time.perf_counter()
@@ -129,14 +146,17 @@ def measure(args) -> dict:
                 online.append(g.stats)
             rec["online_s"] += time.perf_counter() - t
             paired = offline_acceptance(teacher_force(bb, prompts, texts, cfg), m.head)  # on the loop's own texts
+            if mode == "greedy":  # the suite's offline texts (fused, batched) against the loop's own
+                rec["greedy_texts_differing_online"] += sum(a != b for a, b in zip(tf.continuations, texts, strict=True))
             for st, off in zip(online, paired, strict=True):
                 if mode == "greedy":
                     differs = st.accepted_length_histogram != off.accepted_length_histogram or st.cycles != off.cycles
                     rec["greedy_prompts_differing"] += int(differs)
                 rec["d_accepted"].append(st.mu_acc * st.cycles - off.accepted)
                 rec["d_cycles"].append(st.cycles - off.cycles)
-        offline_one = rec["continuations_s"] + rec["pass_s"] + rec["per_head_s"][0]
-        rec["offline_one_head_s"] = offline_one
+        rec["two_step_one_head_s"] = rec["continuations_s"] + rec["pass_s"] + rec["per_head_s"][0]
+        offline_one = (rec["fused_s"] if rec["fused_s"] else rec["continuations_s"] + rec["pass_s"]) + rec["per_head_s"][0]
+        rec["offline_one_head_s"] = offline_one  # the suite's path: fused when k = 0 on the compact forward
         if args.online:
             rec["speedup_one_head"] = rec["online_s"] / offline_one
             rec["paired_accepted"] = _interval(rec.pop("d_accepted"))
@@ -155,7 +175,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--heads", type=int, default=1, help="heads sharing one pass per prompt set")
     p.add_argument("--window", type=int, default=8)
-    p.add_argument("--batch", type=int, default=16, help="prompts decoded at once for the continuations")
+    p.add_argument("--batch", type=int, default=8, help="prompts decoded at once for the continuations")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-online", dest="online", action="store_false", help="skip the online arm")
     p.add_argument("--tiny", action="store_true", help="dry run on a random tiny Llama")
