@@ -7,6 +7,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test` (one test file per worker at a time; every test runs one torch thread); 0: in-process
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup setup-compat test test-compat test-fast demo bench bench-circuits bench-head bench-loss bench-decode pretrain device-prep lint clean-cache
 
@@ -20,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 
 # pytest's exit code 5 (nothing collected) is a failure, not a pass.
 test: setup
-	@set +e; $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	@set +e; $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests — failing"; exit 1; fi; exit $$rc
 
 # The oldest supported transformers (pyproject.toml states the range) in a second venv: the real-model

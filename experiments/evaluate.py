@@ -53,6 +53,7 @@ import json
 import random
 import statistics
 import sys
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -295,17 +296,55 @@ def _decode_config(model: MtpcModel, job: EvalJob, kw: dict[str, Any]) -> Any:
                         eos_id=stops if len(stops) > 1 else model.backbone.eos_token_id, **kw)  # fmt: skip
 
 
+PASS_MEMO_ENV = "MTPC_PASS_MEMO_MB"
+"""Megabytes of k = 0 passes kept in the process for later evaluations on the same texts (default 2048; 0: off)."""
+_PASS_MEMO: OrderedDict[str, Any] = OrderedDict()
+
+
+def _fused_pass(bb: Any, prompts: list[torch.Tensor], cfg: Any, seeds: list[int], batch: int, cache: bool) -> Any:
+    """`decode_and_force`, remembered in this process under the continuation cache's key (the texts and
+    the pass of a k = 0 head depend on the verifier, prompts, config, seeds and batch, not on the head):
+    a sweep worker evaluating trial after trial on the same prompt sets decodes each once. Least
+    recently used passes are dropped beyond `$MTPC_PASS_MEMO_MB`; `cache` False (the continuation
+    cache off: weights the key may not tell apart) computes afresh."""
+    import os
+
+    from mtpc.speculative.continuation_cache import continuation_key
+    from mtpc.speculative.offline import decode_and_force
+
+    try:
+        limit = int(float(os.environ.get(PASS_MEMO_ENV, "2048")) * 2**20)
+    except ValueError:
+        raise ValueError(f"${PASS_MEMO_ENV}={os.environ[PASS_MEMO_ENV]!r}: expected megabytes, e.g. 2048 (0: off)") from None
+    if not cache or limit <= 0:
+        return decode_and_force(bb, prompts, cfg, seeds=seeds, batch_size=batch)
+    key = continuation_key(bb, prompts, cfg, seeds, batch)[0]
+    if key in _PASS_MEMO:
+        _PASS_MEMO.move_to_end(key)
+        return _PASS_MEMO[key]
+    tf = decode_and_force(bb, prompts, cfg, seeds=seeds, batch_size=batch)
+    _PASS_MEMO[key] = tf
+
+    def size(t: Any) -> int:
+        return sum(h.numel() * h.element_size() for h in t.hidden)
+
+    while _PASS_MEMO and sum(size(t) for t in _PASS_MEMO.values()) > limit:
+        _PASS_MEMO.popitem(last=False)
+    return tf
+
+
 def _offline(models: dict[str, MtpcModel], job: EvalJob, seed: int, kw: dict[str, Any], batch: int,
              cache: bool = True) -> tuple[list[list[int]], dict[str, list[Any]]]:  # fmt: skip
     """The plain model's continuations of the job's prompts (prompt i seeded seed + i, as STP) and, per
     head, its offline keep-cycle counts on them: one teacher-forced pass per backbone (heads with
     lora_depth 0 share one), reused by every head on it (mtpc/speculative/offline.py). On the compact
-    forward with k = 0 the batched decoding yields that pass as it goes (`decode_and_force`; its bytes
-    are stored in the cache for LoRA heads); otherwise the continuations come from the on-disk cache
+    forward with k = 0 the batched decoding yields that pass as it goes (`decode_and_force`, kept in
+    the process for the next evaluation on the same texts: `_fused_pass`; its bytes are stored in the
+    cache for LoRA heads); otherwise the continuations come from the on-disk cache
     when another evaluation computed them already (mtpc/speculative/continuation_cache.py; `cache`
     False: computed here, nothing stored)."""
     from mtpc.speculative.continuation_cache import cached_continuations
-    from mtpc.speculative.offline import decode_and_force, fused_pass_applies, offline_acceptance, teacher_force
+    from mtpc.speculative.offline import fused_pass_applies, offline_acceptance, teacher_force
 
     first = next(iter(models.values()))
     cfg = _decode_config(first, job, kw)
@@ -314,7 +353,7 @@ def _offline(models: dict[str, MtpcModel], job: EvalJob, seed: int, kw: dict[str
     seeds = [seed + i for i in range(len(job.prompts))]
     passes: dict[int, Any] = {}
     if fused_pass_applies(bb, batch):  # k = 0: decoding yields the pass too; cheaper than a cache hit's pass
-        fused = decode_and_force(bb, job.prompts, cfg, seeds=seeds, batch_size=batch)
+        fused = _fused_pass(bb, job.prompts, cfg, seeds, batch, cache)
         passes[id(bb)] = fused
         cached_continuations(bb, job.prompts, cfg, seeds=seeds, batch_size=batch, cache=cache,
                              compute=lambda: fused.continuations)  # fmt: skip  # stored for other evaluations' LoRA heads

@@ -239,7 +239,7 @@ def decode_and_force(
         states: list[Tensor] = []  # per step (B, d): the state before the byte chosen at that step
         marks: list[Tensor] = []  # per step (B,)
 
-        def observe(logits: Tensor, picked: Tensor) -> None:
+        def observe(logits: Tensor, picked: Tensor, states: list[Tensor] = states, marks: list[Tensor] = marks) -> None:
             states.append(engine.hidden[:, -1].clone())
             if greedy:
                 marks.append(greedy_target(logits, cfg.banned) == picked)

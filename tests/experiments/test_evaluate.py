@@ -201,18 +201,28 @@ def test_offline_greedy_equals_the_online_loop_in_evaluate(exported):
     assert off["metrics"]["mu_acc"] == pytest.approx(on["metrics"]["mu_acc"])
 
 
-def test_a_second_head_reuses_the_cached_continuations(exported, monkeypatch):
-    """Another head's offline evaluation on the same backbone, prompts and decode config reads the
-    continuations the first one stored (no new `continuations` call) and gives the same results as
-    computing them afresh."""
+def _strip(r):
+    return [{k: v for k, v in p.items() if k not in ("decode_s", "prefill_s")} for p in r["per_prompt"]]
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_second_head_reuses_the_texts(exported, monkeypatch, batch):
+    """Another head's offline evaluation on the same backbone, prompts and decode config computes no
+    new texts, and gives the same results as computing them afresh. Batch 1: the continuations come
+    from the on-disk cache the first evaluation stored (no new `continuations` call). Batch 4 (k = 0
+    on the compact forward): the fused decoding-and-pass the first evaluation kept in the process
+    (no new `decode_and_force` call); `$MTPC_PASS_MEMO_MB=0` or the cache off recompute."""
+    from experiments import evaluate
     from mtpc.speculative import offline
 
+    monkeypatch.setattr(evaluate, "_PASS_MEMO", type(evaluate._PASS_MEMO)())
+    name = "continuations" if batch == 1 else "decode_and_force"
     calls = []
-    real = offline.continuations
-    monkeypatch.setattr(offline, "continuations", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = getattr(offline, name)
+    monkeypatch.setattr(offline, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
     prompts = [["one", "two", "three"], ["four", "five"]]
     kw = {"max_new_tokens": 10, "progress": False, "stp": False, "acceptance": "offline", "latency_prompts": 1,
-          "temperature": 0.8}  # fmt: skip
+          "temperature": 0.8, "continuation_batch": batch}  # fmt: skip
     cp = MtpcModel.from_pretrained(exported / "cp")
     evaluate_heads(cp, prompts, ("greedy", "sample"), **kw)
     assert len(calls) == 4  # (mode, set) jobs
@@ -221,10 +231,16 @@ def test_a_second_head_reuses_the_cached_continuations(exported, monkeypatch):
     assert len(calls) == 4  # nothing recomputed
     fresh = evaluate_heads(ff, prompts, ("greedy", "sample"), continuation_cache=False, **kw)
     assert len(calls) == 8
-    strip = lambda r: [{k: v for k, v in p.items() if k not in ("decode_s", "prefill_s")} for p in r["per_prompt"]]  # noqa: E731
-    assert [strip(r) for r in cached["runs"]] == [strip(r) for r in fresh["runs"]]
+    assert [_strip(r) for r in cached["runs"]] == [_strip(r) for r in fresh["runs"]]
     for a, b in zip(cached["runs"], fresh["runs"], strict=True):
         assert a["metrics"]["mu_acc"] == b["metrics"]["mu_acc"] and a["metrics"]["cycles"] == b["metrics"]["cycles"]
+    if batch > 1:
+        monkeypatch.setenv(evaluate.PASS_MEMO_ENV, "0")
+        evaluate_heads(ff, prompts, ("greedy", "sample"), **kw)
+        assert len(calls) == 12
+        monkeypatch.setenv(evaluate.PASS_MEMO_ENV, "lots")
+        with pytest.raises(ValueError, match="MTPC_PASS_MEMO_MB"):
+            evaluate_heads(ff, prompts, ("greedy",), **kw)
 
 
 def test_cli_no_continuation_cache_stores_nothing(exported, tmp_path, capsys):
