@@ -167,10 +167,7 @@ def continuations(
     dev = backbone.device
 
     def chooser(i: int) -> TorchChooser:
-        gen = torch.Generator(device=dev)
-        if seeds is not None:
-            gen.manual_seed(int(seeds[i]))
-        return TorchChooser(gen)
+        return _chooser(dev, seeds, i)
 
     if batch_size > 1:
         from mtpc.backbones.llama_batch import LlamaBatchEngine
@@ -191,6 +188,14 @@ def continuations(
     return out
 
 
+def _chooser(dev: Any, seeds: list[int] | None, i: int) -> TorchChooser:
+    """Prompt i's sampler: a generator seeded with seeds[i] (unseeded when greedy: it is never drawn from)."""
+    gen = torch.Generator(device=dev)
+    if seeds is not None:
+        gen.manual_seed(int(seeds[i]))
+    return TorchChooser(gen)
+
+
 def _length_batches(prompts: list[Tensor], batch_size: int) -> list[list[int]]:
     """Prompt indices in batches of similar length (sorted; stable), so left padding stays short."""
     order = sorted(range(len(prompts)), key=lambda i: prompts[i].shape[0])
@@ -209,7 +214,7 @@ def decode_and_force(
     prompts: list[Tensor],
     cfg: DecodeConfig,
     seeds: list[int] | None = None,
-    batch_size: int = 16,
+    batch_size: int = 8,
 ) -> TeacherForced:
     """`continuations` and `teacher_force` in one: batched plain decoding (as `continuations` with
     this batch_size: the same bytes) that keeps, at every step, the verifier's final state (the
@@ -247,12 +252,7 @@ def decode_and_force(
                 p = target_probs(logits, cfg.temperature, cfg.top_p, cfg.banned)
                 marks.append(p.gather(-1, picked.view(-1, 1))[:, 0].log())
 
-        choosers = []
-        for i in rows:
-            gen = torch.Generator(device=dev)
-            if seeds is not None:
-                gen.manual_seed(int(seeds[i]))
-            choosers.append(TorchChooser(gen))
+        choosers = [_chooser(dev, seeds, i) for i in rows]
         out = plain_decode_batch(engine, [prompts[i].to(dev) for i in rows], cfg, choosers, observe=observe)
         st, mk = torch.stack(states, 1), torch.stack(marks, 1)  # (B, steps, d), (B, steps)
         for r, i in enumerate(rows):
