@@ -2,6 +2,7 @@
 
     python bench/bench_offline.py --out bench/results/offline_cpu.json            # 3 x 225 x 256, one head
     python bench/bench_offline.py --heads 8 --no-online --out ...                  # per-head cost, 8 heads
+    python bench/bench_offline.py --prefill-only --out ...                         # the prompts' prefill alone
     python bench/bench_offline.py --tiny --prompts 4 --sets 1 --max-new-tokens 16  # dry run (random tiny Llama)
 
 For each mode (greedy, sampling at T = 1; EOS banned): the offline arm times `continuations`
@@ -90,6 +91,25 @@ def _interval(d: list[float]) -> dict:
     return {"mean": mean, "ci99": [mean - half, mean + half], "n": n}
 
 
+def measure_prefill(args) -> dict:
+    """The prompts' prefill alone, as `decode_and_force` batches it (both arms pay it)."""
+    from mtpc.backbones import load_backbone
+    from mtpc.backbones.llama_batch import LlamaBatchEngine
+    from mtpc.speculative.offline import SLOT_BUDGET, _length_batches
+
+    torch.set_num_threads(args.threads)
+    bb = _tiny_backbone() if args.tiny else load_backbone("default")
+    engine, seconds, size = LlamaBatchEngine(bb), 0.0, 0
+    for prompts in _prompts(bb, args):
+        size += sum(p.shape[0] for p in prompts)
+        for rows in _length_batches(prompts, args.batch, args.max_new_tokens, SLOT_BUDGET):
+            t = time.perf_counter()
+            engine.prefill([prompts[i] for i in rows], args.max_new_tokens)
+            seconds += time.perf_counter() - t
+    return {"backbone": bb.name, "sets": args.sets, "prompts": args.prompts, "batch": args.batch,
+            "threads": args.threads, "prompt_bytes": size, "prefill_s": seconds}  # fmt: skip
+
+
 def measure(args) -> dict:
     from mtpc.backbones import load_backbone
     from mtpc.speculative.loop import DecodeConfig
@@ -116,19 +136,21 @@ def measure(args) -> dict:
                "fused_texts_differing": 0, "greedy_texts_differing_online": 0}  # fmt: skip
         for prompts in sets:
             seeds = list(range(len(prompts)))
-            t0 = time.perf_counter()
-            ys = continuations(bb, prompts, cfg, seeds=seeds, batch_size=args.batch)
-            t1 = time.perf_counter()
-            tf = teacher_force(bb, prompts, ys, cfg)
-            t2 = time.perf_counter()
-            rec["continuations_s"] += t1 - t0
-            rec["pass_s"] += t2 - t1
-            fused = None
-            if fused_pass_applies(bb, args.batch):
+            fuses = fused_pass_applies(bb, args.batch)
+            if args.two_step or not fuses:
+                t0 = time.perf_counter()
+                ys = continuations(bb, prompts, cfg, seeds=seeds, batch_size=args.batch)
+                t1 = time.perf_counter()
+                tf = teacher_force(bb, prompts, ys, cfg)
+                t2 = time.perf_counter()
+                rec["continuations_s"] += t1 - t0
+                rec["pass_s"] += t2 - t1
+            if fuses:
                 t = time.perf_counter()
                 fused = decode_and_force(bb, prompts, cfg, seeds=seeds, batch_size=args.batch)
                 rec["fused_s"] += time.perf_counter() - t
-                rec["fused_texts_differing"] += sum(a != b for a, b in zip(fused.continuations, ys, strict=True))
+                if args.two_step:
+                    rec["fused_texts_differing"] += sum(a != b for a, b in zip(fused.continuations, ys, strict=True))
                 tf = fused  # the heads below read the fused pass (the suite's path for k = 0)
             offline = []
             for j, m in enumerate(models):
@@ -154,8 +176,12 @@ def measure(args) -> dict:
                     rec["greedy_prompts_differing"] += int(differs)
                 rec["d_accepted"].append(st.mu_acc * st.cycles - off.accepted)
                 rec["d_cycles"].append(st.cycles - off.cycles)
-        rec["two_step_one_head_s"] = rec["continuations_s"] + rec["pass_s"] + rec["per_head_s"][0]
+        if args.two_step or not rec["fused_s"]:
+            rec["two_step_one_head_s"] = rec["continuations_s"] + rec["pass_s"] + rec["per_head_s"][0]
         offline_one = (rec["fused_s"] if rec["fused_s"] else rec["continuations_s"] + rec["pass_s"]) + rec["per_head_s"][0]
+        if not (args.two_step or not rec["fused_s"]):  # not measured: leave them out rather than write 0
+            for k in ("continuations_s", "pass_s", "fused_texts_differing"):
+                rec.pop(k)
         rec["offline_one_head_s"] = offline_one  # the suite's path: fused when k = 0 on the compact forward
         if args.online:
             rec["speedup_one_head"] = rec["online_s"] / offline_one
@@ -175,17 +201,21 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--heads", type=int, default=1, help="heads sharing one pass per prompt set")
     p.add_argument("--window", type=int, default=8)
-    p.add_argument("--batch", type=int, default=8, help="prompts decoded at once for the continuations")
+    p.add_argument("--batch", type=int, default=32, help="at most this many prompts decoded at once for the continuations")
+    p.add_argument("--no-two-step", dest="two_step", action="store_false",
+                   help="time only the fused path (decode_and_force), not continuations + teacher_force beside it")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-online", dest="online", action="store_false", help="skip the online arm")
     p.add_argument("--tiny", action="store_true", help="dry run on a random tiny Llama")
+    p.add_argument("--prefill-only", action="store_true", help="time only the prompts' prefill (both arms pay it)")
     args = p.parse_args()
-    result = measure(args)
+    result = measure_prefill(args) if args.prefill_only else measure(args)
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
-    print(json.dumps({m: {k: v for k, v in r.items() if k != "metrics"} for m, r in result["modes"].items()}, indent=1))
+    modes = result.get("modes")
+    print(json.dumps({m: {k: v for k, v in r.items() if k != "metrics"} for m, r in modes.items()} if modes else result, indent=1))
 
 
 if __name__ == "__main__":

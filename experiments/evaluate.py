@@ -387,7 +387,7 @@ def evaluate_heads(
     evabyte_mtp: bool = False,
     acceptance: str = "online",
     latency_prompts: int = EvalConfig.latency_prompts,
-    continuation_batch: int = 8,
+    continuation_batch: int = 32,
     continuation_cache: bool = True,
 ) -> dict[str, Any]:
     """Run STP and every head on every prompt set in this process; returns a JSON-able dict.
@@ -408,8 +408,9 @@ def evaluate_heads(
     which gives mu_lat, max_throughput, the measured `throughput` and speedup_vs_stp of that subset;
     `derived_throughput` = tokens_per_cycle (offline) / mu_lat (timed) and `derived_speedup_vs_stp`
     = derived_throughput / stp_throughput. The degeneracy metrics read the continuations.
-    continuation_batch: offline, prompts decoded at once for the continuations (compact Llama forward; 8
-        was the fastest of 4-64 on the default model on a 2-core CPU: larger batches pad more and attend longer).
+    continuation_batch: offline, at most this many prompts decoded at once for the continuations (compact
+        Llama forward; batches of similar length, also capped at `offline.SLOT_BUDGET` key slots; 32 was the
+        fastest of 8-64 on the default model on a 2-core CPU).
     continuation_cache: offline, read and store the continuations in the on-disk cache shared by every
     evaluation and process (mtpc/speculative/continuation_cache.py; keyed by the backbone's weights,
     the decode config, the prompts and seeds); False computes them here and stores nothing.

@@ -2,10 +2,12 @@
 
 `LlamaBatchEngine` reuses a verifier-only `LlamaEngine`'s weights and products (its layout, its
 `_group`) and keeps its own caches of shape (B, h_kv, C, hd). Prompts of different lengths are
-left-padded to a common length P: row b's real bytes sit at cache slots [pad_b, P), its RoPE
-positions are slot - pad_b (so every row sees the positions batch-1 decoding gives it) and an
-additive mask hides the padding slots from every query. Each `step` appends one byte per row at
-the same slot. Rows never interact; a finished row simply keeps decoding (the caller ignores it).
+left-aligned to a common length P: each prompt is prefilled alone by the batch-1 forward (the
+same products as batch-1 decoding, no padded queries) and its keys and values are copied to its
+row's cache slots [pad_b, P); its RoPE positions are slot - pad_b (so every row sees the positions
+batch-1 decoding gives it) and an additive mask hides the padding slots from every query. Each
+`step` appends one byte per row at the same slot: the batched part. Rows never interact; a
+finished row simply keeps decoding (the caller ignores it).
 
 Greedy decoding at batch B equals batch-1 plain decoding in float64 (tests/mtpc/test_llama_batch.py);
 in float32 a B-row product rounds differently from a 1-row one, so near-ties may go the other way.
@@ -54,62 +56,51 @@ class LlamaBatchEngine:
             for _ in range(a.n_layers)
         ]  # fmt: skip
         self.pad = torch.tensor([P - p.shape[0] for p in prompts], device=self.device)  # (B,)
-        ids = torch.zeros(B, P, dtype=torch.long, device=self.device)
-        for b, p in enumerate(prompts):
-            ids[b, P - p.shape[0] :] = p.to(self.device)
-        self.rows, self.length = B, 0
+        self.rows, self.length = B, P
         slots = torch.arange(cap, device=self.device)
         self._key_ok = slots[None, :] >= self.pad[:, None]  # (B, C) real (not padding) slots
         self._key_add = torch.where(self._key_ok, self.eng._mask_values[0], self.eng._mask_values[1])  # additive
         self._slots = slots
         self.cos, sin = rope_table(a, P + new_tokens, self.device, self.dtype)  # (C, hd)
         self.sin = signed_sin(sin)
-        return self._forward(ids)[:, -1]
+        # Each prompt runs alone through the batch-1 forward (causal, its own length: no padded
+        # queries, no (B, T, S) mask) and its keys and values land in its row at slots [pad_b, P).
+        logits, hidden = [], []
+        for b, p in enumerate(prompts):
+            self.eng.reset(p.shape[0])
+            out = self.eng.feed(p.to(self.device))
+            for (kc, vc), (k1, v1) in zip(self.kv, self.eng.kv, strict=True):
+                kc[b, :, P - p.shape[0] : P] = k1[0, :, : p.shape[0]]
+                vc[b, :, P - p.shape[0] : P] = v1[0, :, : p.shape[0]]
+            logits.append(out.p_logits[-1])
+            hidden.append(out.draft_hidden[-1])
+        self.hidden = torch.stack(hidden)[:, None]  # (B, 1, d): each row's final state at its last prompt byte
+        return torch.stack(logits)
 
     @torch.inference_mode()
     def step(self, ids: Tensor) -> Tensor:
         """Append one byte per row, ids (B,); -> p logits (B, v) for the next."""
         return self._forward(ids.view(self.rows, 1))[:, -1]
 
-    def _forward(self, ids: Tensor) -> Tensor:  # ids (B, T) -> logits (B, T, v)
+    def _forward(self, ids: Tensor) -> Tensor:  # ids (B, 1) -> logits (B, 1, v)
         e, a = self.eng, self.args
-        B, T = ids.shape
-        start, end = self.length, self.length + T
-        slots = self._slots[start:end]  # (T,)
-        pos = (slots[None, :] - self.pad[:, None]).clamp_min(0)  # (B, T) RoPE positions (padding: 0, unused)
-        if T == 1:  # one query per row sees every real key so far: the row's key mask, no causal part
-            mask = self._key_add[:, None, None, :end]  # (B, 1, 1, S), broadcast over the n_rep grouped rows
-            cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # (B, 1, 1, hd)
-        else:
-            keys_at = self._slots[None, None, :end]
-            allowed = self._key_ok[:, None, :end] & (keys_at <= slots[None, :, None])  # (B, T, S) causal, real keys
-            allowed = allowed | (keys_at == slots[None, :, None])  # a padding query sees itself: finite, never read
-            mask = torch.where(allowed, e._mask_values[0], e._mask_values[1]).unsqueeze(1)  # (B, 1, T, S)
-            if e.n_rep > 1:
-                mask = mask.repeat(1, 1, e.n_rep, 1)  # grouped rows r*T + t -> mask row t (LlamaEngine._attend)
-            cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # (B, 1, T, hd)
-        x = F.embedding(ids, e.embed)  # (B, T, d)
+        B = ids.shape[0]
+        start, end = self.length, self.length + 1
+        pos = (self._slots[start] - self.pad).clamp_min(0)  # (B,) each row's RoPE position
+        mask = self._key_add[:, None, None, :end]  # (B, 1, 1, S): the row's real keys, broadcast over its n_rep queries
+        cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]  # (B, 1, 1, hd)
+        x = F.embedding(ids, e.embed)  # (B, 1, d)
         for layer, (kc, vc) in zip(e.layers, self.kv, strict=True):
             h = rms_norm(x, layer.ln1, a.norm_eps)
             q, k, v = e._group(h, layer, "qkv")
-            if T == 1:  # (B, 1, h hd) is the grouped layout (B, h_kv, n_rep, hd) already: a view, no key copies
-                q = q.view(B, a.n_kv_heads, e.n_rep, a.head_dim)
-                k, v = (t.view(B, a.n_kv_heads, 1, a.head_dim) for t in (k, v))
-            else:
-                q = q.reshape(B, T, a.n_heads, a.head_dim).transpose(1, 2)  # (B, h, T, hd)
-                k, v = (t.reshape(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2) for t in (k, v))
+            # (B, 1, h hd) is the grouped layout (B, h_kv, n_rep, hd) already: a view, no key copies
+            q = q.view(B, a.n_kv_heads, e.n_rep, a.head_dim)
+            k, v = (t.view(B, a.n_kv_heads, 1, a.head_dim) for t in (k, v))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             kc[:, :, start:end] = k
             vc[:, :, start:end] = v
-            keys, values = kc[:, :, :end], vc[:, :, :end]  # (B, h_kv, S, hd) views
-            if T == 1:
-                y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=e.scale)
-                y = y.reshape(B, 1, a.n_heads * a.head_dim)
-            else:  # grouped queries: the n_rep heads of a group attend to its key head as n_rep * T rows
-                qg = q.reshape(B, a.n_kv_heads, e.n_rep * T, a.head_dim)
-                y = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=e.scale)
-                y = y.view(B, a.n_heads, T, a.head_dim).transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim)
-            (o,) = e._group(y, layer, "o")
+            y = F.scaled_dot_product_attention(q, kc[:, :, :end], vc[:, :, :end], attn_mask=mask, scale=e.scale)
+            (o,) = e._group(y.reshape(B, 1, a.n_heads * a.head_dim), layer, "o")
             x = x + o
             h = rms_norm(x, layer.ln2, a.norm_eps)
             g, u = e._group(h, layer, "gu")
@@ -117,5 +108,5 @@ class LlamaBatchEngine:
             x = x + down
         self.length = end
         h = rms_norm(x, e.norm, a.norm_eps)
-        self.hidden = h  # (B, T, d): the final normed state (the draft top's input when k = 0)
+        self.hidden = h  # (B, 1, d): the final normed state (the draft top's input when k = 0)
         return e._mm(h, e.lm_head_packed) if e.lm_head_packed is not None else F.linear(h, e.lm_head)

@@ -175,7 +175,7 @@ def continuations(
 
         engine = LlamaBatchEngine(backbone)
         out: list[list[int]] = [[] for _ in prompts]
-        for rows in _length_batches(prompts, batch_size):
+        for rows in _length_batches(prompts, batch_size, cfg.max_new_tokens, SLOT_BUDGET):
             ys = plain_decode_batch(engine, [prompts[i].to(dev) for i in rows], cfg, [chooser(i) for i in rows])
             for i, y in zip(rows, ys, strict=True):
                 out[i] = y
@@ -196,10 +196,29 @@ def _chooser(dev: Any, seeds: list[int] | None, i: int) -> TorchChooser:
     return TorchChooser(gen)
 
 
-def _length_batches(prompts: list[Tensor], batch_size: int) -> list[list[int]]:
-    """Prompt indices in batches of similar length (sorted; stable), so left padding stays short."""
+# Key slots (rows x (longest prompt + new bytes)) one batch of plain decoding may attend over: each
+# step reads every row's keys and values, and past ~32 k slots (the default model: ~64 MiB of
+# float32 caches) the reads fall out of the core's caches; on the 2-core Xeon one 1-byte attention
+# over 64 rows x 2250 slots cost 9x the time of 16 rows x 2250.
+SLOT_BUDGET = 32768
+
+
+def _length_batches(prompts: list[Tensor], batch_size: int, new_tokens: int = 0,
+                    slot_budget: int | None = None) -> list[list[int]]:  # fmt: skip
+    """Prompt indices in batches of similar length (sorted; stable), so left padding stays short:
+    at most batch_size rows, and (with slot_budget) at most slot_budget // (longest + new_tokens)."""
     order = sorted(range(len(prompts)), key=lambda i: prompts[i].shape[0])
-    return [order[lo : lo + batch_size] for lo in range(0, len(order), batch_size)]
+    batches: list[list[int]] = []
+    for i in order:
+        rows = batches[-1] if batches else None
+        full = rows is None or len(rows) >= batch_size
+        if not full and slot_budget is not None:  # sorted: prompt i is the longest so far
+            full = (len(rows) + 1) * (prompts[i].shape[0] + new_tokens) > slot_budget  # type: ignore[arg-type]
+        if full:
+            batches.append([i])
+        else:
+            rows.append(i)  # type: ignore[union-attr]
+    return batches
 
 
 def fused_pass_applies(backbone: Any, batch_size: int) -> bool:
@@ -214,7 +233,7 @@ def decode_and_force(
     prompts: list[Tensor],
     cfg: DecodeConfig,
     seeds: list[int] | None = None,
-    batch_size: int = 8,
+    batch_size: int = 32,
 ) -> TeacherForced:
     """`continuations` and `teacher_force` in one: batched plain decoding (as `continuations` with
     this batch_size: the same bytes) that keeps, at every step, the verifier's final state (the
@@ -240,7 +259,7 @@ def decode_and_force(
     hidden: list[Tensor | None] = [None] * n
     scores: list[Tensor | None] = [None] * n  # greedy: argmax agrees; sampling: log p(y_t)
     engine = LlamaBatchEngine(backbone)
-    for rows in _length_batches(prompts, batch_size):
+    for rows in _length_batches(prompts, batch_size, cfg.max_new_tokens, SLOT_BUDGET):
         states: list[Tensor] = []  # per step (B, d): the state before the byte chosen at that step
         marks: list[Tensor] = []  # per step (B,)
 

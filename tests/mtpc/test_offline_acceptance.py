@@ -221,13 +221,36 @@ def test_continuations_are_generate_plains_and_pool_uses_the_metric_names():
     assert 0 <= pooled["mu_acc"] <= 2 and pooled["tokens_per_cycle"] >= 1
 
 
+def test_length_batches_sort_cap_rows_and_key_slots():
+    from mtpc.speculative.offline import _length_batches
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.zeros(int(n), dtype=torch.long) for n in torch.randint(1, 300, (50,), generator=g)]
+    batches = _length_batches(prompts, 8, new_tokens=20, slot_budget=1000)
+    assert sorted(i for b in batches for i in b) == list(range(50))  # each prompt once
+    lengths = [prompts[i].shape[0] for b in batches for i in b]
+    assert lengths == sorted(lengths)
+    for b in batches:
+        longest = max(prompts[i].shape[0] for i in b)
+        assert len(b) <= 8 and (len(b) == 1 or len(b) * (longest + 20) <= 1000)
+    assert max(len(b) for b in batches) == 8  # the row cap binds (short prompts)
+    assert min(len(b) for b in batches[:-1]) < 8  # the slot budget binds (long prompts)
+    assert [len(b) for b in _length_batches(prompts, 8)] == [8] * 6 + [2]  # no budget: rows only
+
+
+@pytest.mark.parametrize("slots", [None, 24])
 @pytest.mark.parametrize("mode", ["greedy", "sample"])
-def test_decode_and_force_equals_continuations_then_teacher_force(mode):
+def test_decode_and_force_equals_continuations_then_teacher_force(mode, slots, monkeypatch):
     """The fused path (batched decoding keeping each step's state and p(y_t)) is the two-step path:
     the same bytes, the same head inputs and log p in float64, hence the same counts per head;
-    prompts of different lengths in one batch, EOS allowed (rows end at different steps)."""
+    prompts of different lengths in one batch, EOS allowed (rows end at different steps); with a
+    small key-slot budget the batches are cut by it (the result must not depend on the batching)."""
+    from mtpc.speculative import offline
     from mtpc.speculative.offline import decode_and_force, fused_pass_applies
 
+    if slots is not None:
+        monkeypatch.setattr(offline, "SLOT_BUDGET", slots)
+        assert len(offline._length_batches(_prompts(6, 7, seed=5), 3, 12, slots)) > 3  # the budget cuts
     bb = _peaked_backbone(0, vocab=6)
     prompts = _prompts(6, 7, seed=5)
     cfg = DecodeConfig(max_new_tokens=12, mode=mode, eos_id=bb.eos_token_id, ban_eos=False)

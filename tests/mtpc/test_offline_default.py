@@ -2,7 +2,7 @@
 
 The float64 tests of test_offline_acceptance.py prove the two equal on tiny models. Here the real
 backbone (mtpc/default_model) decodes as an evaluation does (EOS banned; the continuations and the
-pass in one, `decode_and_force` at batch 8 on the compact forward, the loop at batch 1), with a cp
+pass in one, `decode_and_force` at the evaluation's batch on the compact forward, the loop at batch 1), with a cp
 head started from its unembedding (untrained: it accepts few drafts or none, so the comparison
 mostly exercises the verifier's argmax at every position; the float64 tests on tiny models cover
 cycles with accepted drafts): in float32 a near-tie can round one way in the loop's
@@ -69,7 +69,7 @@ def difference_rate(dtype: torch.dtype, n_prompts: int, max_new_tokens: int) -> 
     stops = tuple(bb.stop_token_ids or ())
     cfg = DecodeConfig(max_new_tokens=max_new_tokens, mode="greedy", ban_eos=True,
                        eos_id=stops if len(stops) > 1 else bb.eos_token_id)  # fmt: skip
-    tf = decode_and_force(bb, prompts, cfg, batch_size=8)  # as experiments.evaluate computes them (k = 0)
+    tf = decode_and_force(bb, prompts, cfg)  # as experiments.evaluate computes them (k = 0; its default batch)
     ys, offline = tf.continuations, offline_acceptance(tf, m.head)
     differ_cycles = differ_text = cycles = accepted = 0
     for p, y, off in zip(prompts, ys, offline, strict=True):
