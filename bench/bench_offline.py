@@ -129,6 +129,8 @@ def measure(args) -> dict:
     out = {"backbone": bb.name, "heads": [m.head.config.kind for m in models], "sets": args.sets,
            "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "batch": args.batch,
            "threads": args.threads, "modes": {}}  # fmt: skip
+    fuses = fused_pass_applies(bb, args.batch)
+    two_step = args.two_step or not fuses  # continuations + teacher_force, timed beside the fused path
     for mode in DECODE_MODES:
         cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, mode=mode, eos_id=bb.eos_token_id, ban_eos=True)
         rec = {"continuations_s": 0.0, "pass_s": 0.0, "per_head_s": [0.0] * len(models), "online_s": 0.0,
@@ -136,8 +138,7 @@ def measure(args) -> dict:
                "fused_texts_differing": 0, "greedy_texts_differing_online": 0}  # fmt: skip
         for prompts in sets:
             seeds = list(range(len(prompts)))
-            fuses = fused_pass_applies(bb, args.batch)
-            if args.two_step or not fuses:
+            if two_step:
                 t0 = time.perf_counter()
                 ys = continuations(bb, prompts, cfg, seeds=seeds, batch_size=args.batch)
                 t1 = time.perf_counter()
@@ -145,11 +146,11 @@ def measure(args) -> dict:
                 t2 = time.perf_counter()
                 rec["continuations_s"] += t1 - t0
                 rec["pass_s"] += t2 - t1
-            if fuses:
+            if fuses:  # the suite's path for k = 0 on the compact forward
                 t = time.perf_counter()
                 fused = decode_and_force(bb, prompts, cfg, seeds=seeds, batch_size=args.batch)
                 rec["fused_s"] += time.perf_counter() - t
-                if args.two_step:
+                if two_step:
                     rec["fused_texts_differing"] += sum(a != b for a, b in zip(fused.continuations, ys, strict=True))
                 tf = fused  # the heads below read the fused pass (the suite's path for k = 0)
             offline = []
@@ -176,12 +177,12 @@ def measure(args) -> dict:
                     rec["greedy_prompts_differing"] += int(differs)
                 rec["d_accepted"].append(st.mu_acc * st.cycles - off.accepted)
                 rec["d_cycles"].append(st.cycles - off.cycles)
-        if args.two_step or not rec["fused_s"]:
+        if two_step:
             rec["two_step_one_head_s"] = rec["continuations_s"] + rec["pass_s"] + rec["per_head_s"][0]
-        offline_one = (rec["fused_s"] if rec["fused_s"] else rec["continuations_s"] + rec["pass_s"]) + rec["per_head_s"][0]
-        if not (args.two_step or not rec["fused_s"]):  # not measured: leave them out rather than write 0
+        else:  # not measured: left out rather than written as 0
             for k in ("continuations_s", "pass_s", "fused_texts_differing"):
                 rec.pop(k)
+        offline_one = (rec["fused_s"] if fuses else rec["continuations_s"] + rec["pass_s"]) + rec["per_head_s"][0]
         rec["offline_one_head_s"] = offline_one  # the suite's path: fused when k = 0 on the compact forward
         if args.online:
             rec["speedup_one_head"] = rec["online_s"] / offline_one

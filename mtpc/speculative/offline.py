@@ -207,17 +207,13 @@ def _length_batches(prompts: list[Tensor], batch_size: int, new_tokens: int = 0,
                     slot_budget: int | None = None) -> list[list[int]]:  # fmt: skip
     """Prompt indices in batches of similar length (sorted; stable), so left padding stays short:
     at most batch_size rows, and (with slot_budget) at most slot_budget // (longest + new_tokens)."""
-    order = sorted(range(len(prompts)), key=lambda i: prompts[i].shape[0])
     batches: list[list[int]] = []
-    for i in order:
-        rows = batches[-1] if batches else None
-        full = rows is None or len(rows) >= batch_size
-        if not full and slot_budget is not None:  # sorted: prompt i is the longest so far
-            full = (len(rows) + 1) * (prompts[i].shape[0] + new_tokens) > slot_budget  # type: ignore[arg-type]
-        if full:
-            batches.append([i])
+    for i in sorted(range(len(prompts)), key=lambda i: prompts[i].shape[0]):
+        slots = (len(batches[-1]) + 1) * (prompts[i].shape[0] + new_tokens) if batches else 0  # i: the longest yet
+        if batches and len(batches[-1]) < batch_size and (slot_budget is None or slots <= slot_budget):
+            batches[-1].append(i)
         else:
-            rows.append(i)  # type: ignore[union-attr]
+            batches.append([i])
     return batches
 
 
