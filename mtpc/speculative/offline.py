@@ -197,8 +197,8 @@ def _chooser(dev: Any, seeds: list[int] | None, i: int) -> TorchChooser:
 
 
 # Key slots (rows x (longest prompt + new bytes)) one batch of plain decoding may attend over: each
-# step reads every row's keys and values, and past ~32 k slots (the default model: ~64 MiB of
-# float32 caches) the reads fall out of the core's caches; on the 2-core Xeon one 1-byte attention
+# step reads every row's keys and values, and past ~32 k slots (the default model: ~32 MiB of
+# float32 keys and values per layer) the reads fall out of the core's caches; on the 2-core Xeon one 1-byte attention
 # over 64 rows x 2250 slots cost 9x the time of 16 rows x 2250.
 SLOT_BUDGET = 32768
 
