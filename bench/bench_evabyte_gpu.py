@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -63,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "sizes": sizes, "runs": []}
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(64, 320, (prompt_len,), generator=g) for _ in range(2)]
-    for dtype in (torch.float32, torch.bfloat16):
+
+    def one_dtype(dtype) -> dict:
         bb0 = load_tiny_evabyte(path, shim=shim, dtype=dtype, device=device)
         x = prompts[0][None].to(device)
         with torch.no_grad():
@@ -85,10 +87,18 @@ def main(argv: list[str] | None = None) -> int:
                     first_diff = next((j for j, (u, v) in enumerate(zip(spec, ref, strict=False)) if u != v), None)
                     entry["greedy"].append({"k": k, "head": name, "prompt": i, "spec_eq_plain": spec == plain.ids.tolist(),
                                             "spec_eq_own": spec == ref, "first_diff_vs_own": first_diff})  # fmt: skip
-        result["runs"].append(entry)
+        return entry
+
+    for dtype in (torch.float32, torch.bfloat16):
+        try:
+            result["runs"].append(one_dtype(dtype))
+        except Exception as e:  # noqa: BLE001 - record it, keep the other dtype and what ran before
+            where = [f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)[-4:]]
+            result["runs"].append({"dtype": str(dtype), "error": f"{type(e).__name__}: {e}", "where": where, "greedy": []})
+        Path(a.out).write_text(json.dumps(result, indent=1))  # saved after each dtype
     result["seconds"] = time.time() - t0
     Path(a.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps({r["dtype"]: {"logits_max_abs": r["logits_max_abs"], "finite": r["finite"],
+    print(json.dumps({r["dtype"]: {"error": r["error"]} if "error" in r else {"logits_max_abs": r["logits_max_abs"], "finite": r["finite"],
                                    "spec_eq_own": sum(x["spec_eq_own"] for x in r["greedy"]),
                                    "runs": len(r["greedy"])} for r in result["runs"]}))  # fmt: skip
     return 0

@@ -33,6 +33,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -298,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             report[name] = run()
         except Exception as e:  # noqa: BLE001 - record and go on: one failing part must not lose the others
-            report[name] = {"error": f"{type(e).__name__}: {e}"}
+            tb = traceback.extract_tb(e.__traceback__)[-4:]  # where it broke: the device run is read afterwards
+            report[name] = {"error": f"{type(e).__name__}: {e}", "where": [f"{f.filename}:{f.lineno} {f.name}" for f in tb]}
         report[name]["part_s"] = time.time() - t0
         if name == "bandwidth" and "bytes_per_s" in report[name]:
             bandwidth = report[name]["bytes_per_s"]

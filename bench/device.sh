@@ -9,7 +9,8 @@
 #   device run: command "bash bench/device.sh", carry [".device"], timeout_s 560
 #
 # Each part runs in its own subprocess under a hard timeout and may fail without stopping the next:
-#   0. set-up (<= 30 s): PYTHONPATH=$PWD (no install), nvidia-smi and package versions (into device.log)
+#   0. set-up (<= 30 s): PYTHONPATH=$PWD (the repo is not installed; .device/whl's wheels go to /tmp/mtpc_site),
+#      nvidia-smi and package versions (into device.log)
 #   1. timeout 270 python3 -m experiments.pretrain --config gpu --out /tmp/mtpc_default --ship
 #      then its shards are moved to $OUT and the small files packed into $OUT/default_meta.tar
 #   2. timeout 150 python3 bench/bench_gpu.py --default-model /tmp/mtpc_default --out $OUT/bench_gpu.json
@@ -37,6 +38,10 @@ else
 fi
 [ -f .device/train.u8.xz ] || echo "warning: .device/train.u8.xz missing: run make device-prep here and carry .device" >&2
 DEFAULT_OUT=${MTPC_DEFAULT_OUT:-/tmp/mtpc_default}
+if [ "${MTPC_DEVICE_DRY:-0}" != "1" ] && ls .device/whl/*.whl >/dev/null 2>&1; then  # what the image lacks (device_prep)
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mtpc_site .device/whl/*.whl \
+    && export PYTHONPATH="/tmp/mtpc_site${PYTHONPATH:+:$PYTHONPATH}" || echo "warning: .device/whl not installed" >&2
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 log() { echo "[device.sh $(date -u +%H:%M:%S)] $*" | tee -a "$OUT/device.log"; }

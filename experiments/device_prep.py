@@ -6,6 +6,9 @@ call names it in `carry`):
   streams (`mtpc.data.write_stream`; training conversations shuffled with seed 0), which the
   GPU pre-training config reads and packs in seconds — rebuilt only when the corpus changes;
 - `GIT_SHA`: the commit (the copy on the device has no .git; `experiments.pretrain` records it);
+- `whl/`: wheels of the pure-Python packages the device image lacks (`DEVICE_WHEELS`: the
+  config parser behind `experiments.pretrain --config`), fetched from PyPI for CPython 3.12;
+  `bench/device.sh` installs them into a folder on PYTHONPATH there (nothing can be fetched there);
 and then checks that everything that travels — tracked files, untracked files git does not
 ignore, and `.device/` — is at most 60 MiB (the device tool takes 64 MiB); exit 1 if not.
 `--tiny` writes small streams (200 / 50 conversations) for the CPU dry-run of `bench/device.sh`.
@@ -27,6 +30,8 @@ from mtpc.data import sharegpt_corpus, write_stream
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE_DIR = ROOT / ".device"
 LIMIT_MIB = 60
+# the device image (KINDS.md's package list) has torch, transformers, peft, lightning, yaml, but not these
+DEVICE_WHEELS = ["jsonargparse==4.53.0", "docstring-parser==0.18.0", "typeshed-client==2.15.0"]
 
 
 def _git(*args: str) -> str:
@@ -62,11 +67,25 @@ def build_streams(tiny: bool) -> dict:
     return info
 
 
+def fetch_wheels() -> None:
+    """Pure-Python wheels for the device's CPython 3.12 into .device/whl (kept when already there)."""
+    dest = DEVICE_DIR / "whl"
+    have = {p.name.split("-")[0].lower().replace("_", "-") for p in dest.glob("*.whl")}
+    need = [w for w in DEVICE_WHEELS if w.split("==")[0] not in have]
+    if not need:
+        return
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+           "--implementation", "cp", "--platform", "manylinux2014_x86_64", "-d", str(dest), *need]  # fmt: skip
+    print(f"fetching wheels for the device: {' '.join(need)}", flush=True)
+    subprocess.run(cmd, check=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.device_prep", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="small streams for the CPU dry-run")
     args = ap.parse_args(argv)
     info = build_streams(args.tiny)
+    fetch_wheels()
     (DEVICE_DIR / "GIT_SHA").write_text(_git("rev-parse", "HEAD").strip() + "\n")
     sizes = travel_bytes([DEVICE_DIR, ROOT / ".whl"])
     total = sum(sizes.values())

@@ -275,7 +275,7 @@ def real_greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
     x = prompt[None]
     if hasattr(model, "generate"):
         return model.generate(x, max_new_tokens=n, do_sample=False)[0, len(prompt) :].tolist()
-    pos = torch.arange(len(prompt) + n)[None]
+    pos = torch.arange(len(prompt) + n, device=prompt.device)[None]
     out, cache, got = None, None, []
     with torch.no_grad():
         out = model(x, position_ids=pos[:, : x.shape[1]], use_cache=True)
@@ -284,5 +284,5 @@ def real_greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
             got.append(nxt)
             cache = out[1] if isinstance(out, tuple) else out.past_key_values
             p = len(prompt) + t
-            out = model(torch.tensor([[nxt]]), position_ids=pos[:, p : p + 1], past_key_values=cache, use_cache=True)
+            out = model(torch.tensor([[nxt]], device=prompt.device), position_ids=pos[:, p : p + 1], past_key_values=cache, use_cache=True)
     return got

@@ -612,7 +612,7 @@ class LlamaEngine:
         end = start + 1
         q = qk[: a.n_heads].view(1, a.n_kv_heads, self.n_rep, a.head_dim)  # the grouped layout (see _block)
         o = F.scaled_dot_product_attention(q, kc[:, :, :end], vc[:, :, :end], scale=self.scale)
-        x = x + self._mm(o.view(1, 1, a.n_heads * a.head_dim), p["o"])
+        x = x + self._mm(o.reshape(1, 1, a.n_heads * a.head_dim), p["o"])
         h = rms_norm(x, layer.ln2, a.norm_eps)
         g, u = self._mm(h, p["gu"]).split(a.intermediate, dim=-1)
         return x + self._mm(F.silu(g) * u, p["down"])
@@ -640,7 +640,7 @@ class LlamaEngine:
             vc.index_copy_(2, pos, v)
         if T == 1:
             y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scale)  # (B, h_kv, n_rep, hd)
-            y = y.view(B, 1, a.n_heads * a.head_dim)
+            y = y.reshape(B, 1, a.n_heads * a.head_dim)  # a view where SDPA's output is contiguous (CPU); CUDA's need not be
         else:
             y = self._attend(q, kc, vc, mask).transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim)
         (o,) = self._group(y, layer, "o")
@@ -657,7 +657,7 @@ class LlamaEngine:
         B, H, T, hd = q.shape
         qg = q.reshape(B, self.args.n_kv_heads, self.n_rep * T, hd)
         y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
-        return y.view(B, H, T, hd)
+        return y.reshape(B, H, T, hd)  # SDPA's output need not be contiguous (CUDA kernels)
 
     # -- CUDA graphs (unverified here: no GPU) ---------------------------------------------------
     def _graphed(self, ids: Tensor, start: int, eids: Tensor | None = None) -> StepOutput:

@@ -108,6 +108,26 @@ def test_every_segment_equals_hf_over_prefill_steps_and_crops(k, static, weights
         assert (kc[0] - kc[1]).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("weights", WEIGHTS)
+@pytest.mark.parametrize("static", [False, True])
+def test_strided_attention_output_as_cuda_kernels_return_it(static, weights, monkeypatch):
+    """CUDA's memory-efficient / flash SDPA kernels return (B, H, M, hd) with the heads and rows
+    swapped in memory (not contiguous); the CPU's kernels return it contiguous. The engine must not
+    `.view` that output (a view of such a tensor raises on CUDA): emulate the layout here."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls = []
+
+    def strided_sdpa(*args, **kwargs):
+        y = sdpa(*args, **kwargs)
+        calls.append(1)
+        return y.transpose(1, 2).contiguous().transpose(1, 2)  # same values, CUDA's memory order
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", strided_sdpa)
+    bb = _adapter(_model(), 1)
+    _run_script(LlamaEngine(bb, capacity=40, static=static, weights=weights), bb, vocab=16)
+    assert calls  # the engine's attention went through the strided outputs
+
+
 @pytest.mark.parametrize(
     "kw",
     [
