@@ -116,12 +116,18 @@ loads these files after checking them against `MANIFEST.json`.
   {m['shipped_heldout_bits_per_assistant_byte']:.3f} on assistant bytes, {m['shipped_heldout_bytes_scored']:,} bytes at
   2048-byte context, scored with these weights as loaded.
 - **Intended use**: a stand-in verifier for measuring speculative decoding (acceptance, speed,
-  exactness) in tests, demos and CPU sweeps. It is a tiny, undertrained model: greedy answers
-  often fall into loops and sampled answers are word-like gibberish — see docs/backbones.md for
-  the measured degenerate fraction and sample answers. Not for any use where its text matters.
-- **Reproduce**: `{m['command']}` (git {str(m.get('git_sha'))[:12]}), then
-  `{m['ship_command']}`. Full metrics, the loss curve and the hardware: `pretrain_metrics.json`.
+  exactness) in tests, demos and CPU sweeps. It is a tiny model trained for minutes: see
+  docs/backbones.md for the measured degenerate fraction and sample answers. Not for any use
+  where its text matters.
+- **Reproduce**: {reproduce(m)}. Full metrics, the loss curve and the hardware: `pretrain_metrics.json`.
 """
+
+
+def reproduce(m: dict) -> str:
+    """The command(s) that made these files: one when training shipped them itself (`--ship`)."""
+    sha = str(m.get("git_sha"))
+    first = f"`{m['command']}` (git {sha[:12]}{'-dirty' if sha.endswith('-dirty') else ''})"
+    return first if m.get("ship_command") == m["command"] else f"{first}, then `{m['ship_command']}`"
 
 
 def main(argv: list[str] | None = None) -> int:
