@@ -5,13 +5,15 @@
 #   MTPC_DEVICE_DRY=1 bash bench/device.sh    # CPU dry run: OUT = a temp dir, tiny sizes, the gpu
 #                                             # pre-training config shrunk to 2 CPU steps (PYTHON= picks the interpreter)
 # Before the call, here: `make device-prep` (or `python -m experiments.device_prep`; `--tiny` for the
-# dry run) writes the corpus streams and the git SHA under .device/, which the call must carry:
-#   device run: command "bash bench/device.sh", carry [".device"], timeout_s 560
+# dry run) writes the git SHA, the wheels the device image lacks and a copy of the target models' code
+# under .device/ (with PRETRAIN=1 / --pretrain also the corpus streams), which the call must carry:
+#   device run: command "bash bench/device.sh", carry [".device"], timeout_s 560 (300 without pre-training)
 #
 # Each part runs in its own subprocess under a hard timeout and may fail without stopping the next:
-#   0. set-up (<= 30 s): PYTHONPATH=$PWD (the repo is not installed; .device/whl's wheels go to /tmp/mtpc_site),
+#   0. set-up (<= 60 s): PYTHONPATH=$PWD (the repo is not installed; .device/whl's wheels go to /tmp/mtpc_site),
 #      nvidia-smi and package versions (into device.log)
-#   1. timeout 270 python3 -m experiments.pretrain --config gpu --out /tmp/mtpc_default --ship
+#   1. only when .device/train.u8.xz is there (`make device-prep PRETRAIN=1`):
+#      timeout 270 python3 -m experiments.pretrain --config gpu --out /tmp/mtpc_default --ship
 #      then its shards are moved to $OUT and the small files packed into $OUT/default_meta.tar
 #   2. timeout 150 python3 bench/bench_gpu.py --default-model /tmp/mtpc_default --out $OUT/bench_gpu.json
 #      (the benchmark falls back to the shipped default model if part 1 failed)
@@ -36,18 +38,18 @@ else
   T2=60; EVA_ARGS=()
   PRETRAIN_ARGS=(--config gpu)
 fi
-[ -f .device/train.u8.xz ] || echo "warning: .device/train.u8.xz missing: run make device-prep here and carry .device" >&2
 DEFAULT_OUT=${MTPC_DEFAULT_OUT:-/tmp/mtpc_default}
 if [ "${MTPC_DEVICE_DRY:-0}" != "1" ] && ls .device/whl/*.whl >/dev/null 2>&1; then  # what the image lacks (device_prep)
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mtpc_site .device/whl/*.whl \
     && export PYTHONPATH="/tmp/mtpc_site${PYTHONPATH:+:$PYTHONPATH}" || echo "warning: .device/whl not installed" >&2
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+[ -z "${MTPC_THIRD_PARTY:-}" ] && [ -d .device/third_party ] && export MTPC_THIRD_PARTY="$PWD/.device/third_party"
 mkdir -p "$OUT"
 log() { echo "[device.sh $(date -u +%H:%M:%S)] $*" | tee -a "$OUT/device.log"; }
 
 log "part 0: set-up (OUT=$OUT)"
-timeout 30 "$PY" - /tmp/mtpc_hardware.json <<'EOF' >>"$OUT/device.log" 2>&1 || log "part 0 failed (rc=$?)"
+timeout 60 "$PY" - /tmp/mtpc_hardware.json <<'EOF' >>"$OUT/device.log" 2>&1 || log "part 0 failed (rc=$?)"
 import importlib, json, platform, subprocess, sys
 info = {"python": platform.python_version(), "platform": platform.platform()}
 for name in ("torch", "transformers", "peft", "safetensors", "lightning", "triton"):
@@ -62,7 +64,7 @@ if torch.cuda.is_available():
     info["cuda"] = torch.version.cuda
 def run(cmd):
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=40).stdout.strip()  # a cold import takes >10 s
     except Exception as e:  # noqa: BLE001
         return f"unavailable ({type(e).__name__})"
 info["nvidia_smi"] = run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,power.limit",
@@ -73,10 +75,14 @@ json.dump(info, open(sys.argv[1], "w"), indent=2)
 print(json.dumps(info))
 EOF
 
-log "part 1: pre-train the default model (timeout ${T0}s) -> $DEFAULT_OUT"
-timeout "$T0" "$PY" -m experiments.pretrain "${PRETRAIN_ARGS[@]}" --out "$DEFAULT_OUT" --ship \
-  >>"$OUT/device.log" 2>&1
-log "part 1 exit code $?"
+if [ -f .device/train.u8.xz ]; then
+  log "part 1: pre-train the default model (timeout ${T0}s) -> $DEFAULT_OUT"
+  timeout "$T0" "$PY" -m experiments.pretrain "${PRETRAIN_ARGS[@]}" --out "$DEFAULT_OUT" --ship \
+    >>"$OUT/device.log" 2>&1
+  log "part 1 exit code $?"
+else
+  log "part 1 skipped: no .device/train.u8.xz (make device-prep PRETRAIN=1 to train a new default); the shipped one is benchmarked"
+fi
 if [ -f "$DEFAULT_OUT/MANIFEST.json" ]; then  # the shipped form: shards as files, the rest in one tar
   cp "$DEFAULT_OUT"/*.safetensors "$OUT"/ && tar -C "$DEFAULT_OUT" --exclude='*.safetensors' -cf "$OUT/default_meta.tar" . \
     && log "part 1 model in \$OUT: $(cd "$DEFAULT_OUT" && ls | tr '\n' ' ')"

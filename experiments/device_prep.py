@@ -1,17 +1,23 @@
 """Prepare the working tree for the one GPU device call: corpus streams, git SHA, size check.
 
-`python -m experiments.device_prep [--tiny]` writes, under `.device/` (git-ignored; the device
-call names it in `carry`):
-- `train.u8.xz`, `heldout.u8.xz`: the bundled ShareGPT training and held-out split as xz byte
-  streams (`mtpc.data.write_stream`; training conversations shuffled with seed 0), which the
-  GPU pre-training config reads and packs in seconds — rebuilt only when the corpus changes;
+`python -m experiments.device_prep [--pretrain] [--tiny]` writes, under `.device/` (git-ignored;
+the device call names it in `carry`):
+- with `--pretrain` only, `train.u8.xz`, `heldout.u8.xz`: the bundled ShareGPT training and
+  held-out split as xz byte streams (`mtpc.data.write_stream`; training conversations shuffled with
+  seed 0), which the GPU pre-training config reads and packs in seconds — rebuilt only when the
+  corpus changes. `bench/device.sh` trains a new default only when they are there; without the flag
+  they are removed, and the device call benchmarks the shipped (GPU-trained) default instead;
+- `third_party/`: a copy of the target models' code (`$MTPC_THIRD_PARTY`, else
+  `../shared/third_party`), which `bench/device.sh` part 3 reads there (`../shared` does not
+  travel); git-ignored like the rest of `.device/`, never committed;
 - `GIT_SHA`: the commit (the copy on the device has no .git; `experiments.pretrain` records it);
 - `whl/`: wheels of the pure-Python packages the device image lacks (`DEVICE_WHEELS`: the
   config parser behind `experiments.pretrain --config`), fetched from PyPI for CPython 3.12;
   `bench/device.sh` installs them into a folder on PYTHONPATH there (nothing can be fetched there);
 and then checks that everything that travels — tracked files, untracked files git does not
 ignore, and `.device/` — is at most 60 MiB (the device tool takes 64 MiB); exit 1 if not.
-`--tiny` writes small streams (200 / 50 conversations) for the CPU dry-run of `bench/device.sh`.
+`--tiny` writes small streams (200 / 50 conversations) for the CPU dry-run of `bench/device.sh`
+(implies `--pretrain`).
 
 Leaves out: running anything on the device (bench/device.sh does), training (experiments.pretrain).
 """
@@ -80,18 +86,40 @@ def fetch_wheels() -> None:
     subprocess.run(cmd, check=True)
 
 
+def copy_third_party() -> None:
+    """The target models' code into .device/third_party (replaced each time), if found here."""
+    import os
+    import shutil
+
+    for cand in (os.environ.get("MTPC_THIRD_PARTY"), ROOT.parent / "shared" / "third_party"):
+        if cand and (Path(cand) / "evabyte_hf").is_dir():
+            shutil.rmtree(DEVICE_DIR / "third_party", ignore_errors=True)
+            shutil.copytree(cand, DEVICE_DIR / "third_party")
+            return
+    print("warning: no third_party/evabyte_hf found: device.sh part 3 will fail (set MTPC_THIRD_PARTY)", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.device_prep", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tiny", action="store_true", help="small streams for the CPU dry-run")
+    ap.add_argument("--tiny", action="store_true", help="small streams for the CPU dry-run (implies --pretrain)")
+    ap.add_argument("--pretrain", action="store_true", help="the corpus streams: the device call trains a new default")
     args = ap.parse_args(argv)
-    info = build_streams(args.tiny)
+    if args.pretrain or args.tiny:
+        info = build_streams(args.tiny)
+    else:  # nothing to train: the streams (~21 MiB) stay behind
+        DEVICE_DIR.mkdir(exist_ok=True)
+        for name in ("train.u8.xz", "heldout.u8.xz", "streams.json"):
+            (DEVICE_DIR / name).unlink(missing_ok=True)
+        info = {"train": 0, "heldout": 0}
     fetch_wheels()
+    copy_third_party()
     (DEVICE_DIR / "GIT_SHA").write_text(_git("rev-parse", "HEAD").strip() + "\n")
     sizes = travel_bytes([DEVICE_DIR, ROOT / ".whl"])
     total = sum(sizes.values())
     for k, v in sizes.items():
         print(f"{k:>20}: {v / 2**20:7.1f} MiB")
-    print(f"{'total':>20}: {total / 2**20:7.1f} MiB (limit {LIMIT_MIB} MiB); ids: train {info['train']:,}, heldout {info['heldout']:,}")
+    streams = f"; ids: train {info['train']:,}, heldout {info['heldout']:,}" if info["train"] else "; no corpus streams (no pre-training)"
+    print(f"{'total':>20}: {total / 2**20:7.1f} MiB (limit {LIMIT_MIB} MiB){streams}")
     if total > LIMIT_MIB * 2**20:
         print(f"error: the device call would send {total / 2**20:.1f} MiB > {LIMIT_MIB} MiB", file=sys.stderr)
         return 1
