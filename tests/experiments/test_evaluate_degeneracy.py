@@ -146,3 +146,28 @@ def test_an_evaluation_times_only_while_it_holds_the_machine_wide_lock(model_dir
     finally:
         release.touch()
         holder.wait(30)
+
+
+def test_the_offline_pass_holds_the_timing_lock(model_dir, tmp_path, monkeypatch):
+    """The offline acceptance decodes every prompt (heavy, untimed): it must hold the machine-wide
+    timing lock while it runs, so that no other trial's latency is timed beside it."""
+    import subprocess
+    import sys
+
+    import experiments.evaluate as ev
+
+    lock = tmp_path / "timing.lock"
+    monkeypatch.setenv("MTPC_TIMING_LOCK", str(lock))
+    probe = f"from filelock import FileLock, Timeout\ntry:\n    FileLock({str(lock)!r}).acquire(timeout=0)\nexcept Timeout:\n    raise SystemExit(3)\n"
+    seen = []
+    real = ev._offline
+
+    def offline_probing(*args, **kwargs):
+        seen.append(subprocess.run([sys.executable, "-c", probe], timeout=60).returncode)  # another process tries the lock
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ev, "_offline", offline_probing)
+    m = MtpcModel.from_pretrained(model_dir / "cp")
+    out = evaluate_heads(m, [["one"], ["two"]], ("greedy",), max_new_tokens=8, progress=False, acceptance="offline")
+    assert out["runs"] and seen == [3, 3]  # held for every set's offline pass
+    assert subprocess.run([sys.executable, "-c", probe], timeout=60).returncode == 0  # and let go afterwards
