@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -88,9 +90,6 @@ def fetch_wheels() -> None:
 
 def copy_third_party() -> None:
     """The target models' code into .device/third_party (replaced each time), if found here."""
-    import os
-    import shutil
-
     for cand in (os.environ.get("MTPC_THIRD_PARTY"), ROOT.parent / "shared" / "third_party"):
         if cand and (Path(cand) / "evabyte_hf").is_dir():
             shutil.rmtree(DEVICE_DIR / "third_party", ignore_errors=True)
