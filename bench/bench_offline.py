@@ -4,6 +4,7 @@
     python bench/bench_offline.py --heads 8 --no-online --out ...                  # per-head cost, 8 heads
     python bench/bench_offline.py --prefill-only --out ...                         # the prompts' prefill alone
     python bench/bench_offline.py --tiny --prompts 4 --sets 1 --max-new-tokens 16  # dry run (random tiny Llama)
+    python bench/bench_offline.py --device cuda --prompts 32 --batch 256 --slot-budget 1048576 --out ...  # a GPU
 
 For each mode (greedy, sampling at T = 1; EOS banned): the offline arm times `continuations`
 (plain decoding, `--batch` prompts at once on the compact forward, batches of similar length),
@@ -14,7 +15,10 @@ per head; the online arm (`--online`, default on) runs
 times it records the agreement of the two: greedy, the fraction of prompts whose offline cycles
 differ from the online loop's (float32: near-ties); sampling, the mean and 99 % interval of
 (online - offline expected) accepted drafts and cycles, paired by text (the online run's own
-text goes through one more pass for that). Heads: trained exports of the default model in the
+text goes through one more pass for that). `--device cuda`: the same on a GPU (every timed part ends
+with a device synchronisation; the online loop replays CUDA graphs as `MtpcModel.generate` does
+there); `--slot-budget` raises the key-slot cap on a batch (`offline.SLOT_BUDGET`, sized for a CPU's
+caches). Heads: trained exports of the default model in the
 cache when present, else heads started from its unembedding (every kind in turn). One thread
 (`--threads`), as a sweep worker. Writes JSON.
 """
@@ -49,6 +53,22 @@ def _tiny_backbone():
     return BackboneAdapter.from_hf(LlamaForCausalLM(cfg).eval(), name="tiny-random")
 
 
+def _backbone(args):
+    from mtpc.backbones import load_backbone
+
+    bb = _tiny_backbone() if args.tiny else load_backbone("default", device=args.device)
+    if args.tiny and args.device != "cpu":
+        bb.model.to(args.device)
+    return bb
+
+
+def _clock(device) -> float:
+    """perf_counter after the device's queued work is done (a GPU runs asynchronously)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def _heads(bb, count: int, window: int):
     from mtpc import MtpcModel
     from mtpc.heads import HeadConfig, MtpcHead
@@ -67,7 +87,7 @@ def _heads(bb, count: int, window: int):
                          hidden=bb.hidden_size, backbone=bb.name)  # fmt: skip
         head = MtpcHead(cfg)
         head.init_from_unembeddings(bb.lm_head_weight.detach(), generator=torch.Generator().manual_seed(i))
-        models.append(MtpcModel.from_components(bb, head.to(bb.dtype)))
+        models.append(MtpcModel.from_components(bb, head.to(bb.device, bb.dtype)))
     return models
 
 
@@ -78,9 +98,14 @@ def _prompts(bb, args) -> list[list[torch.Tensor]]:
                  for _ in range(args.prompts)] for _ in range(args.sets)]  # fmt: skip
     from experiments.evaluate import load_prompt_sets
 
-    sets = load_prompt_sets("heldout", num_prompts=args.prompts, sets=args.sets, seed=0)
+    sets = load_prompt_sets(args.prompt_source, num_prompts=args.prompts, sets=args.sets, seed=0)
     tok = bb.tokenizer
     return [[torch.tensor(tok.render_prompt(p), dtype=torch.long) for p in ps] for ps in sets]
+
+
+def _device_name(device) -> str:
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def _interval(d: list[float]) -> dict:
@@ -93,25 +118,23 @@ def _interval(d: list[float]) -> dict:
 
 def measure_prefill(args) -> dict:
     """The prompts' prefill alone, as `decode_and_force` batches it (both arms pay it)."""
-    from mtpc.backbones import load_backbone
     from mtpc.backbones.llama_batch import LlamaBatchEngine
-    from mtpc.speculative.offline import SLOT_BUDGET, _length_batches
+    from mtpc.speculative.offline import _length_batches
 
     torch.set_num_threads(args.threads)
-    bb = _tiny_backbone() if args.tiny else load_backbone("default")
+    bb = _backbone(args)
     engine, seconds, size = LlamaBatchEngine(bb), 0.0, 0
     for prompts in _prompts(bb, args):
         size += sum(p.shape[0] for p in prompts)
-        for rows in _length_batches(prompts, args.batch, args.max_new_tokens, SLOT_BUDGET):
-            t = time.perf_counter()
+        for rows in _length_batches(prompts, args.batch, args.max_new_tokens, args.slot_budget):
+            t = _clock(args.device)
             engine.prefill([prompts[i] for i in rows], args.max_new_tokens)
-            seconds += time.perf_counter() - t
+            seconds += _clock(args.device) - t
     return {"backbone": bb.name, "sets": args.sets, "prompts": args.prompts, "batch": args.batch,
             "threads": args.threads, "prompt_bytes": size, "prefill_s": seconds}  # fmt: skip
 
 
 def measure(args) -> dict:
-    from mtpc.backbones import load_backbone
     from mtpc.speculative.loop import DecodeConfig
     from mtpc.speculative.offline import (
         continuations,
@@ -123,11 +146,15 @@ def measure(args) -> dict:
     )
 
     torch.set_num_threads(args.threads)
-    bb = _tiny_backbone() if args.tiny else load_backbone("default")
+    from mtpc.speculative import offline as offline_module
+
+    offline_module.SLOT_BUDGET = args.slot_budget
+    bb = _backbone(args)
     models = _heads(bb, args.heads, args.window)
     sets = _prompts(bb, args)
-    out = {"backbone": bb.name, "heads": [m.head.config.kind for m in models], "sets": args.sets,
-           "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "batch": args.batch,
+    out = {"backbone": bb.name, "device": _device_name(bb.device), "slot_budget": args.slot_budget,
+           "heads": [m.head.config.kind for m in models], "sets": args.sets,
+           "prompts": args.prompts, "prompt_source": args.prompt_source, "max_new_tokens": args.max_new_tokens, "batch": args.batch,
            "threads": args.threads, "modes": {}}  # fmt: skip
     fuses = fused_pass_applies(bb, args.batch)
     two_step = args.two_step or not fuses  # continuations + teacher_force, timed beside the fused path
@@ -139,35 +166,35 @@ def measure(args) -> dict:
         for prompts in sets:
             seeds = list(range(len(prompts)))
             if two_step:
-                t0 = time.perf_counter()
+                t0 = _clock(args.device)
                 ys = continuations(bb, prompts, cfg, seeds=seeds, batch_size=args.batch)
-                t1 = time.perf_counter()
+                t1 = _clock(args.device)
                 tf = teacher_force(bb, prompts, ys, cfg)
-                t2 = time.perf_counter()
+                t2 = _clock(args.device)
                 rec["continuations_s"] += t1 - t0
                 rec["pass_s"] += t2 - t1
             if fuses:  # the suite's path for k = 0 on the compact forward
-                t = time.perf_counter()
+                t = _clock(args.device)
                 fused = decode_and_force(bb, prompts, cfg, seeds=seeds, batch_size=args.batch)
-                rec["fused_s"] += time.perf_counter() - t
+                rec["fused_s"] += _clock(args.device) - t
                 if two_step:
                     rec["fused_texts_differing"] += sum(a != b for a, b in zip(fused.continuations, ys, strict=True))
                 tf = fused  # the heads below read the fused pass (the suite's path for k = 0)
             offline = []
             for j, m in enumerate(models):
-                t = time.perf_counter()
+                t = _clock(args.device)
                 offline.append(offline_acceptance(tf, m.head))
-                rec["per_head_s"][j] += time.perf_counter() - t
+                rec["per_head_s"][j] += _clock(args.device) - t
             rec["metrics"].append([pool_offline(o) for o in offline])
             if not args.online:
                 continue
             m, texts, online = models[0], [], []
-            t = time.perf_counter()
+            t = _clock(args.device)
             for i, p in enumerate(prompts):
                 g = m.generate(p, max_new_tokens=args.max_new_tokens, mode=mode, seed=seeds[i], ban_eos=True)
                 texts.append(g.ids.tolist())
                 online.append(g.stats)
-            rec["online_s"] += time.perf_counter() - t
+            rec["online_s"] += _clock(args.device) - t
             paired = offline_acceptance(teacher_force(bb, prompts, texts, cfg), m.head)  # on the loop's own texts
             if mode == "greedy":  # the suite's offline texts (fused, batched) against the loop's own
                 rec["greedy_texts_differing_online"] += sum(a != b for a, b in zip(tf.continuations, texts, strict=True))
@@ -206,6 +233,11 @@ def main() -> None:
     p.add_argument("--no-two-step", dest="two_step", action="store_false",
                    help="time only the fused path (decode_and_force), not continuations + teacher_force beside it")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--prompt-source", default="heldout",
+                   help="heldout (the bundled corpus's held-out prompts) or a .jsonl of them (experiments.evaluate)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--slot-budget", type=int, default=32768,
+                   help="at most this many key slots (rows x longest) in a batch (offline.SLOT_BUDGET)")
     p.add_argument("--no-online", dest="online", action="store_false", help="skip the online arm")
     p.add_argument("--tiny", action="store_true", help="dry run on a random tiny Llama")
     p.add_argument("--prefill-only", action="store_true", help="time only the prompts' prefill (both arms pay it)")

@@ -20,7 +20,10 @@
 #   3. timeout 60 python3 bench/bench_evabyte_gpu.py --out $OUT/evabyte_gpu.json: a tiny EvaByte from its
 #      own code (MTPC_THIRD_PARTY, else ../shared/third_party or shared/third_party) on CUDA with triton,
 #      float32 and bf16: finite logits, adapter = its forward, greedy speculative = its own greedy
-# Files under $OUT (<= 7): device.log (every part's output), bench_gpu.json, evabyte_gpu.json, default_meta.tar and the
+#   4. timeout 200 python3 bench/bench_offline.py --device cuda ... --out $OUT/offline_gpu.json: offline (teacher-forced)
+#      against online acceptance on the GPU, the shipped default, 3 sets x 32 held-out prompts x 256 bytes
+#      (.device/heldout_prompts.jsonl; the trained heads in .device/heads go to the mtpc cache there)
+# Files under $OUT (<= 8): device.log (every part's output), bench_gpu.json, evabyte_gpu.json, offline_gpu.json, default_meta.tar and the
 # model's bf16 shards (3 of < 16 MiB). To ship them: unpack default_meta.tar and the shards into
 # mtpc/default_model/ (the manifest inside checks them).
 set -u
@@ -30,12 +33,14 @@ if [ "${MTPC_DEVICE_DRY:-0}" = "1" ]; then
   OUT=$(mktemp -d /tmp/mtpc_device_dry.XXXXXX)
   T0=${MTPC_DRY_TIMEOUT_PRETRAIN:-300}; T1=${MTPC_DRY_TIMEOUT_BENCH:-300}; TINY=--tiny
   T2=${MTPC_DRY_TIMEOUT_EVABYTE:-600}; EVA_ARGS=(--dry --new-bytes 16)
+  T3=${MTPC_DRY_TIMEOUT_OFFLINE:-300}; OFFLINE_ARGS=(--device cpu --prompts 2 --max-new-tokens 16)
   PRETRAIN_ARGS=(--config gpu --set accelerator=cpu --set precision=32-true --set compile=false --set max_steps=2
                  --set batch_size=2 --set seq_len=256 --set heldout_rows=2 --set warmup_steps=1 --ship-rows 2)  # no GPU here
 else
   OUT=${OUT:?OUT must name the output folder}
   T0=270; T1=150; TINY=""
   T2=60; EVA_ARGS=()
+  T3=200; OFFLINE_ARGS=(--device cuda --prompts 32 --max-new-tokens 256 --batch 256 --slot-budget 1048576)
   PRETRAIN_ARGS=(--config gpu)
 fi
 DEFAULT_OUT=${MTPC_DEFAULT_OUT:-/tmp/mtpc_default}
@@ -95,4 +100,13 @@ log "part 2 exit code $?"
 log "part 3: EvaByte's own code on CUDA + triton (timeout ${T2}s)"
 timeout "$T2" "$PY" bench/bench_evabyte_gpu.py --out "$OUT/evabyte_gpu.json" ${EVA_ARGS[@]+"${EVA_ARGS[@]}"} >>"$OUT/device.log" 2>&1
 log "part 3 exit code $?"
+log "part 4: offline against online acceptance on the GPU (timeout ${T3}s)"
+if [ -d .device/heads ] && [ "${MTPC_DEVICE_DRY:-0}" != "1" ]; then  # the trained heads, where bench_offline finds them
+  HEADS_DIR=$("$PY" -c "from mtpc.paths import cache_dir; print(cache_dir() / 'heads')") && mkdir -p "$HEADS_DIR" \
+    && cp -r .device/heads/. "$HEADS_DIR"/
+fi
+PROMPT_ARGS=(); [ -f .device/heldout_prompts.jsonl ] && PROMPT_ARGS=(--prompt-source .device/heldout_prompts.jsonl)
+timeout "$T3" "$PY" bench/bench_offline.py "${OFFLINE_ARGS[@]}" --sets 3 --no-two-step ${PROMPT_ARGS[@]+"${PROMPT_ARGS[@]}"} \
+  --out "$OUT/offline_gpu.json" >>"$OUT/device.log" 2>&1
+log "part 4 exit code $?"
 log "done: $(ls "$OUT" | tr '\n' ' ')"

@@ -10,6 +10,11 @@ the device call names it in `carry`):
 - `third_party/`: a copy of the target models' code (`$MTPC_THIRD_PARTY`, else
   `../shared/third_party`), which `bench/device.sh` part 3 reads there (`../shared` does not
   travel); git-ignored like the rest of `.device/`, never committed;
+- `heldout_prompts.jsonl`: the bundled corpus's held-out prompt pool (one JSON string a line, in
+  the corpus's order, so `load_prompt_sets` draws the same sets from it), and `heads/`: the trained
+  heads of the shipped default found in the mtpc cache (`<cache>/heads/default-*`, as
+  `bench/bench_offline.py` looks them up), for `bench/device.sh` part 4 (offline against online
+  acceptance on the GPU; the corpus itself does not travel);
 - `GIT_SHA`: the commit (the copy on the device has no .git; `experiments.pretrain` records it);
 - `whl/`: wheels of the pure-Python packages the device image lacks (`DEVICE_WHEELS`: the
   config parser behind `experiments.pretrain --config`), fetched from PyPI for CPython 3.12;
@@ -88,6 +93,22 @@ def fetch_wheels() -> None:
     subprocess.run(cmd, check=True)
 
 
+def write_offline_inputs() -> None:
+    """The held-out prompt pool and the cached default-model heads for bench_offline on the device."""
+    from mtpc.paths import cache_dir
+
+    pool = sharegpt_corpus(progress=False).heldout_prompts
+    DEVICE_DIR.mkdir(exist_ok=True)
+    (DEVICE_DIR / "heldout_prompts.jsonl").write_text("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in pool))
+    shutil.rmtree(DEVICE_DIR / "heads", ignore_errors=True)
+    heads = sorted(p for p in (cache_dir() / "heads").glob("default-*") if (p / "config.json").is_file())
+    for d in heads:
+        shutil.copytree(d, DEVICE_DIR / "heads" / d.name)
+    if not heads:
+        print("warning: no trained default-model head in the cache: device.sh part 4 starts heads from the "
+              "unembedding (see bench/bench_offline.py)", file=sys.stderr)  # fmt: skip
+
+
 def copy_third_party() -> None:
     """The target models' code into .device/third_party (replaced each time), if found here."""
     for cand in (os.environ.get("MTPC_THIRD_PARTY"), ROOT.parent / "shared" / "third_party"):
@@ -112,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         info = {"train": 0, "heldout": 0}
     fetch_wheels()
     copy_third_party()
+    write_offline_inputs()
     (DEVICE_DIR / "GIT_SHA").write_text(_git("rev-parse", "HEAD").strip() + "\n")
     sizes = travel_bytes([DEVICE_DIR, ROOT / ".whl"])
     total = sum(sizes.values())
