@@ -158,7 +158,7 @@ def measure(args) -> dict:
            "threads": args.threads, "modes": {}}  # fmt: skip
     fuses = fused_pass_applies(bb, args.batch)
     two_step = args.two_step or not fuses  # continuations + teacher_force, timed beside the fused path
-    for mode in DECODE_MODES:
+    for mode in args.modes:
         cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, mode=mode, eos_id=bb.eos_token_id, ban_eos=True)
         rec = {"continuations_s": 0.0, "pass_s": 0.0, "per_head_s": [0.0] * len(models), "online_s": 0.0,
                "metrics": [], "greedy_prompts_differing": 0, "d_accepted": [], "d_cycles": [], "fused_s": 0.0,
@@ -238,11 +238,14 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--slot-budget", type=int, default=32768,
                    help="at most this many key slots (rows x longest) in a batch (offline.SLOT_BUDGET)")
+    p.add_argument("--modes", nargs="+", choices=DECODE_MODES, default=list(DECODE_MODES), help="greedy, sample or both")
     p.add_argument("--no-online", dest="online", action="store_false", help="skip the online arm")
     p.add_argument("--tiny", action="store_true", help="dry run on a random tiny Llama")
     p.add_argument("--prefill-only", action="store_true", help="time only the prompts' prefill (both arms pay it)")
     args = p.parse_args()
     result = measure_prefill(args) if args.prefill_only else measure(args)
+    result = {"command": "python " + " ".join(["bench/bench_offline.py", *sys.argv[1:]]),
+              "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), **result}  # fmt: skip
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
