@@ -221,7 +221,7 @@ def measure(args) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--sets", type=int, default=3)
@@ -242,9 +242,10 @@ def main() -> None:
     p.add_argument("--no-online", dest="online", action="store_false", help="skip the online arm")
     p.add_argument("--tiny", action="store_true", help="dry run on a random tiny Llama")
     p.add_argument("--prefill-only", action="store_true", help="time only the prompts' prefill (both arms pay it)")
-    args = p.parse_args()
+    argv = sys.argv[1:] if argv is None else argv
+    args = p.parse_args(argv)
     result = measure_prefill(args) if args.prefill_only else measure(args)
-    result = {"command": "python " + " ".join(["bench/bench_offline.py", *sys.argv[1:]]),
+    result = {"command": "python " + " ".join(["bench/bench_offline.py", *argv]),
               "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), **result}  # fmt: skip
     text = json.dumps(result, indent=1)
     if args.out:
@@ -252,6 +253,7 @@ def main() -> None:
         args.out.write_text(text + "\n")
     modes = result.get("modes")
     print(json.dumps({m: {k: v for k, v in r.items() if k != "metrics"} for m, r in modes.items()} if modes else result, indent=1))
+    return result
 
 
 if __name__ == "__main__":

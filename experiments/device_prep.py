@@ -93,13 +93,17 @@ def fetch_wheels() -> None:
     subprocess.run(cmd, check=True)
 
 
+def write_prompt_pool(pool: list[str], path: Path) -> None:
+    """One JSON string a line, in the pool's order: `load_prompt_sets(path)` then draws what it draws from the pool."""
+    path.write_text("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in pool), encoding="utf-8")
+
+
 def write_offline_inputs() -> None:
     """The held-out prompt pool and the cached default-model heads for bench_offline on the device."""
     from mtpc.paths import cache_dir
 
-    pool = sharegpt_corpus(progress=False).heldout_prompts
     DEVICE_DIR.mkdir(exist_ok=True)
-    (DEVICE_DIR / "heldout_prompts.jsonl").write_text("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in pool))
+    write_prompt_pool(sharegpt_corpus(progress=False).heldout_prompts, DEVICE_DIR / "heldout_prompts.jsonl")
     shutil.rmtree(DEVICE_DIR / "heads", ignore_errors=True)
     heads = sorted(p for p in (cache_dir() / "heads").glob("default-*") if (p / "config.json").is_file())
     for d in heads:

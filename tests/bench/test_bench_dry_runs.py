@@ -75,3 +75,32 @@ def test_bench_ddp_dry_run_runs_both_variants_to_the_same_steps(tmp_path):
     one, two = report["variants"]["one"], report["variants"]["ddp2"]
     assert one["global_step"] == two["global_step"] == 2 and one["median_step_s"] is None
     assert one["final_train_loss"][0] == pytest.approx(two["final_train_loss"][0], rel=1e-4)  # the same global batch
+
+
+def test_bench_offline_tiny_agrees_with_the_loop(tmp_path):
+    """bench_offline's dry run (random tiny Llama, both modes): greedy texts and cycles equal the
+    online loop's on every prompt, the sampling comparison is paired, and the JSON names its command."""
+    import bench_offline
+
+    out = tmp_path / "offline.json"
+    result = bench_offline.main(["--tiny", "--prompts", "3", "--sets", "1", "--max-new-tokens", "12", "--no-two-step",
+                                 "--batch", "8", "--slot-budget", "100000", "--out", str(out)])  # fmt: skip
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert result["command"].startswith("python bench/bench_offline.py --tiny") and result["device"] == "cpu"
+    greedy, sample = result["modes"]["greedy"], result["modes"]["sample"]
+    assert greedy["greedy_prompts_differing"] == 0 and greedy["greedy_texts_differing_online"] == 0
+    assert greedy["paired_cycles"]["mean"] == 0.0 and greedy["online_s"] > 0 and greedy["speedup_one_head"] > 0
+    assert sample["paired_accepted"]["n"] == 3 and len(sample["metrics"]) == 1
+
+
+def test_device_prompt_pool_draws_the_same_sets(tmp_path):
+    """The pool device_prep writes for the device (the corpus does not travel) gives the sets that the
+    pool itself gives: the GPU's `--prompt-source` file is the held-out draw."""
+    from experiments.device_prep import write_prompt_pool
+    from experiments.evaluate import draw_prompt_sets, load_prompt_sets
+
+    pool = [f"prompt {i}: {'é' * (i % 3)} \"quoted\"\nline" for i in range(40)]
+    path = tmp_path / "pool.jsonl"
+    write_prompt_pool(pool, path)
+    assert load_prompt_sets(str(path), 5, 3, 0, dev_sets=1, dev_num_prompts=4) == draw_prompt_sets(
+        pool, "heldout", 5, 3, 0, dev_sets=1, dev_num_prompts=4)
