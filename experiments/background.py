@@ -16,6 +16,13 @@ Work that shares the machine with a timer but must not disturb it — a sweep tr
 another trial's latency is timed — calls `wait_while_timing()` between steps (training does, through
 `experiments.callbacks.YieldToTimer`): it returns at once when nobody times, and otherwise waits
 until the timer is done, so a timed figure does not depend on what the other workers happen to do.
+
+Heavy untimed work that cannot pause between steps — the offline acceptance decoding every prompt of
+a set — runs inside `heavy()`: it holds the same lock shared (`fcntl.flock`, LOCK_SH), the timer holds
+it exclusive. So heavy blocks and training run side by side (two sweep workers decode their prompt
+sets at once, a third trains), a timer waits until every heavy block is done, and a heavy block
+asked for while a timer waits or times waits for it (a gate file, `<lock>.gate`, held by the timer
+while it waits, gives the timer precedence, so a stream of heavy blocks cannot starve it).
 What a timer starts inside its timed block (a bench timing a training subprocess) inherits
 `MTPC_TIMING_HELD_BY` and is part of the timing: it neither waits nor takes the lock again.
 """
@@ -23,6 +30,7 @@ What a timer starts inside its timed block (a bench timing a training subprocess
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -32,8 +40,6 @@ import threading
 import time
 from pathlib import Path
 
-from filelock import FileLock, Timeout
-
 from mtpc.paths import cache_dir
 
 PID_FILE = "pretrain.pid"
@@ -42,6 +48,34 @@ TIMER_ENV = "MTPC_TIMING_HELD_BY"
 """Set (to the timer's pid) in the environment of everything a timer starts inside `timing()`: such a
 child is part of what is timed, so it neither waits for the lock its parent holds nor takes it again."""
 _depth = threading.local()
+_heavy = threading.local()
+
+
+def _flock(path: Path, how: int, wait: bool = True) -> int | None:
+    """An fd of `path` (created, mode 0o666 so that any user's evaluation may take it next) locked with
+    `how` (fcntl.LOCK_SH / LOCK_EX); None when `wait` is False and another process holds it against `how`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, how | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _unlock(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+def _gate_path() -> Path:
+    path = timing_lock_path()
+    return path.with_name(path.name + ".gate")
 
 
 def timing_lock_path() -> Path:
@@ -98,14 +132,32 @@ def wait_while_timing() -> float:
     when nobody times, or when this thread is the timer itself)."""
     if getattr(_depth, "n", 0) or os.environ.get(TIMER_ENV):
         return 0.0  # the timer itself, or a process its timed block started
-    lock = FileLock(str(timing_lock_path()), mode=0o666)
     t0 = time.monotonic()
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        lock.acquire()  # the timer is done when it releases
-    lock.release()
+    fd = _flock(timing_lock_path(), fcntl.LOCK_SH)  # shared: heavy blocks do not hold training up, a timer does
+    _unlock(fd)
     return time.monotonic() - t0
+
+
+@contextlib.contextmanager
+def heavy():
+    """Hold the timing lock shared for heavy untimed work (the offline acceptance's decoding): no timer
+    runs beside it, other heavy blocks and training do (module docstring). Waits while a timer times or
+    waits. Inside `timing()`, or nested, it does nothing more."""
+    if getattr(_depth, "n", 0) or getattr(_heavy, "n", 0) or os.environ.get(TIMER_ENV):
+        _heavy.n = getattr(_heavy, "n", 0) + 1
+        try:
+            yield
+        finally:
+            _heavy.n -= 1
+        return
+    _unlock(_flock(_gate_path(), fcntl.LOCK_EX))  # a waiting timer holds the gate: it goes first
+    fd = _flock(timing_lock_path(), fcntl.LOCK_SH)
+    _heavy.n = 1
+    try:
+        yield
+    finally:
+        _heavy.n = 0
+        _unlock(fd)
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
@@ -125,14 +177,19 @@ def timing(progress: bool = False):
         finally:
             _depth.n -= 1
         return
-    lock = FileLock(str(timing_lock_path()), mode=0o666)  # any user's evaluation may take it next
+    if getattr(_heavy, "n", 0):
+        raise RuntimeError("timing() inside heavy(): a timed block cannot start while this thread holds the lock shared")
     t0 = time.monotonic()
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
+    fd = _flock(timing_lock_path(), fcntl.LOCK_EX, wait=False)
+    if fd is None:
         if progress:
-            print(f"waiting for the timing lock {timing_lock_path()} (something else is timing)", file=sys.stderr, flush=True)
-        lock.acquire()
+            print(f"waiting for the timing lock {timing_lock_path()} (something else is timing or decoding)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        gate = _flock(_gate_path(), fcntl.LOCK_EX)  # heavy blocks asked for from now on wait for this timer
+        try:
+            fd = _flock(timing_lock_path(), fcntl.LOCK_EX)
+        finally:
+            _unlock(gate)
     waited = time.monotonic() - t0
     pid = live_pretraining()
     _depth.n = 1
@@ -158,4 +215,4 @@ def timing(progress: bool = False):
                 os.kill(pid, signal.SIGCONT)
         if held_term is not None:
             signal.signal(signal.SIGTERM, held_term)
-        lock.release()
+        _unlock(fd)

@@ -41,8 +41,9 @@ Timing lock: latencies are only comparable when nothing else computes on the sam
 `$MTPC_TIMING_LOCK`, default `<tmp>/mtpc-timing.lock`) from its first timed generation to its last,
 with the background pre-training (if any) stopped: sweep workers train in parallel, but one
 evaluation (STP and its heads, prompt set by prompt set) times at a time. The offline acceptance
-(decoding every prompt of a set) takes the same lock per set, so it never runs beside another
-evaluation's timed phase either.
+(decoding every prompt of a set) holds the same lock shared per set (`experiments.background.heavy`),
+so it never runs beside another evaluation's timed phase either, while other workers keep training
+and decoding beside it.
 
 Leaves out: training (experiments/train.py) and plots (analysis/).
 """
@@ -64,7 +65,7 @@ import torch
 from tqdm import tqdm
 
 import tracking
-from experiments.background import timing
+from experiments.background import heavy, timing
 from experiments.config import EvalConfig
 from mtpc import MtpcModel
 from mtpc.atomic import check_writable, write_json
@@ -467,9 +468,9 @@ def evaluate_heads(
     untimed: list[tuple[list[list[int]], dict[str, list[Any]]]] = []
     if offline:
         for job in tqdm(jobs, desc="offline acceptance", disable=not progress, file=sys.stderr):
-            # untimed but heavy (decoding every prompt): it holds the timing lock too, so that another
-            # trial's latency is never timed beside it (training only yields between steps)
-            with timing():
+            # untimed but heavy (decoding every prompt): it holds the timing lock shared, so that another
+            # trial's latency is never timed beside it, while other trials train and decode alongside
+            with heavy():
                 untimed.append(_offline(models, job, seed, kw, continuation_batch, continuation_cache))
     stp_rows: dict[str, list[dict]] = {mode: [] for mode in modes}
     runs: list[dict[str, Any]] = []

@@ -150,7 +150,8 @@ def test_an_evaluation_times_only_while_it_holds_the_machine_wide_lock(model_dir
 
 def test_the_offline_pass_holds_the_timing_lock(model_dir, tmp_path, monkeypatch):
     """The offline acceptance decodes every prompt (heavy, untimed): it must hold the machine-wide
-    timing lock while it runs, so that no other trial's latency is timed beside it."""
+    timing lock while it runs, so that no other trial's latency is timed beside it; shared, so that
+    other trials' training (and decoding) is not held up meanwhile."""
     import subprocess
     import sys
 
@@ -159,15 +160,19 @@ def test_the_offline_pass_holds_the_timing_lock(model_dir, tmp_path, monkeypatch
     lock = tmp_path / "timing.lock"
     monkeypatch.setenv("MTPC_TIMING_LOCK", str(lock))
     probe = f"from filelock import FileLock, Timeout\ntry:\n    FileLock({str(lock)!r}).acquire(timeout=0)\nexcept Timeout:\n    raise SystemExit(3)\n"
-    seen = []
+    shared = ("import fcntl, os, sys\nfd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\ntry:\n"
+              "    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)\nexcept BlockingIOError:\n    raise SystemExit(3)\n")
+    seen, trains = [], []
     real = ev._offline
 
     def offline_probing(*args, **kwargs):
         seen.append(subprocess.run([sys.executable, "-c", probe], timeout=60).returncode)  # another process tries the lock
+        trains.append(subprocess.run([sys.executable, "-c", shared, str(lock)], timeout=60).returncode)  # a trainer's check
         return real(*args, **kwargs)
 
     monkeypatch.setattr(ev, "_offline", offline_probing)
     m = MtpcModel.from_pretrained(model_dir / "cp")
     out = evaluate_heads(m, [["one"], ["two"]], ("greedy",), max_new_tokens=8, progress=False, acceptance="offline")
     assert out["runs"] and seen == [3, 3]  # held for every set's offline pass
+    assert trains == [0, 0]  # shared: training elsewhere goes on
     assert subprocess.run([sys.executable, "-c", probe], timeout=60).returncode == 0  # and let go afterwards
