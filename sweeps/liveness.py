@@ -23,7 +23,7 @@ from typing import Any
 
 import tracking
 from sweeps.spec import SweepSpec
-from sweeps.study import enqueue_retry, log
+from sweeps.study import PREEMPTED_ATTR, enqueue_retry, log
 
 TRANSITIONAL_SLURM_STATES = {"COMPLETING", "SIGNALING", "STAGE_OUT"}  # ending: requeued or gone, wait
 ALIVE_SLURM_STATES = {
@@ -157,7 +157,8 @@ def reap(spec: SweepSpec, study, me: Owner) -> ReapResult:
         if owner is not None and owner.slurm_job_id and owner.slurm_job_id == me.slurm_job_id:
             adopt.append(t._trial_id)
             continue
-        err = f"worker died: {why}"
+        preempted = bool(t.user_attrs.get(PREEMPTED_ATTR))
+        err = f"pre-empted, then its worker ended: {why}" if preempted else f"worker died: {why}"
         try:
             study._storage.set_trial_user_attr(t._trial_id, "error", err)
             study.tell(t.number, state=TrialState.FAIL)
@@ -168,7 +169,9 @@ def reap(spec: SweepSpec, study, me: Owner) -> ReapResult:
         log(f"reaper: trial {t.number} ({t.user_attrs.get('grid_key')}) marked FAIL: {err}")
         _kill_mlflow_runs(spec, t, err)
         attempt = int(t.user_attrs.get("attempt", 0))
-        if spec.grid is not None and attempt < spec.max_retries:
+        if spec.grid is not None and preempted:  # stopped on request after a checkpoint: not a failure of the point
+            enqueue_retry(spec, study, t, attempt=attempt)
+        elif spec.grid is not None and attempt < spec.max_retries:
             enqueue_retry(spec, study, t, attempt=attempt + 1)
     close_stale_runs(spec, study)
     return ReapResult(adopt, reaped, ending)

@@ -229,6 +229,12 @@ def _run_exists(client, run_id: str | None) -> bool:
         return False
 
 
+PREEMPTED_ATTR = "preempted"
+"""User attr set on a trial stopped on request after its checkpoint (exit 75): the reaper enqueues its
+point again without spending a retry, and the new attempt resumes from the checkpoint (the run
+directory is the point's)."""
+
+
 def grid_attrs(spec: SweepSpec, point: dict[str, Any], attempt: int, retry_of: int | None = None) -> dict[str, Any]:
     """User attrs of an enqueued grid trial: its key, the slices it belongs to, which attempt."""
     key = grid_key(point)
@@ -268,12 +274,18 @@ def experiment_id(spec: SweepSpec, study=None) -> str:
     return exp_id
 
 
-def pop_waiting(study) -> int | None:
-    """Claim a WAITING trial (an atomic state change in the storage); its id, or None."""
+def pop_waiting(study, spec: SweepSpec | None = None) -> int | None:
+    """Claim a WAITING trial (an atomic state change in the storage); its id, or None. With a grid
+    spec, the point that comes first in the grid's order: a retry (enqueued last, under a new trial
+    number) runs where its point belongs, so the slices still run in their fixed order; else by number."""
     from optuna.trial import TrialState
 
     storage = study._storage
-    for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+    waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+    if spec is not None and spec.grid is not None:
+        order = {grid_key(p): i for i, p in enumerate(spec.grid)}
+        waiting = sorted(waiting, key=lambda t: (order.get(t.user_attrs.get("grid_key"), len(order)), t.number))
+    for t in waiting:
         try:
             if storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
                 return t._trial_id

@@ -16,6 +16,7 @@ codes (sweeps/run.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -26,6 +27,7 @@ import tracking
 from sweeps.liveness import Owner, reap
 from sweeps.spec import SpecError, SweepSpec
 from sweeps.study import (
+    PREEMPTED_ATTR,
     ask_new,
     check_signature,
     check_storage,
@@ -110,13 +112,13 @@ def worker(spec: SweepSpec, *, max_trials: int | None = None, stop: StopFlag | N
         if problem is not None:
             _stopped_by_tracking(problem, adopt)
             return EXIT_TRACKING
-        trial_id = adopt.pop(0) if adopt else pop_waiting(study)
+        trial_id = _take(adopt, study, spec, storage)
         if trial_id is None and spec.sampler is not None:
             trial_id = ask_new(spec, study)
         if trial_id is None:
             r = reap(spec, study, me)  # a peer may have died meanwhile
             adopt.extend(r.adopt)
-            trial_id = adopt.pop(0) if adopt else pop_waiting(study)
+            trial_id = _take(adopt, study, spec, storage)
             if trial_id is None and r.ending and time.time() < ending_deadline:
                 log(f"{r.ending} RUNNING trial(s) belong to SLURM jobs that are ending; checking again shortly")
                 time.sleep(3.0)
@@ -127,6 +129,8 @@ def worker(spec: SweepSpec, *, max_trials: int | None = None, stop: StopFlag | N
             run_one(spec, study, trial_id, exp_id, me, stop)
         except Preempted as e:
             log(f"trial id {trial_id} pre-empted ({e}); it stays RUNNING and resumes from its checkpoint")
+            with contextlib.suppress(Exception):  # the reaper re-enqueues a pre-empted trial without spending a retry
+                storage.set_trial_user_attr(trial_id, PREEMPTED_ATTR, 1)
             return EXIT_PREEMPTED
         except TrackingLost as e:
             _stopped_by_tracking(str(e), adopt)
@@ -244,6 +248,16 @@ def run_one(spec: SweepSpec, study, trial_id: int, exp_id: str, me: Owner, stop:
                 # the store failed, not the point: run it again, without spending a retry
                 enqueue_retry(spec, study, storage.get_trial(trial_id), attempt=int(frozen.user_attrs.get("attempt", 0)))
             raise TrackingLost(problem) from e
+
+
+def _take(adopt: list[int], study, spec: SweepSpec, storage) -> int | None:
+    """The next trial: one this job adopts (its own, pre-empted and requeued), else a WAITING one."""
+    if not adopt:
+        return pop_waiting(study, spec)
+    trial_id = adopt.pop(0)
+    with contextlib.suppress(Exception):  # resumed by its own job: a later death is a failure again
+        storage.set_trial_user_attr(trial_id, PREEMPTED_ATTR, 0)
+    return trial_id
 
 
 def _completed_twin(study, key: str, lost: tuple[int, ...] = ()) -> int | None:

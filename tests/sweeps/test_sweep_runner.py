@@ -169,6 +169,33 @@ def test_reaper_fails_dead_workers_trial_and_the_rerun_resumes(tmp_path, trackin
     assert len(complete) == 4
 
 
+def test_a_preempted_trial_resumes_first_without_spending_a_retry(tmp_path, tracking_uri):
+    """A trial stopped on request (exit 75, checkpoint written, marked pre-empted) whose workers were
+    then restarted: the reaper enqueues its point again at the same attempt (max_retries 0 would
+    otherwise drop it), and the retry runs before the points after it in the grid (the slice order
+    holds), resuming from the checkpoint."""
+    spec = load_spec(fixture_spec(tmp_path, "pre", tracking_uri=tracking_uri, fixture={"steps": 3}, max_retries=0), env={})
+    run.init(spec)
+    study = load_study(spec, open_storage(spec.storage))
+    tid = pop_waiting(study, spec)
+    t = study._storage.get_trial(tid)
+    assert t.number == 0  # the grid's first point
+    dead = liveness.Owner(host=liveness.Owner.current().host, pid=_dead_pid(), pid_start="1", slurm_job_id=None, slurm_restart=0)
+    study._storage.set_trial_user_attr(tid, "owner", dead.to_json())
+    study._storage.set_trial_user_attr(tid, "preempted", 1)
+    ck = spec.output_dir / "checkpoints" / "pre" / t.user_attrs["grid_key"]
+    ck.mkdir(parents=True)
+    (ck / "fixture_state.json").write_text('{"step": 2}')
+    assert run.worker(spec, max_trials=1) == 0  # one trial: the retry, not the next point by number
+    ts = trials(spec.storage, "pre")
+    assert ts[0].state.name == "FAIL" and "pre-empted" in ts[0].user_attrs["error"]
+    (retry,) = [x for x in ts if x.user_attrs.get("retry_of") == 0]
+    assert retry.state.name == "COMPLETE" and retry.user_attrs["attempt"] == 0 and retry.user_attrs["resumed_from_step"] == 2
+    assert [x.state.name for x in ts[1:4]] == ["WAITING"] * 3
+    assert run.worker(spec) == 0
+    assert len(check_complete_results(spec.storage, "pre", tracking_uri, "pre")) == 4
+
+
 def test_owner_liveness(tmp_path, monkeypatch):
     Owner, owner_is_dead = liveness.Owner, liveness.owner_is_dead
     me = Owner(host="h", pid=os.getpid(), pid_start=liveness.pid_start(os.getpid()), slurm_job_id="7_1", slurm_restart=1)
