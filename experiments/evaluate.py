@@ -57,6 +57,7 @@ import random
 import statistics
 import sys
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -336,6 +337,11 @@ def _fused_pass(bb: Any, prompts: list[torch.Tensor], cfg: Any, seeds: list[int]
     return tf
 
 
+def _check_stop(should_stop: Callable[[], bool] | None) -> None:
+    if should_stop is not None and should_stop():
+        raise EvaluationStopped("stopped on request between two prompt sets")
+
+
 def _offline(models: dict[str, MtpcModel], job: EvalJob, seed: int, kw: dict[str, Any], batch: int,
              cache: bool = True) -> tuple[list[list[int]], dict[str, list[Any]]]:  # fmt: skip
     """The plain model's continuations of the job's prompts (prompt i seeded seed + i, as STP) and, per
@@ -372,6 +378,11 @@ def _offline(models: dict[str, MtpcModel], job: EvalJob, seed: int, kw: dict[str
     return ys, out
 
 
+class EvaluationStopped(Exception):
+    """`evaluate_heads` saw its `should_stop` turn true between two prompt sets (a sweep worker asked to
+    stop): nothing was returned or logged; the evaluation runs again from the start."""
+
+
 def evaluate_heads(
     models: dict[str, MtpcModel] | MtpcModel,
     prompt_sets: list[list[str | bytes | torch.Tensor]],
@@ -392,6 +403,7 @@ def evaluate_heads(
     latency_prompts: int = EvalConfig.latency_prompts,
     continuation_batch: int = 32,
     continuation_cache: bool = True,
+    should_stop: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """Run STP and every head on every prompt set in this process; returns a JSON-able dict.
 
@@ -417,6 +429,9 @@ def evaluate_heads(
     continuation_cache: offline, read and store the continuations in the on-disk cache shared by every
     evaluation and process (mtpc/speculative/continuation_cache.py; keyed by the backbone's weights,
     the decode config, the prompts and seeds); False computes them here and stores nothing.
+    should_stop: checked before every prompt set's timed and offline part; when it turns true,
+    EvaluationStopped is raised (an evaluation of hundreds of prompts per set takes many minutes, longer
+    than a cluster's pre-emption notice).
     Prompt i of a set is sampled with seed + i for STP and every head alike.
     Everything timed runs under `experiments.background.timing`: one timer on the machine at a time;
     STP and the heads run each prompt in turn (interleaved rounds, after a short warm-up call each). The
@@ -461,6 +476,7 @@ def evaluate_heads(
         bar = tqdm(total=sum(len(j.prompts) for j in timed_jobs) * (int(stp) + len(heads)), desc="evaluate",
                    disable=not progress, file=sys.stderr)
         for job in timed_jobs:
+            _check_stop(should_stop)
             runners = ([(first, None)] if stp else []) + [(model, extra) for _name, model, extra in heads]
             got = _generate_interleaved(runners, job, seed, kw, bar)
             timed.append((got[0], got[1:]) if stp else (None, got))
@@ -468,6 +484,7 @@ def evaluate_heads(
     untimed: list[tuple[list[list[int]], dict[str, list[Any]]]] = []
     if offline:
         for job in tqdm(jobs, desc="offline acceptance", disable=not progress, file=sys.stderr):
+            _check_stop(should_stop)
             # untimed but heavy (decoding every prompt): it holds the timing lock shared, so that another
             # trial's latency is never timed beside it, while other trials train and decode alongside
             with heavy():

@@ -126,7 +126,8 @@ def training_axes(cfg: Any) -> dict[str, Any]:
 
 
 def evaluate_head(head_dir: Path, cfg: TrainConfig, evaluation: EvalConfig, *, parent_run_id: str,
-                  tracking_uri: str, out: Path, extra_params: dict[str, Any] | None = None) -> list[str]:
+                  tracking_uri: str, out: Path, extra_params: dict[str, Any] | None = None,
+                  should_stop: Callable[[], bool] | None = None) -> list[str]:
     """The decoding modes on the same prompt sets (experiments.evaluate): sampling at every
     temperature of `evaluation.temperatures`, greedy once, each EOS treatment of `evaluation.eos`;
     JSON to `out`, one child run per (mode, temperature, eos, prompt_set) under the parent, carrying
@@ -146,6 +147,7 @@ def evaluate_head(head_dir: Path, cfg: TrainConfig, evaluation: EvalConfig, *, p
             top_p=e.top_p, seed=e.seed, eos=e.eos, set_names=names, stp=e.stp, acceptance=e.acceptance,
             latency_prompts=e.latency_prompts, continuation_cache=e.continuation_cache,
             progress=False,  # a sweep trial: the worker prints one line per trial, not tqdm bars
+            should_stop=should_stop,  # raises EvaluationStopped between prompt sets
         )
         if results is None:
             results = res
@@ -227,5 +229,11 @@ def _train_and_evaluate(
     tracking.log_metrics(uri, parent_run_id, {k: v for k, v in conv.items() if v == v})
     # evaluation runs here, in the one process (the worker's) on the trial's first device, after the
     # ranks have exited: mu_lat is batch-1 decoding latency, timed one stream at a time
-    evaluate_head(head_dir, cfg, evaluation, parent_run_id=parent_run_id, tracking_uri=uri,
-                  out=run_dir / "evaluation.json", extra_params={"converged": int(conv["converged"])})
+    from experiments.evaluate import EvaluationStopped
+
+    try:
+        evaluate_head(head_dir, cfg, evaluation, parent_run_id=parent_run_id, tracking_uri=uri,
+                      out=run_dir / "evaluation.json", extra_params={"converged": int(conv["converged"])},
+                      should_stop=should_stop)
+    except EvaluationStopped:  # the re-run resumes from the last checkpoint (the whole training when it ended on one)
+        raise preempted_exc(f"evaluation stopped on request; checkpoint {ckpt}") from None

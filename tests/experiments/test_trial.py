@@ -1,9 +1,9 @@
 """The real trial (experiments/trial.py) on the `tiny` backbone: train_head logs into the trial's
 parent run, experiments.evaluate logs one evaluation run per (mode, prompt_set) through the one
 writer (named `<grid key>/<mode>/set<i>`, with the `tracking.schema.EVAL_PARAMS` / `EVAL_METRICS`
-names); a stop request checkpoints and raises, and the re-run resumes from that checkpoint and
-completes; the sweep runner runs it end to end; every grid point's training config is validated
-before submission."""
+names); a stop request checkpoints and raises (during training, and between prompt sets of the
+evaluation), and the re-run resumes from that checkpoint and completes; the sweep runner runs it
+end to end; every grid point's training config is validated before submission."""
 
 from __future__ import annotations
 
@@ -56,7 +56,21 @@ def test_run_trial_trains_evaluates_and_resumes(tmp_path, prompts, monkeypatch):
         trial.run_trial(train, POINT, ev, should_stop=lambda: True, **kw)
     assert (ck / "checkpoints" / "last.ckpt").is_file()
     assert not tracking.child_runs(uri, exp_id, parent, finished_only=False)
-    # 2) the re-run resumes from it and finishes: training params/metrics on the parent, 2 x 2 children
+    # 2) a stop request during the evaluation (after its first prompt set): Preempted, nothing logged
+    import experiments.evaluate as evaluate
+
+    asked, real = {"stop": False}, evaluate._generate_interleaved
+
+    def first_set_then_stop(*args, **kwargs):
+        asked["stop"] = True
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "_generate_interleaved", first_set_then_stop)
+    with pytest.raises(Preempted, match="evaluation stopped"):
+        trial.run_trial(train, POINT, ev, should_stop=lambda: asked["stop"], **kw)
+    assert not tracking.child_runs(uri, exp_id, parent, finished_only=False) and not (ck / "evaluation.json").exists()
+    monkeypatch.setattr(evaluate, "_generate_interleaved", real)
+    # 3) the re-run resumes from it and finishes: training params/metrics on the parent, 2 x 2 children
     trial.run_trial(train, POINT, ev, **kw)
     stored = tracking.child_runs(uri, exp_id, parent)  # the objective metrics, as the sweep reads them back
     out = {"throughput": statistics.fmean(k.data.metrics["throughput"] for k in stored),
