@@ -180,7 +180,7 @@ def h1(df, pp, resamples=10_000, sl: Slice = SELECT) -> tuple[list[str], str]:
                   ", ".join(f"β={b:g}: {v:.3f}" for b, v in scores.items()) + ")")
     lines = [chosen, "", HEADER]
     verdicts = []
-    for circ in CIRCUIT_KINDS:  # "every circuit": a circuit without both heads leaves H1 undecided
+    for circ in CIRCUIT_KINDS:  # "every circuit": a circuit without both heads leaves H1 undecided, unless another fails
         # twins: the CE head of the same rank (a CE rank sweep at n = 8 must not stand in for it)
         pairs = [(kl, ce) for kl in _configs(n8, circuit=circ, kl_beta=beta)
                  for ce in _configs(n8, circuit=circ, rank=kl["rank"], kl_beta=0.0)]
@@ -193,8 +193,9 @@ def h1(df, pp, resamples=10_000, sl: Slice = SELECT) -> tuple[list[str], str]:
             row, dec = _compare(df, pp, kl, ce, sl, H1_THRESHOLD, f"{circ} n=8{rank}: β={beta:g} vs CE", resamples=resamples)
             lines.append(row)
             verdicts.append(dec.verdict if dec else NOT_DECIDED)
+    # "every circuit": one circuit decided against it refutes H1 whatever the missing ones would show
     overall = ("reproduced" if all(v == "reproduced" for v in verdicts)
-               else NOT_DECIDED if any(v == NOT_DECIDED for v in verdicts) else "not reproduced")
+               else "not reproduced" if any(v == "not reproduced" for v in verdicts) else NOT_DECIDED)
     return lines, overall
 
 

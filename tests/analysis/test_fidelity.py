@@ -108,6 +108,15 @@ def test_without_dev_sets_a_single_beta_is_fixed_in_advance_and_choices_are_refu
     assert fidelity.h2(df, pp, resamples=200)[1] == "not decided"
 
 
+def test_h1_is_refuted_by_one_failing_circuit_even_with_others_missing():
+    """H1 asks every circuit for >= 1.05x: cp decided below it (both seeds) refutes H1 although ff,
+    hmm and btree were not run; with cp above it, the missing circuits leave H1 undecided."""
+    for gain, expected in ((1.01, "not reproduced"), (1.2, "not decided")):
+        df, pp = make({("cp", 8, 8, 0, 0.0): 1.0, ("cp", 8, 8, 0, 0.5): gain})
+        lines, verdict = fidelity.h1(df[df.prompt_set != "dev0"], pp, resamples=500)
+        assert verdict == expected and sum("missing CE or KL head" in x for x in lines) == 3, (gain, lines)
+
+
 
 def test_training_table_orders_configurations_and_averages_seeds():
     rows = []
