@@ -17,7 +17,7 @@ differ from the online loop's (float32: near-ties); sampling, the mean and 99 % 
 (online - offline expected) accepted drafts and cycles, paired by text (the online run's own
 text goes through one more pass for that). `--device cuda`: the same on a GPU (every timed part ends
 with a device synchronisation; the online loop replays CUDA graphs as `MtpcModel.generate` does
-there); `--slot-budget` raises the key-slot cap on a batch (`offline.SLOT_BUDGET`, sized for a CPU's
+there); `--slot-budget` raises the key-slot cap on a batch (`slot_budget` of `continuations` / `decode_and_force`, sized for a CPU's
 caches). Heads: trained exports of the default model in the
 cache when present, else heads started from its unembedding (every kind in turn). One thread
 (`--threads`), as a sweep worker. Writes JSON.
@@ -146,9 +146,6 @@ def measure(args) -> dict:
     )
 
     torch.set_num_threads(args.threads)
-    from mtpc.speculative import offline as offline_module
-
-    offline_module.SLOT_BUDGET = args.slot_budget
     bb = _backbone(args)
     models = _heads(bb, args.heads, args.window)
     sets = _prompts(bb, args)
@@ -167,7 +164,7 @@ def measure(args) -> dict:
             seeds = list(range(len(prompts)))
             if two_step:
                 t0 = _clock(args.device)
-                ys = continuations(bb, prompts, cfg, seeds=seeds, batch_size=args.batch)
+                ys = continuations(bb, prompts, cfg, seeds=seeds, batch_size=args.batch, slot_budget=args.slot_budget)
                 t1 = _clock(args.device)
                 tf = teacher_force(bb, prompts, ys, cfg)
                 t2 = _clock(args.device)
@@ -175,7 +172,7 @@ def measure(args) -> dict:
                 rec["pass_s"] += t2 - t1
             if fuses:  # the suite's path for k = 0 on the compact forward
                 t = _clock(args.device)
-                fused = decode_and_force(bb, prompts, cfg, seeds=seeds, batch_size=args.batch)
+                fused = decode_and_force(bb, prompts, cfg, seeds=seeds, batch_size=args.batch, slot_budget=args.slot_budget)
                 rec["fused_s"] += _clock(args.device) - t
                 if two_step:
                     rec["fused_texts_differing"] += sum(a != b for a, b in zip(fused.continuations, ys, strict=True))

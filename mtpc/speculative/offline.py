@@ -143,9 +143,11 @@ def continuations(
     cfg: DecodeConfig,
     seeds: list[int] | None = None,
     batch_size: int = 1,
+    slot_budget: int | None = None,
 ) -> list[list[int]]:
     """The plain model's continuation of each prompt (the verifier alone).
 
+    slot_budget: at most this many key slots a batch (default `SLOT_BUDGET`, sized for a CPU's caches).
     seeds: one per prompt for sampling (prompt i draws from a generator seeded with seeds[i], as
     `MtpcModel.generate_plain(seed=seeds[i])`); ignored when greedy. batch_size: prompts decoded
     at once on the compact Llama forward (`LlamaBatchEngine`; equal to batch 1 in float64, near-ties
@@ -175,7 +177,7 @@ def continuations(
 
         engine = LlamaBatchEngine(backbone)
         out: list[list[int]] = [[] for _ in prompts]
-        for rows in _length_batches(prompts, batch_size, cfg.max_new_tokens, SLOT_BUDGET):
+        for rows in _length_batches(prompts, batch_size, cfg.max_new_tokens, slot_budget or SLOT_BUDGET):
             ys = plain_decode_batch(engine, [prompts[i].to(dev) for i in rows], cfg, [chooser(i) for i in rows])
             for i, y in zip(rows, ys, strict=True):
                 out[i] = y
@@ -230,6 +232,7 @@ def decode_and_force(
     cfg: DecodeConfig,
     seeds: list[int] | None = None,
     batch_size: int = 32,
+    slot_budget: int | None = None,
 ) -> TeacherForced:
     """`continuations` and `teacher_force` in one: batched plain decoding (as `continuations` with
     this batch_size: the same bytes) that keeps, at every step, the verifier's final state (the
@@ -255,7 +258,7 @@ def decode_and_force(
     hidden: list[Tensor | None] = [None] * n
     scores: list[Tensor | None] = [None] * n  # greedy: argmax agrees; sampling: log p(y_t)
     engine = LlamaBatchEngine(backbone)
-    for rows in _length_batches(prompts, batch_size, cfg.max_new_tokens, SLOT_BUDGET):
+    for rows in _length_batches(prompts, batch_size, cfg.max_new_tokens, slot_budget or SLOT_BUDGET):
         states: list[Tensor] = []  # per step (B, d): the state before the byte chosen at that step
         marks: list[Tensor] = []  # per step (B,)
 
