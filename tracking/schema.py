@@ -36,7 +36,8 @@ def _same(value: Any, default: Any) -> bool:
 
 def grid_key(point: dict[str, Any]) -> str:
     """A short stable name for a grid point, e.g. `cp-r8-n16-k0` (`-kl0.5-s1` for kl_beta 0.5,
-    train_seed 1; axes at their TRAIN_AXES default are left out): checkpoint directories, the parent
+    train_seed 1; axes at their TRAIN_AXES default are left out, and an axis the method does not have,
+    such as `evabyte-mtp`'s rank): checkpoint directories, the parent
     run of a trial and the names of its evaluation runs. Values may be str (as MLflow stores
     params) or numbers alike."""
     parts = []
@@ -47,6 +48,8 @@ def grid_key(point: dict[str, Any]) -> str:
                 continue
         else:
             value = point[name]
+            if value is None or value == "None":  # an axis the method lacks (EvaByte's own decoding: no rank)
+                continue
         if isinstance(value, float) or isinstance(TRAIN_AXES.get(name), float):
             value = f"{float(value):g}"  # 0.5 and "0.5" alike
         parts.append(f"{GRID_KEY_TAGS[name]}{value}")

@@ -395,6 +395,8 @@ def test_evabyte_mtp_runs_are_rows_of_the_analysis_and_a_design_of_their_own(tmp
     df = result.runs
     assert sorted(df["circuit"]) == ["cp", "cp", METHOD, METHOD]
     assert df.loc[df.circuit == METHOD, "rank"].isna().all()
+    names = {r.info.run_name for r in tracking.evaluation_runs(tracking.client(uri), [exp])}
+    assert {n.split("/")[0] for n in names} == {"cp-r32-n8-k0", f"{METHOD}-n8-k0"}, names  # no rank named for it
     ((_, part),) = split_settings(aggregate(df))
     assert sorted(part["circuit"]) == ["cp", METHOD]
     row = part[part.circuit == METHOD].iloc[0]
