@@ -17,8 +17,8 @@ differ from the online loop's (float32: near-ties); sampling, the mean and 99 % 
 (online - offline expected) accepted drafts and cycles, paired by text (the online run's own
 text goes through one more pass for that). `--device cuda`: the same on a GPU (every timed part ends
 with a device synchronisation; the online loop replays CUDA graphs as `MtpcModel.generate` does
-there); `--slot-budget` raises the key-slot cap on a batch (`slot_budget` of `continuations` / `decode_and_force`, sized for a CPU's
-caches). Heads: trained exports of the default model in the
+there); `--slot-budget` sets the key-slot cap on a batch (`slot_budget` of `continuations` /
+`decode_and_force`; default `offline.KV_BUDGET_BYTES` of keys and values). Heads: trained exports of the default model in the
 cache when present, else heads started from its unembedding (every kind in turn). One thread
 (`--threads`), as a sweep worker. Writes JSON.
 """
@@ -119,16 +119,18 @@ def _interval(d: list[float]) -> dict:
 def measure_prefill(args) -> dict:
     """The prompts' prefill alone, as `decode_and_force` batches it (both arms pay it)."""
     from mtpc.backbones.llama_batch import LlamaBatchEngine
-    from mtpc.speculative.offline import _length_batches
+    from mtpc.speculative.offline import _length_batches, _slot_budget, _spread
 
     torch.set_num_threads(args.threads)
     bb = _backbone(args)
     engine, seconds, size = LlamaBatchEngine(bb), 0.0, 0
     for prompts in _prompts(bb, args):
         size += sum(p.shape[0] for p in prompts)
-        for rows in _length_batches(prompts, args.batch, args.max_new_tokens, args.slot_budget):
+        budget = _slot_budget(engine, args.slot_budget)
+        for groups in _length_batches(prompts, args.batch, args.max_new_tokens, budget, _spread(engine)):
+            rows = [i for g in groups for i in g]
             t = _clock(args.device)
-            engine.prefill([prompts[i] for i in rows], args.max_new_tokens)
+            engine.prefill([prompts[i] for i in rows], args.max_new_tokens, [len(g) for g in groups])
             seconds += _clock(args.device) - t
     return {"backbone": bb.name, "sets": args.sets, "prompts": args.prompts, "batch": args.batch,
             "threads": args.threads, "prompt_bytes": size, "prefill_s": seconds}  # fmt: skip
@@ -226,15 +228,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--heads", type=int, default=1, help="heads sharing one pass per prompt set")
     p.add_argument("--window", type=int, default=8)
-    p.add_argument("--batch", type=int, default=32, help="at most this many prompts decoded at once for the continuations")
+    p.add_argument("--batch", type=int, default=64, help="at most this many prompts decoded at once for the continuations")
     p.add_argument("--no-two-step", dest="two_step", action="store_false",
                    help="time only the fused path (decode_and_force), not continuations + teacher_force beside it")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--prompt-source", default="heldout",
                    help="heldout (the bundled corpus's held-out prompts) or a .jsonl of them (experiments.evaluate)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--slot-budget", type=int, default=32768,
-                   help="at most this many key slots (rows x longest) in a batch (offline.SLOT_BUDGET)")
+    p.add_argument("--slot-budget", type=int, default=None,
+                   help="at most this many key slots allocated a batch (default: offline.KV_BUDGET_BYTES of keys and values)")
     p.add_argument("--modes", nargs="+", choices=DECODE_MODES, default=list(DECODE_MODES), help="greedy, sample or both")
     p.add_argument("--no-online", dest="online", action="store_false", help="skip the online arm")
     p.add_argument("--tiny", action="store_true", help="dry run on a random tiny Llama")

@@ -401,7 +401,7 @@ def evaluate_heads(
     evabyte_mtp: bool = False,
     acceptance: str = "online",
     latency_prompts: int = EvalConfig.latency_prompts,
-    continuation_batch: int = 32,
+    continuation_batch: int = 64,
     continuation_cache: bool = True,
     should_stop: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
@@ -424,8 +424,8 @@ def evaluate_heads(
     `derived_throughput` = tokens_per_cycle (offline) / mu_lat (timed) and `derived_speedup_vs_stp`
     = derived_throughput / stp_throughput. The degeneracy metrics read the continuations.
     continuation_batch: offline, at most this many prompts decoded at once for the continuations (compact
-        Llama forward; batches of similar length, also capped at `offline.SLOT_BUDGET` key slots; 32 was the
-        fastest of 8-64 on the default model on a 2-core CPU).
+        Llama forward; batches of similar length, in groups of similar length on the CPU, also capped at
+        `offline.KV_BUDGET_BYTES` of keys and values; see docs/decoding.md for the choice of 64).
     continuation_cache: offline, read and store the continuations in the on-disk cache shared by every
     evaluation and process (mtpc/speculative/continuation_cache.py; keyed by the backbone's weights,
     the decode config, the prompts and seeds); False computes them here and stores nothing.

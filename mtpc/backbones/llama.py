@@ -541,10 +541,13 @@ class LlamaEngine:
         if eids is not None:
             x = x + F.embedding(eids, self.expand.weight)
         x = x.unsqueeze(0)  # (1, T, d)
+        # a prefill from slot 0 is plain causal attention: SDPA's is_causal skips the masked blocks
+        # and builds no (n_rep T, T) mask (the same values: tests/mtpc/test_engine_*)
+        causal = pos is None and start == 0 and T > 1
         if pos is None:
             cos, sin = self.cos[start : start + T], self.sin[start : start + T]
             rows = self.positions[start : start + T, None]
-            mask = self.positions[None, : start + T] <= rows if T > 1 else None  # (T, S) causal
+            mask = self.positions[None, : start + T] <= rows if T > 1 and not causal else None  # (T, S) causal
         else:
             cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)
             mask = self.positions[None, :] <= pos[:, None]  # (T, C) causal over the whole capacity
@@ -559,7 +562,7 @@ class LlamaEngine:
             if one and i < self.split:
                 x = self._block_one(x, layer, self.kv[i], cos[0], sin[0], start)
             else:
-                x = self._block(x, layer, self.kv[i], cos, sin, mask, pos, start)
+                x = self._block(x, layer, self.kv[i], cos, sin, mask, pos, start, causal)
         h = rms_norm(x, self.norm, self.args.norm_eps)  # (rows, T, d)
         if self.lm_head_packed is not None:
             logits = self._mm(h[0], self.lm_head_packed)
@@ -617,7 +620,7 @@ class LlamaEngine:
         g, u = self._mm(h, p["gu"]).split(a.intermediate, dim=-1)
         return x + self._mm(F.silu(g) * u, p["down"])
 
-    def _block(self, x, layer, kv, cos, sin, mask, pos, start):
+    def _block(self, x, layer, kv, cos, sin, mask, pos, start, causal=False):
         B, T, _ = x.shape
         a = self.args
         h = rms_norm(x, layer.ln1, a.norm_eps)
@@ -642,7 +645,7 @@ class LlamaEngine:
             y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scale)  # (B, h_kv, n_rep, hd)
             y = y.reshape(B, 1, a.n_heads * a.head_dim)  # a view where SDPA's output is contiguous (CPU); CUDA's need not be
         else:
-            y = self._attend(q, kc, vc, mask).transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim)
+            y = self._attend(q, kc, vc, mask, causal).transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim)
         (o,) = self._group(y, layer, "o")
         x = x + o
         h = rms_norm(x, layer.ln2, a.norm_eps)
@@ -650,7 +653,9 @@ class LlamaEngine:
         (down,) = self._group(F.silu(g) * u, layer, "down")
         return x + down
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool = False) -> Tensor:
+        if causal:  # queries and keys both start at slot 0 (a prefill): no mask tensor
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.n_rep > 1)
         if self.n_rep == 1:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         # grouped queries: the n_rep query heads of a group attend to its one key head as n_rep * T rows

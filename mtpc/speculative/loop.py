@@ -203,18 +203,20 @@ def plain_decode_batch(
     cfg: DecodeConfig,
     choosers: list[Chooser],
     observe: Callable[[Tensor, Tensor], None] | None = None,
+    groups: list[int] | None = None,
 ) -> list[list[int]]:
     """Plain decoding of several prompts at once (a `LlamaBatchEngine`: `prefill(prompts, new_tokens)`
     and `step(ids (B,))`, each -> p logits (B, v)). Row b draws with choosers[b] (one per row, as
     batch-1 `plain_decode` with its own chooser); every row stops as batch 1 does (max_new_tokens,
     the first stop id) and is ignored after that while the others run on. One host read per step.
     observe(logits (B, v), picked (B,)), if given, sees every step's logits and choices (before the
-    rows' stop checks; finished rows included)."""
+    rows' stop checks; finished rows included). groups: sizes of consecutive row groups with caches
+    of their own (the engine's `prefill`; default one group)."""
     if len(choosers) != len(prompts):
         raise ValueError(f"choosers: one per prompt ({len(prompts)}), got {len(choosers)}")
     out: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
-    logits = engine.prefill(prompts, cfg.max_new_tokens)
+    logits = engine.prefill(prompts, cfg.max_new_tokens, groups)
     while True:
         if cfg.mode == "greedy":
             picked = greedy_target(logits, cfg.banned)  # (B,)

@@ -49,6 +49,7 @@ Leaves out: timing (mu_lat and throughput come from the online loop on a subset)
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -147,7 +148,7 @@ def continuations(
 ) -> list[list[int]]:
     """The plain model's continuation of each prompt (the verifier alone).
 
-    slot_budget: at most this many key slots a batch (default `SLOT_BUDGET`, sized for a CPU's caches).
+    slot_budget: at most this many key slots allocated a batch (default: `KV_BUDGET_BYTES` of them).
     seeds: one per prompt for sampling (prompt i draws from a generator seeded with seeds[i], as
     `MtpcModel.generate_plain(seed=seeds[i])`); ignored when greedy. batch_size: prompts decoded
     at once on the compact Llama forward (`LlamaBatchEngine`; equal to batch 1 in float64, near-ties
@@ -177,8 +178,11 @@ def continuations(
 
         engine = LlamaBatchEngine(backbone)
         out: list[list[int]] = [[] for _ in prompts]
-        for rows in _length_batches(prompts, batch_size, cfg.max_new_tokens, slot_budget or SLOT_BUDGET):
-            ys = plain_decode_batch(engine, [prompts[i].to(dev) for i in rows], cfg, [chooser(i) for i in rows])
+        plan = _length_batches(prompts, batch_size, cfg.max_new_tokens, _slot_budget(engine, slot_budget), _spread(engine))
+        for groups in plan:
+            rows = [i for g in groups for i in g]
+            ys = plain_decode_batch(engine, [prompts[i].to(dev) for i in rows], cfg, [chooser(i) for i in rows],
+                                    groups=[len(g) for g in groups])  # fmt: skip
             for i, y in zip(rows, ys, strict=True):
                 out[i] = y
         return out
@@ -198,24 +202,50 @@ def _chooser(dev: Any, seeds: list[int] | None, i: int) -> TorchChooser:
     return TorchChooser(gen)
 
 
-# Key slots (rows x (longest prompt + new bytes)) one batch of plain decoding may attend over: each
-# step reads every row's keys and values, and past ~32 k slots (the default model: ~32 MiB of
-# float32 keys and values per layer) the reads fall out of the core's caches; on the 2-core Xeon one 1-byte attention
-# over 64 rows x 2250 slots cost 9x the time of 16 rows x 2250.
-SLOT_BUDGET = 32768
+# Memory for one batch's keys and values (`LlamaBatchEngine.kv_bytes_per_slot` a slot): the
+# default model holds 6 KiB a slot in float32, so ~170 k slots (a 225-prompt set fits in one batch);
+# a 3B byte Llama in bfloat16 ~114 KiB, ~9 k slots. `slot_budget` overrides it in slots.
+KV_BUDGET_BYTES = 1 << 30
+# On the CPU the rows of one batch are grouped by length: a group's slots (longest prompt + new
+# bytes) are at most this factor of its shortest row's, so left padding stays under a fifth of the
+# keys it reads. On a GPU one group a batch (each group is one more attention launch a layer; the
+# H200 figures in docs/decoding.md were measured that way).
+GROUP_SPREAD = 1.25
+
+
+def _spread(engine: Any) -> float:
+    return GROUP_SPREAD if engine.device.type == "cpu" else math.inf
+
+
+def _slot_budget(engine: Any, slot_budget: int | None) -> int:
+    return slot_budget if slot_budget is not None else max(1, KV_BUDGET_BYTES // engine.kv_bytes_per_slot)
 
 
 def _length_batches(prompts: list[Tensor], batch_size: int, new_tokens: int = 0,
-                    slot_budget: int | None = None) -> list[list[int]]:  # fmt: skip
-    """Prompt indices in batches of similar length (sorted; stable), so left padding stays short:
-    at most batch_size rows, and (with slot_budget) at most slot_budget // (longest + new_tokens)."""
-    batches: list[list[int]] = []
+                    slot_budget: int | None = None, spread: float = GROUP_SPREAD) -> list[list[list[int]]]:  # fmt: skip
+    """Prompt indices sorted by length (stable), as batches of groups: a batch runs its rows'
+    products together (at most batch_size rows; with slot_budget, at most that many key slots
+    allocated, sum over groups of rows x (longest + new_tokens)), a group attends over its own
+    caches (`LlamaBatchEngine`), its longest prompt + new_tokens at most `spread` x its first's."""
+    batches: list[list[list[int]]] = []
+    slots = 0  # allocated in the current batch
     for i in sorted(range(len(prompts)), key=lambda i: prompts[i].shape[0]):
-        slots = (len(batches[-1]) + 1) * (prompts[i].shape[0] + new_tokens) if batches else 0  # i: the longest yet
-        if batches and len(batches[-1]) < batch_size and (slot_budget is None or slots <= slot_budget):
-            batches[-1].append(i)
-        else:
-            batches.append([i])
+        width = prompts[i].shape[0] + new_tokens  # i is the longest yet: its group is padded to it
+        if batches:
+            batch, group = batches[-1], batches[-1][-1]
+            joins = width <= spread * (prompts[group[0]].shape[0] + new_tokens)
+            grown = slots - len(group) * (prompts[group[-1]].shape[0] + new_tokens) + (len(group) + 1) * width
+            fits = sum(map(len, batch)) < batch_size and (slot_budget is None or (grown if joins else slots + width) <= slot_budget)
+            if fits:
+                if joins:
+                    group.append(i)
+                    slots = grown
+                else:
+                    batch.append([i])
+                    slots += width
+                continue
+        batches.append([[i]])
+        slots = width
     return batches
 
 
@@ -231,7 +261,7 @@ def decode_and_force(
     prompts: list[Tensor],
     cfg: DecodeConfig,
     seeds: list[int] | None = None,
-    batch_size: int = 32,
+    batch_size: int = 64,
     slot_budget: int | None = None,
 ) -> TeacherForced:
     """`continuations` and `teacher_force` in one: batched plain decoding (as `continuations` with
@@ -258,7 +288,9 @@ def decode_and_force(
     hidden: list[Tensor | None] = [None] * n
     scores: list[Tensor | None] = [None] * n  # greedy: argmax agrees; sampling: log p(y_t)
     engine = LlamaBatchEngine(backbone)
-    for rows in _length_batches(prompts, batch_size, cfg.max_new_tokens, slot_budget or SLOT_BUDGET):
+    plan = _length_batches(prompts, batch_size, cfg.max_new_tokens, _slot_budget(engine, slot_budget), _spread(engine))
+    for groups in plan:
+        rows = [i for g in groups for i in g]
         states: list[Tensor] = []  # per step (B, d): the state before the byte chosen at that step
         marks: list[Tensor] = []  # per step (B,)
 
@@ -271,7 +303,8 @@ def decode_and_force(
                 marks.append(p.gather(-1, picked.view(-1, 1))[:, 0].log())
 
         choosers = [_chooser(dev, seeds, i) for i in rows]
-        out = plain_decode_batch(engine, [prompts[i].to(dev) for i in rows], cfg, choosers, observe=observe)
+        out = plain_decode_batch(engine, [prompts[i].to(dev) for i in rows], cfg, choosers, observe=observe,
+                                 groups=[len(g) for g in groups])  # fmt: skip
         st, mk = torch.stack(states, 1), torch.stack(marks, 1)  # (B, steps, d), (B, steps)
         for r, i in enumerate(rows):
             T = len(out[r])

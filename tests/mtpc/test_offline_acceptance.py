@@ -221,41 +221,49 @@ def test_continuations_are_generate_plains_and_pool_uses_the_metric_names():
     assert 0 <= pooled["mu_acc"] <= 2 and pooled["tokens_per_cycle"] >= 1
 
 
-def test_length_batches_sort_cap_rows_and_key_slots():
-    from mtpc.speculative.offline import _length_batches
+def test_length_batches_sort_group_and_cap_rows_and_key_slots():
+    from mtpc.speculative.offline import GROUP_SPREAD, _length_batches
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.zeros(int(n), dtype=torch.long) for n in torch.randint(1, 300, (50,), generator=g)]
     batches = _length_batches(prompts, 8, new_tokens=20, slot_budget=1000)
-    assert sorted(i for b in batches for i in b) == list(range(50))  # each prompt once
-    lengths = [prompts[i].shape[0] for b in batches for i in b]
+    rows = [i for b in batches for grp in b for i in grp]
+    assert sorted(rows) == list(range(50))  # each prompt once
+    lengths = [prompts[i].shape[0] for i in rows]
     assert lengths == sorted(lengths)
     for b in batches:
-        longest = max(prompts[i].shape[0] for i in b)
-        assert len(b) <= 8 and (len(b) == 1 or len(b) * (longest + 20) <= 1000)
-    assert max(len(b) for b in batches) == 8  # the row cap binds (short prompts)
-    assert min(len(b) for b in batches[:-1]) < 8  # the slot budget binds (long prompts)
-    assert [len(b) for b in _length_batches(prompts, 8)] == [8] * 6 + [2]  # no budget: rows only
+        widths = [[prompts[i].shape[0] + 20 for i in grp] for grp in b]
+        assert all(max(w) <= GROUP_SPREAD * min(w) for w in widths)  # a group's padding stays short
+        allocated = sum(len(w) * max(w) for w in widths)  # every group padded to its longest
+        assert sum(map(len, b)) <= 8 and (sum(map(len, b)) == 1 or allocated <= 1000)
+    assert max(sum(map(len, b)) for b in batches) == 8  # the row cap binds (short prompts)
+    assert min(sum(map(len, b)) for b in batches[:-1]) < 8  # the slot budget binds (long prompts)
+    assert any(len(b) > 1 for b in batches)  # rows of different lengths share a batch in groups of their own
+    assert [sum(map(len, b)) for b in _length_batches(prompts, 8)] == [8] * 6 + [2]  # no budget: rows only
 
 
 @pytest.mark.parametrize("slots", [None, 24])
 @pytest.mark.parametrize("mode", ["greedy", "sample"])
-def test_decode_and_force_equals_continuations_then_teacher_force(mode, slots, monkeypatch):
+def test_decode_and_force_equals_continuations_then_teacher_force(mode, slots):
     """The fused path (batched decoding keeping each step's state and p(y_t)) is the two-step path:
     the same bytes, the same head inputs and log p in float64, hence the same counts per head;
-    prompts of different lengths in one batch, EOS allowed (rows end at different steps); with a
-    small key-slot budget the batches are cut by it (the result must not depend on the batching)."""
+    prompts of different lengths in one batch (in groups with caches of their own), EOS allowed
+    (rows end at different steps); with a small key-slot budget the batches are cut by it (the
+    result must not depend on the batching)."""
     from mtpc.speculative import offline
     from mtpc.speculative.offline import decode_and_force, fused_pass_applies
 
-    if slots is not None:
-        monkeypatch.setattr(offline, "SLOT_BUDGET", slots)
-        assert len(offline._length_batches(_prompts(6, 7, seed=5), 3, 12, slots)) > 3  # the budget cuts
+    batch = 7 if slots is None else 3
+    plan = offline._length_batches(_prompts(6, 7, seed=5), batch, 12, slots)
+    if slots is None:
+        assert [len(b) for b in plan] == [2]  # one batch: two groups of lengths, caches of their own
+    else:
+        assert len(plan) > 3  # the budget cuts
     bb = _peaked_backbone(0, vocab=6)
     prompts = _prompts(6, 7, seed=5)
     cfg = DecodeConfig(max_new_tokens=12, mode=mode, eos_id=bb.eos_token_id, ban_eos=False)
     seeds = [11 + i for i in range(len(prompts))]
-    fused = decode_and_force(bb, prompts, cfg, seeds=seeds, batch_size=3)
+    fused = decode_and_force(bb, prompts, cfg, seeds=seeds, batch_size=batch, slot_budget=slots)
     ys = continuations(bb, prompts, cfg, seeds=seeds)
     assert fused.continuations == ys and len({len(y) for y in ys}) > 1
     tf = teacher_force(bb, prompts, ys, cfg)

@@ -190,6 +190,21 @@ def test_engines_equal_the_native_forward_and_the_expansion_matters(ckpt, k, eng
     assert (with_e - without).abs().max() > 1e-2  # not vacuous: the expanded embedding moves the logits
 
 
+@pytest.mark.parametrize("mode", ["greedy", "sample"])
+def test_batched_plain_decoding_feeds_each_rows_expanded_ids(ckpt, mode):
+    """The offline evaluation's batched continuations (LlamaBatchEngine, rows in groups) equal
+    batch-1 plain decoding on the byte Llama: every step adds each row's own expanded-id embedding."""
+    from mtpc.speculative.loop import DecodeConfig
+    from mtpc.speculative.offline import continuations
+
+    bb = _native(ckpt, 0, "compact")
+    prompts = [torch.tensor([BOS, *_ids(p)]) for p in PROMPTS]
+    cfg = DecodeConfig(max_new_tokens=20, mode=mode, eos_id=EOS, ban_eos=True)
+    one = continuations(bb, prompts, cfg, seeds=[3, 4, 5], batch_size=1)
+    assert continuations(bb, prompts, cfg, seeds=[3, 4, 5], batch_size=3) == one
+    assert continuations(bb, prompts, cfg, seeds=[3, 4, 5], batch_size=3, slot_budget=1) == one  # a batch per row
+
+
 def test_sampling_is_exact_by_enumeration(tmp_path):
     """keep decoding's distribution = plain decoding's, every random path enumerated (tiny vocab 4)."""
     from tests.mtpc import test_decoding_engines as tde
