@@ -58,7 +58,7 @@ from mtpc.paths import cache_dir
 __all__ = ["CODE_VERSION", "ENV_VAR", "SAMPLE", "cache_root", "cached_continuations", "continuation_key",
            "entry_path", "weights_fingerprint"]  # fmt: skip
 
-CODE_VERSION = 3
+CODE_VERSION = 4
 """Bump when the continuation algorithm (offline.continuations, plain_decode(_batch), the chooser) changes its output."""
 ENV_VAR = "MTPC_CONTINUATION_CACHE_DIR"
 SAMPLE = 65536
