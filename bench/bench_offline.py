@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from mtpc.names import CIRCUIT_KINDS, DECODE_MODES, default_rank  # noqa: E402
+from mtpc.speculative.offline import CONTINUATION_BATCH  # noqa: E402
 
 KINDS = CIRCUIT_KINDS
 
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--heads", type=int, default=1, help="heads sharing one pass per prompt set")
     p.add_argument("--window", type=int, default=8)
-    p.add_argument("--batch", type=int, default=64, help="at most this many prompts decoded at once for the continuations")
+    p.add_argument("--batch", type=int, default=CONTINUATION_BATCH, help="at most this many prompts decoded at once for the continuations")
     p.add_argument("--no-two-step", dest="two_step", action="store_false",
                    help="time only the fused path (decode_and_force), not continuations + teacher_force beside it")
     p.add_argument("--threads", type=int, default=1)

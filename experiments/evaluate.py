@@ -71,7 +71,7 @@ from experiments.config import EvalConfig
 from mtpc import MtpcModel
 from mtpc.atomic import check_writable, write_json
 from mtpc.names import DECODE_MODES, EXTRA_TOKEN_OPTIONS
-from mtpc.speculative.offline import pool_offline
+from mtpc.speculative.offline import CONTINUATION_BATCH, pool_offline
 from mtpc.textstats import degeneracy_metrics, degenerate
 from tracking.runs import machine, machine_line
 from tracking.schema import (
@@ -401,7 +401,7 @@ def evaluate_heads(
     evabyte_mtp: bool = False,
     acceptance: str = "online",
     latency_prompts: int = EvalConfig.latency_prompts,
-    continuation_batch: int = 64,
+    continuation_batch: int = CONTINUATION_BATCH,
     continuation_cache: bool = True,
     should_stop: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
@@ -425,7 +425,7 @@ def evaluate_heads(
     = derived_throughput / stp_throughput. The degeneracy metrics read the continuations.
     continuation_batch: offline, at most this many prompts decoded at once for the continuations (compact
         Llama forward; batches of similar length, in groups of similar length on the CPU, also capped at
-        `offline.KV_BUDGET_BYTES` of keys and values; see docs/decoding.md for the choice of 64).
+        `offline.KV_BUDGET_BYTES` of keys and values; default `offline.CONTINUATION_BATCH`).
     continuation_cache: offline, read and store the continuations in the on-disk cache shared by every
     evaluation and process (mtpc/speculative/continuation_cache.py; keyed by the backbone's weights,
     the decode config, the prompts and seeds); False computes them here and stores nothing.

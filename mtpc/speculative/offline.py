@@ -206,6 +206,9 @@ def _chooser(dev: Any, seeds: list[int] | None, i: int) -> TorchChooser:
 # default model holds 6 KiB a slot in float32, so ~170 k slots (a 225-prompt set fits in one batch);
 # a 3B byte Llama in bfloat16 ~114 KiB, ~9 k slots. `slot_budget` overrides it in slots.
 KV_BUDGET_BYTES = 1 << 30
+# Prompts a batch by default: on the 2-core Xeon 64 beat both 32 (one group a batch) and all 225 of
+# a held-out set in one batch (docs/decoding.md, "Speed of the offline evaluation").
+CONTINUATION_BATCH = 64
 # On the CPU the rows of one batch are grouped by length: a group's slots (longest prompt + new
 # bytes) are at most this factor of its shortest row's, so left padding stays under a fifth of the
 # keys it reads. On a GPU one group a batch (each group is one more attention launch a layer; the
@@ -261,7 +264,7 @@ def decode_and_force(
     prompts: list[Tensor],
     cfg: DecodeConfig,
     seeds: list[int] | None = None,
-    batch_size: int = 64,
+    batch_size: int = CONTINUATION_BATCH,
     slot_budget: int | None = None,
 ) -> TeacherForced:
     """`continuations` and `teacher_force` in one: batched plain decoding (as `continuations` with
