@@ -41,7 +41,6 @@ class _Group:
     lo: int
     hi: int
     kv: list[tuple[Tensor, Tensor]]  # per layer (B_g, h_kv, C_g, hd)
-    pad: Tensor  # (B_g,) padding slots before each row's prompt
     key_add: Tensor  # (B_g, C_g) additive: 0 on real slots, -inf on padding
     padded: bool  # any row shorter than the group's longest (else no mask is needed)
     length: int  # slots written so far (the same for every row of the group)
@@ -92,7 +91,7 @@ class LlamaBatchEngine:
             kv = [(torch.zeros(size, a.n_kv_heads, cap, a.head_dim, **kw), torch.zeros(size, a.n_kv_heads, cap, a.head_dim, **kw))
                   for _ in range(a.n_layers)]  # fmt: skip
             key_add = torch.where(ok, self.eng._mask_values[0], self.eng._mask_values[1])
-            self.groups.append(_Group(lo, lo + size, kv, pad, key_add, bool(pad.any()), P))
+            self.groups.append(_Group(lo, lo + size, kv, key_add, bool(pad.any()), P))
             lo += size
         self.cos, sin = rope_table(a, longest + new_tokens, self.device, self.dtype)  # (C, hd)
         self.sin = signed_sin(sin)
