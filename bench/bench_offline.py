@@ -120,15 +120,14 @@ def _interval(d: list[float]) -> dict:
 def measure_prefill(args) -> dict:
     """The prompts' prefill alone, as `decode_and_force` batches it (both arms pay it)."""
     from mtpc.backbones.llama_batch import LlamaBatchEngine
-    from mtpc.speculative.offline import _length_batches, _slot_budget, _spread
+    from mtpc.speculative.offline import _engine_plan
 
     torch.set_num_threads(args.threads)
     bb = _backbone(args)
     engine, seconds, size = LlamaBatchEngine(bb), 0.0, 0
     for prompts in _prompts(bb, args):
         size += sum(p.shape[0] for p in prompts)
-        budget = _slot_budget(engine, args.slot_budget)
-        for groups in _length_batches(prompts, args.batch, args.max_new_tokens, budget, _spread(engine)):
+        for groups in _engine_plan(engine, prompts, args.batch, args.max_new_tokens, args.slot_budget):
             rows = [i for g in groups for i in g]
             t = _clock(args.device)
             engine.prefill([prompts[i] for i in rows], args.max_new_tokens, [len(g) for g in groups])

@@ -542,7 +542,7 @@ class LlamaEngine:
             x = x + F.embedding(eids, self.expand.weight)
         x = x.unsqueeze(0)  # (1, T, d)
         # a prefill from slot 0 is plain causal attention: SDPA's is_causal skips the masked blocks
-        # and builds no (n_rep T, T) mask (the same values: tests/mtpc/test_engine_*)
+        # and builds no (n_rep T, T) mask (checked against the HF forward: tests/mtpc/test_llama_engine.py)
         causal = pos is None and start == 0 and T > 1
         if pos is None:
             cos, sin = self.cos[start : start + T], self.sin[start : start + T]

@@ -178,7 +178,7 @@ def continuations(
 
         engine = LlamaBatchEngine(backbone)
         out: list[list[int]] = [[] for _ in prompts]
-        plan = _length_batches(prompts, batch_size, cfg.max_new_tokens, _slot_budget(engine, slot_budget), _spread(engine))
+        plan = _engine_plan(engine, prompts, batch_size, cfg.max_new_tokens, slot_budget)
         for groups in plan:
             rows = [i for g in groups for i in g]
             ys = plain_decode_batch(engine, [prompts[i].to(dev) for i in rows], cfg, [chooser(i) for i in rows],
@@ -252,6 +252,12 @@ def _length_batches(prompts: list[Tensor], batch_size: int, new_tokens: int = 0,
     return batches
 
 
+def _engine_plan(engine: Any, prompts: list[Tensor], batch_size: int, new_tokens: int,
+                 slot_budget: int | None) -> list[list[list[int]]]:  # fmt: skip
+    """`_length_batches` with this engine's defaults: its KV budget in slots and its device's group spread."""
+    return _length_batches(prompts, batch_size, new_tokens, _slot_budget(engine, slot_budget), _spread(engine))
+
+
 def fused_pass_applies(backbone: Any, batch_size: int) -> bool:
     """Whether `decode_and_force` can serve this backbone: the compact Llama forward, no LoRA top
     (k = 0: the draft top's state is the verifier's final state, which plain decoding computes)."""
@@ -291,7 +297,7 @@ def decode_and_force(
     hidden: list[Tensor | None] = [None] * n
     scores: list[Tensor | None] = [None] * n  # greedy: argmax agrees; sampling: log p(y_t)
     engine = LlamaBatchEngine(backbone)
-    plan = _length_batches(prompts, batch_size, cfg.max_new_tokens, _slot_budget(engine, slot_budget), _spread(engine))
+    plan = _engine_plan(engine, prompts, batch_size, cfg.max_new_tokens, slot_budget)
     for groups in plan:
         rows = [i for g in groups for i in g]
         states: list[Tensor] = []  # per step (B, d): the state before the byte chosen at that step
