@@ -52,7 +52,7 @@ class StopCheckpoint(Callback):
         self.last_validation_step: int | None = None
         self._previous: dict[int, Any] = {}
 
-    def _stop_requested(self) -> bool:
+    def stop_requested(self) -> bool:
         return self.requested or (self.should_stop is not None and self.should_stop())
 
     def _handler(self, signum: int, frame: Any) -> None:
@@ -81,7 +81,7 @@ class StopCheckpoint(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.fit_loop._should_accumulate():
             return
-        requested = self._stop_requested()
+        requested = self.stop_requested()
         if trainer.world_size > 1:  # a signal may reach one rank only: all stop at this step if any was asked
             requested = trainer.strategy.reduce_boolean_decision(requested, all=False)
         if requested and not self.stopped:
@@ -109,12 +109,15 @@ class StopCheckpoint(Callback):
 
 
 class YieldToTimer(Callback):
-    """Before each training batch, wait while another process holds the machine-wide timing lock."""
+    """Before each training batch, wait while another process holds the machine-wide timing lock;
+    leave the wait as soon as `should_stop()` is true (the run's stop request: a SIGTERM or SIGUSR1
+    sent while it waits ends the wait, and the stop callback checkpoints at the end of that step)."""
 
-    def __init__(self):
+    def __init__(self, should_stop: Callable[[], bool] | None = None):
         self.waited = 0.0
+        self.should_stop = should_stop
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         from experiments.background import wait_while_timing
 
-        self.waited += wait_while_timing()
+        self.waited += wait_while_timing(self.should_stop)

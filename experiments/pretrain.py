@@ -8,7 +8,7 @@ phase of `final_seq_len`-byte rows that is also the learning-rate decay (warmup-
 at `max_steps` or `max_minutes` of active time (pauses by SIGSTOP do not count), or enters the final
 phase early once the held-out gain per hour falls below `stop_gain_per_hour`. With `--run-dir` the whole
 state is snapshotted there and a second start with the same config resumes it exactly; SIGTERM/SIGINT
-snapshot and exit 128 + signal. `--background`: nice 19 and `cache_dir()/pretrain.pid`, so the suite's
+snapshot and exit 128 + signal. `--background`: nice 19, registered as pausable background work, so the suite's
 timers pause it (experiments/background.py). Reports held-out bits per byte and saves with
 `save_pretrained` (safetensors, config, tokenizer files, `pretrain_metrics.json` with the loss and
 held-out curves, hardware, command and git SHA) to `--out` (default `cache_dir()/models/pretrained`;
@@ -538,14 +538,14 @@ def heldout_rows(cfg: PretrainConfig, rows: int, seq_len: int = 2048, conversati
 
 @contextlib.contextmanager
 def background(on: bool, run_dir: str | None):
-    """Lowest priority and the PID file `cache_dir()/pretrain.pid` (removed on the way out) while `on`."""
+    """Lowest priority, registered as pausable background work (experiments.background), while `on`."""
     if not on:
         yield
         return
     from experiments.background import register
 
     os.nice(19)
-    with register(run_dir):
+    with register(run_dir, what="pre-training"):
         yield
 
 
@@ -561,8 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", default=None,
                     help="snapshot the whole run state here and resume from it when started again (same config)")
     ap.add_argument("--background", action="store_true",
-                    help="run at the lowest CPU priority and register in cache_dir()/pretrain.pid, so the suite's "
-                         "benchmarks pause it (SIGSTOP/SIGCONT) while they time")
+                    help="run at the lowest CPU priority, registered as pausable background work, so the suite's "
+                         "timers pause it (SIGSTOP/SIGCONT) while they time (experiments.background)")
     args = ap.parse_args(argv)
     from experiments.quiet import quiet
 

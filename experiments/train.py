@@ -178,7 +178,7 @@ def _fit(cfg: TrainConfig, started: float, *, mlflow_run_id: str | None, ckpt_pa
     # the suite's progress lines instead of Lightning's bar: given to the constructor, or Lightning adds its
     # own bar beside them; Lightning's ProgressBar.setup disables it on every rank but 0
     progress = [StepProgress(cfg.run.name)] if cfg.trainer.get("enable_progress_bar", True) else []
-    trainer = Trainer(**trainer_arguments(cfg), callbacks=[periodic, stopper, identity, YieldToTimer(), *progress, *callbacks],
+    trainer = Trainer(**trainer_arguments(cfg), callbacks=[periodic, stopper, identity, YieldToTimer(stopper.stop_requested), *progress, *callbacks],
                       plugins=[cluster_environment(), AtomicCheckpointIO()], default_root_dir=str(run_dir), logger=False)
     rank_zero = trainer.global_rank == 0  # known from the cluster environment before any rank starts
     # every rank checks the run directory; rank 0 alone records it (the others would each draw a run id)

@@ -152,35 +152,6 @@ def test_sigterm_snapshots_once_and_exits_nonzero(tmp_path):
     assert step >= 4 and not (tmp_path / "out").exists()
 
 
-def test_timing_stops_and_continues_a_live_pretraining(tmp_path, monkeypatch):
-    """`timing()` SIGSTOPs the process the pid file names only if it is a live experiments.pretrain,
-    and SIGCONTs it afterwards; nested pauses continue it once, at the outermost exit."""
-    from experiments import background
-
-    monkeypatch.setenv("MTPC_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("MTPC_TIMING_LOCK", str(tmp_path / "timing.lock"))
-    state = lambda pid: Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "experiments.pretrain"])
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        (tmp_path / background.PID_FILE).write_text(json.dumps({"pid": other.pid, "run_dir": None}))
-        with background.timing():  # not a pre-training: never signalled
-            assert state(other.pid) not in "Tt"  # not stopped (R, S, or D while it still loads modules)
-        (tmp_path / background.PID_FILE).write_text(json.dumps({"pid": sleeper.pid, "run_dir": None}))
-        with background.timing():
-            assert state(sleeper.pid) == "T"
-            with background.timing():
-                assert state(sleeper.pid) == "T"
-            assert state(sleeper.pid) == "T"
-        time.sleep(0.05)
-        assert state(sleeper.pid) in "SR"
-    finally:
-        sleeper.kill()
-        other.kill()
-    with background.timing():  # the pid file names a dead process: nothing happens
-        pass
-
-
 def test_evaluations_along_the_way_score_at_the_current_row_length(tmp_path):
     """The main phase's evaluations score the held-out bytes at its own row length (a model trained on
     short rows scored at the final length looks flat, which ended runs early); the final ones at the
@@ -213,30 +184,6 @@ def test_work_beside_a_timer_waits_until_it_is_done(tmp_path, monkeypatch):
     out, _ = waiter.communicate(timeout=60)
     elapsed, waited = map(float, out.split())
     assert waited >= 1.0 and elapsed >= waited
-
-
-def test_a_timer_ended_by_sigterm_continues_the_pretraining(tmp_path):
-    """`timeout` or `kill` (SIGTERM) ending a process inside `timing()` must not leave the background
-    pre-training stopped: SIGTERM raises while a pre-training is held, so the SIGCONT still runs."""
-    state = lambda pid: Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
-    env = {**os.environ, "MTPC_CACHE_DIR": str(tmp_path), "MTPC_TIMING_LOCK": str(tmp_path / "timing.lock")}
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "experiments.pretrain"])
-    timer = None
-    try:
-        (tmp_path / "pretrain.pid").write_text(json.dumps({"pid": sleeper.pid, "run_dir": None}))
-        code = ("import time; from experiments.background import timing\n"
-                "with timing():\n    print('timing', flush=True); time.sleep(120)")
-        timer = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
-        assert timer.stdout.readline().strip() == "timing"
-        assert state(sleeper.pid) == "T"
-        timer.terminate()
-        assert timer.wait(timeout=30) == 128 + signal.SIGTERM
-        time.sleep(0.05)
-        assert state(sleeper.pid) in "SR"
-    finally:
-        sleeper.kill()
-        if timer is not None and timer.poll() is None:
-            timer.kill()
 
 
 def test_what_a_timer_starts_is_part_of_the_timing(tmp_path, monkeypatch):
