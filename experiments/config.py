@@ -13,10 +13,8 @@ with no weights or data loaded; every message is `<file>: <section>.<key>: what;
 A sweep trial sets its grid point on a loaded config with `apply_point` (`dataclasses.replace`);
 nothing else copies its values.
 
-The parsing pieces are shared by every config of the suite (the sweep spec's sections, pre-training):
-`parse_section(cls, raw, key, fail)` reads one mapping into a dataclass through jsonargparse (unknown
-and missing keys, types: errors name the key), `apply_overrides` is the one dotted-override rule and
-`parse_sets` reads `--set KEY=VALUE` flags.
+The parsing pieces every settings type shares (bounded YAML, `Fail`, `parse_section`, the override
+rule, the class allow-list) are in `experiments.parsing`.
 
 Adding a setting is one field with its docstring in the dataclass of its section (plus one line in
 that section's `check` if it has bounds): it becomes a YAML key, a CLI flag, an MLflow param and
@@ -27,15 +25,22 @@ Leaves out: building the module, data and trainer from it (train.py), the compon
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from experiments.parsing import (
+    Fail,
+    apply_overrides,
+    check_class_paths,
+    docstring_settings,
+    is_integer,
+    is_number,
+    one_line,
+    read_yaml,
+)
 from mtpc import names
 from tracking import schema
 
@@ -47,15 +52,6 @@ ON_ERROR = ("raise", "skip")
 TINY_BACKBONE = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
 #: the only classes a config may name (`class_path`, or a dotted name where Lightning takes an object):
-#: Lightning's own profilers, strategies and accelerators, by full path or class name. Any other name
-#: is refused before anything is parsed, so no module it names is imported (`check_class_paths`).
-ALLOWED_CLASSES = frozenset({
-    "lightning.pytorch.profilers.SimpleProfiler", "lightning.pytorch.profilers.AdvancedProfiler",
-    "lightning.pytorch.profilers.PyTorchProfiler", "lightning.pytorch.strategies.SingleDeviceStrategy",
-    "lightning.pytorch.strategies.DDPStrategy", "lightning.pytorch.strategies.FSDPStrategy",
-    "lightning.pytorch.strategies.DeepSpeedStrategy", "lightning.pytorch.accelerators.CPUAccelerator",
-    "lightning.pytorch.accelerators.CUDAAccelerator", "lightning.pytorch.accelerators.MPSAccelerator",
-})  # fmt: skip
 #: Trainer arguments the suite sets itself (a YAML `trainer:` section cannot set them)
 TRAINER_OWNED = ("callbacks", "logger", "plugins", "default_root_dir", "enable_checkpointing", "use_distributed_sampler")
 
@@ -133,20 +129,20 @@ class ModelConfig:
                 fail("model.revision" if self.trust_remote_code else "model.trust_remote_code", str(err))
         if self.init not in INITS:
             fail("model.init", f"got {self.init!r}; expected one of {list(INITS)}")
-        if not _number(self.lr) or not self.lr > 0:
+        if not is_number(self.lr) or not self.lr > 0:
             fail("model.lr", f"got {self.lr!r}; expected a positive number")
-        if self.gamma is not None and not (_number(self.gamma) and 0 < self.gamma <= 1):
+        if self.gamma is not None and not (is_number(self.gamma) and 0 < self.gamma <= 1):
             fail("model.gamma", f"got {self.gamma!r}; expected null or 0 < gamma <= 1")
-        if not _integer(self.chunk_size) or self.chunk_size < 1:
+        if not is_integer(self.chunk_size) or self.chunk_size < 1:
             fail("model.chunk_size", f"got {self.chunk_size!r}; expected a positive integer")
         names.check_axis("kl_beta", self.kl_beta, where=f"{fail.source}: model.")
-        if not _number(self.kl_temperature) or not 0 < self.kl_temperature < float("inf"):
+        if not is_number(self.kl_temperature) or not 0 < self.kl_temperature < float("inf"):
             fail("model.kl_temperature", f"got {self.kl_temperature!r}; expected a finite number > 0 (temperature of the teacher)")
         lse = self.lora_start_epoch
-        if not _integer(lse) or lse < 0:
+        if not is_integer(lse) or lse < 0:
             fail("model.lora_start_epoch", f"got {lse!r}; expected an integer >= 0")
         max_epochs, max_steps = trainer.get("max_epochs"), trainer.get("max_steps") or -1
-        if k > 0 and _integer(max_epochs) and 0 <= max_epochs <= lse and not max_steps > 0:
+        if k > 0 and is_integer(max_epochs) and 0 <= max_epochs <= lse and not max_steps > 0:
             fail("model.lora_start_epoch", f"LoRA (lora_depth={k}) would start at epoch {lse} but trainer.max_epochs = "
                  f"{max_epochs}; expected lora_start_epoch < max_epochs")
 
@@ -186,11 +182,11 @@ class DataConfig:
         problem = source_problem(self.source)
         if problem:
             fail("data.source", problem)
-        if not _integer(self.seq_len) or self.seq_len < window + 1:
+        if not is_integer(self.seq_len) or self.seq_len < window + 1:
             fail("data.seq_len", f"got {self.seq_len!r}; expected an integer >= window + 1 = {window + 1}")
-        if not _integer(self.batch_size) or self.batch_size < 1:
+        if not is_integer(self.batch_size) or self.batch_size < 1:
             fail("data.batch_size", f"got {self.batch_size!r}; expected a positive integer")
-        if not _number(self.val_fraction) or not 0 <= self.val_fraction < 1:
+        if not is_number(self.val_fraction) or not 0 <= self.val_fraction < 1:
             fail("data.val_fraction", f"got {self.val_fraction!r}; expected 0 <= val_fraction < 1")
         if self.on_error not in ON_ERROR:
             fail("data.on_error", f"got {self.on_error!r}; expected one of {list(ON_ERROR)}")
@@ -223,7 +219,7 @@ class RunConfig:
 
     def check(self, fail: Fail) -> None:
         ce = self.checkpoint_every_n_steps
-        if not _integer(ce) or ce < 0:
+        if not is_integer(ce) or ce < 0:
             fail("run.checkpoint_every_n_steps", f"got {ce!r}; expected an integer >= 0")
 
 
@@ -332,7 +328,7 @@ class TrainConfig:
         total = self.data.global_batch_size
         if total is None:
             return configured or 1
-        if not _integer(total) or total < 1:
+        if not is_integer(total) or total < 1:
             fail("data.global_batch_size", f"got {total!r}; expected a positive integer or null")
         per_step = world_size(self.trainer) * self.data.batch_size
         if total % per_step:
@@ -394,7 +390,7 @@ def world_size(trainer: dict[str, Any]) -> int:
         devices = [d for d in devices.split(",") if d.strip()]
     if isinstance(devices, (list, tuple)):
         n = len(devices)
-    elif _integer(devices) and devices > 0:
+    elif is_integer(devices) and devices > 0:
         n = devices
     elif trainer.get("accelerator", "auto") == "cpu":
         n = 1
@@ -421,49 +417,6 @@ def default_run_name(cfg: TrainConfig) -> str:
     return f"{bb}-{schema.grid_key({**point, 'train_seed': cfg.seed_everything})}"
 
 
-class Fail:
-    """`fail(key, msg)` raises ValueError("<source>: <key>: <msg>"); the methods check one value.
-    A config with another message layout (the sweep spec's) overrides `__call__`."""
-
-    def __init__(self, source: str):
-        self.source = source
-
-    def __call__(self, key: str, msg: str) -> None:
-        raise ValueError(f"{self.source}: {key}: {msg}")
-
-    def integer(self, key: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
-        if not _integer(v):
-            self(key, f"expected an integer, got {v!r}")
-        if lo is not None and v < lo or hi is not None and v > hi:
-            self(key, f"{v} out of range; expected {lo if lo is not None else '-inf'}..{hi if hi is not None else 'inf'}")
-        return v
-
-    def number(self, key: str, v: Any, lo: float | None = None, hi: float | None = None) -> float:
-        if not _number(v):
-            self(key, f"expected a number, got {v!r}")
-        if lo is not None and v < lo or hi is not None and v > hi:
-            self(key, f"{float(v)} out of range; expected {lo}..{hi}")
-        return float(v)
-
-    def choice(self, key: str, v: Any, choices: tuple) -> Any:
-        if v not in choices:
-            self(key, f"{v!r} is not one of {list(choices)}")
-        return v
-
-    def text(self, key: str, v: Any) -> str:
-        if not isinstance(v, str) or not v:
-            self(key, f"expected a non-empty string, got {v!r}")
-        return v
-
-
-def _integer(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 # ---------------------------------------------------------------------------------------------------
 # parsing: jsonargparse reads the dataclasses (types + attribute docstrings) and Trainer's signature
 # ---------------------------------------------------------------------------------------------------
@@ -481,7 +434,7 @@ def build_fit_parser(trainer_types: bool = True) -> Any:
     --mlflow_run_id."""
     from jsonargparse import ActionConfigFile, ArgumentParser
 
-    _settings()
+    docstring_settings()
     p = ArgumentParser(exit_on_error=False, description="Train one MtPC head (docs/training.md).")
     p.add_argument("-c", "--config", action=ActionConfigFile, help="a YAML config (experiments/configs/*.yaml)")
     p.add_argument("--seed_everything", type=int, default=0, help="global seed, set before the head is built")
@@ -500,12 +453,6 @@ def build_fit_parser(trainer_types: bool = True) -> Any:
     return p
 
 
-def _settings() -> None:
-    from jsonargparse import set_parsing_settings
-
-    set_parsing_settings(docstring_parse_attribute_docstrings=True)
-
-
 def from_namespace(ns: Any, source: str, trainer_types: bool = True) -> TrainConfig:
     """A parsed `fit_parser` namespace -> TrainConfig (Trainer arguments kept only where they differ from its defaults)."""
     trainer = ns.trainer if isinstance(ns.trainer, dict) else ns.trainer.as_dict()
@@ -521,7 +468,7 @@ def _check_trainer(fail: Fail, trainer: dict[str, Any]) -> None:
     try:
         fit_parser().parse_object({"trainer": trainer})
     except Exception as err:  # noqa: BLE001 (jsonargparse's ArgumentError names the key)
-        fail("trainer", _one_line(err))
+        fail("trainer", one_line(err))
 
 
 def load_config(config: TrainConfig | dict[str, Any] | str | Path, overrides: dict[str, Any] | None = None, *,
@@ -542,10 +489,7 @@ def load_config(config: TrainConfig | dict[str, Any] | str | Path, overrides: di
             p = CONFIG_DIR / f"{p}.yaml"
         if not p.is_file():
             raise ValueError(f"config: no such file {str(p)!r}")
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ValueError(f"{p}: not valid YAML ({_one_line(err)})") from None
+        raw = read_yaml(p) or {}
         source = str(p)
     if not isinstance(raw, dict):
         raise ValueError(f"{source}: expected a mapping of sections (model, data, trainer, run), got {type(raw).__name__}")
@@ -556,143 +500,7 @@ def load_config(config: TrainConfig | dict[str, Any] | str | Path, overrides: di
     try:
         ns = fit_parser(trainer_types).parse_object(raw)
     except Exception as err:  # jsonargparse's ArgumentError names the key; add the file
-        raise ValueError(f"{source}: {_one_line(err)}") from None
+        raise ValueError(f"{source}: {one_line(err)}") from None
     return from_namespace(ns, source, trainer_types)
 
 
-_DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
-
-
-def _allowed_class(name: Any) -> bool:
-    return isinstance(name, str) and (name in ALLOWED_CLASSES or any(c.rsplit(".", 1)[1] == name for c in ALLOWED_CLASSES))
-
-
-def check_class_paths(raw: Any, fail: Fail, key: str = "") -> None:
-    """Refuse, through `fail(<key>, msg)`, a class a raw config names outside ALLOWED_CLASSES: a
-    `class_path` anywhere, or a dotted name as a value in a trainer section (jsonargparse imports
-    either to build the object). Run on the raw mapping before it is parsed, so nothing is imported."""
-    if isinstance(raw, dict):
-        for k, v in raw.items():
-            where = f"{key}.{k}" if key else str(k)
-            named = v if k == "class_path" else (v if "trainer" in where.split(".")[:-1] and isinstance(v, str)
-                                                  and _DOTTED.match(v) else None)
-            if named is not None and not _allowed_class(named):
-                fail(where, f"{named!r} is not a class the suite loads (allowed: Lightning's {sorted(ALLOWED_CLASSES)}, "
-                     "or their class names); nothing was imported")
-            check_class_paths(v, fail, where)
-    elif isinstance(raw, list):
-        for i, v in enumerate(raw):
-            check_class_paths(v, fail, f"{key}[{i}]")
-
-
-def check_cli_class_paths(argv: list[str]) -> None:
-    """`check_class_paths` on a command line (its --config files and --key value flags), before it is parsed."""
-    raw: dict[str, Any] = {}
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        i += 1
-        if not token.startswith("-") or token in ("-h", "--help"):
-            continue
-        name, eq, value = token.lstrip("-").partition("=")
-        if not eq:
-            if i >= len(argv) or argv[i].startswith("--"):
-                continue
-            value, i = argv[i], i + 1
-        if name in ("c", "config"):
-            p = Path(value)
-            if p.is_file():
-                try:
-                    check_class_paths(yaml.safe_load(p.read_text()), Fail(str(p)))
-                except yaml.YAMLError:
-                    pass  # the parser reports it
-            continue
-        try:
-            parsed = yaml.safe_load(value)
-        except yaml.YAMLError:
-            parsed = value
-        raw = apply_overrides(raw, {name: parsed})
-    check_class_paths(raw, Fail("<command line>"))
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split())
-
-
-def apply_overrides(base: dict[str, Any], overrides: dict[str, Any], *, merge: bool = True) -> dict[str, Any]:
-    """A copy of `base` with `overrides` applied: the one override rule of the suite's configs.
-
-    A dotted key ("model.rank", "space.slices") sets the value at its path, replacing what was there;
-    a mapping given under a plain key ({"model": {"rank": 8}}) is merged into the mapping there, key
-    by key, by the same rule — unless `merge` is False (a sweep spec's `--set`: KEY names the whole
-    value it replaces, e.g. `--set space={...}` is the new space, not a slice added to the old)."""
-    out = copy.deepcopy(base)
-    for key, value in overrides.items():
-        parts = key.split(".")
-        node = out
-        for part in parts[:-1]:
-            if not isinstance(node.get(part), dict):
-                node[part] = {}
-            node = node[part]
-        last = parts[-1]
-        if merge and len(parts) == 1 and isinstance(value, dict) and isinstance(node.get(last), dict):
-            node[last] = apply_overrides(node[last], value)
-        else:
-            node[last] = copy.deepcopy(value)
-    return out
-
-
-def parse_sets(pairs: list[str]) -> dict[str, Any]:
-    """`--set KEY=VALUE` flags -> {dotted key: YAML value} (for `apply_overrides`); ValueError on a bad flag."""
-    out: dict[str, Any] = {}
-    for kv in pairs:
-        if "=" not in kv:
-            raise ValueError(f"--set {kv!r}: expected KEY=VALUE")
-        k, v = kv.split("=", 1)
-        try:
-            out[k] = yaml.safe_load(v)
-        except yaml.YAMLError as err:
-            raise ValueError(f"--set {kv!r}: the value is not valid YAML ({_one_line(err)})") from None
-    return out
-
-
-@functools.cache
-def _section_parser(cls: type) -> Any:
-    from jsonargparse import ArgumentParser
-
-    _settings()
-    p = ArgumentParser(exit_on_error=False)
-    p.add_class_arguments(cls)
-    return p
-
-
-def parse_section(cls: type, raw: Any, key: str, fail: Fail) -> Any:
-    """One config section (a mapping) -> a `cls` dataclass, its types checked by jsonargparse.
-
-    Errors go through `fail(<key>.<field>, msg)`: a section that is not a mapping, an unknown key
-    (with the allowed ones), a missing required key, a value of the wrong type. A scalar given for a
-    tuple field is read as a one-element list. Bounds are the dataclass's own `check`."""
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        fail(key, f"expected a mapping, got {type(raw).__name__}")
-    prefix = f"{key}." if key else ""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for k in raw:
-        if k not in fields:
-            fail(f"{prefix}{k}", f"unknown key; expected one of {sorted(fields)}")
-    for name, f in fields.items():
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and name not in raw:
-            fail(f"{prefix}{name}", "missing (required)")
-    raw = {k: [v] if _is_tuple(fields[k]) and not isinstance(v, (list, tuple)) else v for k, v in raw.items()}
-    try:
-        ns = _section_parser(cls).parse_object(raw)
-    except Exception as err:  # noqa: BLE001 (jsonargparse's ArgumentError: 'Parser key "x": ...')
-        msg = _one_line(err)
-        m = re.match(r'Parser key "([^"]+)": (.*)', msg)
-        fail(f"{prefix}{m.group(1)}" if m else key, m.group(2) if m else msg)
-    return cls(**ns.as_dict())
-
-
-def _is_tuple(f: dataclasses.Field) -> bool:
-    return str(f.type).startswith(("tuple", "typing.Tuple"))

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from experiments.config import CONFIG_DIR, Fail, apply_overrides, parse_section, parse_sets
+from experiments.config import CONFIG_DIR
+from experiments.parsing import Fail, apply_overrides, parse_section, parse_sets, read_yaml
 from mtpc.atomic import atomic_open
 from mtpc.backbones import pretrained_model_dir
 from mtpc.data import (
@@ -174,11 +174,11 @@ class PretrainConfig:
 
 def load_config(path: str | Path, **overrides) -> PretrainConfig:
     """Read a YAML into a validated `PretrainConfig` through the suite's config pieces
-    (`experiments.config`: the override rule, the typed section parser); errors name the file."""
+    (`experiments.parsing`: bounded YAML, the override rule, the typed section parser); errors name the file."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"pretrain config {path}: no such file (shipped: {sorted(CONFIGS)})")
-    raw = yaml.safe_load(path.read_text()) or {}
+    raw = read_yaml(path, what="pretrain config") or {}
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a mapping of PretrainConfig fields")
     raw = apply_overrides(raw, overrides)

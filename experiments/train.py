@@ -244,7 +244,8 @@ def parse_cli(argv: list[str] | None) -> tuple[TrainConfig, str | None, str | No
     """`fit [--config FILE]... [--section.key VALUE]...` -> (config, ckpt_path, mlflow_run_id); ValueError with one line."""
     from jsonargparse import ArgumentParser
 
-    from experiments.config import build_fit_parser, check_cli_class_paths
+    from experiments.config import build_fit_parser
+    from experiments.parsing import check_cli_class_paths
 
     check_cli_class_paths(list(sys.argv[1:] if argv is None else argv))  # before anything is parsed (and imported)
     root = ArgumentParser(prog="python -m experiments.train", exit_on_error=False,
@@ -271,9 +272,8 @@ def _key_sources(argv: list[str]) -> dict[str, str]:
 
     Each --config file is read here first, so malformed YAML names its file and line and an unknown
     key names the file that holds it (jsonargparse names neither)."""
-    import yaml
-
     from experiments.config import fit_parser
+    from experiments.parsing import is_file, read_yaml
 
     known = fit_parser().get_defaults().as_dict()
     sources: dict[str, str] = {}
@@ -287,16 +287,9 @@ def _key_sources(argv: list[str]) -> dict[str, str]:
             if arg.startswith("--") and not arg.startswith("--config"):
                 sources[arg[2:].split("=", 1)[0]] = f"{arg.split('=', 1)[0]} (command line)"
             continue
-        if not path.is_file():
-            continue  # the parser says so
-        try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-            raise ValueError(f"{where}: not valid YAML ({getattr(err, 'problem', None) or ' '.join(str(err).split())})") from None
-        except UnicodeDecodeError as err:
-            raise ValueError(f"{path}: not valid UTF-8 ({err.reason} at byte {err.start})") from None
+        if not is_file(path):
+            continue  # the parser says so (or reads it as inline YAML)
+        raw = read_yaml(path) or {}
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: expected a mapping of sections (model, data, trainer, run)")
         for section, body in raw.items():

@@ -5,7 +5,7 @@ fast deterministic stand-in for tests), the base training config, the space (gri
 Optuna sampler with bounds), the objectives and their directions, the Optuna storage, the MLflow
 tracking URI and experiment, the evaluation settings and sbatch resources. See docs/sweeps.md for
 the schema. The sections are typed when the spec loads: each is a dataclass read by
-`experiments.config.parse_section` (jsonargparse: unknown and missing keys, types) and checked by its
+`experiments.parsing.parse_section` (jsonargparse: unknown and missing keys, types) and checked by its
 own `check` (bounds); `train` becomes a `TrainConfig` (the base config with the section's
 overrides; its trainer section is held to Lightning's signature by `TrainConfig.check`), `eval` an
 `EvalConfig`. Errors are `SpecError` (a `ValueError`) naming the file and the dotted key.
@@ -26,17 +26,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from experiments import config
-from experiments.config import (
-    EvalConfig,
-    Fail,
-    TrainConfig,
-    apply_overrides,
-    check_class_paths,
-    parse_section,
-)
+from experiments import config, parsing
+from experiments.config import EvalConfig, TrainConfig
+from experiments.parsing import Fail, apply_overrides, check_class_paths, parse_section, read_yaml
 from mtpc.names import DECODE_MODES, ArchitectureError, check_axis, point_rank
 from tracking.schema import EVAL_METRICS, GRID_PARAMS, SWEEP_AXES, TRAIN_AXES, grid_key
 from tracking.store import resolve_uri
@@ -451,16 +443,16 @@ def storage_url(raw: str, base: Path) -> str:
 
 
 def load_spec(path: str | Path, *, env: dict[str, str] | None = None, overrides: dict[str, Any] | None = None) -> SweepSpec:
-    """Read and validate a sweep spec. `overrides` (dotted keys -> values, `experiments.config.apply_overrides`)
+    """Read and validate a sweep spec. `overrides` (dotted keys -> values, `experiments.parsing.apply_overrides`)
     apply before validation; `env` defaults to os.environ (MLFLOW_TRACKING_URI / MTPC_OPTUNA_STORAGE override the file)."""
     path = Path(path)
     env = dict(os.environ) if env is None else env
     if not path.is_file():
         raise SpecError(f"{path}: sweep spec not found")
     try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise SpecError(f"{path}: not valid YAML: {e}") from e
+        raw = read_yaml(path, what="sweep spec")
+    except ValueError as e:
+        raise SpecError(str(e)) from None
     if overrides:
         raw = apply_overrides(raw or {}, overrides, merge=False)
     return parse_spec(raw, path, env=env)
@@ -469,7 +461,7 @@ def load_spec(path: str | Path, *, env: dict[str, str] | None = None, overrides:
 def parse_sets(pairs: list[str]) -> dict[str, Any]:
     """`--set KEY=VALUE` strings -> {dotted key: YAML value} (SpecError on a bad flag)."""
     try:
-        return config.parse_sets(pairs)
+        return parsing.parse_sets(pairs)
     except ValueError as e:
         raise SpecError(str(e)) from None
 

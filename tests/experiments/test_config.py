@@ -10,17 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from experiments.config import (
-    CONFIG_DIR,
-    EvalConfig,
-    Fail,
-    TrainConfig,
-    apply_overrides,
-    apply_point,
-    load_config,
-    parse_section,
-    parse_sets,
-)
+from experiments.config import CONFIG_DIR, EvalConfig, TrainConfig, apply_point, load_config
+from experiments.parsing import Fail, apply_overrides, parse_section, parse_sets
 from sweeps.spec import FixtureSettings, Objective, SlurmSettings, SweepSpec, load_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -213,7 +204,8 @@ def test_a_class_outside_the_allow_list_is_refused_before_any_import(tmp_path, m
     debug = str(CONFIG_DIR / "debug.yaml")
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump({"trainer": {"profiler": {"class_path": "evil_marker.P"}}}))
     for args in (["--trainer.profiler.class_path", "evil_marker.P"], ["--trainer.profiler", "evil_marker.P"],
-                 ["--config", str(tmp_path / "bad.yaml")]):
+                 ["--config", str(tmp_path / "bad.yaml")],
+                 ["--config", '{"trainer": {"profiler": {"class_path": "evil_marker.P"}}}']):  # inline: read as YAML
         r = _run(tmp_path, "experiments.train", ["fit", "--config", debug, *args, "--run.dir", str(tmp_path / "run")])
         assert r.returncode == 2 and "is not a class the suite loads" in r.stderr, r.stderr[-2000:]
         assert not marker.exists(), args
