@@ -144,14 +144,18 @@ class MtpcModel:
         cls, head_dir: str | Path, backbone: Any = None, *, cuda_graphs: bool | None = None, compile: bool = False,
         weights: str | None = None, **load_kw: Any,
     ) -> MtpcModel:  # fmt: skip
-        """Load a `save_head` export; the backbone is its recorded name/path unless one is given.
+        """Load a `save_head` export — or a shipped head: `"default"` (the default backbone's default
+        head) or `"shipped:<name>"` (`mtpc.shipped_heads`; a local folder named so is given as a path,
+        `./default`); the backbone is its recorded name/path unless one is given.
 
         load_kw go to `mtpc.backbones.load_backbone` when the backbone is loaded here (e.g.
         engine="hf" to decode through the HF layers); cuda_graphs / compile / weights: see the class.
         """
         from mtpc.backbones import load_backbone
         from mtpc.heads import load_head
+        from mtpc.shipped_heads import resolve_head
 
+        head_dir = resolve_head(head_dir)
         head, lora_state = load_head(head_dir)
         k = head.config.lora_depth
         if backbone is None:

@@ -104,3 +104,22 @@ def test_device_prompt_pool_draws_the_same_sets(tmp_path):
     write_prompt_pool(pool, path)
     assert load_prompt_sets(str(path), 5, 3, 0, dev_sets=1, dev_num_prompts=4) == draw_prompt_sets(
         pool, "heldout", 5, 3, 0, dev_sets=1, dev_num_prompts=4)
+
+
+def test_bench_shipped_head_dry_run_reports_speed_text_and_identity(tmp_path, monkeypatch):
+    """The shipped head's bench: both modes timed interleaved, greedy outputs equal plain decoding's,
+    degeneracy beside every figure, the command and the machine (with its L3) recorded."""
+    import bench_shipped_head
+
+    monkeypatch.setenv("MTPC_TIMING_LOCK", str(tmp_path / "timing.lock"))
+    monkeypatch.setenv("MTPC_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "shipped.json"
+    assert bench_shipped_head.main(["--dry-run", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["command"].endswith("--dry-run --out " + str(out)) and "L3" in report["machine"]
+    greedy, sample = report["modes"]["greedy"], report["modes"]["sample"]
+    assert greedy["identical"] == "2/2"
+    for r in (greedy, sample):
+        assert r["speedup_median"] > 0 and r["bytes_per_cycle"] >= 1.0
+        assert 0.0 <= r["degenerate_fraction"] <= 1.0 and 0.0 < r["distinct_4gram_ratio"] <= 1.0
+    assert "plain_degenerate_fraction" in sample

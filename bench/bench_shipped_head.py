@@ -1,0 +1,138 @@
+"""The shipped head's speed-up over plain decoding, measured the one way its figures are reported.
+
+    python bench/bench_shipped_head.py --out bench/results/shipped_head_cpu.json      (3 x 32 x 128, 3 rounds)
+    python bench/bench_shipped_head.py --head shipped:<name> --sets 1 --prompts 8 --rounds 3
+    python bench/bench_shipped_head.py --dry-run --out /tmp/x.json                    (a tiny random head: seconds)
+
+Held-out prompts nothing was tuned on (`--sets` x `--prompts` drawn by the evaluation's seeded draw from
+the held-out ShareGPT conversations: the report sets, never the development sets), `--bytes` new bytes
+each, EOS banned. For each mode (greedy, sampling at `--temperature`), in one process on one thread,
+inside the machine-wide timing lock (background work paused): every round times plain decoding
+(`generate_plain`) and speculative decoding (`generate`) prompt by prompt, interleaved (which goes first
+alternates by prompt and round), wall clock; a round's ratio is its total plain time over its total
+speculative time, and the figure is the median of the rounds' ratios. Beside it: bytes per cycle
+(1 + mu_acc, keep cycle), greedy outputs compared byte for byte with plain decoding's, and the text's
+degenerate fraction and distinct-4-gram ratio (`mtpc.textstats`; speculative outputs, and plain decoding's
+beside them when sampling). The JSON names the command, the machine and its L3 cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mtpc import MtpcModel  # noqa: E402
+from mtpc.textstats import degeneracy_metrics  # noqa: E402
+
+
+def l3_cache() -> str:
+    try:
+        return Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def _prompts(sets: int, per_set: int, dry_run: bool) -> list[str]:
+    if dry_run:
+        return [f"Write a short note about item {i}." for i in range(sets * per_set)]
+    from experiments.config import EvalConfig
+    from experiments.evaluate import load_prompt_sets
+
+    return [p for s in load_prompt_sets("heldout", per_set, sets, EvalConfig.seed) for p in s]
+
+
+def _model(head: str, dry_run: bool) -> MtpcModel:
+    if not dry_run:
+        return MtpcModel.from_pretrained(head)
+    from experiments.module import build_backbone
+
+    return MtpcModel.from_components(build_backbone("tiny", 0), {"kind": "btree", "window": 4, "rank": 4})
+
+
+def measure(model: MtpcModel, prompts: list[str], mode: str, new_bytes: int, rounds: int, temperature: float) -> dict:
+    kw = dict(max_new_tokens=new_bytes, mode=mode, temperature=temperature, ban_eos=True)
+    model.generate(prompts[0], **kw, seed=0)  # warm both paths (allocations, oneDNN packing)
+    model.generate_plain(prompts[0], **kw, seed=0)
+    ratios, spec_out, plain_out, emitted, cycles, identical = [], [], [], 0, 0, 0
+    for r in range(rounds):
+        t_plain = t_spec = 0.0
+        for i, prompt in enumerate(prompts):
+            seed = 1000 * r + i
+            order = ("plain", "spec") if (i + r) % 2 == 0 else ("spec", "plain")
+            for which in order:
+                t0 = time.perf_counter()
+                if which == "plain":
+                    p = model.generate_plain(prompt, **kw, seed=seed)
+                    t_plain += time.perf_counter() - t0
+                else:
+                    s = model.generate(prompt, **kw, seed=seed)
+                    t_spec += time.perf_counter() - t0
+            if r == 0:
+                spec_out.append(s.ids.tolist())
+                plain_out.append(p.ids.tolist())
+                emitted += int(s.stats.decode_generated)
+                cycles += int(s.stats.cycles)
+                identical += int(s.ids.tolist() == p.ids.tolist())
+        ratios.append(t_plain / t_spec)
+        print(f"  {mode} round {r + 1}/{rounds}: plain {t_plain:.1f} s, speculative {t_spec:.1f} s, "
+              f"{ratios[-1]:.3f}x", file=sys.stderr, flush=True)
+    spec_deg = degeneracy_metrics(bytes(b for b in o if b < 256) for o in spec_out)
+    out = {"speedup_median": statistics.median(ratios), "speedup_rounds": ratios,
+           "bytes_per_cycle": emitted / cycles if cycles else 0.0,
+           "degenerate_fraction": spec_deg["degenerate_fraction"],
+           "distinct_4gram_ratio": spec_deg["distinct_4gram_ratio"]}
+    if mode == "greedy":
+        out["identical"] = f"{identical}/{len(prompts)}"
+    else:
+        plain_deg = degeneracy_metrics(bytes(b for b in o if b < 256) for o in plain_out)
+        out.update(plain_degenerate_fraction=plain_deg["degenerate_fraction"],
+                   plain_distinct_4gram_ratio=plain_deg["distinct_4gram_ratio"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--head", default="default", help="'default', 'shipped:<name>' or a head export directory")
+    ap.add_argument("--sets", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=32, help="prompts per set")
+    ap.add_argument("--bytes", type=int, default=128, help="new bytes per prompt")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--modes", default="greedy,sample")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--dry-run", action="store_true", help="a tiny random model and head, 2 prompts: checks the bench runs")
+    a = ap.parse_args(argv)
+    if a.dry_run:
+        a.sets, a.prompts, a.bytes, a.rounds = 1, 2, 8, 1
+    torch.set_num_threads(1)
+    from experiments.background import timing
+    from tracking.runs import machine, machine_line
+
+    model = _model(a.head, a.dry_run)
+    prompts = _prompts(a.sets, a.prompts, a.dry_run)
+    result = {"command": "python bench/bench_shipped_head.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "machine": f"{machine_line(machine())}; L3 {l3_cache()}",
+              "head": a.head if not a.dry_run else "dry-run",
+              "prompts": f"{a.sets} held-out sets x {a.prompts} prompts x {a.bytes} bytes, EOS banned, {a.rounds} rounds",
+              "date": time.strftime("%Y-%m-%d"), "modes": {}}
+    with timing(progress=True):  # one timer on the machine; registered background work paused
+        for mode in a.modes.split(","):
+            result["modes"][mode] = measure(model, prompts, mode, a.bytes, a.rounds, a.temperature)
+    text = json.dumps(result, indent=2)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
