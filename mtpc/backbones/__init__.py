@@ -20,6 +20,7 @@ and `llama.py` (the compact Llama forward), CUDA graph capture in `graphs.py`.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import re
 from pathlib import Path
@@ -105,6 +106,21 @@ def _resolve(name_or_path: str) -> tuple[str, str]:
         f"backbone {name!r}: unknown name and not a directory; expected 'default', one of {sorted(ALIASES)}, "
         "a save_pretrained directory or a hub id 'org/name'"
     )
+
+
+@contextlib.contextmanager
+def _no_weight_bars():
+    """transformers' per-file progress bars ("Loading weights") off while a backbone loads: a library
+    call keeps the caller's console quiet (restored afterwards; a caller that turned them off keeps them off)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
@@ -212,10 +228,11 @@ def load_backbone(
     if attn_implementation is not None:
         kw["attn_implementation"] = attn_implementation
     try:
-        if native:
-            model = load_tpu_llama(source, raw, **kw)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(source, config=config, **kw)
+        with _no_weight_bars():
+            if native:
+                model = load_tpu_llama(source, raw, **kw)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(source, config=config, **kw)
     except OSError as e:
         raise ValueError(f"backbone {label!r}: cannot load weights from {source!r} ({e})") from e
     except pickle.UnpicklingError:  # torch.load(weights_only=True) met a pickled object that is not a tensor

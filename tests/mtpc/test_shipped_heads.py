@@ -106,3 +106,15 @@ def test_every_head_in_the_repository_verifies_and_fits_the_size_cap():
         assert sum(p.stat().st_size for p in folder.iterdir()) <= sh.MAX_HEAD_BYTES, name
     if names:
         assert sh.read_index()["default"] in names
+
+
+def test_loading_the_default_prints_nothing(shipped, capfd):
+    """The README's one line leaves the console quiet: no transformers 'Loading weights' bar (the
+    library turns it off while a backbone loads, and restores the caller's setting)."""
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()
+    MtpcModel.from_pretrained("default")
+    out, err = capfd.readouterr()
+    assert out == "" and err == "", err[-500:]
+    assert hf_logging.is_progress_bar_enabled()
