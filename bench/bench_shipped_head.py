@@ -6,21 +6,17 @@
 
 Held-out prompts nothing was tuned on (`--sets` x `--prompts` drawn by the evaluation's seeded draw from
 the held-out ShareGPT conversations: the report sets, never the development sets), `--bytes` new bytes
-each, EOS banned. For each mode (greedy, sampling at `--temperature`), in one process on one thread,
-inside the machine-wide timing lock (background work paused): every round times plain decoding
-(`generate_plain`) and speculative decoding (`generate`) prompt by prompt, interleaved (which goes first
-alternates by prompt and round), wall clock; a round's ratio is its total plain time over its total
-speculative time, and the figure is the median of the rounds' ratios. Beside it: bytes per cycle
-(1 + mu_acc, keep cycle), greedy outputs compared byte for byte with plain decoding's, and the text's
-degenerate fraction and distinct-4-gram ratio (`mtpc.textstats`; speculative outputs, and plain decoding's
-beside them when sampling). The JSON names the command, the machine and its L3 cache.
+each, EOS banned; for each mode (greedy, sampling at `--temperature`) `experiments.speedup.measure_speedup`
+in one process on one thread, inside the machine-wide timing lock (background work paused): plain and
+speculative decoding interleaved prompt by prompt, wall clock, the median of the rounds' ratios, with
+bytes per cycle, greedy identity and the text's degeneracy beside. The JSON names the command, the
+machine and its L3 cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from experiments.speedup import measure_speedup  # noqa: E402
 from mtpc import MtpcModel  # noqa: E402
-from mtpc.textstats import degeneracy_metrics  # noqa: E402
 
 
 def l3_cache() -> str:
@@ -55,47 +51,6 @@ def _model(head: str, dry_run: bool) -> MtpcModel:
     from experiments.module import build_backbone
 
     return MtpcModel.from_components(build_backbone("tiny", 0), {"kind": "btree", "window": 4, "rank": 4})
-
-
-def measure(model: MtpcModel, prompts: list[str], mode: str, new_bytes: int, rounds: int, temperature: float) -> dict:
-    kw = dict(max_new_tokens=new_bytes, mode=mode, temperature=temperature, ban_eos=True)
-    model.generate(prompts[0], **kw, seed=0)  # warm both paths (allocations, oneDNN packing)
-    model.generate_plain(prompts[0], **kw, seed=0)
-    ratios, spec_out, plain_out, emitted, cycles, identical = [], [], [], 0, 0, 0
-    for r in range(rounds):
-        t_plain = t_spec = 0.0
-        for i, prompt in enumerate(prompts):
-            seed = 1000 * r + i
-            order = ("plain", "spec") if (i + r) % 2 == 0 else ("spec", "plain")
-            for which in order:
-                t0 = time.perf_counter()
-                if which == "plain":
-                    p = model.generate_plain(prompt, **kw, seed=seed)
-                    t_plain += time.perf_counter() - t0
-                else:
-                    s = model.generate(prompt, **kw, seed=seed)
-                    t_spec += time.perf_counter() - t0
-            if r == 0:
-                spec_out.append(s.ids.tolist())
-                plain_out.append(p.ids.tolist())
-                emitted += int(s.stats.decode_generated)
-                cycles += int(s.stats.cycles)
-                identical += int(s.ids.tolist() == p.ids.tolist())
-        ratios.append(t_plain / t_spec)
-        print(f"  {mode} round {r + 1}/{rounds}: plain {t_plain:.1f} s, speculative {t_spec:.1f} s, "
-              f"{ratios[-1]:.3f}x", file=sys.stderr, flush=True)
-    spec_deg = degeneracy_metrics(bytes(b for b in o if b < 256) for o in spec_out)
-    out = {"speedup_median": statistics.median(ratios), "speedup_rounds": ratios,
-           "bytes_per_cycle": emitted / cycles if cycles else 0.0,
-           "degenerate_fraction": spec_deg["degenerate_fraction"],
-           "distinct_4gram_ratio": spec_deg["distinct_4gram_ratio"]}
-    if mode == "greedy":
-        out["identical"] = f"{identical}/{len(prompts)}"
-    else:
-        plain_deg = degeneracy_metrics(bytes(b for b in o if b < 256) for o in plain_out)
-        out.update(plain_degenerate_fraction=plain_deg["degenerate_fraction"],
-                   plain_distinct_4gram_ratio=plain_deg["distinct_4gram_ratio"])
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
               "date": time.strftime("%Y-%m-%d"), "modes": {}}
     with timing(progress=True):  # one timer on the machine; registered background work paused
         for mode in a.modes.split(","):
-            result["modes"][mode] = measure(model, prompts, mode, a.bytes, a.rounds, a.temperature)
+            result["modes"][mode] = measure_speedup(model, prompts, mode, a.bytes, a.rounds, a.temperature)
     text = json.dumps(result, indent=2)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 """`make demo` (= `python -m sweeps.demo`): the whole suite once, on the 2-core CPU.
 
 1. check the shipped default model (`mtpc/default_model/`, committed: no pre-training) against its
-   manifest and build the bundled ShareGPT corpus once (cached under `mtpc.paths.cache_dir()`),
+   manifest, build the bundled ShareGPT corpus once (cached under `mtpc.paths.cache_dir()`), and print
+   the shipped default head's speed-up over plain decoding on 4 held-out prompts (`shipped_head_line`),
 2. run `sweeps/smoke.yaml` locally, overridden to train on the default model
    (`train.config=default`: 200 steps of 2 x 512 bytes per head) and evaluated on one set of 32
    held-out prompts x 64 bytes, greedy and sampling: acceptance offline on all 32, latency timed on
@@ -81,6 +82,39 @@ def example_head(spec) -> Path:
     return spec.trial_dir(grid_key(point)) / "head"
 
 
+def shipped_head_line(prompts: int = 4, new_bytes: int = 64) -> str:
+    """One line: the shipped default head's speed-up over plain decoding on a few held-out prompts,
+    greedy and sampled (one round each, timed under the machine-wide timing lock; the reported figures
+    are bench/bench_shipped_head.py's, on 3 x 32 prompts)."""
+    from mtpc.shipped_heads import read_index, shipped_head_names
+
+    if not shipped_head_names():
+        return "shipped head: none in this installation"
+    import torch
+
+    from experiments.background import timing
+    from experiments.config import EvalConfig
+    from experiments.evaluate import load_prompt_sets
+    from experiments.speedup import measure_speedup
+    from mtpc import MtpcModel
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = MtpcModel.from_pretrained("default")
+        chosen = load_prompt_sets("heldout", prompts, 1, EvalConfig.seed)[0]
+        with timing(progress=True):
+            r = {m: measure_speedup(model, chosen, m, new_bytes, rounds=1, say=False) for m in ("greedy", "sample")}
+    finally:
+        torch.set_num_threads(threads)
+    c = model.head.config
+    return (f"shipped head {read_index()['default']} ({c.kind}, n={c.window}, r={c.rank}; "
+            f'MtpcModel.from_pretrained("default")): {r["greedy"]["speedup_median"]:.2f}x plain decoding greedy '
+            f"(output identical on {r['greedy']['identical']}), {r['sample']['speedup_median']:.2f}x sampled, "
+            f"{r['greedy']['bytes_per_cycle']:.2f} / {r['sample']['bytes_per_cycle']:.2f} bytes per cycle, on "
+            f"{prompts} held-out prompts x {new_bytes} bytes, one thread of this machine")
+
+
 def _shown(path: Path) -> str:
     """`path` relative to the working directory when it lies below it (as a user would type it)."""
     rel = os.path.relpath(path)
@@ -147,6 +181,7 @@ def _demo(a: argparse.Namespace, out: Path, phases: Phases) -> int:
         corpus = sharegpt_corpus()
         print(f"corpus: {len(corpus.train)} training conversations, {len(corpus.heldout_prompts)} held-out prompts")
         print(f"model: {verify_shipped()} ({SHIPPED_DIR})")
+        print(shipped_head_line())
     phases.step(f"2/4 sweep {SMOKE.relative_to(REPO)} on the default model: {spec.n_trials} grid points, {a.workers} worker(s)"
                 + " (training side by side, timing one at a time)")
     try:

@@ -118,3 +118,21 @@ def test_loading_the_default_prints_nothing(shipped, capfd):
     out, err = capfd.readouterr()
     assert out == "" and err == "", err[-500:]
     assert hf_logging.is_progress_bar_enabled()
+
+
+def test_the_demo_line_reports_the_shipped_heads_speedup_in_both_modes(shipped, tmp_path, monkeypatch):
+    import experiments.evaluate as evaluate
+    from sweeps.demo import shipped_head_line
+
+    monkeypatch.setenv("MTPC_TIMING_LOCK", str(tmp_path / "timing.lock"))
+    monkeypatch.setattr(evaluate, "load_prompt_sets", lambda *a, **k: [["Hello there", "Tell me a story"]])
+    line = shipped_head_line(prompts=2, new_bytes=8)
+    assert line.startswith("shipped head tiny-btree (btree, n=4, r=2; MtpcModel.from_pretrained(\"default\")): ")
+    assert "x plain decoding greedy (output identical on 2/2)" in line and "x sampled" in line and "\n" not in line
+
+
+def test_the_demo_line_without_a_shipped_head(tmp_path, monkeypatch):
+    from sweeps.demo import shipped_head_line
+
+    monkeypatch.setattr(sh, "HEADS_DIR", tmp_path / "none")
+    assert shipped_head_line() == "shipped head: none in this installation"
