@@ -216,6 +216,10 @@ class RunConfig:
     """MLflow experiment name (created if missing)"""
     cpu_threads: int | None = None
     """torch CPU threads (1 is fastest for tiny models on a shared machine); null: torch's default"""
+    hidden_cache: str | None = None
+    """a folder where the frozen backbone's hidden states of every training and validation batch are kept
+    and reused by later heads and trials on the same rows (k = 0 only; experiments/hidden_cache.py;
+    `auto`: <cache dir>/hidden); null: none. Results are unchanged: it only skips the trunk's forward"""
 
     def check(self, fail: Fail) -> None:
         ce = self.checkpoint_every_n_steps

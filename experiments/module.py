@@ -70,6 +70,8 @@ class MtpcTrainModule(L.LightningModule):
         from mtpc.heads import HeadConfig, MtpcHead
 
         c = self.config = replace(config or ModelConfig(), **fields)
+        self.hidden_cache: Any = None
+        """an experiments.hidden_cache.HiddenCache (train.py sets it from `run.hidden_cache`; k = 0 only)"""
         self.save_hyperparameters(asdict(c), logger=False)  # MLflow params: the run description logs them
         self.strict_loading = False  # checkpoints carry head + LoRA only (see on_save_checkpoint)
         self.backbone = build_backbone(c.backbone, c.lora_depth, c.backbone_dtype, c.tiny_seed,
@@ -120,8 +122,14 @@ class MtpcTrainModule(L.LightningModule):
         from mtpc.losses import window_loss
 
         ids, score_mask, doc_ids = batch[:3]  # (B, S) each
-        with torch.set_grad_enabled(grad_backbone and torch.is_grad_enabled()):
-            out = self.backbone(ids)
+        if self.hidden_cache is not None and self.config.lora_depth == 0:  # k = 0: the whole backbone is frozen
+            from mtpc.backbones.common import SplitOutput
+
+            h = self.hidden_cache.get(ids, lambda: self.backbone(ids).verify_hidden)  # (B, S, d)
+            out = SplitOutput(verify_hidden=h, draft_hidden=h)
+        else:
+            with torch.set_grad_enabled(grad_backbone and torch.is_grad_enabled()):
+                out = self.backbone(ids)
         e = out.draft_hidden  # (B, S, d)
         c = self.config
         logits = None

@@ -185,6 +185,12 @@ def _fit(cfg: TrainConfig, started: float, *, mlflow_run_id: str | None, ckpt_pa
     identity.identity = claim(run_dir, cfg.to_dict(), None if ckpt_path is None else str(ckpt_path), write=rank_zero)
     L.seed_everything(cfg.seed_everything, verbose=False)
     module, data = MtpcTrainModule(cfg.model), ChatDataModule(cfg.data)
+    if cfg.run.hidden_cache and cfg.model.lora_depth == 0:
+        from experiments.hidden_cache import HiddenCache
+        from mtpc.paths import cache_dir
+
+        folder = cache_dir() / "hidden" if cfg.run.hidden_cache == "auto" else Path(cfg.run.hidden_cache)
+        module.hidden_cache = HiddenCache(folder, module.backbone)
     resuming = ckpt_path is not None
     if cfg.run.tracking and rank_zero:
         trainer.logger = make_logger(cfg, run_id=mlflow_run_id, resuming=resuming)
@@ -213,6 +219,8 @@ def _finish(cfg: TrainConfig, trainer: Any, module: Any, data: Any, stopper: Any
     if cfg.data.on_error == "skip":
         metrics["data_skipped_records"] = float(data.skipped_records)
     metrics["train_seconds"] = time.perf_counter() - started
+    if getattr(module, "hidden_cache", None) is not None:  # the fill is reported apart from the reuse
+        metrics.update(module.hidden_cache.stats())
     if not rank_zero:  # rank 0 exports, logs and writes metrics.json
         return TrainResult(head_dir=Path(cfg.run.export_dir), metrics=metrics, **common)
     head_dir = _export(cfg, module)
