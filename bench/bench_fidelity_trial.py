@@ -2,6 +2,7 @@
 
     python bench/bench_fidelity_trial.py --out bench/results/fidelity_trial_cpu.json
     python bench/bench_fidelity_trial.py --estimate bench/results/fidelity_trial_cpu.json sweeps/fidelity.yaml
+    python bench/bench_fidelity_trial.py --rate --out bench/results/head_training_rate_cpu.json
 
 Measure: for a few representative heads on the default model (the shipped one when present, else a
 random-weight Llama of the CPU default's shape: d 512, 4 layers, 8 heads, 2 KV heads, MLP 1024,
@@ -11,6 +12,15 @@ the first, one validation pass, the fixed per-trial overhead (backbone + data se
 `--generations` evaluations of 128 bytes (greedy and sampling) on held-out prompts, once with STP
 beside the head and once the head alone (eval.stp: false).
 One thread, as every sweep worker runs. Writes JSON.
+
+Rate (`--rate`): the head-training figure — trained byte positions (rows x bytes of a step) per
+thread-CPU second of the optimizer step alone (validation, set-up and the cache's fill excluded) — for
+the demo's head (btree n = 4, r = 4) and the bench head (btree n = 8, r = 16, beta = 0.5), App. G
+leaves 16, on the shipped default and the training config's own rows, at k = 0 and k = 1, with where
+a step's time goes (trunk or cache read, teacher, window loss forward, backward, Adam). At k = 0 two
+arms side by side, round by round in one process: the trunk run every step, and a warm hidden-state
+cache (experiments/hidden_cache.py; filled first, its fill time reported apart). k = 1 has no cache
+(the LoRA top trains). Medians over the timed steps of every round.
 
 Estimate: for every grid point of a sweep spec, the nearest measured head (same circuit, window,
 distillation on/off, LoRA depth if measured, else the closest) gives per-step, per-validation and
@@ -131,6 +141,96 @@ def measure(args: argparse.Namespace) -> dict:
             "note": "shared 2-core CPU; other jobs were running (see load average)", "points": rows}
 
 
+RATE_POINTS = (("btree", 4, 4, 0.0), ("btree", 8, 16, 0.5))  # the demo's head, the bench head
+
+
+def rate(args: argparse.Namespace) -> dict:
+    """The training-rate figure (module docstring) for RATE_POINTS at k = 0 (with and without the cache)
+    and k = 1."""
+    import torch
+
+    from experiments.config import load_config
+    from experiments.datamodule import ChatDataModule
+    from experiments.evaluate import hardware
+    from experiments.hidden_cache import HiddenCache
+    from experiments.module import MtpcTrainModule
+    from mtpc.losses import window_loss
+
+    torch.set_num_threads(1)
+    base = load_config("default")
+    data = ChatDataModule(base.data)
+    data.setup("fit")
+    loader = iter(data.train_dataloader())
+    batches = [next(loader) for _ in range(args.rate_steps)]
+    tmp = Path(tempfile.mkdtemp(prefix="mtpc-rate-bench-"))
+    rows = []
+    for kind, n, r, beta in RATE_POINTS:
+        for k in (0, 1):
+            cfg = {**vars(base.model), "circuit": kind, "window": n, "rank": r, "kl_beta": beta, "lora_depth": k}
+            arms = ["trunk", "cache"] if k == 0 else ["trunk"]
+            modules = {}
+            for arm in arms:
+                torch.manual_seed(0)
+                m = MtpcTrainModule(**cfg)
+                m.train()
+                if arm == "cache":
+                    m.hidden_cache = HiddenCache(tmp / "hidden", m.backbone)
+                    for b in batches:  # the fill, reported apart
+                        m.hidden_cache.get(b[0], lambda b=b, m=m: m.backbone(b[0]).verify_hidden)
+                params = [*m.head.parameters(), *m.lora_params]
+                modules[arm] = (m, torch.optim.Adam(params, lr=1e-3))
+            parts = {arm: {p: [] for p in ("trunk", "teacher", "loss_forward", "backward", "adam", "step")} for arm in arms}
+            for _ in range(args.rate_rounds):
+                for arm in arms:
+                    m, opt = modules[arm]
+                    for i, (ids, mask, doc, *_) in enumerate(batches):
+                        t = [time.thread_time()]
+                        if m.hidden_cache is not None:
+                            h = m.hidden_cache.get(ids, lambda m=m, ids=ids: m.backbone(ids).verify_hidden)
+                            e = verify = h
+                        else:
+                            with torch.set_grad_enabled(k > 0):
+                                out = m.backbone(ids)
+                            e, verify = out.draft_hidden, out.verify_hidden
+                        t.append(time.thread_time())
+                        logits = None
+                        if beta > 0:
+                            with torch.no_grad():
+                                logits = m.backbone.stp_logits(verify.detach())
+                        t.append(time.thread_time())
+                        res = window_loss(m.head, e, ids, mask, doc, chunk_size=m.config.chunk_size, teacher_logits=logits,
+                                          kl_beta=beta)
+                        t.append(time.thread_time())
+                        res.loss.backward()
+                        t.append(time.thread_time())
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                        t.append(time.thread_time())
+                        if i == 0:
+                            continue  # the first step of a round warms allocations
+                        for name, a, b in zip(("trunk", "teacher", "loss_forward", "backward", "adam"), t, t[1:], strict=False):
+                            parts[arm][name].append(b - a)
+                        parts[arm]["step"].append(t[-1] - t[0])
+            positions = batches[0][0].numel()
+            for arm in arms:
+                med = {p: statistics.median(v) for p, v in parts[arm].items()}
+                row = {"circuit": kind, "window": n, "rank": r, "kl_beta": beta, "lora_depth": k, "arm": arm,
+                       "positions_per_step": positions, "step_cpu_s": med["step"],
+                       "positions_per_cpu_s": positions / med["step"],
+                       "share": {p: med[p] / med["step"] for p in med if p != "step"},
+                       "steps_timed": len(parts[arm]["step"])}
+                if arm == "cache":
+                    hc = modules[arm][0].hidden_cache
+                    row.update(cache_fill_s=hc.fill_s, cache_fill_batches=hc.misses,
+                               speedup_vs_trunk=statistics.median(parts["trunk"]["step"]) / med["step"])
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return {"figure": "trained byte positions per thread-CPU second of the optimizer step (validation, set-up "
+                      "and the cache fill excluded)", "backbone": "default (shipped)", "hardware": hardware(),
+            "threads": 1, "steps_per_round": args.rate_steps - 1, "rounds": args.rate_rounds,
+            "load_average_at_end": os.getloadavg(), "points": rows}
+
+
 def _nearest(rows: list[dict], point: dict) -> dict:
     """The measured head most like `point`: same circuit, then window, rank, distillation on/off, k."""
     def score(r):
@@ -179,11 +279,14 @@ def main() -> None:
     p.add_argument("--merge", type=Path, default=None, help="append the measured points to this earlier JSON")
     p.add_argument("--estimate", nargs=2, metavar=("MEASURED_JSON", "SPEC"), help="estimate a spec's CPU time")
     p.add_argument("--set", action="append", default=[], help="spec override key=value (with --estimate)")
+    p.add_argument("--rate", action="store_true", help="the head-training rate figure instead (module docstring)")
+    p.add_argument("--rate-steps", type=int, default=6, help="batches per round with --rate (the first warms)")
+    p.add_argument("--rate-rounds", type=int, default=3, help="rounds with --rate (arms interleaved by round)")
     args = p.parse_args()
     if args.estimate:
         print(json.dumps(estimate(Path(args.estimate[0]), args.estimate[1], args.set), indent=2))
         return
-    report = measure(args)
+    report = rate(args) if args.rate else measure(args)
     if args.merge is not None and args.merge.is_file():
         old = json.loads(args.merge.read_text())
         report["points"] = old["points"] + report["points"]

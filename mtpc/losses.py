@@ -29,8 +29,8 @@ version (everything materialised, plain autograd), kept as the reference. With a
 chunked path for full leaves still keeps one (c, n, r, v) buffer per chunk (plus a (c, r, v)
 scratch row): the mixture rows q_j are formed in probability space from the leaf softmax the
 cross-entropy already holds, and the KL gradient for the leaf logits is written by hand into the
-same buffer. App. G leaves go through autograd with `_MixtureCrossEntropy`, which holds one more
-(c, n, r, v) tensor per chunk. In probability space a mixture probability below the dtype's
+same buffer; App. G leaves take the same path, their logits' gradient then passed back through the
+low-rank form by autograd. In probability space a mixture probability below the dtype's
 smallest normal (~1e-38 in float32) is clamped there; float64 is exact (the tests' 1e-10).
 
 Left out: the head itself (mtpc/heads.py), the backbone forward that produces e.
@@ -130,13 +130,6 @@ def loss_weights(scored: Tensor, gamma: float, dtype: torch.dtype = torch.float3
     return stat, stat * discount, V.sum(dim=0)
 
 
-def window_nll(head: MtpcHead, e: Tensor, x: Tensor) -> Tensor:
-    """-log q(x_j | x_<j, e) for every window offset: e (N, d), x (N, n) -> (N, n)."""
-    circuit = head.circuit
-    prefix = circuit._prefix_log_marginals(circuit.normalize(head(e)), x)  # (N, n) log q(x_1..x_j)
-    return _conditional_nll(prefix)
-
-
 def _conditional_nll(prefix: Tensor) -> Tensor:
     """prefix marginals log q(x_1..x_j) (N, n) -> -log q(x_j | x_<j) (N, n)."""
     previous = torch.nn.functional.pad(prefix[..., :-1], (1, 0), value=0.0)  # (N, n)
@@ -195,44 +188,25 @@ def _mixture_rows(log_pi: Tensor, phi: Tensor, log_p: Tensor) -> tuple[Tensor, T
     return pi, q.log(), ratio, S
 
 
-class _MixtureCrossEntropy(torch.autograd.Function):
-    """h = -sum_u p(u) log sum_a pi_a phi_a(u) per row, from log_pi (c, n, r), log_phi (c, n, r, v) and a
-    constant log_p (c, n, v) -> (c, n). Keeps one (c, n, r, v) tensor, phi = exp(log_phi), which
-    backward turns into the gradient in place (log-space mixing would keep the (c, n, r, v) sum
-    and its exp for backward; recomputing phi there instead cost ~20 % of the App. G loss's time).
-    One backward per forward (the chunked loss calls autograd.grad once per chunk)."""
-
-    @staticmethod
-    def forward(ctx, log_pi, log_phi, log_p):
-        phi = log_phi.exp()  # (c, n, r, v)
-        pi, log_q, ratio, S = _mixture_rows(log_pi, phi, log_p)
-        ctx.save_for_backward(pi, ratio, S)
-        ctx.phi = phi  # an intermediate, modified in place by backward: not a saved input/output
-        return -(log_p.exp() * log_q).sum(-1)
-
-    @staticmethod
-    def backward(ctx, g):  # g (c, n)
-        pi, ratio, S = ctx.saved_tensors
-        g_phi, ctx.phi = ctx.phi, None  # (c, n, r, v) becomes -g pi_a phi_a(u) ratio(u) in place
-        g_phi.mul_(ratio.unsqueeze(-2)).mul_((-g.unsqueeze(-1) * pi).unsqueeze(-1))
-        return -g.unsqueeze(-1) * S, g_phi, None
-
-
 # --- the chunked loss -----------------------------------------------------------------------
 
 
 @torch.no_grad()
-def _observed_leaf_scores(head: MtpcHead, e: Tensor, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _observed_leaf_scores(head: MtpcHead, e: Tensor, x: Tensor, dtype: torch.dtype,
+                          L: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Leaf log-probabilities of the observed tokens, keeping one (c, n, r, v) buffer.
 
     e (c, d), x (c, n) -> scores (c, n, r) = log_softmax(W e)[x], E (c, n, r, v) = exp(W e - max)
     (written over the logits' storage), Z (c, n, r, 1) = E.sum(-1), idx (c, n, r, 1) the gather index;
-    softmax(W e) = E / Z.
+    softmax(W e) = E / Z. L: the leaf logits when already computed (the App. G option computes them
+    with a graph, whose backward needs none of its output's values: its storage is reused here).
     """
     cfg = head.config
     c, n, r, v = e.shape[0], cfg.window, cfg.rank, cfg.vocab
-    W_flat = head.leaf_weight.detach().view(-1, cfg.hidden)  # (n r v, d)
-    L = torch.nn.functional.linear(e, W_flat).to(dtype).view(c, n, r, v)  # (c, n, r, v)
+    if L is None:
+        W_flat = head.leaf_weight.detach().view(-1, cfg.hidden)  # (n r v, d)
+        L = torch.nn.functional.linear(e, W_flat)
+    L = L.detach().to(dtype).view(c, n, r, v)  # (c, n, r, v)
     idx = x.view(c, n, 1, 1).expand(c, n, r, 1)  # (c, n, r, 1)
     picked = L.gather(-1, idx).squeeze(-1)  # (c, n, r)
     m = L.amax(-1, keepdim=True)  # (c, n, r, 1)
@@ -256,20 +230,23 @@ class _ChunkedWindowLoss(torch.autograd.Function):
     backward only scales the stored sums by grad_output (in place: one backward per forward).
     The stats are not differentiable.
 
-    Fast path for a full unembedding W (leaf_delta_rank = 0), which keeps a single
+    Every head takes one path, which keeps a single
     (c, n, r, v) buffer per chunk: prefix marginals need the leaves only at the observed tokens,
     so the same circuit structure built over a vocabulary of one gets the (c, n, r) scores
     log softmax(W e)[x] as its (already normalised over v) leaves and is queried at x = 0 (exact
     for every kind: prefix marginals never sum over the leaves of later positions, they use their
     normalisation; checked against the naive path by the tests). The leaf-logit gradient is then formed by hand in the softmax buffer,
-    g_L = g_s (onehot(x) - softmax(W e)), and W's gradient accumulated in place (grad_W += g_L^T e).
-    Other parameters (sum units; the low-rank delta option) go through autograd.
+    g_L = g_s (onehot(x) - softmax(W e)), and W's gradient accumulated in place (grad_W += g_L^T e);
+    for App. G leaves (leaf_delta_rank > 0) the logits are computed with their graph and g_L is passed
+    back through it (U, A, B and e) by autograd: no log-softmax, gather or mixture tensor of size
+    (c, n, r, v) is differentiated (the autograd form cost ~25 % more of the n = 8, r = 16 step).
+    Sum units go through autograd.
 
     With a teacher the same vocabulary-one pass gives the leaf-state posteriors pi_j = q(s_j | x_<j);
     the rows q_j = sum_a pi_ja phi_ja mix the softmax buffer phi, and the KL adds, per leaf logit,
     phi_a(u) beta w (S_a - pi_a p(u) / q(u)) to the buffer's gradient (S from `_mixture_rows`), while
     its dependence on pi reaches the scores and sum units through autograd as a surrogate term
-    -sum(beta w S log pi). The delta option uses `_MixtureCrossEntropy` inside its autograd graph.
+    -sum(beta w S log pi).
     """
 
     @staticmethod
@@ -280,10 +257,12 @@ class _ChunkedWindowLoss(torch.autograd.Function):
         grads = [torch.zeros_like(p) if need else None for p, need in zip(params, need_p, strict=True)]
         cfg, circuit = head.config, head.circuit
         W = getattr(head, "leaf_weight", None)
-        fast = W is not None
-        score_circuit = _observed_circuit(cfg.kind, cfg.window, cfg.rank) if fast else None
-        W_index = next((i for i, p in enumerate(params) if p is W), None) if fast else None  # None: W frozen
-        auto = [i for i, need in enumerate(need_p) if need and not (fast and i == W_index)]
+        delta = cfg.leaf_delta_rank > 0  # App. G leaves: their logits' backward through autograd, from g_L
+        score_circuit = _observed_circuit(cfg.kind, cfg.window, cfg.rank)
+        W_index = next((i for i, p in enumerate(params) if p is W), None) if W is not None else None  # None: W frozen
+        leaf_ids = {id(head.leaf_base), id(head.leaf_delta_in), id(head.leaf_delta_out)} if delta else set()
+        leaf_index = [i for i, (p, need) in enumerate(zip(params, need_p, strict=True)) if need and id(p) in leaf_ids]
+        auto = [i for i, need in enumerate(need_p) if need and i != W_index and i not in leaf_index]
         beta = 0.0 if teacher is None else teacher.beta
         loss = torch.zeros((), dtype=loss_w.dtype, device=e.device)
         stats = torch.zeros(x.shape[-1], dtype=loss_w.dtype, device=e.device)
@@ -295,42 +274,35 @@ class _ChunkedWindowLoss(torch.autograd.Function):
             x_chunk, lw = x[rows], loss_w[rows]  # (c, n)
             e_chunk = e[rows].detach().to(head._param_dtype)  # (c, d)
             log_p = None if teacher is None else teacher.log_probs(rows, compute)  # (c, n, v)
-            if fast:
-                scores, E, Z, idx = _observed_leaf_scores(head, e_chunk, x_chunk, compute)  # (c,n,r), (c,n,r,v)
-                phi = None if teacher is None else E.div_(Z)  # in place: the leaf probabilities
+            leaf_graph = None  # App. G: the leaf logits with their graph (to the delta parameters and e)
+            e_chunk.requires_grad_(need_e)
+            if delta:
+                with torch.set_grad_enabled(need_e or bool(leaf_index)):
+                    leaf_graph = head.leaf_logits(e_chunk)  # (c, n, r, v)
+            scores, E, Z, idx = _observed_leaf_scores(head, e_chunk, x_chunk, compute, leaf_graph)  # (c,n,r), (c,n,r,v)
+            phi = None if teacher is None else E.div_(Z)  # in place: the leaf probabilities
             kl = None
             with torch.set_grad_enabled(track):
                 e_chunk.requires_grad_(need_e)
-                if fast:
-                    scores.requires_grad_(W_index is not None or need_e)
-                    q = {"leaves": scores.unsqueeze(-1), **circuit.normalize(head.sum_logits(e_chunk))}
-                    zeros = torch.zeros_like(x_chunk)
-                    if teacher is None:
-                        nll = _conditional_nll(score_circuit._prefix_log_marginals(q, zeros))
-                    else:
-                        w, _, s = score_circuit._leaf_context(q, zeros)  # (c, n, r) log q(s_j, x_<j) up to a constant
-                        log_pi = w.log_softmax(-1)  # (c, n, r)  log q(s_j | x_<j)
-                        nll = -torch.logsumexp(log_pi + s, dim=-1)  # -log sum_a pi_a phi_a(x_j)
-                elif teacher is None:
-                    nll = window_nll(head, e_chunk, x_chunk)  # (c, n)
+                scores.requires_grad_(W_index is not None or bool(leaf_index) or need_e)
+                q = {"leaves": scores.unsqueeze(-1), **circuit.normalize(head.sum_logits(e_chunk))}
+                zeros = torch.zeros_like(x_chunk)
+                if teacher is None:
+                    nll = _conditional_nll(score_circuit._prefix_log_marginals(q, zeros))
                 else:
-                    w, leaves, s = circuit._leaf_context(circuit.normalize(head(e_chunk)), x_chunk)
-                    log_pi = w.log_softmax(-1)  # (c, n, r)
-                    nll = -torch.logsumexp(log_pi + s, dim=-1)  # (c, n)
-                    kl = _MixtureCrossEntropy.apply(log_pi, leaves, log_p) + (log_p.exp() * log_p).sum(-1)
+                    w, _, s = score_circuit._leaf_context(q, zeros)  # (c, n, r) log q(s_j, x_<j) up to a constant
+                    log_pi = w.log_softmax(-1)  # (c, n, r)  log q(s_j | x_<j)
+                    nll = -torch.logsumexp(log_pi + s, dim=-1)  # -log sum_a pi_a phi_a(x_j)
                 chunk_loss = (nll * lw).sum() if teacher is None else (nll * lw).sum() * (1.0 - beta)
                 objective = chunk_loss
-                if kl is not None:  # delta leaves: the KL is in the graph
-                    chunk_loss = chunk_loss + beta * (kl * lw).sum()
-                    objective = chunk_loss
-                elif fast and teacher is not None:  # full leaves: KL by hand, its pi-dependence by surrogate
+                if teacher is not None:  # the KL by hand, its pi-dependence by surrogate
                     pi, log_q, ratio, S = _mixture_rows(log_pi.detach(), phi, log_p)
                     kl = _kl_rows(log_p, log_q)  # (c, n)
                     w_kl = beta * lw  # (c, n)
                     chunk_loss = chunk_loss + (kl * w_kl).sum()
                     if log_pi.requires_grad:
                         objective = objective - (log_pi * (w_kl.unsqueeze(-1) * S)).sum()
-            leaf_grad = fast and scores.requires_grad
+            leaf_grad = scores.requires_grad
             inputs = ([scores] if leaf_grad else []) + ([e_chunk] if need_e else []) + [params[i] for i in auto]
             if inputs:
                 got = list(torch.autograd.grad(objective, inputs, allow_unused=True))
@@ -354,14 +326,20 @@ class _ChunkedWindowLoss(torch.autograd.Function):
                     g_L = g_L.view(g_L.shape[0], -1).to(head._param_dtype)  # (c, n r v)
                     if W_index is not None:
                         grads[W_index].view(-1, cfg.hidden).addmm_(g_L.t(), e_chunk.detach())  # (n r v, d)
-                    if need_e:
+                    if need_e and W is not None:
                         W_flat = W.detach().view(-1, cfg.hidden)
                         g_e = g_L @ W_flat if g_e is None else g_e.addmm_(g_L, W_flat)  # (c, d)
+                    if leaf_graph is not None and leaf_graph.requires_grad:  # App. G: g_L through U, A, B (and e)
+                        targets = [params[i] for i in leaf_index] + ([e_chunk] if need_e else [])
+                        back = list(torch.autograd.grad(leaf_graph, targets, grad_outputs=g_L.view_as(leaf_graph)))
+                        for i in leaf_index:
+                            grads[i] += back.pop(0)
+                        if need_e:
+                            g_e = back[0] if g_e is None else g_e.add_(back[0])
                     del g_L
                 if need_e and g_e is not None:
                     grad_e[rows] = g_e.to(grad_e.dtype)
-            if fast:
-                del E, Z, scores, phi
+            del E, Z, scores, phi
             loss += chunk_loss.detach()
             stats += (nll.detach() * stat_w[rows]).sum(dim=0)
             if kl is not None:
