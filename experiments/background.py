@@ -450,6 +450,7 @@ def main(args: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="run CMD registered (the suite's timers pause it)")
     run.add_argument("--what", default=None, help="a label for messages (default: the command)")
+    run.add_argument("--nice", type=int, default=19, help="CPU niceness added (default 19: the lowest priority)")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     sub.add_parser("status", help="who holds the timing lock, and which registrants a timer would pause")
     a = ap.parse_args(args)
@@ -462,7 +463,7 @@ def main(args: list[str] | None = None) -> int:
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not command:
         ap.error("run: expected a command after --")
-    run_registered(command, a.what)
+    run_registered(command, a.what, nice=a.nice)
     return 0  # not reached
 
 
