@@ -60,7 +60,7 @@ from mtpc.names import MIN_DECODE_WINDOW
 from mtpc.speculative.acceptance import TorchChooser, greedy_target, stop_hits, target_probs
 from mtpc.speculative.loop import DecodeConfig, plain_decode
 
-__all__ = ["OfflineStats", "TeacherForced", "continuations", "decode_and_force", "fused_pass_applies",
+__all__ = ["OfflineStats", "TeacherForced", "contradiction", "continuations", "decode_and_force", "fused_pass_applies",
            "offline_acceptance", "pool_offline", "teacher_force", "token_conditionals"]  # fmt: skip
 
 
@@ -384,6 +384,60 @@ def _passes(backbone: Any, seqs: list[Tensor], batch_size: int):
         out = backbone(ids)
         for r, b in enumerate(rows):
             yield b, backbone.stp_logits(out.verify_hidden[r]), out.draft_hidden[r]
+
+
+# How far a cached byte may score below its row's choice and still count as that choice: the check's
+# pass rounds its products otherwise than the decoding did (float32 near-ties; bf16 far more), so a
+# byte within this share of the row's largest |logit| (+1) is accepted. A rewritten text misses by more.
+NEAR_TIE = {torch.float64: 1e-9, torch.float32: 1e-3}
+NEAR_TIE_LOW = 5e-2  # float16 / bfloat16 logits
+
+
+@torch.inference_mode()
+def contradiction(backbone: Any, prompts: list[Tensor], continuations: list[list[int]], cfg: DecodeConfig,
+                  seeds: list[int] | None = None, batch_size: int = 8) -> str | None:  # fmt: skip
+    """Whether these can be the plain model's continuations, from one verifier pass over prompt + y:
+    None when every byte is the one decoding would choose there, else where the first one is not.
+
+    Greedy: y_t must be the argmax of its row (after the ban), within `NEAR_TIE`. Sampling: y_t must
+    be the draw of prompt i's generator seeded with seeds[i] (`TorchChooser`: `torch.multinomial`,
+    one draw per byte, which takes argmax p / q with q ~ Exp(1) from the generator; the check replays
+    q and accepts y_t when its p / q is the row's largest within `NEAR_TIE`, over temperature). A
+    continuation the config cannot produce at all (ids outside the vocabulary, too long, bytes after
+    a stop id, unfinished) is reported the same way. Costs one pass (`teacher_force` without the head).
+    """
+    try:
+        _check_continuations(prompts, continuations, cfg, backbone.vocab_size, backbone.max_context)
+    except ValueError as e:
+        return str(e)
+    sample = cfg.mode == "sample"
+    if sample and (seeds is None or len(seeds) != len(prompts)):
+        raise ValueError(f"seeds: sampling needs one seed per prompt ({len(prompts)}), got {seeds!r}")
+    dev = backbone.device
+    seqs = [torch.cat([p.to(dev, torch.long), torch.tensor(y[:-1], dtype=torch.long, device=dev)])
+            for p, y in zip(prompts, continuations, strict=True)]  # fmt: skip
+    for b, all_logits, _ in _passes(backbone, seqs, batch_size):
+        L, T = prompts[b].shape[0], len(continuations[b])
+        logits = all_logits[L - 1 : L + T - 1]  # (T, v): the rows y_0..y_{T-1} were chosen from
+        y = torch.tensor(continuations[b], dtype=torch.long, device=dev).unsqueeze(-1)  # (T, 1)
+        tol = NEAR_TIE.get(logits.dtype, NEAR_TIE_LOW) * (1 + logits.double().abs().amax(-1))  # (T,)
+        if sample:
+            p = target_probs(logits, cfg.temperature, cfg.top_p, cfg.banned)  # (T, v) as the chooser saw it
+            gen = torch.Generator(device=dev)
+            gen.manual_seed(int(seeds[b]))  # type: ignore[index]
+            q = torch.stack([torch.empty_like(p[t]).exponential_(1, generator=gen) for t in range(T)])
+            score, tol = p.double().log() - q.double().log(), tol / cfg.temperature  # (T, v) log p / q
+        else:
+            score = logits.double()
+            if cfg.banned is not None:
+                score[:, cfg.banned] = float("-inf")
+        gap = score.amax(-1) - score.gather(-1, y)[:, 0]  # (T,) inf for a byte of probability 0
+        bad = (gap > tol).nonzero().flatten()
+        if bad.numel():
+            t = int(bad[0])
+            what = f"seed {int(seeds[b])}'s draw" if sample else "the greedy choice"  # type: ignore[index]
+            return f"prompt {b}, byte {t}: id {continuations[b][t]} is not {what} (scores {float(gap[t]):.3g} below it)"
+    return None
 
 
 @torch.inference_mode()
