@@ -63,7 +63,7 @@ from torch import Tensor
 from mtpc.atomic import remove_stale_temps, write_json
 from mtpc.paths import cache_dir
 
-__all__ = ["CODE_VERSION", "ENV_VAR", "SAMPLE", "cache_root", "cached_continuations", "continuation_key",
+__all__ = ["CODE_VERSION", "ENV_VAR", "SAMPLE", "cache_root", "cached_continuations", "cached_pass", "continuation_key",
            "entry_path", "weights_fingerprint"]  # fmt: skip
 
 CODE_VERSION = 4
@@ -203,8 +203,8 @@ def _impossible(backbone: Any, prompts: list[Tensor], ys: list[list[int]], cfg: 
 
 def cached_continuations(backbone: Any, prompts: list[Tensor], cfg: Any, seeds: list[int] | None = None,
                          batch_size: int = 1, *, cache: bool = True, root: Path | None = None,
-                         compute: Callable[[], list[list[int]]] | None = None,
-                         verify: bool = True) -> list[list[int]]:  # fmt: skip
+                         compute: Callable[[], list[list[int]]] | None = None, verify: bool = True,
+                         check: Callable[[list[list[int]]], str | None] | None = None) -> list[list[int]]:  # fmt: skip
     """`offline.continuations(backbone, prompts, cfg, seeds, batch_size)`, read from the cache when an
     entry with this key exists, else computed (once, under the key's file lock) and stored.
     cache=False: computed, nothing read or written. compute: what computes them, when the caller
@@ -214,7 +214,8 @@ def cached_continuations(backbone: Any, prompts: list[Tensor], cfg: Any, seeds: 
     An entry read is checked before it is returned: contents the config cannot produce (ids outside
     the vocabulary, longer than max_new_tokens, ...) and, without `compute`, any byte the verifier
     contradicts (`offline.contradiction`: one verifier pass; verify=False skips it, for a caller that
-    checks the bytes against its own pass) give one warning line naming the file, and the
+    checks the bytes against its own pass; check: what checks them instead, -> why not or None, as
+    `cached_pass` does on the pass it needs anyway) give one warning line naming the file, and the
     continuations are recomputed and stored again."""
     from filelock import FileLock
 
@@ -246,6 +247,8 @@ def cached_continuations(backbone: Any, prompts: list[Tensor], cfg: Any, seeds: 
             fresh = compute() if given else None
             if fresh is not None:
                 why = None if fresh == ys else "its bytes differ from the ones computed now"
+            elif check is not None:
+                why = _impossible(backbone, prompts, ys, cfg) or check(ys)
             elif verify:
                 why = offline.contradiction(backbone, prompts, ys, cfg, seeds)
             else:
@@ -265,3 +268,24 @@ def cached_continuations(backbone: Any, prompts: list[Tensor], cfg: Any, seeds: 
         return ys
     finally:
         lock.release()
+
+
+def cached_pass(backbone: Any, prompts: list[Tensor], cfg: Any, seeds: list[int] | None = None,
+                batch_size: int = 1, *, cache: bool = True, root: Path | None = None,
+                force_batch: int = 8) -> Any:  # fmt: skip
+    """`offline.teacher_force` over `cached_continuations(...)` (-> `TeacherForced`), an entry read
+    checked on that very pass (`teacher_force(check=True)`) rather than on one of its own: for an
+    evaluation that needs the pass anyway, a hit costs one pass, not two. force_batch: the pass's
+    batch size on the HF layers."""
+    from mtpc.speculative import offline
+
+    seen = []
+
+    def check(ys: list[list[int]]) -> str | None:
+        seen.append(offline.teacher_force(backbone, prompts, ys, cfg, force_batch, seeds=seeds, check=True))
+        return seen[-1].contradiction
+
+    ys = cached_continuations(backbone, prompts, cfg, seeds, batch_size, cache=cache, root=root, check=check)
+    if seen and seen[-1].contradiction is None:
+        return seen[-1]  # the entry read, trusted on its pass
+    return offline.teacher_force(backbone, prompts, ys, cfg, force_batch)

@@ -83,6 +83,7 @@ class TeacherForced:
     hidden: list[Tensor]
     log_p: list[Tensor] | None
     argmax_agrees: list[Tensor] | None
+    contradiction: str | None = None  # teacher_force(check=True): the first byte decoding would not choose
 
 
 @dataclass
@@ -404,40 +405,57 @@ def contradiction(backbone: Any, prompts: list[Tensor], continuations: list[list
     one draw per byte, which takes argmax p / q with q ~ Exp(1) from the generator; the check replays
     q and accepts y_t when its p / q is the row's largest within `NEAR_TIE`, over temperature). A
     continuation the config cannot produce at all (ids outside the vocabulary, too long, bytes after
-    a stop id, unfinished) is reported the same way. Costs one pass (`teacher_force` without the head).
+    a stop id, unfinished) is reported the same way. Costs one pass: `teacher_force(..., seeds,
+    check=True)` does the same check on the pass it computes anyway (`TeacherForced.contradiction`).
     """
     try:
         _check_continuations(prompts, continuations, cfg, backbone.vocab_size, backbone.max_context)
     except ValueError as e:
         return str(e)
-    sample = cfg.mode == "sample"
-    if sample and (seeds is None or len(seeds) != len(prompts)):
-        raise ValueError(f"seeds: sampling needs one seed per prompt ({len(prompts)}), got {seeds!r}")
+    _check_seeds(cfg, seeds, len(prompts))
     dev = backbone.device
-    seqs = [torch.cat([p.to(dev, torch.long), torch.tensor(y[:-1], dtype=torch.long, device=dev)])
-            for p, y in zip(prompts, continuations, strict=True)]  # fmt: skip
-    for b, all_logits, _ in _passes(backbone, seqs, batch_size):
+    for b, all_logits, _ in _passes(backbone, _forced_inputs(prompts, continuations, dev), batch_size):
         L, T = prompts[b].shape[0], len(continuations[b])
-        logits = all_logits[L - 1 : L + T - 1]  # (T, v): the rows y_0..y_{T-1} were chosen from
-        y = torch.tensor(continuations[b], dtype=torch.long, device=dev).unsqueeze(-1)  # (T, 1)
-        tol = NEAR_TIE.get(logits.dtype, NEAR_TIE_LOW) * (1 + logits.double().abs().amax(-1))  # (T,)
-        if sample:
-            p = target_probs(logits, cfg.temperature, cfg.top_p, cfg.banned)  # (T, v) as the chooser saw it
-            gen = torch.Generator(device=dev)
-            gen.manual_seed(int(seeds[b]))  # type: ignore[index]
-            q = torch.stack([torch.empty_like(p[t]).exponential_(1, generator=gen) for t in range(T)])
-            score, tol = p.double().log() - q.double().log(), tol / cfg.temperature  # (T, v) log p / q
-        else:
-            score = logits.double()
-            if cfg.banned is not None:
-                score[:, cfg.banned] = float("-inf")
-        gap = score.amax(-1) - score.gather(-1, y)[:, 0]  # (T,) inf for a byte of probability 0
-        bad = (gap > tol).nonzero().flatten()
-        if bad.numel():
-            t = int(bad[0])
-            what = f"seed {int(seeds[b])}'s draw" if sample else "the greedy choice"  # type: ignore[index]
-            return f"prompt {b}, byte {t}: id {continuations[b][t]} is not {what} (scores {float(gap[t]):.3g} below it)"
+        why = _contradicted(all_logits[L - 1 : L + T - 1], continuations[b], cfg, seeds, b)
+        if why is not None:
+            return why
     return None
+
+
+def _check_seeds(cfg: DecodeConfig, seeds: list[int] | None, n: int) -> None:
+    if cfg.mode == "sample" and (seeds is None or len(seeds) != n):
+        raise ValueError(f"seeds: sampling needs one seed per prompt ({n}), got {seeds!r}")
+
+
+def _forced_inputs(prompts: list[Tensor], continuations: list[list[int]], dev: Any) -> list[Tensor]:
+    """prompt + y without y's last byte (it needs no state) per prompt, on `dev`."""
+    return [torch.cat([p.to(dev, torch.long), torch.tensor(y[:-1], dtype=torch.long, device=dev)])
+            for p, y in zip(prompts, continuations, strict=True)]  # fmt: skip
+
+
+def _contradicted(logits: Tensor, ys: list[int], cfg: DecodeConfig, seeds: list[int] | None, b: int) -> str | None:
+    """The first byte of prompt b's continuation `ys` that its verifier rows `logits` (T, v) contradict
+    (`contradiction`), or None."""
+    sample = cfg.mode == "sample"
+    y = torch.tensor(ys, dtype=torch.long, device=logits.device).unsqueeze(-1)  # (T, 1)
+    tol = NEAR_TIE.get(logits.dtype, NEAR_TIE_LOW) * (1 + logits.double().abs().amax(-1))  # (T,)
+    if sample:
+        p = target_probs(logits, cfg.temperature, cfg.top_p, cfg.banned)  # (T, v) as the chooser saw them
+        gen = torch.Generator(device=logits.device)
+        gen.manual_seed(int(seeds[b]))  # type: ignore[index]
+        q = torch.stack([torch.empty_like(p[t]).exponential_(1, generator=gen) for t in range(len(ys))])
+        score, tol = p.double().log() - q.double().log(), tol / cfg.temperature  # (T, v) log p / q
+    else:
+        score = logits.double()
+        if cfg.banned is not None:
+            score[:, cfg.banned] = float("-inf")
+    gap = score.amax(-1) - score.gather(-1, y)[:, 0]  # (T,) inf for a byte of probability 0
+    bad = (gap > tol).nonzero().flatten()
+    if not bad.numel():
+        return None
+    t = int(bad[0])
+    what = f"seed {int(seeds[b])}'s draw" if sample else "the greedy choice"  # type: ignore[index]
+    return f"prompt {b}, byte {t}: id {ys[t]} is not {what} (scores {float(gap[t]):.3g} below it)"
 
 
 @torch.inference_mode()
@@ -447,8 +465,14 @@ def teacher_force(
     continuations: list[list[int]],
     cfg: DecodeConfig,
     batch_size: int = 8,
+    seeds: list[int] | None = None,
+    check: bool = False,
 ) -> TeacherForced:
     """One forward pass (trunk, verifier top, draft top) over every prompt + continuation.
+
+    check: also check on this pass that every byte is the one plain decoding (with `seeds` when
+    sampling) chooses there, as `contradiction` does; the first one that is not goes to
+    `TeacherForced.contradiction` (None: all are).
 
     On the compact Llama forward (the loop's engine) one sequence per call; else the adapter's
     HF layers, batch_size sequences per call (sorted by length, right-padded: causal attention
@@ -459,24 +483,27 @@ def teacher_force(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     _check_continuations(prompts, continuations, cfg, backbone.vocab_size, backbone.max_context)
+    if check:
+        _check_seeds(cfg, seeds, len(prompts))
     dev = backbone.device
     n_prompts = len(prompts)
     hidden: list[Tensor | None] = [None] * n_prompts
     log_p: list[Tensor | None] = [None] * n_prompts
     agrees: list[Tensor | None] = [None] * n_prompts
-    seqs = [torch.cat([p.to(dev, torch.long), torch.tensor(y[:-1], dtype=torch.long, device=dev)])
-            for p, y in zip(prompts, continuations, strict=True)]  # fmt: skip  # the last byte needs no state
-    for b, all_logits, draft_hidden in _passes(backbone, seqs, batch_size):
+    found: dict[int, str] = {}  # prompt -> its first contradicted byte (check)
+    for b, all_logits, draft_hidden in _passes(backbone, _forced_inputs(prompts, continuations, dev), batch_size):
         L, T = prompts[b].shape[0], len(continuations[b])
         hidden[b] = draft_hidden[L - 1 : L + T - 2].clone()  # (T-1, d)
         logits = all_logits[L - 1 : L + T - 1]  # (T, v): the rows for y_0..y_{T-1}
+        if check and (why := _contradicted(logits, continuations[b], cfg, seeds, b)) is not None:
+            found[b] = why
         y = torch.tensor(continuations[b], dtype=torch.long, device=dev)
         if cfg.mode == "greedy":
             agrees[b] = greedy_target(logits, cfg.banned) == y
         else:
             p = target_probs(logits, cfg.temperature, cfg.top_p, cfg.banned)
             p = p.gather(-1, y.unsqueeze(-1))[:, 0]  # (T,) p(y_t)
-            if bool((p <= 0).any()):
+            if bool((p <= 0).any()) and b not in found:  # (check: reported, not raised)
                 t = int((p <= 0).nonzero()[0])
                 raise ValueError(
                     f"continuations[{b}]: byte {t} (id {int(y[t])}) has probability 0 under temperature="
@@ -492,6 +519,7 @@ def teacher_force(
         hidden=hidden,  # type: ignore[arg-type]
         log_p=None if greedy else log_p,  # type: ignore[arg-type]
         argmax_agrees=agrees if greedy else None,  # type: ignore[arg-type]
+        contradiction=found[min(found)] if found else None,
     )
 
 

@@ -216,6 +216,40 @@ def test_an_entry_with_impossible_contents_is_recomputed_not_a_permanent_error(c
     offline.teacher_force(bb, prompts, ys, cfg)  # what the evaluation does next: no error
 
 
+@pytest.mark.parametrize("engine", ["compact", "hf"])
+@pytest.mark.parametrize("mode", ["greedy", "sample"])
+def test_cached_pass_checks_a_hit_on_the_pass_it_returns(counted, monkeypatch, mode, engine):
+    """`cached_pass`: the entry read is checked on the teacher-forced pass the evaluation needs anyway
+    (one pass a hit); a rewritten entry (top_p 0.5: forged bytes of probability 0, which teacher_force
+    alone refuses) is named, recomputed and overwritten, and the pass runs over the recomputed texts."""
+    from mtpc.speculative.continuation_cache import cached_pass
+
+    bb = _peaked_backbone(1, vocab=6, engine=engine)
+    prompts, cfg, seeds = _prompts(6, 3, seed=4), _cfg(bb, mode=mode, top_p=0.5), [7, 8, 9]
+    passes = []
+    real = offline._passes
+    monkeypatch.setattr(offline, "_passes", lambda *a, **kw: passes.append(1) or real(*a, **kw))
+    ys = cached_pass(bb, prompts, cfg, seeds).continuations
+    ref = offline.teacher_force(bb, prompts, ys, cfg)
+    passes.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tf = cached_pass(bb, prompts, cfg, seeds)
+    assert len(passes) == 1 and len(counted) == 1 and tf.contradiction is None and tf.continuations == ys
+    assert all(torch.equal(a, b) for a, b in zip(tf.hidden, ref.hidden, strict=True))
+    (path,) = cache_root().glob("*.json")
+    _rewrite(path, [ys[0], ys[1], _plausible(ys[2], 6, bb.eos_token_id)])
+    with pytest.warns(UserWarning) as rec:
+        tf = cached_pass(bb, prompts, cfg, seeds)
+    msgs = [str(w.message) for w in rec]
+    assert len(msgs) == 1 and str(path) in msgs[0] and "prompt 2, byte" in msgs[0], msgs
+    assert tf.continuations == ys and len(counted) == 2 and tf.contradiction is None
+    assert all(torch.equal(a, b) for a, b in zip(tf.hidden, ref.hidden, strict=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cached_pass(bb, prompts, cfg, seeds).continuations == ys and len(counted) == 2
+
+
 _WORKER = """
 import sys, time, torch
 from mtpc.speculative import offline
