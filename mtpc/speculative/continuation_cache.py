@@ -41,8 +41,10 @@ lock per key (`<key>.lock`, released by the OS if its holder dies) lets one comp
 waits, then reads. A cache directory that cannot be written warns once per call and computes
 without caching.
 
-Leaves out: the teacher-forced pass (it depends on the head's LoRA top; computed per evaluation, so a
-hit costs that pass twice: the check's and the evaluation's) and
+`cached_pass` returns the continuations' teacher-forced pass as well and checks a hit on that very
+pass (a caller that needs the pass anyway pays one, not the check's and its own).
+
+Leaves out: the head's side of the evaluation (offline.py) and
 eviction (entries are small: about 4 bytes per generated id; delete the directory to clear it).
 """
 
