@@ -445,12 +445,14 @@ def save_head(directory: str | Path, head: MtpcHead, lora_state: dict[str, Tenso
 
 
 def load_head(
-    directory: str | Path, *, device=None, dtype: torch.dtype | None = None
+    directory: str | Path, *, device=None, dtype: torch.dtype | None = None, allow_unverified: bool = False
 ) -> tuple[MtpcHead, dict[str, Tensor] | None]:
     """Read a `save_head` directory -> (head, lora_state or None). No Lightning needed.
 
     A path that is not a directory raises FileNotFoundError saying so; a directory without the
-    export's files, or with bad ones, raises ValueError naming the file.
+    export's files, or with bad ones, raises ValueError naming the file. An export whose config.json
+    records no `sha256` (written before 2026-12-02, or with the key stripped) is refused unless
+    `allow_unverified=True`; `migrate_head(directory)` re-exports such a head with its checksums.
 
     Every tensor is checked against the shapes the config implies before loading, so a config
     that does not match its tensors fails with a ValueError naming the tensor.
@@ -473,7 +475,7 @@ def load_head(
     version = raw.pop("format_version", None)
     if version != FORMAT_VERSION:
         raise ValueError(f"{config_path}: format_version {version!r} is not supported; expected {FORMAT_VERSION}")
-    _check_sha256(directory, raw.pop(SHA256_KEY, None), config_path)
+    _check_sha256(directory, raw.pop(SHA256_KEY, None), config_path, allow_unverified)
     config = HeadConfig.from_dict(raw, where=str(config_path))
     state = _read_tensors(head_path)
     head = MtpcHead(config, device="meta")
@@ -503,10 +505,29 @@ def load_head(
     return head, lora_state
 
 
-def _check_sha256(directory: Path, digests: object, config_path: Path) -> None:
-    """The tensor files against the SHA-256s config.json records (exports without them predate the check)."""
+def migrate_head(directory: str | Path) -> Path:
+    """Re-export a head in place with the SHA-256s `load_head` checks: for an export written before
+    they were recorded (2026-12-02) whose files you trust. Same tensors, atomic writes.
+
+        python -c "from mtpc.heads import migrate_head; migrate_head('runs/<name>/head')"
+    """
+    head, lora_state = load_head(directory, allow_unverified=True)
+    return save_head(directory, head, lora_state)
+
+
+def _check_sha256(directory: Path, digests: object, config_path: Path, allow_unverified: bool = False) -> None:
+    """The tensor files against the SHA-256s config.json records. None (an export from before
+    2026-12-02, or one whose key was stripped to pass replaced tensors off as older) is refused
+    unless the caller opts in."""
     if digests is None:
-        return
+        if allow_unverified:
+            return
+        raise ValueError(
+            f"{config_path}: no {SHA256_KEY!r} for the tensor files, so they cannot be verified (an export from "
+            "before 2026-12-02, or a stripped one); if you trust its files, re-export it with "
+            f"`python -c \"from mtpc.heads import migrate_head; migrate_head('{directory}')\"` "
+            "or load it with allow_unverified=True"
+        )
     if not isinstance(digests, dict):
         raise ValueError(f"{config_path}: {SHA256_KEY!r} must map file names to SHA-256 digests")
     present = {HEAD_FILE, LORA_FILE} & {p.name for p in directory.iterdir()}

@@ -51,8 +51,11 @@ def verify_shipped(directory: str | Path = SHIPPED_DIR) -> str:
     label = default_label(directory)
     try:
         files = json.loads((directory / MANIFEST).read_text())["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise ValueError(f"default backbone: {directory / MANIFEST} is not a manifest ({e})") from None
+    if not (isinstance(files, dict) and all(isinstance(n, str) and isinstance(d, str) for n, d in files.items())):
+        raise ValueError(f"default backbone: {directory / MANIFEST}: \"files\" must map file names to SHA-256 "
+                         f"digests, got {type(files).__name__}; restore it with git checkout")
     extra = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != MANIFEST and p.name not in files)
     if extra:
         raise ValueError(f"default backbone: {directory / extra[0]} is not listed in {MANIFEST} "

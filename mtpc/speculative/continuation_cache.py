@@ -29,12 +29,22 @@ The key is the SHA-256 of (each part below, as canonical JSON):
 An entry holds the key, the parts above (readable) and the continuations, with the SHA-256 of key and
 continuations; it is written atomically (mtpc.atomic). On read an entry that does not parse, names
 another key or fails its checksum is never trusted: one warning line names the file, and the
-continuations are recomputed and written again. Two processes asking for one key at once: a file
+continuations are recomputed and written again. The checksum catches damage, not a writer who
+recomputes it (`_checksum` is public knowledge): so an entry that passes it is also checked against
+the model before it is returned, and fails the same way (named, recomputed, overwritten) when its
+contents are impossible under the config (ids outside the vocabulary, longer than max_new_tokens,
+bytes past a stop id) or when a byte is not what the verifier chooses there
+(`offline.contradiction`: one verifier pass, the argmax for greedy within a float near-tie margin,
+the seed's replayed draw for sampling), or, when the caller computed the bytes anyway (`compute`),
+when they differ. Two processes asking for one key at once: a file
 lock per key (`<key>.lock`, released by the OS if its holder dies) lets one compute while the other
 waits, then reads. A cache directory that cannot be written warns once per call and computes
 without caching.
 
-Leaves out: the teacher-forced pass (it depends on the head's LoRA top; computed per evaluation) and
+`cached_pass` returns the continuations' teacher-forced pass as well and checks a hit on that very
+pass (a caller that needs the pass anyway pays one, not the check's and its own).
+
+Leaves out: the head's side of the evaluation (offline.py) and
 eviction (entries are small: about 4 bytes per generated id; delete the directory to clear it).
 """
 
@@ -55,7 +65,7 @@ from torch import Tensor
 from mtpc.atomic import remove_stale_temps, write_json
 from mtpc.paths import cache_dir
 
-__all__ = ["CODE_VERSION", "ENV_VAR", "SAMPLE", "cache_root", "cached_continuations", "continuation_key",
+__all__ = ["CODE_VERSION", "ENV_VAR", "SAMPLE", "cache_root", "cached_continuations", "cached_pass", "continuation_key",
            "entry_path", "weights_fingerprint"]  # fmt: skip
 
 CODE_VERSION = 4
@@ -182,18 +192,38 @@ def _read(path: Path, key: str, n: int) -> list[list[int]] | None:
     return ys
 
 
+def _impossible(backbone: Any, prompts: list[Tensor], ys: list[list[int]], cfg: Any) -> str | None:
+    """Why `ys` cannot be continuations of `prompts` under `cfg` on this backbone (None when they can)."""
+    from mtpc.speculative.offline import _check_continuations
+
+    try:
+        _check_continuations(prompts, ys, cfg, backbone.vocab_size, backbone.max_context)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def cached_continuations(backbone: Any, prompts: list[Tensor], cfg: Any, seeds: list[int] | None = None,
                          batch_size: int = 1, *, cache: bool = True, root: Path | None = None,
-                         compute: Callable[[], list[list[int]]] | None = None) -> list[list[int]]:  # fmt: skip
+                         compute: Callable[[], list[list[int]]] | None = None, verify: bool = True,
+                         check: Callable[[list[list[int]]], str | None] | None = None) -> list[list[int]]:  # fmt: skip
     """`offline.continuations(backbone, prompts, cfg, seeds, batch_size)`, read from the cache when an
     entry with this key exists, else computed (once, under the key's file lock) and stored.
-    cache=False: computed, nothing read or written. compute: what computes them on a miss, when the
-    caller wants more than the bytes (`offline.decode_and_force`: the same bytes and the pass);
-    it must return exactly what `continuations` would."""
+    cache=False: computed, nothing read or written. compute: what computes them, when the caller
+    computes the bytes anyway (`offline.decode_and_force`: the same bytes and the pass); it must
+    return exactly what `continuations` would; an entry read is compared with its bytes.
+
+    An entry read is checked before it is returned: contents the config cannot produce (ids outside
+    the vocabulary, longer than max_new_tokens, ...) and, without `compute`, any byte the verifier
+    contradicts (`offline.contradiction`: one verifier pass; verify=False skips it, for a caller that
+    checks the bytes against its own pass; check: what checks them instead, -> why not or None, as
+    `cached_pass` does on the pass it needs anyway) give one warning line naming the file, and the
+    continuations are recomputed and stored again."""
     from filelock import FileLock
 
     from mtpc.speculative import offline
 
+    given = compute is not None
     if compute is None:
 
         def compute() -> list[list[int]]:
@@ -216,8 +246,21 @@ def cached_continuations(backbone: Any, prompts: list[Tensor], cfg: Any, seeds: 
         path = entry_path(key, root)
         ys = _read(path, key, len(prompts))
         if ys is not None:
-            return ys
-        ys = compute()
+            fresh = compute() if given else None
+            if fresh is not None:
+                why = None if fresh == ys else "its bytes differ from the ones computed now"
+            elif check is not None:
+                why = _impossible(backbone, prompts, ys, cfg) or check(ys)
+            elif verify:
+                why = offline.contradiction(backbone, prompts, ys, cfg, seeds)
+            else:
+                why = _impossible(backbone, prompts, ys, cfg)
+            if why is None:
+                return ys
+            warnings.warn(f"continuation cache: {path} does not hold this model's continuations ({why}); "
+                          "recomputing it", stacklevel=2)  # fmt: skip
+            ys = fresh
+        ys = compute() if ys is None else ys
         remove_stale_temps(root, path.name)
         entry = {"format": FORMAT, "key": key, "parts": parts, "continuations": ys, "sha256": _checksum(key, ys)}
         try:
@@ -227,3 +270,24 @@ def cached_continuations(backbone: Any, prompts: list[Tensor], cfg: Any, seeds: 
         return ys
     finally:
         lock.release()
+
+
+def cached_pass(backbone: Any, prompts: list[Tensor], cfg: Any, seeds: list[int] | None = None,
+                batch_size: int = 1, *, cache: bool = True, root: Path | None = None,
+                force_batch: int = 8) -> Any:  # fmt: skip
+    """`offline.teacher_force` over `cached_continuations(...)` (-> `TeacherForced`), an entry read
+    checked on that very pass (`teacher_force(check=True)`) rather than on one of its own: for an
+    evaluation that needs the pass anyway, a hit costs one pass, not two. force_batch: the pass's
+    batch size on the HF layers."""
+    from mtpc.speculative import offline
+
+    seen = []
+
+    def check(ys: list[list[int]]) -> str | None:
+        seen.append(offline.teacher_force(backbone, prompts, ys, cfg, force_batch, seeds=seeds, check=True))
+        return seen[-1].contradiction
+
+    ys = cached_continuations(backbone, prompts, cfg, seeds, batch_size, cache=cache, root=root, check=check)
+    if seen and seen[-1].contradiction is None:
+        return seen[-1]  # the entry read, trusted on its pass
+    return offline.teacher_force(backbone, prompts, ys, cfg, force_batch)

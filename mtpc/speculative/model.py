@@ -142,7 +142,7 @@ class MtpcModel:
     @classmethod
     def from_pretrained(
         cls, head_dir: str | Path, backbone: Any = None, *, cuda_graphs: bool | None = None, compile: bool = False,
-        weights: str | None = None, **load_kw: Any,
+        weights: str | None = None, allow_unverified: bool = False, **load_kw: Any,
     ) -> MtpcModel:  # fmt: skip
         """Load a `save_head` export — or a shipped head: `"default"` (the default backbone's default
         head) or `"shipped:<name>"` (`mtpc.shipped_heads`; a local folder named so is given as a path,
@@ -150,13 +150,14 @@ class MtpcModel:
 
         load_kw go to `mtpc.backbones.load_backbone` when the backbone is loaded here (e.g.
         engine="hf" to decode through the HF layers); cuda_graphs / compile / weights: see the class.
+        allow_unverified: accept an export without SHA-256s (`load_head`; `migrate_head` adds them).
         """
         from mtpc.backbones import load_backbone
         from mtpc.heads import load_head
         from mtpc.shipped_heads import resolve_head
 
         head_dir = resolve_head(head_dir)
-        head, lora_state = load_head(head_dir)
+        head, lora_state = load_head(head_dir, allow_unverified=allow_unverified)
         k = head.config.lora_depth
         if backbone is None:
             if not head.config.backbone:

@@ -60,7 +60,7 @@ from mtpc.names import MIN_DECODE_WINDOW
 from mtpc.speculative.acceptance import TorchChooser, greedy_target, stop_hits, target_probs
 from mtpc.speculative.loop import DecodeConfig, plain_decode
 
-__all__ = ["OfflineStats", "TeacherForced", "continuations", "decode_and_force", "fused_pass_applies",
+__all__ = ["OfflineStats", "TeacherForced", "contradiction", "continuations", "decode_and_force", "fused_pass_applies",
            "offline_acceptance", "pool_offline", "teacher_force", "token_conditionals"]  # fmt: skip
 
 
@@ -83,6 +83,7 @@ class TeacherForced:
     hidden: list[Tensor]
     log_p: list[Tensor] | None
     argmax_agrees: list[Tensor] | None
+    contradiction: str | None = None  # teacher_force(check=True): the first byte decoding would not choose
 
 
 @dataclass
@@ -386,6 +387,77 @@ def _passes(backbone: Any, seqs: list[Tensor], batch_size: int):
             yield b, backbone.stp_logits(out.verify_hidden[r]), out.draft_hidden[r]
 
 
+# How far a cached byte may score below its row's choice and still count as that choice: the check's
+# pass rounds its products otherwise than the decoding did (float32 near-ties; bf16 far more), so a
+# byte within this share of the row's largest |logit| (+1) is accepted. A rewritten text misses by more.
+NEAR_TIE = {torch.float64: 1e-9, torch.float32: 1e-3}
+NEAR_TIE_LOW = 5e-2  # float16 / bfloat16 logits
+
+
+@torch.inference_mode()
+def contradiction(backbone: Any, prompts: list[Tensor], continuations: list[list[int]], cfg: DecodeConfig,
+                  seeds: list[int] | None = None, batch_size: int = 8) -> str | None:  # fmt: skip
+    """Whether these can be the plain model's continuations, from one verifier pass over prompt + y:
+    None when every byte is the one decoding would choose there, else where the first one is not.
+
+    Greedy: y_t must be the argmax of its row (after the ban), within `NEAR_TIE`. Sampling: y_t must
+    be the draw of prompt i's generator seeded with seeds[i] (`TorchChooser`: `torch.multinomial`,
+    one draw per byte, which takes argmax p / q with q ~ Exp(1) from the generator; the check replays
+    q and accepts y_t when its p / q is the row's largest within `NEAR_TIE`, over temperature). A
+    continuation the config cannot produce at all (ids outside the vocabulary, too long, bytes after
+    a stop id, unfinished) is reported the same way. Costs one pass: `teacher_force(..., seeds,
+    check=True)` does the same check on the pass it computes anyway (`TeacherForced.contradiction`).
+    """
+    try:
+        _check_continuations(prompts, continuations, cfg, backbone.vocab_size, backbone.max_context)
+    except ValueError as e:
+        return str(e)
+    _check_seeds(cfg, seeds, len(prompts))
+    dev = backbone.device
+    for b, all_logits, _ in _passes(backbone, _forced_inputs(prompts, continuations, dev), batch_size):
+        L, T = prompts[b].shape[0], len(continuations[b])
+        why = _contradicted(all_logits[L - 1 : L + T - 1], continuations[b], cfg, seeds, b)
+        if why is not None:
+            return why
+    return None
+
+
+def _check_seeds(cfg: DecodeConfig, seeds: list[int] | None, n: int) -> None:
+    if cfg.mode == "sample" and (seeds is None or len(seeds) != n):
+        raise ValueError(f"seeds: sampling needs one seed per prompt ({n}), got {seeds!r}")
+
+
+def _forced_inputs(prompts: list[Tensor], continuations: list[list[int]], dev: Any) -> list[Tensor]:
+    """prompt + y without y's last byte (it needs no state) per prompt, on `dev`."""
+    return [torch.cat([p.to(dev, torch.long), torch.tensor(y[:-1], dtype=torch.long, device=dev)])
+            for p, y in zip(prompts, continuations, strict=True)]  # fmt: skip
+
+
+def _contradicted(logits: Tensor, ys: list[int], cfg: DecodeConfig, seeds: list[int] | None, b: int) -> str | None:
+    """The first byte of prompt b's continuation `ys` that its verifier rows `logits` (T, v) contradict
+    (`contradiction`), or None."""
+    sample = cfg.mode == "sample"
+    y = torch.tensor(ys, dtype=torch.long, device=logits.device).unsqueeze(-1)  # (T, 1)
+    tol = NEAR_TIE.get(logits.dtype, NEAR_TIE_LOW) * (1 + logits.double().abs().amax(-1))  # (T,)
+    if sample:
+        p = target_probs(logits, cfg.temperature, cfg.top_p, cfg.banned)  # (T, v) as the chooser saw them
+        gen = torch.Generator(device=logits.device)
+        gen.manual_seed(int(seeds[b]))  # type: ignore[index]
+        q = torch.stack([torch.empty_like(p[t]).exponential_(1, generator=gen) for t in range(len(ys))])
+        score, tol = p.double().log() - q.double().log(), tol / cfg.temperature  # (T, v) log p / q
+    else:
+        score = logits.double()
+        if cfg.banned is not None:
+            score[:, cfg.banned] = float("-inf")
+    gap = score.amax(-1) - score.gather(-1, y)[:, 0]  # (T,) inf for a byte of probability 0
+    bad = (gap > tol).nonzero().flatten()
+    if not bad.numel():
+        return None
+    t = int(bad[0])
+    what = f"seed {int(seeds[b])}'s draw" if sample else "the greedy choice"  # type: ignore[index]
+    return f"prompt {b}, byte {t}: id {ys[t]} is not {what} (scores {float(gap[t]):.3g} below it)"
+
+
 @torch.inference_mode()
 def teacher_force(
     backbone: Any,
@@ -393,8 +465,14 @@ def teacher_force(
     continuations: list[list[int]],
     cfg: DecodeConfig,
     batch_size: int = 8,
+    seeds: list[int] | None = None,
+    check: bool = False,
 ) -> TeacherForced:
     """One forward pass (trunk, verifier top, draft top) over every prompt + continuation.
+
+    check: also check on this pass that every byte is the one plain decoding (with `seeds` when
+    sampling) chooses there, as `contradiction` does; the first one that is not goes to
+    `TeacherForced.contradiction` (None: all are).
 
     On the compact Llama forward (the loop's engine) one sequence per call; else the adapter's
     HF layers, batch_size sequences per call (sorted by length, right-padded: causal attention
@@ -405,24 +483,27 @@ def teacher_force(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     _check_continuations(prompts, continuations, cfg, backbone.vocab_size, backbone.max_context)
+    if check:
+        _check_seeds(cfg, seeds, len(prompts))
     dev = backbone.device
     n_prompts = len(prompts)
     hidden: list[Tensor | None] = [None] * n_prompts
     log_p: list[Tensor | None] = [None] * n_prompts
     agrees: list[Tensor | None] = [None] * n_prompts
-    seqs = [torch.cat([p.to(dev, torch.long), torch.tensor(y[:-1], dtype=torch.long, device=dev)])
-            for p, y in zip(prompts, continuations, strict=True)]  # fmt: skip  # the last byte needs no state
-    for b, all_logits, draft_hidden in _passes(backbone, seqs, batch_size):
+    found: dict[int, str] = {}  # prompt -> its first contradicted byte (check)
+    for b, all_logits, draft_hidden in _passes(backbone, _forced_inputs(prompts, continuations, dev), batch_size):
         L, T = prompts[b].shape[0], len(continuations[b])
         hidden[b] = draft_hidden[L - 1 : L + T - 2].clone()  # (T-1, d)
         logits = all_logits[L - 1 : L + T - 1]  # (T, v): the rows for y_0..y_{T-1}
+        if check and (why := _contradicted(logits, continuations[b], cfg, seeds, b)) is not None:
+            found[b] = why
         y = torch.tensor(continuations[b], dtype=torch.long, device=dev)
         if cfg.mode == "greedy":
             agrees[b] = greedy_target(logits, cfg.banned) == y
         else:
             p = target_probs(logits, cfg.temperature, cfg.top_p, cfg.banned)
             p = p.gather(-1, y.unsqueeze(-1))[:, 0]  # (T,) p(y_t)
-            if bool((p <= 0).any()):
+            if bool((p <= 0).any()) and b not in found:  # (check: reported, not raised)
                 t = int((p <= 0).nonzero()[0])
                 raise ValueError(
                     f"continuations[{b}]: byte {t} (id {int(y[t])}) has probability 0 under temperature="
@@ -438,6 +519,7 @@ def teacher_force(
         hidden=hidden,  # type: ignore[arg-type]
         log_p=None if greedy else log_p,  # type: ignore[arg-type]
         argmax_agrees=agrees if greedy else None,  # type: ignore[arg-type]
+        contradiction=found[min(found)] if found else None,
     )
 
 

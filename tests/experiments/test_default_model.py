@@ -68,3 +68,17 @@ def test_a_head_made_on_another_default_is_refused(tmp_path):
         MtpcModel.from_pretrained(tmp_path / "stale")
     with pytest.raises(ValueError, match=r"default@deadbeef"):
         MtpcModel.from_pretrained(tmp_path / "stale", backbone=bb)
+
+
+@pytest.mark.parametrize("files", [["model-00001.safetensors"], None, {"config.json": 3}])
+def test_a_manifest_whose_files_is_not_a_mapping_is_one_line(tmp_path, files):
+    """`files` a list or null (a hand edit, a bad merge) was an AttributeError/TypeError traceback."""
+    import shutil
+
+    folder = tmp_path / "default_model"
+    shutil.copytree(SHIPPED_DIR, folder)
+    (folder / MANIFEST).write_text(json.dumps({"files": files}))
+    with pytest.raises(ValueError) as err:
+        verify_shipped(folder)
+    msg = str(err.value)
+    assert str(folder / MANIFEST) in msg and "must map file names to SHA-256 digests" in msg and "\n" not in msg

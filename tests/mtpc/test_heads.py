@@ -356,3 +356,31 @@ def test_random_head_is_seeded(init):
     assert float(sums.abs().sum()) > 0
     with pytest.raises(ValueError, match="init: expected one of"):
         random_head(cfg, init="zeros")
+
+
+def test_an_export_without_checksums_is_refused_unless_allowed_and_migrates(tmp_path):
+    """sha256 stripped from config.json and the tensors replaced loaded silently as "an older export"."""
+    from mtpc.heads import migrate_head
+
+    save_head(tmp_path, make_head("cp", r=3))
+    config_path = tmp_path / "config.json"
+    config = json.loads(config_path.read_text())
+    del config["sha256"]
+    config_path.write_text(json.dumps(config))
+    other = make_head("cp", r=3)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.fill_(0.5)  # replaced tensors, as a tamperer would
+    save_head(tmp_path / "other", other)
+    (tmp_path / "head.safetensors").write_bytes((tmp_path / "other" / "head.safetensors").read_bytes())
+    for load in (lambda: load_head(tmp_path), lambda: MtpcModel.from_pretrained(tmp_path, backbone=None)):
+        with pytest.raises(ValueError) as err:
+            load()
+        msg = str(err.value)
+        assert msg.startswith(f"{config_path}: no 'sha256'") and "\n" not in msg
+        assert "migrate_head" in msg and "allow_unverified=True" in msg
+    assert load_head(tmp_path, allow_unverified=True)[0].config == other.config  # the user's explicit choice
+    migrate_head(tmp_path)  # re-exported with checksums: loads without the opt-in
+    assert "sha256" in json.loads(config_path.read_text())
+    loaded, _ = load_head(tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), other.state_dict().values(), strict=True))
