@@ -15,6 +15,9 @@
 #   1. only when .device/train.u8.xz is there (`make device-prep PRETRAIN=1`):
 #      timeout 270 python3 -m experiments.pretrain --config gpu --out /tmp/mtpc_default --ship
 #      then its shards are moved to $OUT and the small files packed into $OUT/default_meta.tar
+#   1b. only when .device/head_train.jsonl is there (`make device-prep` writes it, 16 MiB of training chats):
+#      the shipped head (btree n = 8, r = 16, App. G 16, beta = 0.5) trained for 3 minutes in bf16-mixed,
+#      exported to $OUT/head_btree_n8_r16 (ship it here with experiments.ship_head after measuring it)
 #   2. timeout 150 python3 bench/bench_gpu.py --default-model /tmp/mtpc_default --out $OUT/bench_gpu.json
 #      (the benchmark falls back to the shipped default model if part 1 failed)
 #   3. timeout 60 python3 bench/bench_evabyte_gpu.py --out $OUT/evabyte_gpu.json: a tiny EvaByte from its
@@ -34,6 +37,7 @@ if [ "${MTPC_DEVICE_DRY:-0}" = "1" ]; then
   T0=${MTPC_DRY_TIMEOUT_PRETRAIN:-300}; T1=${MTPC_DRY_TIMEOUT_BENCH:-300}; TINY=--tiny
   T2=${MTPC_DRY_TIMEOUT_EVABYTE:-600}; EVA_ARGS=(--dry --new-bytes 16)
   T3=${MTPC_DRY_TIMEOUT_OFFLINE:-300}; OFFLINE_ARGS=(--device cpu --prompts 2 --max-new-tokens 16)
+  T4=${MTPC_DRY_TIMEOUT_HEAD:-300}; HEAD_ARGS=(--trainer.max_steps 2 --data.max_val_rows 2)
   PRETRAIN_ARGS=(--config gpu --set accelerator=cpu --set precision=32-true --set compile=false --set max_steps=2
                  --set batch_size=2 --set seq_len=256 --set heldout_rows=2 --set warmup_steps=1 --ship-rows 2)  # no GPU here
 else
@@ -42,6 +46,9 @@ else
   T2=60; EVA_ARGS=()
   T3=200; OFFLINE_ARGS=(--device cuda --prompts 32 --max-new-tokens 256 --batch 256 --slot-budget 1048576)
   PRETRAIN_ARGS=(--config gpu)
+  # part 1b: 32 rows of 512 bytes a step in bf16-mixed, stopped by the clock (Lightning's max_time) before its timeout
+  T4=230; HEAD_ARGS=(--trainer.accelerator gpu --trainer.precision bf16-mixed --trainer.max_steps 100000
+                     --trainer.max_time 00:00:03:00 --data.batch_size 32 --data.max_val_rows 64)
 fi
 DEFAULT_OUT=${MTPC_DEFAULT_OUT:-/tmp/mtpc_default}
 if [ "${MTPC_DEVICE_DRY:-0}" != "1" ] && ls .device/whl/*.whl >/dev/null 2>&1; then  # what the image lacks (device_prep)
@@ -91,6 +98,18 @@ fi
 if [ -f "$DEFAULT_OUT/MANIFEST.json" ]; then  # the shipped form: shards as files, the rest in one tar
   cp "$DEFAULT_OUT"/*.safetensors "$OUT"/ && tar -C "$DEFAULT_OUT" --exclude='*.safetensors' -cf "$OUT/default_meta.tar" . \
     && log "part 1 model in \$OUT: $(cd "$DEFAULT_OUT" && ls | tr '\n' ' ')"
+fi
+
+if [ -f .device/head_train.jsonl ]; then  # device_prep writes it unless --no-heads
+  log "part 1b: train the shipped head on the GPU (timeout ${T4}s) -> \$OUT/head_btree_n8_r16"
+  timeout "$T4" "$PY" -m experiments.train fit --config experiments/configs/default.yaml \
+    --model.circuit btree --model.window 8 --model.rank 16 --model.kl_beta 0.5 --model.leaf_delta_rank 16 \
+    --data.source .device/head_train.jsonl --data.val_fraction 0.01 --data.max_train_conversations null \
+    "${HEAD_ARGS[@]}" --run.tracking false --run.checkpoint_every_n_steps 0 \
+    --run.dir /tmp/mtpc_head_run --run.export_dir "$OUT/head_btree_n8_r16" >>"$OUT/device.log" 2>&1
+  log "part 1b exit code $? ($(ls "$OUT/head_btree_n8_r16" 2>/dev/null | tr '\n' ' '))"
+else
+  log "part 1b skipped: no .device/head_train.jsonl (make device-prep writes it)"
 fi
 
 log "part 2: GPU benchmark (timeout ${T1}s)"

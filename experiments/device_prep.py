@@ -123,10 +123,37 @@ def copy_third_party() -> None:
     print("warning: no third_party/evabyte_hf found: device.sh part 3 will fail (set MTPC_THIRD_PARTY)", file=sys.stderr)
 
 
+HEAD_TRAIN = "head_train.jsonl"
+HEAD_TRAIN_MIB = 16
+"""Training conversations carried for the GPU head training (the corpus does not travel)."""
+
+
+def write_head_train(tiny: bool) -> int:
+    """`.device/head_train.jsonl`: the first training conversations of the bundled ShareGPT split (its own
+    order), up to HEAD_TRAIN_MIB MiB (tiny: 64 KiB), for the device call's head training (part 1b).
+    Held-out conversations never travel there, so the heads' held-out figures stay held out."""
+    from mtpc.data import sharegpt_corpus
+
+    budget = (64 << 10) if tiny else HEAD_TRAIN_MIB << 20
+    DEVICE_DIR.mkdir(exist_ok=True)
+    n, size = 0, 0
+    with open(DEVICE_DIR / HEAD_TRAIN, "w", encoding="utf-8") as f:
+        for conv in sharegpt_corpus(progress=False).train:
+            line = json.dumps(conv, ensure_ascii=False) + "\n"
+            if size + len(line.encode()) > budget:
+                break
+            f.write(line)
+            n, size = n + 1, size + len(line.encode())
+    print(f"writing .device/{HEAD_TRAIN} ({n} conversations, {size / 2**20:.1f} MiB)", flush=True)
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.device_prep", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="small streams for the CPU dry-run (implies --pretrain)")
     ap.add_argument("--pretrain", action="store_true", help="the corpus streams: the device call trains a new default")
+    ap.add_argument("--no-heads", action="store_true",
+                    help="leave out the head-training conversations (part 1b of the device call trains the shipped head)")
     args = ap.parse_args(argv)
     if args.pretrain or args.tiny:
         info = build_streams(args.tiny)
@@ -135,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("train.u8.xz", "heldout.u8.xz", "streams.json"):
             (DEVICE_DIR / name).unlink(missing_ok=True)
         info = {"train": 0, "heldout": 0}
+    if args.no_heads:
+        (DEVICE_DIR / HEAD_TRAIN).unlink(missing_ok=True)
+    else:
+        write_head_train(args.tiny)
     fetch_wheels()
     copy_third_party()
     write_offline_inputs()
