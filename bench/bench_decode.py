@@ -13,7 +13,10 @@ Sections (each run in this process, 1 intra-op thread; the JSON keeps sections n
   by side for the step, the verify and the cycle), the HF-layer adapter's step, one step of Hugging Face
   `generate` (greedy, EOS suppressed), the verify pass at n = 8 / 16, head + draft per circuit,
   and the speculative cycle of a btree head n = 8, r = 8, App. G leaves, k = 0; greedy outputs of
-  HF generate, our plain decoding and our speculative decoding compared byte for byte. Times are
+  HF generate, our plain decoding and our speculative decoding compared byte for byte; and the loop's
+  cycle in its parts (verify = feed + crop, head, draft, accept, Python) beside the plain step
+  (`generate_plain` per byte), same rounds, same clock, for a random btree n = 8, r = 16, App. G 16
+  head and the shipped default head when `--model default` (`cycle_parts`). Times are
   this thread's CPU time by default (`--clock cpu`: a shared core's other jobs drop out; memory
   contention does not); generations are timed as (n bytes - 1 byte) / steps or cycles, the same
   way for HF `generate`. `--compile` adds the compact engine under torch.compile.
@@ -112,6 +115,18 @@ def _eos(model) -> int:
 
 
 LAYOUTS = ("onednn", "views", "packed")  # the compact engine's weight layouts; the first is the CPU default
+
+
+def _shipped_head(label: str):
+    """(name, head) of the shipped default head when `label` is the shipped default backbone, else None."""
+    from mtpc.backbones.shipped import SHIPPED_DIR, verify_shipped
+    from mtpc.heads import load_head
+    from mtpc.shipped_heads import read_index, resolve_head, shipped_head_names
+
+    if not shipped_head_names() or label not in ("default", verify_shipped(SHIPPED_DIR)):
+        return None
+    head, _ = load_head(resolve_head("default"))
+    return read_index()["default"], head.float()
 
 
 def engine_section(args) -> dict:
@@ -222,6 +237,35 @@ def engine_section(args) -> dict:
     out["plain_step_ms"] = {k: v for k, v in med.items() if k.startswith("plain_step")}
     out["hf_generate_step_ms"] = med["hf_generate_step"]
     out["rounds_ms"] = {"steps": steps["rounds_ms"], "cycles": rounds}
+
+    # the loop's cycle and its parts beside the plain step, same rounds, same clock (default layout, k = 0):
+    # a random btree n = 8, r = 16, App. G 16 head, and the shipped default head when this is its backbone
+    cycle_heads = {"random_btree_n8_r16_appG16": MtpcModel(bb0, et.make_head(bb0, "btree", 8, 16, 16))}
+    shipped = _shipped_head(label)
+    if shipped is not None:
+        cycle_heads[f"shipped_{shipped[0]}"] = MtpcModel(bb0, shipped[1])
+    parts_rounds: dict[str, list[dict[str, float]]] = {name: [] for name in cycle_heads}
+    step_rounds: list[float] = []
+    plain = models["compact"]
+    with torch.inference_mode():
+        for m in cycle_heads.values():  # warm-up
+            et.cycle_parts(m, prompt, 8, clock)
+        for _ in range(R):
+            t_long = cost(lambda: plain.generate_plain(prompt, max_new_tokens=new, ban_eos=True))
+            t_one = cost(lambda: plain.generate_plain(prompt, max_new_tokens=1, ban_eos=True))
+            step_rounds.append((t_long - t_one) / (new - 1))
+            for name, m in cycle_heads.items():
+                parts_rounds[name].append(et.cycle_parts(m, prompt, new, clock))
+    step_med = statistics.median(step_rounds)
+    out["cycle_parts"] = {"plain_step_ms": step_med, "rounds_plain_step_ms": step_rounds}
+    for name, rows in parts_rounds.items():
+        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        out["cycle_parts"][name] = {
+            "ms": med,
+            "over_plain_step": {k: statistics.median(r[k] / s for r, s in zip(rows, step_rounds, strict=True)) for k in med},
+            "cycle_minus_verify_over_step": statistics.median(
+                (r["cycle"] - r["verify"]) / s for r, s in zip(rows, step_rounds, strict=True)),
+        }  # fmt: skip
 
     # ratios and bars (each variant against the floor / HF step timed in the same rounds)
     r = {"step_over_floor": et.ratio(steps, "compact_k0", "floor"),

@@ -13,6 +13,7 @@ Leaves out: the command lines and JSON layout (the two bench scripts).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -222,6 +223,70 @@ def cycle_ms(model, prompt: torch.Tensor, new: int, **gen_kw) -> tuple[float, An
     """Mean cycle latency (head + draft + verify + accept + crop) of one greedy generation, and its output."""
     out = model.generate(prompt, max_new_tokens=new, ban_eos=True, **gen_kw)
     return out.stats.mu_lat * 1e3, out
+
+
+CYCLE_PARTS = ("verify", "head", "draft", "accept", "python")
+
+
+@contextlib.contextmanager
+def part_clocks(clock: Callable[[], float] = time.thread_time):
+    """Inside the block every decoding loop's parts are timed on `clock` into the yielded dict (seconds):
+    verify (engine.feed + crop), head (HeadDecoder.params), draft (CircuitDrafter), accept (the loop's
+    verify / target / testable functions). What a generation takes beyond them is its Python."""
+    from unittest import mock
+
+    from mtpc.heads import HeadDecoder
+    from mtpc.speculative import loop
+    from mtpc.speculative.model import MtpcModel
+
+    acc = dict.fromkeys(CYCLE_PARTS[:-1], 0.0)
+
+    def timed_fn(fn: Callable, part: str) -> Callable:
+        def run(*a: Any, **k: Any) -> Any:
+            t0 = clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[part] += clock() - t0
+        return run
+
+    make_engine = MtpcModel.engine
+
+    def engine(self: Any, *a: Any, **k: Any) -> Any:
+        eng = make_engine(self, *a, **k)
+        eng.feed, eng.crop = timed_fn(eng.feed, "verify"), timed_fn(eng.crop, "verify")
+        return eng
+
+    accept = [n for n in ("greedy_verify", "sample_verify", "greedy_target", "target_probs", "testable_drafts")
+              if hasattr(loop, n)]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(MtpcModel, "engine", engine))
+        stack.enter_context(mock.patch.object(HeadDecoder, "params", timed_fn(HeadDecoder.params, "head")))
+        stack.enter_context(mock.patch.object(loop.CircuitDrafter, "__call__", timed_fn(loop.CircuitDrafter.__call__, "draft")))
+        for name in accept:
+            stack.enter_context(mock.patch.object(loop, name, timed_fn(getattr(loop, name), "accept")))
+        yield acc
+
+
+def cycle_parts(model: Any, prompt: torch.Tensor, new: int, clock: Callable[[], float] = time.thread_time,
+                **gen_kw: Any) -> dict[str, float]:
+    """ms per cycle of each part of the loop (CYCLE_PARTS) and of the whole cycle, on `clock`: a
+    generation of `new` bytes minus one of 1 byte (the prefill and set-up cancel), divided by its
+    cycles. The parts' timers cost a little time themselves (in `python`)."""
+    def run(n: int) -> tuple[dict[str, float], float, Any]:
+        with part_clocks(clock) as acc:
+            t0 = clock()
+            out = model.generate(prompt, max_new_tokens=n, ban_eos=True, **gen_kw)
+            total = clock() - t0
+        return dict(acc), total, out
+
+    long_parts, long_total, out = run(new)
+    one_parts, one_total, one = run(1)
+    cycles = out.stats.cycles - one.stats.cycles
+    res = {k: (long_parts[k] - one_parts[k]) * 1e3 / cycles for k in long_parts}
+    res["cycle"] = (long_total - one_total) * 1e3 / cycles
+    res["python"] = res["cycle"] - sum(res[k] for k in CYCLE_PARTS[:-1])
+    return res
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

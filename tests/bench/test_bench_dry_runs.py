@@ -44,6 +44,11 @@ def test_bench_decode_engine_section(tmp_path):
     assert set(eng["bars"]) == set(bench_decode.BARS)
     assert eng["identity"]["compact"]["spec_eq_plain"] == 1 and eng["identity"]["compact"]["plain_eq_hf"] == 1
     assert all(v > 0 for v in eng["step_ms"].values())
+    parts = eng["cycle_parts"]["random_btree_n8_r16_appG16"]  # the loop's cycle in parts beside the plain step
+    assert set(parts["ms"]) == {"verify", "head", "draft", "accept", "python", "cycle"}
+    assert all(parts["ms"][k] > 0 for k in ("verify", "head", "draft", "accept", "cycle"))
+    assert parts["ms"]["cycle"] == pytest.approx(sum(parts["ms"][k] for k in ("verify", "head", "draft", "accept", "python")))
+    assert parts["cycle_minus_verify_over_step"] > 0 and eng["cycle_parts"]["plain_step_ms"] > 0
     sys.modules.pop("bench_decode", None)
 
 
