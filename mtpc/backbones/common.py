@@ -1,4 +1,4 @@
-"""What every backbone family shares: the `Backbone` protocol, `SplitOutput`, the LoRA draft top.
+"""What every backbone family shares: the `Backbone` protocol, `SplitOutput`, `StepOutput`, the LoRA draft top.
 
 A family is one adapter class (`hf_llama.BackboneAdapter` for Llama-architecture models,
 `evabyte.EvaByteAdapter` for EvaByte) and one line in `registry.py`; docs/backbones.md lists what
@@ -25,6 +25,14 @@ class SplitOutput:
     verify_hidden: torch.Tensor  # (B, T, d)
     draft_hidden: torch.Tensor  # (B, T, d); the same tensor as verify_hidden when k == 0
 
+
+@dataclass
+class StepOutput:
+    """What one engine call (`Engine.feed`) returns for the fed positions; both engines
+    (engine.AdapterEngine, llama.LlamaEngine) build it, so it lives below them."""
+
+    p_logits: torch.Tensor  # (T, v) verifier (STP) logits
+    draft_hidden: torch.Tensor  # (T, d) input of the head (the verifier's e_t when lora_depth == 0)
 
 
 @runtime_checkable

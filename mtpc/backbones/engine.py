@@ -14,21 +14,13 @@ Leaves out: the adapters themselves (hf_llama.py, evabyte.py) and the decoding c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
+from mtpc.backbones.common import StepOutput
 from mtpc.names import DECODE_ENGINES
-
-
-@dataclass
-class StepOutput:
-    """What one backbone call returns for the fed positions."""
-
-    p_logits: Tensor  # (T, v) verifier (STP) logits
-    draft_hidden: Tensor  # (T, d) input of the head (the verifier's e_t when lora_depth == 0)
 
 
 class Engine(Protocol):
