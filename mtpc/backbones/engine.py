@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from mtpc.backbones.common import StepOutput
+from mtpc.backbones.common import Backbone, StepOutput
 from mtpc.names import DECODE_ENGINES
 
 
@@ -37,7 +37,7 @@ class Engine(Protocol):
 class AdapterEngine:
     """An `Engine` on a backbone adapter's HF layers (trunk + verifier top + draft top, one cache object)."""
 
-    def __init__(self, backbone: Any, capacity: int = 0):
+    def __init__(self, backbone: Backbone, capacity: int = 0):
         self.backbone = backbone
         self.reset(capacity)
 
@@ -72,14 +72,14 @@ def resolve_engine_kind(engine: str, model: Any) -> str:
     return "hf" if reason else "compact"
 
 
-def verifier_only(backbone: Any) -> Any:
+def verifier_only(backbone: Backbone) -> Backbone:
     """The same weights without the draft top (an adapter with lora_depth = 0), so the plain
     baseline does not pay for it."""
     return backbone.without_draft() if backbone.lora_depth > 0 else backbone
 
 
 def make_engine(
-    backbone: Any, capacity: int = 0, draft: bool = True, cuda_graphs: bool | None = None, **kw: Any
+    backbone: Backbone, capacity: int = 0, draft: bool = True, cuda_graphs: bool | None = None, **kw: Any
 ):
     """The engine for `backbone` (its `engine` attribute picks compact or HF layers).
 
