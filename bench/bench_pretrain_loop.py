@@ -13,7 +13,7 @@ loop (`ours`), and the FLOP/s from the PaLM count. Variants, each differing from
 - `hf_labels`: transformers' own `labels=` loss (no document mask) — the plain loop of the reference;
 - `lightning`: the same step inside `lightning.Trainer.fit` (the old loop's framework), per-step time
   between batch starts, so its hooks, logging and progress are inside the figure;
-- `data`: building a batch from the packed rows (`_Rows.batch`), alone.
+- `data`: building a batch from the packed rows (`TrainRows.batch`), alone.
 
 The background pre-training (if any) is paused while this runs (experiments.background).
 """
@@ -26,10 +26,14 @@ import statistics
 import time
 
 import torch
+from transformers import LlamaForCausalLM
 
-from experiments import pretrain as pt
 from experiments.background import timing
-from mtpc.data import sharegpt_corpus
+from experiments.pretraining.config import PretrainConfig
+from experiments.pretraining.data import TrainRows, summed_nll
+from experiments.pretraining.loop import model_flops_per_byte
+from mtpc.data import pack, sharegpt_corpus
+from mtpc.tokenizer import ByteTokenizer
 from tracking.runs import machine
 
 SHAPE = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=1024, max_context=4096)
@@ -37,7 +41,7 @@ SHAPE = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, interme
 
 def _model(seed: int = 0):
     torch.manual_seed(seed)
-    m = pt.LlamaForCausalLM(pt.PretrainConfig(**SHAPE).llama_config())
+    m = LlamaForCausalLM(PretrainConfig(**SHAPE).llama_config())
     return m, torch.optim.AdamW(m.parameters(), lr=1e-4)
 
 
@@ -46,7 +50,7 @@ def _step(model, opt, ids, doc, bf16: bool, labels: bool = False):
         if labels:
             loss = model(input_ids=ids, labels=ids).loss
         else:
-            nll, n = pt.summed_nll(model, ids, doc)
+            nll, n = summed_nll(model, ids, doc)
             loss = nll / max(n, 1)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -63,7 +67,7 @@ def _lightning_times(model, opt, batches, bf16: bool) -> list[float]:
             self.model = model
 
         def training_step(self, batch, i):
-            nll, n = pt.summed_nll(self.model, *batch)
+            nll, n = summed_nll(self.model, *batch)
             loss = nll / max(n, 1)
             self.log("bpb", loss, prog_bar=True)
             return loss
@@ -89,7 +93,7 @@ def _lightning_times(model, opt, batches, bf16: bool) -> list[float]:
 
 def measure(rounds: int, steps: int, threads: int) -> dict:
     corpus = sharegpt_corpus(progress=False).train[:400]
-    rows = {s: pt._Rows(pt.pack(corpus, pt.ByteTokenizer(), s, max_rows=64), b, 0) for s, b in ((512, 8), (2048, 2))}
+    rows = {s: TrainRows(pack(corpus, ByteTokenizer(), s, max_rows=64), b, 0) for s, b in ((512, 8), (2048, 2))}
     variants = {
         "ours": dict(seq=512, threads=threads, bf16=True),
         "ours_1thread": dict(seq=512, threads=1, bf16=True),
@@ -116,7 +120,7 @@ def measure(rounds: int, steps: int, threads: int) -> dict:
     for i in range(200):
         rows[512].batch(i)
     data_s = (time.perf_counter() - t) / 200
-    flops = lambda seq: pt.model_flops_per_byte(_model()[0], pt.PretrainConfig(**SHAPE, seq_len=seq))
+    flops = lambda seq: model_flops_per_byte(_model()[0], PretrainConfig(**SHAPE, seq_len=seq))
     out = {}
     for name, v in variants.items():
         med = statistics.median(times[name])

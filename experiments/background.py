@@ -8,7 +8,7 @@ Everything in the suite that times something — the evaluation's latency phase
 - every process that registered as pausable background work (a `--background` pre-training, a head
   training started by `python -m experiments.background run -- ...`) is stopped (SIGSTOP) for the
   duration and continued (SIGCONT) afterwards. The pre-training counts only active time against its
-  budget (`experiments.pretrain._Clock`), so the pauses cost it nothing but wall time.
+  budget (`experiments.pretraining.loop.Clock`), so the pauses cost it nothing but wall time.
 
 The pause protocol. A registrant proves it is the suite's own by holding a lock the kernel keeps:
 it writes `cache_dir()/pausable/<pid>.json` (pid and start time) under a temporary name, takes an

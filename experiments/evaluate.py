@@ -70,6 +70,7 @@ from experiments.background import heavy, timing
 from experiments.config import EvalConfig
 from mtpc import MtpcModel
 from mtpc.atomic import check_writable, write_json
+from mtpc.backbones.common import Backbone
 from mtpc.names import DECODE_MODES, EXTRA_TOKEN_OPTIONS
 from mtpc.speculative.offline import CONTINUATION_BATCH, pool_offline
 from mtpc.textstats import degeneracy_metrics, degenerate
@@ -305,7 +306,7 @@ PASS_MEMO_ENV = "MTPC_PASS_MEMO_MB"
 _PASS_MEMO: OrderedDict[str, Any] = OrderedDict()
 
 
-def _fused_pass(bb: Any, prompts: list[torch.Tensor], cfg: Any, seeds: list[int], batch: int, cache: bool) -> Any:
+def _fused_pass(bb: Backbone, prompts: list[torch.Tensor], cfg: Any, seeds: list[int], batch: int, cache: bool) -> Any:
     """`decode_and_force`, remembered in this process under the continuation cache's key (the texts and
     the pass of a k = 0 head depend on the verifier, prompts, config, seeds and batch, not on the head):
     a sweep worker evaluating trial after trial on the same prompt sets decodes each once. Least

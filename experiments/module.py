@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import asdict, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import numpy as np
@@ -23,9 +23,12 @@ import torch
 
 from experiments.config import TINY_BACKBONE, ModelConfig
 
+if TYPE_CHECKING:  # the backbones load lazily, inside build_backbone
+    from mtpc.backbones.common import Backbone
+
 
 def build_backbone(name: str, lora_depth: int, dtype: str | None = None, tiny_seed: int = 0,
-                   **kwargs: Any) -> torch.nn.Module:
+                   **kwargs: Any) -> Backbone:
     """`tiny` -> the seeded random Llama of TINY_BACKBONE; anything else -> `load_backbone(name, ...)`.
 
     kwargs go to `load_backbone` (trust_remote_code, revision, lora_rank, ...); `tiny` takes the LoRA ones only.

@@ -63,7 +63,7 @@ class Fail:
         if not is_number(v):
             self(key, f"expected a number, got {v!r}")
         if lo is not None and v < lo or hi is not None and v > hi:
-            self(key, f"{float(v)} out of range; expected {lo}..{hi}")
+            self(key, f"{float(v)} out of range; expected {lo if lo is not None else '-inf'}..{hi if hi is not None else 'inf'}")
         return float(v)
 
     def choice(self, key: str, v: Any, choices: tuple) -> Any:

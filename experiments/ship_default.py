@@ -5,13 +5,12 @@
 (`ship`): bf16 safetensors shards < 16 MiB, config and tokenizer files, the held-out bits/byte of the
 weights *as loaded* on 2 MiB at 2048-byte context, a model card and MANIFEST.json — what
 `load_backbone("default")` verifies and loads. `experiments.pretrain --ship` calls it after training.
-Leaves out: training (experiments/pretrain.py), loading and verifying (mtpc/backbones/shipped.py).
+Leaves out: training (experiments/pretrain.py, experiments/pretraining/), loading and verifying (mtpc/backbones/shipped.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -22,7 +21,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaForCausalLM
 
-from experiments.pretrain import METRICS_FILE, PretrainConfig, heldout_bits_per_byte, heldout_rows
+from experiments.pretraining.data import heldout_bits_per_byte, heldout_rows
+from experiments.pretraining.files import METRICS_FILE
 from mtpc.tokenizer import ByteTokenizer
 from tracking.runs import git_sha
 
@@ -42,7 +42,8 @@ def ship(model: LlamaForCausalLM, dest: str | Path, metrics: dict, rows: int = S
     from mtpc.backbones.shipped import write_manifest
 
     dest = Path(dest)
-    cfg = PretrainConfig(**{k: v for k, v in metrics["config"].items() if k in {f.name for f in dataclasses.fields(PretrainConfig)}})
+    c = metrics["config"]  # where the run's held-out bytes came from (PretrainConfig's defaults where absent)
+    data = {"train_data": c.get("train_data", "sharegpt"), "heldout_data": c.get("heldout_data")}
     tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True, max_shard_size=SHARD_BYTES)
@@ -50,8 +51,8 @@ def ship(model: LlamaForCausalLM, dest: str | Path, metrics: dict, rows: int = S
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded = LlamaForCausalLM.from_pretrained(tmp, dtype=torch.float32).to(device)
     t0 = time.monotonic()
-    full = heldout_bits_per_byte(loaded, heldout_rows(cfg, rows))
-    part = heldout_bits_per_byte(loaded, heldout_rows(cfg, min(SLICE_ROWS, rows)))
+    full = heldout_bits_per_byte(loaded, heldout_rows(rows, **data))
+    part = heldout_bits_per_byte(loaded, heldout_rows(min(SLICE_ROWS, rows), **data))
     metrics = dict(metrics)
     metrics.update(
         shipped_dtype="bfloat16",

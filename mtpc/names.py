@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-#: circuit kinds, in table/plot order (fully factorised, mixture, HMM, binary tree)
+#: circuit kinds, in table/plot order (fully factorised, mixture, HMM, binary tree); each has its class in
+#: mtpc.circuits.CIRCUIT_CLASSES, checked to agree at import (docs/circuits.md, "Adding a circuit kind")
 CIRCUIT_KINDS: tuple[str, ...] = ("ff", "cp", "hmm", "btree")
 #: decoding modes: greedy (argmax, byte-identical to plain greedy) or sample
 DECODE_MODES: tuple[str, ...] = ("greedy", "sample")

@@ -31,7 +31,7 @@ import torch
 from mtpc.backbones.common import Backbone, SplitOutput
 from mtpc.backbones.engine import AdapterEngine, Engine, StepOutput, make_engine
 from mtpc.backbones.evabyte import EvaByteAdapter, EvaByteCache
-from mtpc.backbones.facts import backbone_config_dict, backbone_num_layers
+from mtpc.backbones.facts import ALIASES, backbone_config_dict, backbone_num_layers
 from mtpc.backbones.hf_llama import BackboneAdapter, KVStore, SplitCache
 from mtpc.backbones.llama import LlamaEngine
 from mtpc.backbones.registry import FAMILIES, adapter_class
@@ -39,10 +39,6 @@ from mtpc.backbones.shipped import DEFAULT, SHIPPED_DIR, check_backbone_label, v
 from mtpc.backbones.tpu_llama import ExpandedLlamaForCausalLM, is_tpu_llama, load_tpu_llama, tpu_llama_config
 from mtpc.paths import cache_dir
 
-ALIASES = {
-    "evabyte": "EvaByte/EvaByte-SFT",
-    "llama3-byte": "benjamin/Llama3-2-3B-IT-Byte",
-}
 MAX_BYTE_VOCAB = 512
 
 __all__ = [

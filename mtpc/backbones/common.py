@@ -1,4 +1,4 @@
-"""What every backbone family shares: the `Backbone` protocol, `SplitOutput`, the LoRA draft top.
+"""What every backbone family shares: the `Backbone` protocol, `SplitOutput`, `StepOutput`, the LoRA draft top.
 
 A family is one adapter class (`hf_llama.BackboneAdapter` for Llama-architecture models,
 `evabyte.EvaByteAdapter` for EvaByte) and one line in `registry.py`; docs/backbones.md lists what
@@ -8,7 +8,7 @@ an adapter implements. Adapters import from here, never from each other.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -26,20 +26,62 @@ class SplitOutput:
     draft_hidden: torch.Tensor  # (B, T, d); the same tensor as verify_hidden when k == 0
 
 
+@dataclass
+class StepOutput:
+    """What one engine call (`Engine.feed`) returns for the fed positions; both engines
+    (engine.AdapterEngine, llama.LlamaEngine) build it, so it lives below them."""
+
+    p_logits: torch.Tensor  # (T, v) verifier (STP) logits
+    draft_hidden: torch.Tensor  # (T, d) input of the head (the verifier's e_t when lora_depth == 0)
+
 
 @runtime_checkable
 class Backbone(Protocol):
     """A frozen byte-level LM split at depth k = `lora_depth` (trunk | verifier top | LoRA draft top).
 
-    Facts: `name`, `config`, `tokenizer`, `vocab_size`, `hidden_size`, `num_layers`, `lora_depth`,
-    `lora_rank`, `max_context`, `device`, `dtype`, `eos_token_id`, `bos_token_id`, `stop_token_ids`
-    (every id that ends a turn: decoding stops on any, "EOS banned" bans all), `engine` ("compact"
-    or "hf": which decoding engine `make_engine` builds), `lm_head_weight` (v, d).
+    Everything its consumers read (the decoding loop and engines, `MtpcModel`, offline acceptance,
+    the continuation cache, training, evaluation) is declared here; nothing else may be assumed.
+    Both families (`hf_llama.BackboneAdapter`, `evabyte.EvaByteAdapter`) are torch modules that
+    satisfy it (tests/mtpc/test_backbone_protocol.py); `ConfigFacts` gives the context length and
+    the special ids from the config and tokenizer. `isinstance(x, Backbone)` checks only that the
+    names exist, not their types.
     """
 
-    lora_depth: int
+    # what it is
+    name: str
+    """the checkpoint's name or path (or `default@<sha8>`): provenance in head exports and runs"""
+    model: nn.Module
+    """the wrapped transformers model: the compact engine reads its weights, the cache fingerprints them"""
+    config: Any
+    """the wrapped model's transformers config"""
+    tokenizer: Any
+    """the byte tokenizer (`render_prompt`, `decode`, ...)"""
+    # shapes
+    vocab_size: int
+    hidden_size: int
+    """d, the width of e_t (the head's input)"""
     num_layers: int
+    max_context: int
+    """the longest sequence it admits (`max_position_embeddings`)"""
+    # the split
+    lora_depth: int
+    """k: top layers with a LoRA draft copy (0: the draft top is the verifier)"""
+    lora_rank: int
+    """rank of the draft top's LoRA (0 when k = 0)"""
+    draft_top: nn.Module | None
+    """the LoRA clones of the top k layers (None when k = 0)"""
     engine: str
+    """which decoding engine `make_engine` builds: compact (mtpc's own Llama forward) or hf (its HF layers)"""
+    # placement
+    device: torch.device
+    dtype: torch.dtype
+    # special ids
+    eos_token_id: int | None
+    bos_token_id: int | None
+    stop_token_ids: tuple[int, ...]
+    """every id that ends a turn: decoding stops on any, "EOS banned" bans all"""
+    lm_head_weight: torch.Tensor
+    """(v, d): the verifier's unembedding (head initialisation)"""
 
     def __call__(self, input_ids: torch.Tensor, cache: Any = None) -> SplitOutput:
         """e_t of the verifier and the draft top's hidden state for every fed position; appends to `cache`."""
@@ -66,6 +108,11 @@ class Backbone(Protocol):
     def lora_state_dict(self) -> dict[str, torch.Tensor]: ...
 
     def load_lora_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None: ...
+
+    # the torch-module methods training uses (freezing, eval mode)
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+    def eval(self) -> Any: ...
 
 
 def max_context_of(config: Any) -> int:

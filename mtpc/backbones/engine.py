@@ -14,21 +14,13 @@ Leaves out: the adapters themselves (hf_llama.py, evabyte.py) and the decoding c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
+from mtpc.backbones.common import Backbone, StepOutput
 from mtpc.names import DECODE_ENGINES
-
-
-@dataclass
-class StepOutput:
-    """What one backbone call returns for the fed positions."""
-
-    p_logits: Tensor  # (T, v) verifier (STP) logits
-    draft_hidden: Tensor  # (T, d) input of the head (the verifier's e_t when lora_depth == 0)
 
 
 class Engine(Protocol):
@@ -45,7 +37,7 @@ class Engine(Protocol):
 class AdapterEngine:
     """An `Engine` on a backbone adapter's HF layers (trunk + verifier top + draft top, one cache object)."""
 
-    def __init__(self, backbone: Any, capacity: int = 0):
+    def __init__(self, backbone: Backbone, capacity: int = 0):
         self.backbone = backbone
         self.reset(capacity)
 
@@ -80,14 +72,14 @@ def resolve_engine_kind(engine: str, model: Any) -> str:
     return "hf" if reason else "compact"
 
 
-def verifier_only(backbone: Any) -> Any:
+def verifier_only(backbone: Backbone) -> Backbone:
     """The same weights without the draft top (an adapter with lora_depth = 0), so the plain
     baseline does not pay for it."""
     return backbone.without_draft() if backbone.lora_depth > 0 else backbone
 
 
 def make_engine(
-    backbone: Any, capacity: int = 0, draft: bool = True, cuda_graphs: bool | None = None, **kw: Any
+    backbone: Backbone, capacity: int = 0, draft: bool = True, cuda_graphs: bool | None = None, **kw: Any
 ):
     """The engine for `backbone` (its `engine` attribute picks compact or HF layers).
 

@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from mtpc.backbones.engine import StepOutput
+from mtpc.backbones.common import Backbone, StepOutput
 from mtpc.kernels import onednn_linear, onednn_pack, use_onednn, warn_fallback
 from mtpc.names import DRAFT_LORA_MODES, ENGINE_WEIGHT_LAYOUTS
 
@@ -374,7 +374,7 @@ class LlamaEngine:
 
     def __init__(
         self,
-        adapter: Any,
+        adapter: Backbone,
         capacity: int = 0,
         draft: bool = True,
         static: bool | None = None,

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from mtpc.backbones.common import Backbone
 from mtpc.backbones.llama import LlamaEngine, apply_rope, rms_norm, rope_table, signed_sin
 
 
@@ -52,7 +53,7 @@ class LlamaBatchEngine:
     adapter: a `BackboneAdapter` the compact forward implements; weights: the layout as for
     `LlamaEngine` (None: its default)."""
 
-    def __init__(self, adapter: Any, weights: str | None = None):
+    def __init__(self, adapter: Backbone, weights: str | None = None):
         self.eng = LlamaEngine(adapter, 0, draft=False, static=False, weights=weights)
         self.args = self.eng.args
         self.device, self.dtype = self.eng.device, self.eng.dtype

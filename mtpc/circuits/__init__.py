@@ -2,10 +2,17 @@
 
 `build_circuit(kind, window, rank, vocab)` validates the structure and returns a `Circuit`
 (see base.py for the query contract and docs/circuits.md for the maths). Pure torch.
+
+The kinds are named once, torch-free, in `mtpc.names.CIRCUIT_KINDS` (what configs, sweep specs and
+the analysis read without importing torch); `CIRCUIT_CLASSES` maps each name to its class, keyed by
+the class's own `kind`. `check_registry()` says they agree, and runs when this package is imported,
+so a kind named in one place only fails at once, naming the other. Adding a kind: docs/circuits.md,
+"Adding a circuit kind".
 """
 
 from __future__ import annotations
 
+from mtpc import names
 from mtpc.names import CIRCUIT_KINDS
 
 from .base import Circuit, Params
@@ -14,7 +21,22 @@ from .cp import CPCircuit
 from .ff import FFCircuit
 from .hmm import HMMCircuit
 
-_CLASSES: dict[str, type[Circuit]] = {"ff": FFCircuit, "cp": CPCircuit, "hmm": HMMCircuit, "btree": BTreeCircuit}
+#: circuit kind -> its class, in `CIRCUIT_KINDS` order
+CIRCUIT_CLASSES: dict[str, type[Circuit]] = {cls.kind: cls for cls in (FFCircuit, CPCircuit, HMMCircuit, BTreeCircuit)}
+
+
+def check_registry() -> None:
+    """ImportError unless `CIRCUIT_CLASSES` holds exactly `mtpc.names.CIRCUIT_KINDS`, in that order,
+    each under its class's own `kind`."""
+    for kind, cls in CIRCUIT_CLASSES.items():
+        if getattr(cls, "kind", None) != kind:
+            raise ImportError(f"mtpc.circuits.CIRCUIT_CLASSES[{kind!r}] is {cls.__name__}, whose kind is {getattr(cls, 'kind', None)!r}")
+    if tuple(CIRCUIT_CLASSES) != tuple(names.CIRCUIT_KINDS):
+        raise ImportError(f"circuit kinds disagree: mtpc.names.CIRCUIT_KINDS = {list(names.CIRCUIT_KINDS)}, "
+                          f"mtpc.circuits.CIRCUIT_CLASSES = {list(CIRCUIT_CLASSES)}; expected the same names in the same order")
+
+
+check_registry()
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -31,14 +53,14 @@ def build_circuit(kind: str, window: int, rank: int, vocab: int) -> Circuit:
     No upper bounds here (a circuit is pure maths; the loss builds vocab-1 circuits of any size):
     the head and every config check `mtpc.names.check_architecture`.
     """
-    if kind not in CIRCUIT_KINDS:
-        raise ValueError(f"kind: expected one of {CIRCUIT_KINDS}, got {kind!r}")
+    if kind not in CIRCUIT_CLASSES:
+        raise ValueError(f"kind: expected one of {tuple(CIRCUIT_CLASSES)}, got {kind!r}")
     window = _positive_int("window", window)
     rank = _positive_int("rank", rank)
     vocab = _positive_int("vocab", vocab)
     if kind == "ff" and rank != 1:
         raise ValueError(f"rank: ff has no latent states; expected rank 1, got {rank}")
-    return _CLASSES[kind](window, rank, vocab)
+    return CIRCUIT_CLASSES[kind](window, rank, vocab)
 
 
-__all__ = ["CIRCUIT_KINDS", "BtreeNode", "Circuit", "Params", "build_circuit"]
+__all__ = ["CIRCUIT_CLASSES", "CIRCUIT_KINDS", "BtreeNode", "Circuit", "Params", "build_circuit", "check_registry"]

@@ -7,12 +7,15 @@ the parameters are normalised here (log_softmax over the last dim), so unnormali
   dense_joint(kind, params)      -> (..., v, ..., v)  log q(x_1..x_n)            (n trailing axes)
   dense_max_joint(kind, params)  -> (..., v, ..., v)  log max_z q(x_1..x_n, z)   (max over latents)
   btree_structure(n)             -> (parents of internal nodes, parent of each leaf), BFS order
+
+The oracle knows a kind by its line in `LATENT_STRUCTURES`: a prior parameter is (..., r), a table
+(..., m, r, r) indexed [table, parent state, child state], the leaves (..., n, r, v).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -44,19 +47,29 @@ def btree_structure(n: int) -> tuple[list[int], list[int]]:
     return node_parent, leaf_parent
 
 
-def _latents(kind: str, n: int) -> tuple[list[tuple[str, int, int]], list[int]]:
-    """Latent list [(param name, table index or -1 for a prior vector, parent latent)], leaf parents."""
-    if kind == "ff":
-        return [], [-1] * n
-    if kind == "cp":
-        return [("mixture", -1, -1)], [0] * n
-    if kind == "hmm":
-        return [("initial", -1, -1)] + [("transitions", i - 1, i - 1) for i in range(1, n)], list(range(n))
-    if kind == "btree":
-        node_parent, leaf_parent = btree_structure(n)
-        lat = [("root", -1, -1)] + [("internal", k - 1, node_parent[k]) for k in range(1, len(node_parent))]
-        return lat, leaf_parent
-    raise ValueError(f"kind: unknown circuit kind {kind!r}")
+Latents = tuple[list[tuple[str, int, int]], list[int]]
+
+
+def _btree_latents(n: int) -> Latents:
+    node_parent, leaf_parent = btree_structure(n)
+    return [("root", -1, -1)] + [("internal", k - 1, node_parent[k]) for k in range(1, len(node_parent))], leaf_parent
+
+
+#: each kind's latent structure for window n, rebuilt from its definition (docs/circuits.md):
+#: ([(param name, table index or -1 for a prior vector, parent latent or -1)], the latent above each
+#: leaf or -1). A new kind adds its line here ("Adding a circuit kind").
+LATENT_STRUCTURES: dict[str, Callable[[int], Latents]] = {
+    "ff": lambda n: ([], [-1] * n),
+    "cp": lambda n: ([("mixture", -1, -1)], [0] * n),
+    "hmm": lambda n: ([("initial", -1, -1)] + [("transitions", i - 1, i - 1) for i in range(1, n)], list(range(n))),
+    "btree": _btree_latents,
+}
+
+
+def _latents(kind: str, n: int) -> Latents:
+    if kind not in LATENT_STRUCTURES:
+        raise ValueError(f"kind: no latent structure for circuit kind {kind!r}; expected one of {list(LATENT_STRUCTURES)}")
+    return LATENT_STRUCTURES[kind](n)
 
 
 def _joints(kind: str, params: Mapping[str, Tensor]) -> Tensor:
@@ -65,7 +78,8 @@ def _joints(kind: str, params: Mapping[str, Tensor]) -> Tensor:
     leaves = p["leaves"]  # (..., n, r, v)
     n, r, v = leaves.shape[-3:]
     latents, leaf_parent = _latents(kind, n)
-    batch = torch.broadcast_shapes(*(t.shape[: t.dim() - (3 if k in ("leaves", "transitions", "internal") else 1)] for k, t in p.items()))
+    priors = {name for name, table, _ in latents if table < 0}  # (..., r); leaves and tables (..., m, r, r|v)
+    batch = torch.broadcast_shapes(*(t.shape[: t.dim() - (1 if k in priors else 3)] for k, t in p.items()))
     out = []
     for z in itertools.product(range(r), repeat=len(latents)):
         logw = torch.zeros(batch, dtype=torch.float64)

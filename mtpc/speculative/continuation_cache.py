@@ -63,6 +63,7 @@ import torch
 from torch import Tensor
 
 from mtpc.atomic import remove_stale_temps, write_json
+from mtpc.backbones.common import Backbone
 from mtpc.paths import cache_dir
 
 __all__ = ["CODE_VERSION", "ENV_VAR", "SAMPLE", "cache_root", "cached_continuations", "cached_pass", "continuation_key",
@@ -96,7 +97,7 @@ def _tensor_bytes(t: Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes()
 
 
-def weights_fingerprint(backbone: Any) -> str:
+def weights_fingerprint(backbone: Backbone | torch.nn.Module) -> str:
     """SHA-256 over the frozen model's config and every tensor's name, shape, dtype and (sampled)
     bytes; see the module docstring for what it covers. ValueError when the backbone has no module
     to read (`backbone.model`, or the backbone itself as a torch module)."""
@@ -122,11 +123,11 @@ def weights_fingerprint(backbone: Any) -> str:
     return h.hexdigest()
 
 
-def _effective_batch(backbone: Any, batch_size: int) -> int:
+def _effective_batch(backbone: Backbone, batch_size: int) -> int:
     return batch_size if getattr(backbone, "engine", "hf") == "compact" else 1  # as offline.continuations decodes
 
 
-def continuation_key(backbone: Any, prompts: list[Tensor], cfg: Any, seeds: list[int] | None = None,
+def continuation_key(backbone: Backbone, prompts: list[Tensor], cfg: Any, seeds: list[int] | None = None,
                      batch_size: int = 1) -> tuple[str, dict[str, Any]]:  # fmt: skip
     """(the cache key, the parts it hashes) of `continuations(backbone, prompts, cfg, seeds, batch_size)`."""
     try:
@@ -192,7 +193,7 @@ def _read(path: Path, key: str, n: int) -> list[list[int]] | None:
     return ys
 
 
-def _impossible(backbone: Any, prompts: list[Tensor], ys: list[list[int]], cfg: Any) -> str | None:
+def _impossible(backbone: Backbone, prompts: list[Tensor], ys: list[list[int]], cfg: Any) -> str | None:
     """Why `ys` cannot be continuations of `prompts` under `cfg` on this backbone (None when they can)."""
     from mtpc.speculative.offline import _check_continuations
 
@@ -203,7 +204,7 @@ def _impossible(backbone: Any, prompts: list[Tensor], ys: list[list[int]], cfg: 
     return None
 
 
-def cached_continuations(backbone: Any, prompts: list[Tensor], cfg: Any, seeds: list[int] | None = None,
+def cached_continuations(backbone: Backbone, prompts: list[Tensor], cfg: Any, seeds: list[int] | None = None,
                          batch_size: int = 1, *, cache: bool = True, root: Path | None = None,
                          compute: Callable[[], list[list[int]]] | None = None, verify: bool = True,
                          check: Callable[[list[list[int]]], str | None] | None = None) -> list[list[int]]:  # fmt: skip

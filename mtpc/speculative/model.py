@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mtpc.backbones.common import Backbone
 from mtpc.backbones.engine import cuda_sync, make_engine
 from mtpc.names import MIN_DECODE_WINDOW
 from mtpc.speculative.acceptance import TorchChooser
@@ -48,7 +49,7 @@ from mtpc.speculative.stats import GenerationOutput, GenerationStats, peak_memor
 HEAD_DICT_KEYS = ("kind", "window", "rank", "lora_depth", "seed", "leaf_delta_rank")
 
 
-def _wrap_backbone(backbone: Any, lora_depth: int) -> Any:
+def _wrap_backbone(backbone: Backbone | nn.Module, lora_depth: int) -> Backbone:
     from mtpc.backbones.registry import wrap
 
     if isinstance(backbone, nn.Module) and hasattr(backbone, "new_cache") and hasattr(backbone, "stp_logits"):
@@ -64,7 +65,7 @@ def _wrap_backbone(backbone: Any, lora_depth: int) -> Any:
     )
 
 
-def _fresh_head(spec: dict, backbone: Any) -> nn.Module:
+def _fresh_head(spec: dict, backbone: Backbone) -> nn.Module:
     """A random head from {"kind", "window", "rank", "lora_depth", "seed"} (seeded leaves and sums)."""
     from mtpc.heads import HeadConfig, random_head
     from mtpc.names import default_rank
@@ -104,7 +105,7 @@ class MtpcModel:
     """
 
     def __init__(
-        self, backbone: Any, head: nn.Module, cuda_graphs: bool | None = None, compile: bool = False,
+        self, backbone: Backbone, head: nn.Module, cuda_graphs: bool | None = None, compile: bool = False,
         weights: str | None = None,
     ):  # fmt: skip
         cfg = head.config
@@ -141,7 +142,7 @@ class MtpcModel:
     # -- construction ---------------------------------------------------------------------------
     @classmethod
     def from_pretrained(
-        cls, head_dir: str | Path, backbone: Any = None, *, cuda_graphs: bool | None = None, compile: bool = False,
+        cls, head_dir: str | Path, backbone: Backbone | nn.Module | str | Path | None = None, *, cuda_graphs: bool | None = None, compile: bool = False,
         weights: str | None = None, allow_unverified: bool = False, **load_kw: Any,
     ) -> MtpcModel:  # fmt: skip
         """Load a `save_head` export — or a shipped head: `"default"` (the default backbone's default
@@ -176,7 +177,7 @@ class MtpcModel:
 
     @classmethod
     def from_components(
-        cls, backbone: Any, head: nn.Module | dict, *, cuda_graphs: bool | None = None, compile: bool = False,
+        cls, backbone: Backbone | nn.Module, head: nn.Module | dict, *, cuda_graphs: bool | None = None, compile: bool = False,
         weights: str | None = None,
     ) -> MtpcModel:  # fmt: skip
         """backbone: a transformers causal LM or an adapter; head: an MtpcHead or a dict for a fresh one;

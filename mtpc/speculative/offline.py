@@ -56,6 +56,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mtpc.backbones.common import Backbone
 from mtpc.names import MIN_DECODE_WINDOW
 from mtpc.speculative.acceptance import TorchChooser, greedy_target, stop_hits, target_probs
 from mtpc.speculative.loop import DecodeConfig, plain_decode
@@ -140,7 +141,7 @@ def _refuse_drop(cfg: DecodeConfig) -> None:
 
 @torch.inference_mode()
 def continuations(
-    backbone: Any,
+    backbone: Backbone,
     prompts: list[Tensor],
     cfg: DecodeConfig,
     seeds: list[int] | None = None,
@@ -259,7 +260,7 @@ def _engine_plan(engine: Any, prompts: list[Tensor], batch_size: int, new_tokens
     return _length_batches(prompts, batch_size, new_tokens, _slot_budget(engine, slot_budget), _spread(engine))
 
 
-def fused_pass_applies(backbone: Any, batch_size: int) -> bool:
+def fused_pass_applies(backbone: Backbone, batch_size: int) -> bool:
     """Whether `decode_and_force` can serve this backbone: the compact Llama forward, no LoRA top
     (k = 0: the draft top's state is the verifier's final state, which plain decoding computes)."""
     return batch_size > 1 and getattr(backbone, "engine", "hf") == "compact" and backbone.lora_depth == 0
@@ -267,7 +268,7 @@ def fused_pass_applies(backbone: Any, batch_size: int) -> bool:
 
 @torch.inference_mode()
 def decode_and_force(
-    backbone: Any,
+    backbone: Backbone,
     prompts: list[Tensor],
     cfg: DecodeConfig,
     seeds: list[int] | None = None,
@@ -361,7 +362,7 @@ def _check_continuations(prompts: list[Tensor], ys: list[list[int]], cfg: Decode
                              f"backbone's max_context={max_context}")  # fmt: skip
 
 
-def _passes(backbone: Any, seqs: list[Tensor], batch_size: int):
+def _passes(backbone: Backbone, seqs: list[Tensor], batch_size: int):
     """Yield (index, verifier logits (S, v), draft hidden (S, d)) per sequence: on the compact Llama forward one sequence per call (the loop's own engine: no
     padding, its products and rounding), else the adapter's HF layers on right-padded batches
     sorted by length (causal attention never reads the padding)."""
@@ -460,7 +461,7 @@ def _contradicted(logits: Tensor, ys: list[int], cfg: DecodeConfig, seeds: list[
 
 @torch.inference_mode()
 def teacher_force(
-    backbone: Any,
+    backbone: Backbone,
     prompts: list[Tensor],
     continuations: list[list[int]],
     cfg: DecodeConfig,

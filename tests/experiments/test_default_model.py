@@ -9,14 +9,16 @@ import time
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
-import experiments.pretrain as pt
+from experiments.pretraining.data import heldout_bits_per_byte, heldout_rows
+from experiments.pretraining.files import METRICS_FILE
 from mtpc import MtpcModel
 from mtpc.backbones import load_backbone
 from mtpc.backbones.shipped import MANIFEST, SHIPPED_DIR, default_label, verify_shipped
 from mtpc.heads import HeadConfig, MtpcHead, save_head
 
-METRICS = json.loads((SHIPPED_DIR / pt.METRICS_FILE).read_text())
+METRICS = json.loads((SHIPPED_DIR / METRICS_FILE).read_text())
 
 
 def test_every_file_matches_the_manifest_and_respects_the_size_limits():
@@ -52,10 +54,10 @@ def test_loads_by_name_in_seconds_as_float32():
 
 
 def test_scores_its_recorded_bits_per_byte_on_the_fixed_slice():
-    model = pt.LlamaForCausalLM.from_pretrained(SHIPPED_DIR, dtype=torch.float32)
-    rows = pt.heldout_rows(pt.PretrainConfig(), METRICS["slice_32k_rows"])
+    model = LlamaForCausalLM.from_pretrained(SHIPPED_DIR, dtype=torch.float32)
+    rows = heldout_rows(METRICS["slice_32k_rows"])
     assert rows.input_ids.shape == (METRICS["slice_32k_rows"], 2048)
-    got = pt.heldout_bits_per_byte(model, rows)["heldout_bits_per_byte"]
+    got = heldout_bits_per_byte(model, rows)["heldout_bits_per_byte"]
     assert got <= METRICS["slice_32k_bits_per_byte"] + 0.02
 
 
