@@ -27,7 +27,6 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -35,11 +34,12 @@ from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
 from mtpc.atomic import write_bytes
+from mtpc.backbones.common import Backbone
 
 FORMAT = 1
 
 
-def fingerprint(backbone: Any) -> str:
+def fingerprint(backbone: Backbone) -> str:
     """16 hex digits naming the backbone's weights exactly: its name, dtype and every parameter's bytes."""
     h = hashlib.sha256(f"{FORMAT}:{getattr(backbone, 'name', type(backbone).__name__)}".encode())
     for name, t in sorted(backbone.state_dict().items()):
@@ -58,7 +58,7 @@ def _tensor_digest(t: torch.Tensor) -> str:
 class HiddenCache:
     """`get(ids, compute)`: the hidden states of batch `ids` (B, S) from disk, else `compute()` stored."""
 
-    def __init__(self, directory: str | Path, backbone: Any):
+    def __init__(self, directory: str | Path, backbone: Backbone):
         self.root = Path(directory).expanduser() / fingerprint(backbone)
         self.hits = self.misses = 0
         self.fill_s = self.read_s = 0.0

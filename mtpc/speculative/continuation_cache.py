@@ -273,7 +273,7 @@ def cached_continuations(backbone: Backbone, prompts: list[Tensor], cfg: Any, se
         lock.release()
 
 
-def cached_pass(backbone: Any, prompts: list[Tensor], cfg: Any, seeds: list[int] | None = None,
+def cached_pass(backbone: Backbone, prompts: list[Tensor], cfg: Any, seeds: list[int] | None = None,
                 batch_size: int = 1, *, cache: bool = True, root: Path | None = None,
                 force_batch: int = 8) -> Any:  # fmt: skip
     """`offline.teacher_force` over `cached_continuations(...)` (-> `TeacherForced`), an entry read

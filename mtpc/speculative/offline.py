@@ -396,7 +396,7 @@ NEAR_TIE_LOW = 5e-2  # float16 / bfloat16 logits
 
 
 @torch.inference_mode()
-def contradiction(backbone: Any, prompts: list[Tensor], continuations: list[list[int]], cfg: DecodeConfig,
+def contradiction(backbone: Backbone, prompts: list[Tensor], continuations: list[list[int]], cfg: DecodeConfig,
                   seeds: list[int] | None = None, batch_size: int = 8) -> str | None:  # fmt: skip
     """Whether these can be the plain model's continuations, from one verifier pass over prompt + y:
     None when every byte is the one decoding would choose there, else where the first one is not.
