@@ -64,7 +64,7 @@ class Fail:
     def number(self, key: str, v: Any, lo: float | None = None, hi: float | None = None) -> float:
         if not is_number(v):
             self(key, f"expected a number, got {v!r}")
-        if lo is not None and v < lo or hi is not None and v > hi:
+        if lo is not None and not v >= lo or hi is not None and not v <= hi:  # a NaN lies in no range
             self(key, f"{float(v)} out of range; expected {lo}..{hi}")
         return float(v)
 
