@@ -27,7 +27,7 @@ class Prompt(str):
 
     where: str = "?"
 
-    def __new__(cls, text: str, where: str) -> Prompt:
+    def __new__(cls, text: str, where: str = "?") -> Prompt:  # a default: copy and pickle call cls(text)
         p = super().__new__(cls, text)
         p.where = where
         return p

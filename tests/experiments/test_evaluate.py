@@ -46,6 +46,15 @@ def test_load_prompt_sets_and_errors(exported):
     sets = load_prompt_sets(str(exported / "prompts.jsonl"), num_prompts=3, sets=2, seed=1)
     assert [len(s) for s in sets] == [3, 3] and len(set(sets[0]) | set(sets[1])) == 6
     assert "a chat" in sets[0] + sets[1]
+    # each prompt knows its file:line (an error about one names it), through a copy too
+    import copy
+
+    lines = {json.loads(x) if x.startswith('"') else None: i for i, x in
+             enumerate((exported / "prompts.jsonl").read_text().splitlines(), 1)}  # fmt: skip
+    for p in copy.deepcopy(sets[0]):
+        assert p.where.startswith(f"{exported / 'prompts.jsonl'}:")
+        if p in lines:
+            assert p.where.endswith(f":{lines[p]}")
     with pytest.raises(ValueError, match="needed"):
         load_prompt_sets(str(exported / "prompts.jsonl"), num_prompts=4, sets=2)
     with pytest.raises(ValueError, match="eval.prompts"):
