@@ -175,7 +175,7 @@ def test_a_prompts_file_with_invalid_utf8_names_file_and_line(tmp_path):
 
 def test_offline_cli_derives_throughput_beside_the_timed_subset(exported, tmp_path, capsys):
     """The default (offline): acceptance from every prompt's continuation, mu_lat from the first
-    --latency-prompts prompts timed online; derived_throughput = tokens_per_cycle / mu_lat, named so."""
+    --eval.latency_prompts prompts timed online; derived_throughput = tokens_per_cycle / mu_lat, named so."""
     out = tmp_path / "r.json"
     rc = main(["--head", str(exported / "cp"), "--ff-head", str(exported / "ff"), "--eval.prompts", str(exported / "prompts.jsonl"),
                "--eval.n_prompts", "3", "--eval.sets", "2", "--eval.max_new_tokens", "10", "--eval.latency_prompts", "1",
