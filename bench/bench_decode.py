@@ -49,7 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import engine_timing as et  # noqa: E402  (bench/engine_timing.py)
 
-from experiments.evaluate import evaluate_heads, hardware, load_prompt_sets  # noqa: E402
+from experiments.config import EvalConfig  # noqa: E402
+from experiments.evaluation import evaluate_heads, hardware  # noqa: E402
+from experiments.prompts import load_prompt_sets  # noqa: E402
 from mtpc import MtpcModel  # noqa: E402
 from mtpc.names import CIRCUIT_KINDS, DECODE_MODES, EXTRA_TOKEN_OPTIONS, point_rank  # noqa: E402
 from mtpc.paths import cache_dir  # noqa: E402
@@ -344,10 +346,13 @@ def heads_section(args) -> dict:
            "settings": {k: getattr(args, k) for k in ("num_prompts", "sets", "max_new_tokens", "seed")}}  # fmt: skip
     for window in (int(w) for w in args.windows.split(",")):
         models, sources = build_models(backbone, Path(args.heads_dir), window, args.random_rank)
-        res = evaluate_heads(
-            models, prompt_sets, DECODE_MODES, EXTRA_TOKEN_OPTIONS, max_new_tokens=args.max_new_tokens,
-            seed=args.seed, eos=("banned",), ff_name="ff",
-        )  # fmt: skip
+        # online: every prompt timed through the loop, and drop (online-only) beside keep, one evaluation each
+        per_extra = {extra: evaluate_heads(models, prompt_sets, EvalConfig(
+            modes=DECODE_MODES, max_new_tokens=args.max_new_tokens, seed=args.seed, eos=("banned",), extra_token=extra,
+            acceptance="online"), ff_name="ff") for extra in EXTRA_TOKEN_OPTIONS}  # fmt: skip
+        res = {"summary": [s for r in per_extra.values() for s in r["summary"]],
+               "runs": [x for r in per_extra.values() for x in r["runs"]],
+               "stp": {extra: r["stp"] for extra, r in per_extra.items()}}  # fmt: skip
         rows = []
         for s in res["summary"]:
             row = {k: s[k] for k in ("circuit", "window", "rank", "mode", "extra_token")}

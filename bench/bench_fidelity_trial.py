@@ -38,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -75,7 +76,9 @@ def measure(args: argparse.Namespace) -> dict:
     import torch
     from lightning.pytorch.callbacks import Callback
 
-    from experiments.evaluate import evaluate_heads, hardware, load_prompt_sets
+    from experiments.config import EvalConfig
+    from experiments.evaluation import evaluate_heads, hardware
+    from experiments.prompts import load_prompt_sets
     from experiments.train import train_head
     from experiments.trial import load_for_eval
     from mtpc.backbones import default_model_dir
@@ -120,12 +123,11 @@ def measure(args: argparse.Namespace) -> dict:
         model = load_for_eval(res.head_dir, res.config)
         load_s = time.perf_counter() - t1
         t2 = time.perf_counter()
-        evaluate_heads({"head": model}, prompts, DECODE_MODES, ("keep",), max_new_tokens=GEN_BYTES,
-                       progress=False)
+        online = EvalConfig(modes=DECODE_MODES, max_new_tokens=GEN_BYTES, acceptance="online")  # every prompt timed
+        evaluate_heads({"head": model}, prompts, online, progress=False)
         eval_s = time.perf_counter() - t2
         t3 = time.perf_counter()
-        evaluate_heads({"head": model}, prompts, DECODE_MODES, ("keep",), max_new_tokens=GEN_BYTES,
-                       progress=False, stp=False)
+        evaluate_heads({"head": model}, prompts, replace(online, stp=False), progress=False)
         head_s = time.perf_counter() - t3
         step_s = statistics.median(timer.steps[1:])
         row = {"circuit": kind, "window": n, "rank": r, "lora_depth": k, "kl_beta": beta,
@@ -151,7 +153,7 @@ def rate(args: argparse.Namespace) -> dict:
 
     from experiments.config import load_config
     from experiments.datamodule import ChatDataModule
-    from experiments.evaluate import hardware
+    from experiments.evaluation import hardware
     from experiments.hidden_cache import HiddenCache
     from experiments.module import MtpcTrainModule
     from mtpc.losses import window_loss

@@ -40,7 +40,7 @@ def _prompts(sets: int, per_set: int, dry_run: bool) -> list[str]:
     if dry_run:
         return [f"Write a short note about item {i}." for i in range(sets * per_set)]
     from experiments.config import EvalConfig
-    from experiments.evaluate import load_prompt_sets
+    from experiments.prompts import load_prompt_sets
 
     return [p for s in load_prompt_sets("heldout", per_set, sets, EvalConfig.seed) for p in s]
 

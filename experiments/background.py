@@ -1,7 +1,7 @@
 """Who times, and who waits: one machine-wide timing lock, and the background work it pauses.
 
 Everything in the suite that times something — the evaluation's latency phase
-(experiments.evaluate), the benchmarks under bench/ — wraps the timed part in `timing()`:
+(experiments.evaluation), the benchmarks under bench/ — wraps the timed part in `timing()`:
 
 - it takes the machine-wide timing lock (`$MTPC_TIMING_LOCK`, default `<tmp>/mtpc-timing.lock`), so
   one thing times at a time on this machine (trials still train side by side);

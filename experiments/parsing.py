@@ -9,6 +9,8 @@ pre-training) reads its input through, so each rule is written once.
 - `parse_section(cls, raw, key, fail)`: one mapping into a dataclass through jsonargparse (unknown and
   missing keys, types: errors name the key).
 - `apply_overrides`: the one dotted-override rule; `parse_sets`: `--set KEY=VALUE` flags.
+- `key_sources(argv, known, hint)` / `blame(message, source, sources)`: where each key of a command
+  line was set (a `--config` file or a flag), so a check's error names that file or flag.
 - The class allow-list: `check_class_paths` refuses a `class_path` (or a dotted name where Lightning
   takes an object) outside `ALLOWED_CLASSES`, on the raw mapping, before anything is parsed, so the
   module it names is never imported; `check_cli_class_paths` does it for a command line: every
@@ -62,7 +64,7 @@ class Fail:
     def number(self, key: str, v: Any, lo: float | None = None, hi: float | None = None) -> float:
         if not is_number(v):
             self(key, f"expected a number, got {v!r}")
-        if lo is not None and v < lo or hi is not None and v > hi:
+        if lo is not None and not v >= lo or hi is not None and not v <= hi:  # a NaN lies in no range
             self(key, f"{float(v)} out of range; expected {lo if lo is not None else '-inf'}..{hi if hi is not None else 'inf'}")
         return float(v)
 
@@ -299,3 +301,51 @@ def _check_expanded_size(value: Any, source: str) -> None:
         return n
 
     size(value)
+
+
+def key_sources(argv: list[str], known: dict[str, Any], hint: str, skip: tuple[str, ...] = ()) -> dict[str, str]:
+    """Where each key of a command line was set last: `<file>` or `--key (command line)`. `known` is
+    the parser's defaults as a dict (sections are dicts); `hint` ends an unknown-key message (e.g.
+    "python -m experiments.train fit --help lists the options"); `skip`: tokens that are no flags
+    (a subcommand).
+
+    Each --config file is read here first, so malformed YAML names its file and line and an unknown
+    key names the file that holds it (jsonargparse names neither)."""
+    sources: dict[str, str] = {}
+    args = [a for a in argv if a not in skip]
+    for i, arg in enumerate(args):
+        if arg in ("-c", "--config") and i + 1 < len(args):
+            path = Path(args[i + 1])
+        elif arg.startswith("--config="):
+            path = Path(arg.split("=", 1)[1])
+        else:
+            if arg.startswith("--") and not arg.startswith("--config"):
+                sources[arg[2:].split("=", 1)[0]] = f"{arg.split('=', 1)[0]} (command line)"
+            continue
+        if not is_file(path):
+            continue  # the parser says so (or reads it as inline YAML)
+        raw = read_yaml(path) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a mapping of {sorted(known)}")
+        for section, body in raw.items():
+            if section not in known:
+                raise ValueError(f"{path}: unknown key {section!r}; expected one of {sorted(known)}")
+            if isinstance(known[section], dict):
+                if not isinstance(body, dict):
+                    raise ValueError(f"{path}: {section}: expected a mapping")
+                for key in body:
+                    if key not in known[section]:
+                        raise ValueError(f"{path}: unknown key {section}.{key} ({hint})")
+                    sources[f"{section}.{key}"] = str(path)
+            else:
+                sources[section] = str(path)
+    return sources
+
+
+def blame(message: str, source: str, sources: dict[str, str]) -> str:
+    """A check error `<source>: <key>: ...` re-addressed to where that key was set (a flag or one file)."""
+    if not message.startswith(f"{source}: "):
+        return message
+    rest = message[len(source) + 2:]
+    where = sources.get(rest.split(":", 1)[0])
+    return f"{where}: {rest}" if where else message

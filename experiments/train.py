@@ -253,7 +253,7 @@ def parse_cli(argv: list[str] | None) -> tuple[TrainConfig, str | None, str | No
     from jsonargparse import ArgumentParser
 
     from experiments.config import build_fit_parser
-    from experiments.parsing import check_cli_class_paths
+    from experiments.parsing import blame, check_cli_class_paths
 
     check_cli_class_paths(list(sys.argv[1:] if argv is None else argv))  # before anything is parsed (and imported)
     root = ArgumentParser(prog="python -m experiments.train", exit_on_error=False,
@@ -271,58 +271,17 @@ def parse_cli(argv: list[str] | None) -> tuple[TrainConfig, str | None, str | No
     try:
         _check_trainer(cfg.check())
     except ValueError as err:
-        raise ValueError(_blame(str(err), cfg.source, sources)) from None
+        raise ValueError(blame(str(err), cfg.source, sources)) from None
     return cfg, fit.ckpt_path, fit.mlflow_run_id
 
 
 def _key_sources(argv: list[str]) -> dict[str, str]:
-    """Where each key of a `fit` command line was set last: `<file>` or `--key (command line)`.
-
-    Each --config file is read here first, so malformed YAML names its file and line and an unknown
-    key names the file that holds it (jsonargparse names neither)."""
+    """Where each key of a `fit` command line was set last (`experiments.parsing.key_sources`)."""
     from experiments.config import fit_parser
-    from experiments.parsing import is_file, read_yaml
+    from experiments.parsing import key_sources
 
-    known = fit_parser().get_defaults().as_dict()
-    sources: dict[str, str] = {}
-    args = [a for a in argv if a != "fit"]
-    for i, arg in enumerate(args):
-        if arg in ("-c", "--config") and i + 1 < len(args):
-            path = Path(args[i + 1])
-        elif arg.startswith("--config="):
-            path = Path(arg.split("=", 1)[1])
-        else:
-            if arg.startswith("--") and not arg.startswith("--config"):
-                sources[arg[2:].split("=", 1)[0]] = f"{arg.split('=', 1)[0]} (command line)"
-            continue
-        if not is_file(path):
-            continue  # the parser says so (or reads it as inline YAML)
-        raw = read_yaml(path) or {}
-        if not isinstance(raw, dict):
-            raise ValueError(f"{path}: expected a mapping of sections (model, data, trainer, run)")
-        for section, body in raw.items():
-            if section not in known:
-                raise ValueError(f"{path}: unknown key {section!r}; expected one of {sorted(known)}")
-            if isinstance(known[section], dict):
-                if not isinstance(body, dict):
-                    raise ValueError(f"{path}: {section}: expected a mapping")
-                for key in body:
-                    if key not in known[section]:
-                        raise ValueError(f"{path}: unknown key {section}.{key} (python -m experiments.train fit --help "
-                                         "lists the options)")
-                    sources[f"{section}.{key}"] = str(path)
-            else:
-                sources[section] = str(path)
-    return sources
-
-
-def _blame(message: str, source: str, sources: dict[str, str]) -> str:
-    """A check error `<files>: <key>: ...` re-addressed to where that key was set (a flag or one file)."""
-    if not message.startswith(f"{source}: "):
-        return message
-    rest = message[len(source) + 2:]
-    where = sources.get(rest.split(":", 1)[0])
-    return f"{where}: {rest}" if where else message
+    return key_sources(argv, fit_parser().get_defaults().as_dict(), "python -m experiments.train fit --help lists the options",
+                       skip=("fit",))
 
 
 #: exit code of a run stopped by a signal (after its checkpoint): SIGUSR1 3, else 128 + the signal number

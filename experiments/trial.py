@@ -1,6 +1,6 @@
 """One sweep trial: train a head (`experiments.train.train_head`), evaluate it with speculative
-decoding (`experiments.evaluate`'s importable functions, both modes on the same prompt sets in one
-process, one child run per (mode, prompt_set)), all in one MLflow parent run.
+decoding (`experiments.evaluation.evaluate_heads` with the spec's `EvalConfig`, every mode on the same
+prompt sets in one process, one child run per (mode, temperature, eos, prompt_set)), all in one MLflow parent run.
 
     run_trial(train: TrainConfig, point, evaluation: EvalConfig, *, mlflow_tracking_uri, mlflow_experiment_id, ...)
 
@@ -31,7 +31,6 @@ from typing import Any
 import tracking
 from experiments.config import EvalConfig, TrainConfig, apply_point
 from mtpc.atomic import write_json
-from tracking.schema import DEV_SET_PREFIX
 
 
 def trial_config(base: TrainConfig, point: dict[str, Any], *, tracking_uri: str | None = None,
@@ -48,7 +47,7 @@ def trial_config(base: TrainConfig, point: dict[str, Any], *, tracking_uri: str 
 def check_eval_lengths(cfg: TrainConfig, evaluation: EvalConfig, longest: tuple[int, str] | None = None) -> None:
     """ValueError `eval.max_new_tokens: ...` when the evaluation cannot fit the backbone's context
     (the check generation makes per prompt: prompt + max_new_tokens + window <= max_context), found
-    before anything trains; `experiments.evaluate.longest_prompt` says which prompt length counts
+    before anything trains; `experiments.prompts.longest_prompt` says which prompt length counts
     (`longest`: its result, when the caller has it already). Nothing is checked when the backbone's
     context cannot be known offline."""
     from experiments.config import TINY_BACKBONE
@@ -59,7 +58,7 @@ def check_eval_lengths(cfg: TrainConfig, evaluation: EvalConfig, longest: tuple[
     if context is None:
         return
     if longest is None:
-        from experiments.evaluate import longest_prompt
+        from experiments.prompts import longest_prompt
 
         longest = longest_prompt(evaluation)
     prompt, what = longest
@@ -107,17 +106,6 @@ def convergence(history: list[tuple[int, float]], fraction: float = CONVERGENCE_
     return {"val_nll_change_last_fifth": change, "converged": float(change < tolerance)}
 
 
-def eval_passes(modes, temperatures) -> list[tuple[str, float]]:
-    """(mode, temperature) pairs an evaluation runs: sampling at every temperature, greedy once (at
-    the first temperature, which greedy ignores)."""
-    return [(m, t) for i, t in enumerate(temperatures) for m in modes if m == "sample" or i == 0]
-
-
-def prompt_set_names(sets: int, dev_sets: int = 0) -> list[str]:
-    """"0".."sets-1" (reported), then "dev0".. (development prompts, disjoint from the reported ones)."""
-    return [str(i) for i in range(sets)] + [f"{DEV_SET_PREFIX}{i}" for i in range(dev_sets)]
-
-
 def training_axes(cfg: Any) -> dict[str, Any]:
     """The training params every child run carries (so CE and distilled heads, and training seeds,
     can be told apart from the child alone): kl_beta, kl_temperature, train_seed. `cfg`: the TrainConfig."""
@@ -128,35 +116,18 @@ def training_axes(cfg: Any) -> dict[str, Any]:
 def evaluate_head(head_dir: Path, cfg: TrainConfig, evaluation: EvalConfig, *, parent_run_id: str,
                   tracking_uri: str, out: Path, extra_params: dict[str, Any] | None = None,
                   should_stop: Callable[[], bool] | None = None) -> list[str]:
-    """The decoding modes on the same prompt sets (experiments.evaluate): sampling at every
+    """The decoding modes on the same prompt sets (experiments.evaluation): sampling at every
     temperature of `evaluation.temperatures`, greedy once, each EOS treatment of `evaluation.eos`;
     JSON to `out`, one child run per (mode, temperature, eos, prompt_set) under the parent, carrying
     the training axes and `extra_params`; returns the child run ids."""
-    from experiments.evaluate import evaluate_heads, load_prompt_sets, log_evaluation_to_mlflow, summarize
+    from experiments.evaluation import evaluate_heads, log_evaluation_to_mlflow
+    from experiments.prompts import eval_prompt_sets
 
-    e = evaluation
     model = load_for_eval(head_dir, cfg.model)
-    names = prompt_set_names(e.sets, e.dev_sets)
-    sets = load_prompt_sets(e.prompts, e.n_prompts, e.sets, e.seed, dev_sets=e.dev_sets,
-                            dev_num_prompts=e.dev_n_prompts)  # disjoint draws: dev prompts never overlap reported ones
-    results = None
-    for temperature in e.temperatures:
-        passes = tuple(m for m, t in eval_passes(e.modes, e.temperatures) if t == temperature)
-        res = evaluate_heads(
-            {"head": model}, sets, passes, (e.extra_token,), max_new_tokens=e.max_new_tokens, temperature=temperature,
-            top_p=e.top_p, seed=e.seed, eos=e.eos, set_names=names, stp=e.stp, acceptance=e.acceptance,
-            latency_prompts=e.latency_prompts, continuation_cache=e.continuation_cache,
-            progress=False,  # a sweep trial: the worker prints one line per trial, not tqdm bars
-            should_stop=should_stop,  # raises EvaluationStopped between prompt sets
-        )
-        if results is None:
-            results = res
-        else:  # one JSON for the whole evaluation: runs and STP baselines of every temperature
-            results["runs"] += res["runs"]
-            for mode, rows in res["stp"].items():
-                results["stp"].setdefault(mode, []).extend(rows)
-    results["config"]["temperatures"] = list(e.temperatures)
-    results["summary"] = summarize(results)
+    sets, names = eval_prompt_sets(evaluation)  # disjoint draws: dev prompts never overlap reported ones
+    results = evaluate_heads({"head": model}, sets, evaluation, set_names=names,
+                             progress=False,  # a sweep trial: the worker prints one line per trial, not tqdm bars
+                             should_stop=should_stop)  # raises EvaluationStopped between prompt sets
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, results, indent=2)
     params = {**training_axes(cfg), **(extra_params or {})}
@@ -229,7 +200,7 @@ def _train_and_evaluate(
     tracking.log_metrics(uri, parent_run_id, {k: v for k, v in conv.items() if v == v})
     # evaluation runs here, in the one process (the worker's) on the trial's first device, after the
     # ranks have exited: mu_lat is batch-1 decoding latency, timed one stream at a time
-    from experiments.evaluate import EvaluationStopped
+    from experiments.evaluation import EvaluationStopped
 
     try:
         evaluate_head(head_dir, cfg, evaluation, parent_run_id=parent_run_id, tracking_uri=uri,

@@ -18,7 +18,7 @@ Everything goes under `--out` (default `runs/demo`), the MLflow store too: the d
 `mlflow.tracking_uri` to `sqlite:///<out>/mlflow.db` (MLFLOW_TRACKING_URI still wins).
 
 Trials train side by side (one worker per core), but their timed evaluations take a machine-wide
-lock (experiments/evaluate.py) and training waits between steps while another trial times
+lock (experiments/evaluation.py) and training waits between steps while another trial times
 (experiments.callbacks.YieldToTimer), so no latency is measured while another trial computes. The last
 line says how long each step took.
 
@@ -94,7 +94,7 @@ def shipped_head_line(prompts: int = 4, new_bytes: int = 64) -> str:
 
     from experiments.background import timing
     from experiments.config import EvalConfig
-    from experiments.evaluate import load_prompt_sets
+    from experiments.prompts import load_prompt_sets
     from experiments.speedup import measure_speedup
     from mtpc import MtpcModel
 

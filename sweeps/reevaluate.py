@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import tracking
-from experiments.trial import eval_passes, prompt_set_names
+from experiments.prompts import eval_passes, prompt_set_names
 from sweeps.spec import SpecError, load_spec, parse_sets
 from tracking.schema import grid_key
 

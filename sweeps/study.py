@@ -121,7 +121,7 @@ def validate_trial_configs(spec: SweepSpec) -> int:
     for key, cfg in configs.items():  # after every training config: the evaluation needs a valid one
         try:
             if longest is None:
-                from experiments.evaluate import longest_prompt
+                from experiments.prompts import longest_prompt
 
                 longest = longest_prompt(spec.eval)
             check_eval_lengths(cfg, spec.eval, longest)
@@ -174,7 +174,7 @@ def init(spec: SweepSpec, *, retry_failed: bool = False) -> dict[str, Any]:
 
 def view_labels(spec: SweepSpec) -> list[str]:
     """The evaluation labels (`greedy`, `sample`, `sample-T0.7`, ...) a trial of this spec stores."""
-    from experiments.trial import eval_passes  # light: the trial's heavy imports are inside its functions
+    from experiments.prompts import eval_passes  # light: no torch
 
     e = spec.eval
     return [tracking.evaluation_label({"mode": m, "temperature": t, "eos": eos, "extra_token": e.extra_token})

@@ -24,10 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import tracking
-from experiments.trial import (  # light: the trial's heavy imports are inside its functions
-    eval_passes,
-    prompt_set_names,
-)
+from experiments.prompts import eval_passes, prompt_set_names  # light: no torch
 from sweeps.spec import SweepSpec
 from tracking.schema import ACCEPTANCE_PREFIX
 

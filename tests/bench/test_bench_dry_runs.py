@@ -102,7 +102,7 @@ def test_device_prompt_pool_draws_the_same_sets(tmp_path):
     """The pool device_prep writes for the device (the corpus does not travel) gives the sets that the
     pool itself gives: the GPU's `--prompt-source` file is the held-out draw."""
     from experiments.device_prep import write_prompt_pool
-    from experiments.evaluate import draw_prompt_sets, load_prompt_sets
+    from experiments.prompts import draw_prompt_sets, load_prompt_sets
 
     pool = [f"prompt {i}: {'é' * (i % 3)} \"quoted\"\nline" for i in range(40)]
     path = tmp_path / "pool.jsonl"

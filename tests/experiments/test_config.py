@@ -1,6 +1,6 @@
 """The one typed config system: every shipped training config and sweep spec goes through the one
 parser into dataclasses (the spec's `train` a TrainConfig, its `eval` an EvalConfig whose defaults
-are those of experiments.evaluate too), a grid point is set by `apply_point`, one override rule."""
+are those of experiments.evaluate's --eval.* flags too), a grid point is set by `apply_point`, one override rule."""
 
 from __future__ import annotations
 
@@ -59,45 +59,21 @@ def test_every_shipped_spec_parses_into_typed_sections(path, tmp_path):
 
 
 def test_evaluate_cli_defaults_are_eval_config_defaults():
-    """One set of evaluation defaults: the CLI's flags and the importable functions read EvalConfig."""
+    """One set of evaluation defaults: the CLI's --eval.* flags are EvalConfig's fields, and the
+    importable prompt functions read EvalConfig."""
+    import dataclasses
     import inspect
 
-    from experiments.evaluate import load_prompt_sets
+    from experiments.evaluate import build_parser
+    from experiments.prompts import load_prompt_sets
 
     d = EvalConfig()
     sig = inspect.signature(load_prompt_sets).parameters
     assert (sig["source"].default, sig["num_prompts"].default, sig["sets"].default, sig["seed"].default) == (
         d.prompts, d.n_prompts, d.sets, d.seed)
-    ap_defaults = _cli_defaults()
-    assert ap_defaults["num_prompts"] == d.n_prompts and ap_defaults["sets"] == d.sets
-    assert ap_defaults["max_new_tokens"] == d.max_new_tokens and ap_defaults["mode"] == ",".join(d.modes)
-    assert ap_defaults["eos"] == ",".join(d.eos) and ap_defaults["extra_token"] == d.extra_token
-    assert ap_defaults["top_p"] == d.top_p and ap_defaults["temperature"] == d.temperatures[0]
-    assert (ap_defaults["acceptance"], ap_defaults["latency_prompts"]) == (d.acceptance, d.latency_prompts) == ("offline", 16)
-    assert ap_defaults["no_continuation_cache"] is (not d.continuation_cache) is False
-
-
-def _cli_defaults() -> dict:
-    """The evaluation CLI's parsed defaults (parse_args with only the required flags, main not run)."""
-    import argparse
-
-    from experiments import evaluate
-
-    captured = {}
-    real = argparse.ArgumentParser.parse_args
-
-    def grab(self, args=None, namespace=None):
-        ns = real(self, args, namespace)
-        captured.update(vars(ns))
-        raise SystemExit(0)
-
-    argparse.ArgumentParser.parse_args = grab
-    try:
-        with pytest.raises(SystemExit):
-            evaluate.main(["--head", "h", "--out", "o.json"])
-    finally:
-        argparse.ArgumentParser.parse_args = real
-    return captured
+    defaults = build_parser().get_defaults().eval.as_dict()
+    assert defaults == dataclasses.asdict(d)
+    assert (defaults["acceptance"], defaults["latency_prompts"], defaults["continuation_cache"]) == ("offline", 16, True)
 
 
 def test_one_override_rule():

@@ -51,8 +51,8 @@ def test_train_export_evaluate_with_the_shipped_config(ckpt, tmp_path):
     prompts.write_text("".join(json.dumps(f"prompt number {i}") + "\n" for i in range(4)))
     out = tmp_path / "r.json"
     with triton_shim():
-        rc = evaluate(["--head", str(run / "head"), "--prompts", str(prompts), "--num-prompts", "2", "--sets", "1",
-                       "--max-new-tokens", "24", "--mode", "both", "--eos", "both", "--evabyte-mtp",
+        rc = evaluate(["--head", str(run / "head"), "--eval.prompts", str(prompts), "--eval.n_prompts", "2", "--eval.sets", "1",
+                       "--eval.max_new_tokens", "24", "--eval.eos", "banned,allowed", "--evabyte-mtp",
                        "--trust-remote-code", "--out", str(out), "--no-progress"])  # fmt: skip
     assert rc == 0
     runs = json.loads(out.read_text())["runs"]

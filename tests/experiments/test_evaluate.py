@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from experiments.evaluate import evaluate_heads, load_prompt_sets, log_evaluation_to_mlflow, main
+from experiments.config import EvalConfig
+from experiments.evaluate import main
+from experiments.evaluation import evaluate_heads, log_evaluation_to_mlflow
+from experiments.prompts import load_prompt_sets
 from mtpc import MtpcModel
 from mtpc.heads import save_head
 from mtpc.tokenizer import ByteTokenizer
@@ -42,22 +46,31 @@ def test_load_prompt_sets_and_errors(exported):
     sets = load_prompt_sets(str(exported / "prompts.jsonl"), num_prompts=3, sets=2, seed=1)
     assert [len(s) for s in sets] == [3, 3] and len(set(sets[0]) | set(sets[1])) == 6
     assert "a chat" in sets[0] + sets[1]
+    # each prompt knows its file:line (an error about one names it), through a copy too
+    import copy
+
+    lines = {json.loads(x) if x.startswith('"') else None: i for i, x in
+             enumerate((exported / "prompts.jsonl").read_text().splitlines(), 1)}  # fmt: skip
+    for p in copy.deepcopy(sets[0]):
+        assert p.where.startswith(f"{exported / 'prompts.jsonl'}:")
+        if p in lines:
+            assert p.where.endswith(f":{lines[p]}")
     with pytest.raises(ValueError, match="needed"):
         load_prompt_sets(str(exported / "prompts.jsonl"), num_prompts=4, sets=2)
-    with pytest.raises(ValueError, match="--prompts"):
+    with pytest.raises(ValueError, match="eval.prompts"):
         load_prompt_sets(str(exported / "missing.jsonl"))
 
 
 def test_cli_writes_json_with_every_metric(exported, tmp_path, capsys):
     out = tmp_path / "r.json"
     rc = main([
-        "--head", str(exported / "cp"), "--ff-head", str(exported / "ff"), "--prompts", str(exported / "prompts.jsonl"),
-        "--num-prompts", "2", "--sets", "2", "--max-new-tokens", "12", "--mode", "both", "--extra-token", "both",
-        "--acceptance", "online", "--out", str(out), "--no-progress",
+        "--head", str(exported / "cp"), "--ff-head", str(exported / "ff"), "--eval.prompts", str(exported / "prompts.jsonl"),
+        "--eval.n_prompts", "2", "--eval.sets", "2", "--eval.max_new_tokens", "12", "--eval.modes", "greedy,sample",
+        "--eval.extra_token", "drop", "--eval.acceptance", "online", "--out", str(out), "--no-progress",
     ])  # fmt: skip
     assert rc == 0, capsys.readouterr().err
     res = json.loads(out.read_text())
-    assert len(res["runs"]) == 2 * 2 * 2 * 2  # heads x modes x extra x sets
+    assert len(res["runs"]) == 2 * 2 * 2  # heads x modes x sets
     for r in res["runs"]:
         m = r["metrics"]
         for k in ("mu_lat", "mu_acc", "tokens_per_cycle", "throughput", "max_throughput", "stp_mu_lat",
@@ -69,7 +82,7 @@ def test_cli_writes_json_with_every_metric(exported, tmp_path, capsys):
         if r["head"] == "ff":
             assert m["speedup_vs_ff"] == pytest.approx(1.0)
     assert {(s["head"], s["mode"], s["extra_token"]) for s in res["summary"]} == {
-        (h, m, e) for h in ("head", "ff") for m in ("greedy", "sample") for e in ("keep", "drop")
+        (h, m, "drop") for h in ("head", "ff") for m in ("greedy", "sample")
     }
     assert set(res["summary"][0]["throughput"]) == {"mean", "std"}
 
@@ -77,10 +90,10 @@ def test_cli_writes_json_with_every_metric(exported, tmp_path, capsys):
 def test_cli_errors_are_clear(exported, tmp_path, capsys):
     assert main(["--head", str(tmp_path), "--out", str(tmp_path / "r.json")]) == 2
     assert "--head" in capsys.readouterr().err
-    args = ["--head", str(exported / "cp"), "--prompts", str(exported / "prompts.jsonl"), "--out", str(tmp_path / "r.json")]
-    assert main([*args, "--mode", "beam"]) == 2
-    assert "--mode" in capsys.readouterr().err
-    assert main([*args, "--ff-head", str(exported / "cp"), "--num-prompts", "1", "--sets", "1"]) == 2
+    args = ["--head", str(exported / "cp"), "--eval.prompts", str(exported / "prompts.jsonl"), "--out", str(tmp_path / "r.json")]
+    assert main([*args, "--eval.modes", "beam"]) == 2
+    assert "--eval.modes" in capsys.readouterr().err
+    assert main([*args, "--ff-head", str(exported / "cp"), "--eval.n_prompts", "1", "--eval.sets", "1"]) == 2
     assert "not ff" in capsys.readouterr().err
 
 
@@ -91,8 +104,8 @@ def test_mlflow_children_carry_params_and_metrics(exported, tmp_path):
     exp = client.create_experiment("eval-test")
     parent = client.create_run(exp, run_name="trial").info.run_id
     m = MtpcModel.from_pretrained(exported / "cp")
-    res = evaluate_heads(m, [["one", "two"], ["three", "four"]], ("greedy",), ("keep",),
-                         max_new_tokens=8, progress=False)  # fmt: skip
+    res = evaluate_heads(m, [["one", "two"], ["three", "four"]], EvalConfig(modes=("greedy",), max_new_tokens=8,
+                         acceptance="online"), progress=False)  # fmt: skip
     ids = log_evaluation_to_mlflow(res, parent, params={"trial": 7}, tracking_uri=uri)
     assert len(ids) == 2
     for rid in ids:
@@ -117,26 +130,26 @@ def test_cli_truncated_head_is_one_line_naming_the_file(exported, tmp_path, caps
     shutil.copytree(exported / "cp", bad)
     weights = bad / "head.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])  # an interrupted copy
-    rc = main(["--head", str(bad), "--prompts", str(exported / "prompts.jsonl"), "--num-prompts", "1", "--sets", "1",
-               "--out", str(tmp_path / "r.json"), "--no-progress"])
+    rc = main(["--head", str(bad), "--eval.prompts", str(exported / "prompts.jsonl"), "--eval.n_prompts", "1",
+               "--eval.sets", "1", "--out", str(tmp_path / "r.json"), "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and str(weights) in err, err
 
 
 def test_cli_missing_head_directory_says_it_does_not_exist(exported, tmp_path, capsys):
-    rc = main(["--head", str(tmp_path / "nowhere"), "--prompts", str(exported / "prompts.jsonl"), "--num-prompts", "1",
-               "--sets", "1", "--out", str(tmp_path / "r.json"), "--no-progress"])
+    rc = main(["--head", str(tmp_path / "nowhere"), "--eval.prompts", str(exported / "prompts.jsonl"), "--eval.n_prompts", "1",
+               "--eval.sets", "1", "--out", str(tmp_path / "r.json"), "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "nowhere' does not exist or is not a directory" in err, err
 
 
 def test_an_unusable_out_path_is_refused_before_anything_decodes(exported, tmp_path, capsys, monkeypatch):
-    import experiments.evaluate as ev
+    import experiments.evaluation as ev
 
     decoded = []
     monkeypatch.setattr(ev, "evaluate_heads", lambda *a, **k: decoded.append(1))
-    args = ["--head", str(exported / "cp"), "--prompts", str(exported / "prompts.jsonl"), "--num-prompts", "1",
-            "--sets", "1", "--no-progress"]
+    args = ["--head", str(exported / "cp"), "--eval.prompts", str(exported / "prompts.jsonl"), "--eval.n_prompts", "1",
+            "--eval.sets", "1", "--no-progress"]
     (tmp_path / "existing").mkdir()
     assert main([*args, "--out", str(tmp_path / "existing")]) == 2
     err = capsys.readouterr().err
@@ -162,10 +175,10 @@ def test_a_prompts_file_with_invalid_utf8_names_file_and_line(tmp_path):
 
 def test_offline_cli_derives_throughput_beside_the_timed_subset(exported, tmp_path, capsys):
     """The default (offline): acceptance from every prompt's continuation, mu_lat from the first
-    --latency-prompts prompts timed online; derived_throughput = tokens_per_cycle / mu_lat, named so."""
+    --eval.latency_prompts prompts timed online; derived_throughput = tokens_per_cycle / mu_lat, named so."""
     out = tmp_path / "r.json"
-    rc = main(["--head", str(exported / "cp"), "--ff-head", str(exported / "ff"), "--prompts", str(exported / "prompts.jsonl"),
-               "--num-prompts", "3", "--sets", "2", "--max-new-tokens", "10", "--mode", "both", "--latency-prompts", "1",
+    rc = main(["--head", str(exported / "cp"), "--ff-head", str(exported / "ff"), "--eval.prompts", str(exported / "prompts.jsonl"),
+               "--eval.n_prompts", "3", "--eval.sets", "2", "--eval.max_new_tokens", "10", "--eval.latency_prompts", "1",
                "--out", str(out), "--no-progress"])  # fmt: skip
     assert rc == 0, capsys.readouterr().err
     res = json.loads(out.read_text())
@@ -193,9 +206,9 @@ def test_offline_greedy_equals_the_online_loop_in_evaluate(exported):
     """Greedy, float32, tiny model: the offline mu_acc and cycles of a set equal the online loop's."""
     m = MtpcModel.from_pretrained(exported / "cp")
     prompts = [["one", "two", "three"]]
-    kw = {"max_new_tokens": 12, "progress": False, "stp": False}
-    on = evaluate_heads(m, prompts, ("greedy",), acceptance="online", **kw)["runs"][0]
-    off = evaluate_heads(m, prompts, ("greedy",), acceptance="offline", latency_prompts=1, **kw)["runs"][0]
+    e = EvalConfig(modes=("greedy",), max_new_tokens=12, stp=False)
+    on = evaluate_heads(m, prompts, replace(e, acceptance="online"), progress=False)["runs"][0]
+    off = evaluate_heads(m, prompts, replace(e, acceptance="offline", latency_prompts=1), progress=False)["runs"][0]
     assert [p["cycles"] for p in off["per_prompt"]] == [p["cycles"] for p in on["per_prompt"]]
     assert [p["accepted"] for p in off["per_prompt"]] == [p["accepted"] for p in on["per_prompt"]]
     assert off["metrics"]["mu_acc"] == pytest.approx(on["metrics"]["mu_acc"])
@@ -212,43 +225,43 @@ def test_a_second_head_reuses_the_texts(exported, monkeypatch, batch):
     from the on-disk cache the first evaluation stored (no new `continuations` call). Batch 4 (k = 0
     on the compact forward): the fused decoding-and-pass the first evaluation kept in the process
     (no new `decode_and_force` call); `$MTPC_PASS_MEMO_MB=0` or the cache off recompute."""
-    from experiments import evaluate
-    from mtpc.speculative import offline
+    from mtpc.speculative import offline, pass_cache
 
-    monkeypatch.setattr(evaluate, "_PASS_MEMO", type(evaluate._PASS_MEMO)())
+    monkeypatch.setattr(pass_cache, "PASSES", type(pass_cache.PASSES)())
     name = "continuations" if batch == 1 else "decode_and_force"
     calls = []
     real = getattr(offline, name)
     monkeypatch.setattr(offline, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
     prompts = [["one", "two", "three"], ["four", "five"]]
-    kw = {"max_new_tokens": 10, "progress": False, "stp": False, "acceptance": "offline", "latency_prompts": 1,
-          "temperature": 0.8, "continuation_batch": batch}  # fmt: skip
+    e = EvalConfig(modes=("greedy", "sample"), max_new_tokens=10, stp=False, acceptance="offline", latency_prompts=1,
+                   temperatures=(0.8,))  # fmt: skip
+    kw = {"progress": False, "continuation_batch": batch}
     cp = MtpcModel.from_pretrained(exported / "cp")
-    evaluate_heads(cp, prompts, ("greedy", "sample"), **kw)
+    evaluate_heads(cp, prompts, e, **kw)
     assert len(calls) == 4  # (mode, set) jobs
     ff = MtpcModel.from_pretrained(exported / "ff")
-    cached = evaluate_heads(ff, prompts, ("greedy", "sample"), **kw)
+    cached = evaluate_heads(ff, prompts, e, **kw)
     assert len(calls) == 4  # nothing recomputed
-    fresh = evaluate_heads(ff, prompts, ("greedy", "sample"), continuation_cache=False, **kw)
+    fresh = evaluate_heads(ff, prompts, replace(e, continuation_cache=False), **kw)
     assert len(calls) == 8
     assert [_strip(r) for r in cached["runs"]] == [_strip(r) for r in fresh["runs"]]
     for a, b in zip(cached["runs"], fresh["runs"], strict=True):
         assert a["metrics"]["mu_acc"] == b["metrics"]["mu_acc"] and a["metrics"]["cycles"] == b["metrics"]["cycles"]
     if batch > 1:
-        monkeypatch.setenv(evaluate.PASS_MEMO_ENV, "0")
-        evaluate_heads(ff, prompts, ("greedy", "sample"), **kw)
+        monkeypatch.setenv(pass_cache.PASS_MEMO_ENV, "0")
+        evaluate_heads(ff, prompts, e, **kw)
         assert len(calls) == 12
-        monkeypatch.setenv(evaluate.PASS_MEMO_ENV, "lots")
+        monkeypatch.setenv(pass_cache.PASS_MEMO_ENV, "lots")
         with pytest.raises(ValueError, match="MTPC_PASS_MEMO_MB"):
-            evaluate_heads(ff, prompts, ("greedy",), **kw)
+            evaluate_heads(ff, prompts, replace(e, modes=("greedy",)), **kw)
 
 
 def test_cli_no_continuation_cache_stores_nothing(exported, tmp_path, capsys):
     from mtpc.speculative.continuation_cache import cache_root
 
-    args = ["--head", str(exported / "cp"), "--prompts", str(exported / "prompts.jsonl"), "--num-prompts", "2",
-            "--max-new-tokens", "6", "--mode", "greedy", "--latency-prompts", "1", "--no-progress"]  # fmt: skip
-    assert main([*args, "--no-continuation-cache", "--out", str(tmp_path / "a.json")]) == 0, capsys.readouterr().err
+    args = ["--head", str(exported / "cp"), "--eval.prompts", str(exported / "prompts.jsonl"), "--eval.n_prompts", "2",
+            "--eval.max_new_tokens", "6", "--eval.modes", "greedy", "--eval.latency_prompts", "1", "--no-progress"]  # fmt: skip
+    assert main([*args, "--eval.continuation_cache", "false", "--out", str(tmp_path / "a.json")]) == 0, capsys.readouterr().err
     assert not list(cache_root().glob("*.json"))
     assert main([*args, "--out", str(tmp_path / "b.json")]) == 0, capsys.readouterr().err
     assert len(list(cache_root().glob("*.json"))) == 1
@@ -257,10 +270,11 @@ def test_cli_no_continuation_cache_stores_nothing(exported, tmp_path, capsys):
 
 
 def test_offline_refuses_drop_in_one_line(exported, tmp_path, capsys):
-    rc = main(["--head", str(exported / "cp"), "--prompts", str(exported / "prompts.jsonl"), "--extra-token", "drop",
+    rc = main(["--head", str(exported / "cp"), "--eval.prompts", str(exported / "prompts.jsonl"), "--eval.extra_token", "drop",
                "--out", str(tmp_path / "r.json")])  # fmt: skip
     err = capsys.readouterr().err
-    assert rc == 2 and err.count("\n") == 1 and "--extra-token drop" in err and "--acceptance online" in err
+    assert rc == 2 and err.count("\n") == 1 and "--eval.extra_token" in err and "'drop'" in err, err
+    assert "eval.acceptance: online" in err
     m = MtpcModel.from_pretrained(exported / "cp")
     with pytest.raises(ValueError, match="keep"):
-        evaluate_heads(m, [["one"]], ("greedy",), ("drop",), acceptance="offline", progress=False)
+        evaluate_heads(m, [["one"]], EvalConfig(modes=("greedy",), extra_token="drop"), progress=False)

@@ -1,4 +1,4 @@
-"""Degeneracy metrics in experiments/evaluate.py: every run (and STP) carries degenerate_fraction and
+"""Degeneracy metrics in experiments/evaluation.py: every run (and STP) carries degenerate_fraction and
 distinct_4gram_ratio computed from its own answers, for greedy and sampling, EOS banned and allowed;
 greedy speculative answers equal STP's, so their degeneracy must agree; the > 0.25 warning; the
 `eos` child-run param; the per-prompt records (and their artifact) that pool back to the metrics."""
@@ -6,11 +6,14 @@ greedy speculative answers equal STP's, so their degeneracy must agree; the > 0.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
-from experiments.evaluate import degeneracy_warnings, evaluate_heads, log_evaluation_to_mlflow, main
+from experiments.config import EvalConfig
+from experiments.evaluate import main
+from experiments.evaluation import degeneracy_warnings, evaluate_heads, log_evaluation_to_mlflow
 from mtpc import MtpcModel
 from mtpc.heads import save_head
 from mtpc.textstats import degeneracy_metrics
@@ -33,8 +36,8 @@ def model_dir(tmp_path_factory):
 
 def test_every_run_and_stp_carry_degeneracy_for_both_modes_and_eos(model_dir):
     m = MtpcModel.from_pretrained(model_dir / "cp")
-    res = evaluate_heads(m, [["one", "two"], ["three"]], ("greedy", "sample"), ("keep",), max_new_tokens=40,
-                         eos=("banned", "allowed"), progress=False)
+    res = evaluate_heads(m, [["one", "two"], ["three"]], EvalConfig(max_new_tokens=40, eos=("banned", "allowed"),
+                         acceptance="online"), progress=False)
     assert {(r["mode"], r["eos"]) for r in res["runs"]} == {(a, b) for a in ("greedy", "sample") for b in ("banned", "allowed")}
     stp = {(mode, s["eos"], s["prompt_set"]): s for mode, rows in res["stp"].items() for s in rows}
     for r in res["runs"]:
@@ -57,8 +60,8 @@ def test_every_run_and_stp_carry_degeneracy_for_both_modes_and_eos(model_dir):
         assert sum(x["degenerate"] for x in pp) / len(pp) == mt["degenerate_fraction"]
         stp_pp = stp[(r["mode"], r["eos"], r["prompt_set"])]["per_prompt"]
         assert [x["prompt_sha"] for x in pp] == [x["prompt_sha"] for x in stp_pp]
-    with pytest.raises(ValueError, match="eos in"):
-        evaluate_heads(m, [["one"]], eos=("sometimes",), progress=False)
+    with pytest.raises(ValueError, match="eval.eos: 'sometimes'"):
+        evaluate_heads(m, [["one"]], EvalConfig(eos=("sometimes",)), progress=False)
 
 
 def test_warning_above_a_quarter_degenerate():
@@ -73,8 +76,9 @@ def test_cli_eos_both_and_warning_agrees_with_the_json(model_dir, tmp_path, caps
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps(f"question {i}") for i in range(2)) + "\n")
     out = tmp_path / "r.json"
-    rc = main(["--head", str(model_dir / "cp"), "--prompts", str(prompts), "--num-prompts", "2", "--sets", "1",
-               "--max-new-tokens", "140", "--mode", "greedy", "--eos", "both", "--out", str(out), "--no-progress"])
+    rc = main(["--head", str(model_dir / "cp"), "--eval.prompts", str(prompts), "--eval.n_prompts", "2", "--eval.sets", "1",
+               "--eval.max_new_tokens", "140", "--eval.modes", "greedy", "--eval.eos", "banned,allowed", "--out", str(out),
+               "--no-progress"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     res = json.loads(out.read_text())
@@ -82,8 +86,8 @@ def test_cli_eos_both_and_warning_agrees_with_the_json(model_dir, tmp_path, caps
     flagged = [s for s in res["summary"] if s["degenerate_fraction"]["mean"] > 0.25]
     assert captured.err.count("measured on looping text") == len(flagged)
     assert "degenerate_fraction" in captured.out
-    assert main(["--head", str(model_dir / "cp"), "--prompts", str(prompts), "--eos", "never", "--out", str(out)]) == 2
-    assert "--eos" in capsys.readouterr().err
+    assert main(["--head", str(model_dir / "cp"), "--eval.prompts", str(prompts), "--eval.eos", "never", "--out", str(out)]) == 2
+    assert "--eval.eos" in capsys.readouterr().err
 
 
 def test_mlflow_child_runs_carry_eos_and_degeneracy(model_dir, tmp_path):
@@ -92,7 +96,8 @@ def test_mlflow_child_runs_carry_eos_and_degeneracy(model_dir, tmp_path):
     client = mlflow.tracking.MlflowClient(tracking_uri=uri)
     parent = client.create_run(client.create_experiment("deg"), run_name="trial").info.run_id
     m = MtpcModel.from_pretrained(model_dir / "cp")
-    res = evaluate_heads(m, [["one"]], ("greedy",), ("keep",), max_new_tokens=8, eos=("banned", "allowed"), progress=False)
+    res = evaluate_heads(m, [["one"]], EvalConfig(modes=("greedy",), max_new_tokens=8, eos=("banned", "allowed"),
+                                                  acceptance="online"), progress=False)
     ids = log_evaluation_to_mlflow(res, parent, tracking_uri=uri)
     runs = [client.get_run(r).data for r in ids]
     assert sorted(r.params["eos"] for r in runs) == ["allowed", "banned"]
@@ -103,15 +108,15 @@ def test_mlflow_child_runs_carry_eos_and_degeneracy(model_dir, tmp_path):
 
 def test_without_stp_the_heads_alone_and_named_sets(model_dir):
     m = MtpcModel.from_pretrained(model_dir / "cp")
-    with_stp = evaluate_heads(m, [["one"], ["two"]], ("sample",), max_new_tokens=12, progress=False, set_names=["0", "dev0"])
-    alone = evaluate_heads(m, [["one"], ["two"]], ("sample",), max_new_tokens=12, progress=False, set_names=["0", "dev0"],
-                           stp=False)
+    e = EvalConfig(modes=("sample",), max_new_tokens=12, acceptance="online")
+    with_stp = evaluate_heads(m, [["one"], ["two"]], e, progress=False, set_names=["0", "dev0"])
+    alone = evaluate_heads(m, [["one"], ["two"]], replace(e, stp=False), progress=False, set_names=["0", "dev0"])
     assert [r["prompt_set"] for r in alone["runs"]] == ["0", "dev0"] and alone["stp"] == {"sample": []}
     for a, b in zip(alone["runs"], with_stp["runs"], strict=True):
         assert not any(k.startswith("stp_") or k == "speedup_vs_stp" for k in a["metrics"])
         assert a["metrics"]["mu_acc"] == b["metrics"]["mu_acc"]  # the same seeded generations
     with pytest.raises(ValueError, match="set_names"):
-        evaluate_heads(m, [["one"]], set_names=["0", "1"], progress=False)
+        evaluate_heads(m, [["one"]], e, set_names=["0", "1"], progress=False)
 
 
 def test_an_evaluation_times_only_while_it_holds_the_machine_wide_lock(model_dir, tmp_path, monkeypatch):
@@ -136,7 +141,8 @@ def test_an_evaluation_times_only_while_it_holds_the_machine_wide_lock(model_dir
             time.sleep(0.05)
         m = MtpcModel.from_pretrained(model_dir / "cp")
         done: list[dict] = []
-        t = threading.Thread(target=lambda: done.append(evaluate_heads(m, [["one"]], max_new_tokens=8, progress=False)))
+        e = EvalConfig(modes=("greedy",), max_new_tokens=8, acceptance="online")
+        t = threading.Thread(target=lambda: done.append(evaluate_heads(m, [["one"]], e, progress=False)))
         t.start()
         t.join(5.0)  # ample for this evaluation alone (well under a second)
         assert t.is_alive() and not done  # blocked on the lock, not timing beside the other process
@@ -155,7 +161,7 @@ def test_the_offline_pass_holds_the_timing_lock(model_dir, tmp_path, monkeypatch
     import subprocess
     import sys
 
-    import experiments.evaluate as ev
+    import experiments.evaluation as ev
 
     lock = tmp_path / "timing.lock"
     monkeypatch.setenv("MTPC_TIMING_LOCK", str(lock))
@@ -172,7 +178,7 @@ def test_the_offline_pass_holds_the_timing_lock(model_dir, tmp_path, monkeypatch
 
     monkeypatch.setattr(ev, "_offline", offline_probing)
     m = MtpcModel.from_pretrained(model_dir / "cp")
-    out = evaluate_heads(m, [["one"], ["two"]], ("greedy",), max_new_tokens=8, progress=False, acceptance="offline")
+    out = evaluate_heads(m, [["one"], ["two"]], EvalConfig(modes=("greedy",), max_new_tokens=8), progress=False)
     assert out["runs"] and seen == [3, 3]  # held for every set's offline pass
     assert trains == [0, 0]  # shared: training elsewhere goes on
     assert subprocess.run([sys.executable, "-c", probe], timeout=60).returncode == 0  # and let go afterwards

@@ -121,11 +121,11 @@ def test_loading_the_default_prints_nothing(shipped, capfd):
 
 
 def test_the_demo_line_reports_the_shipped_heads_speedup_in_both_modes(shipped, tmp_path, monkeypatch):
-    import experiments.evaluate as evaluate
+    import experiments.prompts as prompts_module
     from sweeps.demo import shipped_head_line
 
     monkeypatch.setenv("MTPC_TIMING_LOCK", str(tmp_path / "timing.lock"))
-    monkeypatch.setattr(evaluate, "load_prompt_sets", lambda *a, **k: [["Hello there", "Tell me a story"]])
+    monkeypatch.setattr(prompts_module, "load_prompt_sets", lambda *a, **k: [["Hello there", "Tell me a story"]])
     line = shipped_head_line(prompts=2, new_bytes=8)
     assert line.startswith("shipped head tiny-btree (btree, n=4, r=2; MtpcModel.from_pretrained(\"default\")): ")
     assert "x plain decoding greedy (output identical on 2/2)" in line and "x sampled" in line and "\n" not in line

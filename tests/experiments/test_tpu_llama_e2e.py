@@ -43,8 +43,8 @@ def test_train_with_lora_then_evaluate_through_the_clis(byte_llama, tmp_path, ca
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps(p) for p in ["hello there", "caf\u00e9 and the world"]) + "\n")
     out = tmp_path / "eval.json"
-    rc = evaluate(["--head", str(run / "head"), "--prompts", str(prompts), "--num-prompts", "2", "--sets", "1",
-                   "--max-new-tokens", "8", "--mode", "both", "--out", str(out), "--no-progress"])  # fmt: skip
+    rc = evaluate(["--head", str(run / "head"), "--eval.prompts", str(prompts), "--eval.n_prompts", "2", "--eval.sets", "1",
+                   "--eval.max_new_tokens", "8", "--out", str(out), "--no-progress"])  # fmt: skip
     assert rc == 0, capsys.readouterr().err
     res = json.loads(out.read_text())
     assert len(res["runs"]) == 2 and all(r["metrics"]["generated"] == 2 * 8 for r in res["runs"])

@@ -57,7 +57,7 @@ def test_run_trial_trains_evaluates_and_resumes(tmp_path, prompts, monkeypatch):
     assert (ck / "checkpoints" / "last.ckpt").is_file()
     assert not tracking.child_runs(uri, exp_id, parent, finished_only=False)
     # 2) a stop request during the evaluation (after its first prompt set): Preempted, nothing logged
-    import experiments.evaluate as evaluate
+    import experiments.evaluation as evaluate
 
     asked, real = {"stop": False}, evaluate._generate_interleaved
 

@@ -161,7 +161,7 @@ def test_one_machine_description():
 
     import torch
 
-    from experiments.evaluate import hardware
+    from experiments.evaluation import hardware
     from tracking.runs import cpu_model, machine, machine_line
 
     m = machine()
