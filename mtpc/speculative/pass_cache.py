@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from mtpc.backbones.common import Backbone
+
 PASS_MEMO_ENV = "MTPC_PASS_MEMO_MB"
 """Megabytes of k = 0 passes kept in the process for later evaluations on the same texts (default 2048; 0: off)."""
 PASSES: OrderedDict[str, Any] = OrderedDict()
@@ -32,7 +34,7 @@ def memo_limit_bytes() -> int:
         raise ValueError(f"${PASS_MEMO_ENV}={os.environ[PASS_MEMO_ENV]!r}: expected megabytes, e.g. 2048 (0: off)") from None
 
 
-def fused_pass(bb: Any, prompts: list[torch.Tensor], cfg: Any, seeds: list[int], batch: int, cache: bool) -> Any:
+def fused_pass(bb: Backbone, prompts: list[torch.Tensor], cfg: Any, seeds: list[int], batch: int, cache: bool) -> Any:
     """`decode_and_force(bb, prompts, cfg, seeds, batch)`, kept in this process under the continuation
     cache's key; `cache` False (the continuation cache off: weights the key may not tell apart)
     computes afresh and keeps nothing."""
