@@ -18,8 +18,10 @@ running the same command again; under `srun` (one task per device) or `torchrun`
 started by the launcher. Only global rank 0 writes `run.json`, logs to MLflow (its logger is made
 once the rank is known), prints progress, writes checkpoints (Lightning) and exports the head. Before anything loads, the trainer settings are checked, the resume path
 (`run_dir.check_ckpt_path`: a local file; `last` must exist) and the run directory's identity
-(`run_dir.claim`: one run per directory); checkpoints are written atomically and loaded weights-only
-(`run_dir.AtomicCheckpointIO`).
+(`run_dir.claim`: one run per directory, under rank 0's `run_dir.RunLock`, held until the export:
+one live run per directory); a start refused there or by its data leaves no `run.json` behind;
+checkpoints are written atomically and loaded weights-only (`run_dir.AtomicCheckpointIO`). A stop
+signal after the last optimizer step lets the validation and export finish (exit 0, said in a line).
 `--mlflow_run_id RUN` logs into an existing run and leaves it open (a multi-rank sweep trial's
 parent run, made by the worker: experiments/launch.py).
 CLI exit codes: 0 done, 2 bad config, data or resume path (one line naming file and key),
