@@ -176,6 +176,10 @@ class RunLock:
                 os.close(fd)
                 raise ValueError(f"{self.run_dir} is in use by a live run (pid {holder} holds {self.path}); wait for "
                                  "it to end (then resume with --ckpt_path last), or use another --run.dir") from None
+            except OSError as err:  # a filesystem without locks
+                os.close(fd)
+                raise ValueError(f"{self.path}: cannot lock the run directory ({err.strerror}); use a --run.dir on a "
+                                 "local filesystem") from None
             try:  # a holder that just released it unlinked the file we locked: lock the one at the path now
                 same = os.fstat(fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino
             except FileNotFoundError:
