@@ -53,6 +53,29 @@ def test_a_second_start_or_resume_beside_a_live_run_is_refused(tmp_path, capsys)
     assert res.metrics["global_step"] == 4
 
 
+def test_the_lock_names_its_holder_and_is_free_once_the_holder_is_killed(tmp_path):
+    import subprocess
+    import sys
+
+    from experiments.run_dir import RunLock
+
+    code = ("import sys, time; from experiments.run_dir import RunLock; RunLock(sys.argv[1]).acquire(); "
+            "print('held', flush=True); time.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONSAFEPATH": "1"})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ValueError, match=rf"{tmp_path} is in use by a live run \(pid {holder.pid} holds"):
+            RunLock(tmp_path).acquire()
+    finally:
+        holder.kill()  # SIGKILL: the OS releases the lock
+        holder.wait()
+    lock = RunLock(tmp_path).acquire()
+    assert (tmp_path / ".lock").read_text().strip() == str(os.getpid())
+    lock.release()
+    assert not (tmp_path / ".lock").exists() and tmp_path.is_dir()
+
+
 def test_checkpoints_and_a_head_without_run_json_are_refused(tmp_path, capsys):
     run = tmp_path / "run"
     train_head("debug", SHORT, run_dir=run)
