@@ -8,7 +8,8 @@
 Every field carries its docstring, which jsonargparse turns into `--help` text (`--model.window`,
 `--data.on_error`, ...). `load_config(name | path | dict, overrides)` parses a YAML file or dict
 (types checked by the parser); `TrainConfig.check()` is the one validation of the values (bounds,
-the architecture via `mtpc.names.check_architecture`, files that must exist, cross-field rules),
+the architecture via `mtpc.names.check_architecture`, the keys of `model.backbone_kwargs` against the
+loader's signature, files that must exist and folders that must not be files, cross-field rules),
 with no weights or data loaded; every message is `<file>: <section>.<key>: what; expected`.
 A sweep trial sets its grid point on a loaded config with `apply_point` (`dataclasses.replace`);
 nothing else copies its values.
