@@ -11,9 +11,14 @@ Who asks for the stop has exactly one owner of the signal:
 - standalone (the CLI, `train_head` without `should_stop`) the callback owns SIGUSR1 (SLURM's
   `--signal=USR1@<secs>` before a time limit or pre-emption), SIGTERM (`scancel`, and SLURM before
   a requeue) and SIGINT (Ctrl-C) during training: each stops with one checkpoint (`signum` says
-  which); a second SIGINT interrupts at once.
-Lightning's own handlers are not used: its SIGTERM handler (installed at every fit, after
-`on_fit_start`, hence ours go in at `on_train_start`) ends fit with no checkpoint and exit code 0;
+  which); a second SIGINT interrupts at once. A stop signal after the run's last optimizer step
+  (during the final validation or the head export) does not stop it: the run finishes, exports
+  its head and exits 0; one line says so at once (`late_signum` keeps the signal), and a second
+  Ctrl-C interrupts. The handlers stay installed until the caller's `release()` (after the export).
+Lightning's own handlers are not used (train.py switches its signal connector off for a run that
+owns its signals): its SIGTERM handler (installed at every fit and validate) ends fit, or a
+validation, with no checkpoint, no head and exit code 0, and its teardown would reinstate the
+handlers of before the fit over ours;
 under LightningEnvironment (which the suite passes so that a one-task job is not taken for a
 multi-process or self-requeueing one) it installs no SIGUSR1 handler, and SLURMEnvironment's would
 `scontrol requeue` the job behind the sweep's back.
@@ -27,6 +32,7 @@ Leaves out: ModelCheckpoint's periodic checkpoints (train.py adds it), requeuein
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -50,14 +56,24 @@ class StopCheckpoint(Callback):
         self.signum: int | None = None
         """the signal that asked for the stop (None: `should_stop`, or no stop)"""
         self.last_validation_step: int | None = None
+        self.finishing = False
+        """past the run's last optimizer step (final validation, export): a stop signal no longer stops"""
+        self.late_signum: int | None = None
+        """a stop signal that arrived after the last optimizer step (the run finished anyway)"""
         self._previous: dict[int, Any] = {}
 
     def stop_requested(self) -> bool:
         return self.requested or (self.should_stop is not None and self.should_stop())
 
     def _handler(self, signum: int, frame: Any) -> None:
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # Ctrl-C twice: do not wait for the step to end
+        if (self.requested or self.late_signum is not None) and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # Ctrl-C twice: do not wait for the step (or the export) to end
+        if self.finishing and not self.stopped:
+            if self.late_signum is None:
+                self.late_signum = signum
+                os.write(2, f"{signal.Signals(signum).name} after the last training step: finishing the final "
+                            "validation and the head export (Ctrl-C to interrupt)\n".encode())
+            return
         if not self.requested:
             self.signum = signum
         self.requested = True
@@ -67,10 +83,14 @@ class StopCheckpoint(Callback):
             for signum in self.signums:
                 self._previous[signum] = signal.signal(signum, self._handler)
 
-    def on_fit_end(self, trainer: Trainer, pl_module: Any) -> None:
-        self._restore()
+    def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
+        self.finishing = True
 
     def on_exception(self, trainer: Trainer, pl_module: Any, exception: BaseException) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Give the signals back to the handlers of before `on_train_start` (after the export)."""
         self._restore()
 
     def _restore(self) -> None:
@@ -91,6 +111,9 @@ class StopCheckpoint(Callback):
         elif 0 < trainer.max_steps <= trainer.global_step:
             # the last step of a max_steps run: ModelCheckpoint may not save here (mid-epoch)
             self._save(trainer)
+            self.finishing = True
+        elif _last_epoch(trainer) and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            self.finishing = True  # the last step of a max_epochs run: its final validation follows
 
     def _save(self, trainer: Trainer) -> None:
         """Write the checkpoint once: ModelCheckpoint is told this step's last.ckpt is written, so its
@@ -106,6 +129,10 @@ class StopCheckpoint(Callback):
     def on_validation_end(self, trainer: Trainer, pl_module: Any) -> None:
         if not trainer.sanity_checking:
             self.last_validation_step = trainer.global_step
+
+
+def _last_epoch(trainer: Trainer) -> bool:
+    return trainer.max_epochs is not None and trainer.max_epochs > 0 and trainer.current_epoch + 1 >= trainer.max_epochs
 
 
 class YieldToTimer(Callback):

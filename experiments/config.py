@@ -8,7 +8,8 @@
 Every field carries its docstring, which jsonargparse turns into `--help` text (`--model.window`,
 `--data.on_error`, ...). `load_config(name | path | dict, overrides)` parses a YAML file or dict
 (types checked by the parser); `TrainConfig.check()` is the one validation of the values (bounds,
-the architecture via `mtpc.names.check_architecture`, files that must exist, cross-field rules),
+the architecture via `mtpc.names.check_architecture`, the keys of `model.backbone_kwargs` against the
+loader's signature, files that must exist and folders that must not be files, cross-field rules),
 with no weights or data loaded; every message is `<file>: <section>.<key>: what; expected`.
 A sweep trial sets its grid point on a loaded config with `apply_point` (`dataclasses.replace`);
 nothing else copies its values.
@@ -51,6 +52,12 @@ ON_ERROR = ("raise", "skip")
 #: the `tiny` debug backbone: a random Llama built in-process (seeded; experiments/module.py), vocab 320 like the byte models
 TINY_BACKBONE = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+#: seeds are uint32 (numpy's range, what Lightning's seed_everything accepts; larger ones it replaces by a random seed)
+MAX_SEED = 2**32 - 1
+#: bytes per packed row (the paper: 8192; no backbone here has a context of a million bytes)
+MAX_SEQ_LEN = 1 << 20
+#: rows per device per step
+MAX_ROWS = 1 << 20
 #: the only classes a config may name (`class_path`, or a dotted name where Lightning takes an object):
 #: Trainer arguments the suite sets itself (a YAML `trainer:` section cannot set them)
 TRAINER_OWNED = ("callbacks", "logger", "plugins", "default_root_dir", "enable_checkpointing", "use_distributed_sampler")
@@ -135,6 +142,14 @@ class ModelConfig:
             fail("model.gamma", f"got {self.gamma!r}; expected null or 0 < gamma <= 1")
         if not is_integer(self.chunk_size) or self.chunk_size < 1:
             fail("model.chunk_size", f"got {self.chunk_size!r}; expected a positive integer")
+        fail.integer("model.tiny_seed", self.tiny_seed, 0, MAX_SEED)
+        if not isinstance(self.backbone_kwargs, dict):
+            fail("model.backbone_kwargs", f"got {self.backbone_kwargs!r}; expected a mapping")
+        accepted = backbone_kwarg_names(bb)
+        for key in self.backbone_kwargs:
+            if key not in accepted:
+                fail(f"model.backbone_kwargs.{key}", f"not an argument backbone {bb!r} takes (unknown key {key!r}); "
+                     f"expected one of {sorted(accepted)}")
         names.check_axis("kl_beta", self.kl_beta, where=f"{fail.source}: model.")
         if not is_number(self.kl_temperature) or not 0 < self.kl_temperature < float("inf"):
             fail("model.kl_temperature", f"got {self.kl_temperature!r}; expected a finite number > 0 (temperature of the teacher)")
@@ -182,10 +197,11 @@ class DataConfig:
         problem = source_problem(self.source)
         if problem:
             fail("data.source", problem)
-        if not is_integer(self.seq_len) or self.seq_len < window + 1:
-            fail("data.seq_len", f"got {self.seq_len!r}; expected an integer >= window + 1 = {window + 1}")
-        if not is_integer(self.batch_size) or self.batch_size < 1:
-            fail("data.batch_size", f"got {self.batch_size!r}; expected a positive integer")
+        if not is_integer(self.seq_len) or not window + 1 <= self.seq_len <= MAX_SEQ_LEN:
+            fail("data.seq_len", f"got {self.seq_len!r}; expected an integer in window + 1 = {window + 1} .. {MAX_SEQ_LEN}")
+        if not is_integer(self.batch_size) or not 1 <= self.batch_size <= MAX_ROWS:
+            fail("data.batch_size", f"got {self.batch_size!r}; expected an integer in 1 .. {MAX_ROWS}")
+        fail.integer("data.seed", self.seed, 0, MAX_SEED)
         if not is_number(self.val_fraction) or not 0 <= self.val_fraction < 1:
             fail("data.val_fraction", f"got {self.val_fraction!r}; expected 0 <= val_fraction < 1")
         if self.on_error not in ON_ERROR:
@@ -225,6 +241,28 @@ class RunConfig:
         ce = self.checkpoint_every_n_steps
         if not is_integer(ce) or ce < 0:
             fail("run.checkpoint_every_n_steps", f"got {ce!r}; expected an integer >= 0")
+        if self.cpu_threads is not None and not (is_integer(self.cpu_threads) and 1 <= self.cpu_threads <= 4096):
+            fail("run.cpu_threads", f"got {self.cpu_threads!r}; expected null (torch's default) or an integer in 1 .. 4096")
+        for key in ("dir", "export_dir"):
+            problem = _folder_problem(getattr(self, key))
+            if problem:
+                fail(f"run.{key}", problem)
+
+
+def _folder_problem(value: str | None) -> str | None:
+    """Why a folder the run writes to cannot be one (an existing file at or above it), or None."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        return f"got {value!r}; expected a folder path"
+    p = Path(value).expanduser()
+    for q in (p, *p.parents):
+        if q.exists():
+            if q.is_dir():
+                return None
+            what = "is" if q == p else f"lies under {str(q)!r}, which is"
+            return f"{str(p)!r} {what} an existing file; expected a folder (or a path where one can be made)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -320,6 +358,7 @@ class TrainConfig:
         _check_trainer(fail, self.trainer)
         self.data.check(fail, self.model.window)
         self.run.check(fail)
+        fail.integer("seed_everything", self.seed_everything, 0, MAX_SEED)
         self.accumulation(fail)
         return self
 
@@ -381,6 +420,26 @@ class TrainConfig:
             "world_size": world, "global_batch_size": world * d.batch_size * accumulate,
             "bytes_per_step": d.seq_len * world * d.batch_size * accumulate,
         }  # fmt: skip
+
+
+def backbone_kwarg_names(backbone: str) -> set[str]:
+    """The keys `model.backbone_kwargs` may hold for `backbone`: the keyword arguments of
+    `mtpc.backbones.load_backbone` and of the adapters it builds (`tiny`: the Llama adapter's), less
+    those the model section sets itself (lora_depth, dtype, trust_remote_code, revision)."""
+    import inspect
+
+    from mtpc.backbones import load_backbone
+    from mtpc.backbones.evabyte import EvaByteAdapter
+    from mtpc.backbones.hf_llama import BackboneAdapter
+
+    def named(fn: Any) -> set[str]:
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        return {n for n, p in inspect.signature(fn).parameters.items() if p.kind in kinds}
+
+    adapters = named(BackboneAdapter.__init__) | (set() if backbone == "tiny" else named(EvaByteAdapter.__init__))
+    loader = set() if backbone == "tiny" else named(load_backbone)
+    own = {"self", "model", "name", "tokenizer", "name_or_path", "lora_depth", "dtype", "trust_remote_code", "revision"}
+    return (adapters | loader) - own
 
 
 def world_size(trainer: dict[str, Any]) -> int:

@@ -347,5 +347,14 @@ def blame(message: str, source: str, sources: dict[str, str]) -> str:
     if not message.startswith(f"{source}: "):
         return message
     rest = message[len(source) + 2:]
-    where = sources.get(rest.split(":", 1)[0])
+    where = source_of(rest.split(":", 1)[0], sources)
     return f"{where}: {rest}" if where else message
+
+
+def source_of(key: str, sources: dict[str, str]) -> str | None:
+    """Where `key` (or the mapping above it: model.backbone_kwargs for model.backbone_kwargs.x) was set."""
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in sources:
+            return sources[".".join(parts[:n])]
+    return None

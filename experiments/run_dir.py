@@ -7,6 +7,11 @@
   start afresh over its own checkpoints (resume with `--ckpt_path last`), and `--ckpt_path last`
   resumes only the same run. Every checkpoint also carries the identity (`mtpc_run`), so an
   explicit checkpoint file of another run is refused too.
+- One live run per directory: `RunLock`, a `flock` on `<run.dir>/.lock` held by rank 0 from before
+  the identity is read until the head is exported (the OS drops it when the holder dies, kill -9
+  included), so a second start or a resume beside a live run is refused naming the holder's pid.
+  The other ranks of a multi-process run neither take nor check it (their rank 0 holds it).
+- A directory with checkpoints or a head export but no `run.json` is refused: whose they are is unknown.
 - Resume paths: local files only (a URL is refused: Lightning would download and unpickle it),
   checked before anything loads; `last` with nothing to resume says so.
 - `AtomicCheckpointIO`: Lightning's checkpoint I/O with atomic writes on the destination
@@ -16,9 +21,11 @@ Leaves out: what is trained (train.py), the stop-on-signal callback (callbacks.p
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import json
+import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -30,6 +37,7 @@ from lightning.pytorch.callbacks import Callback
 from mtpc.atomic import write_bytes, write_json
 
 IDENTITY_FILE = "run.json"
+LOCK_FILE = ".lock"
 CHECKPOINT_KEY = "mtpc_run"
 #: keys a resumed run may change without becoming another run
 RESUMABLE_KEYS = ("trainer.max_steps", "trainer.max_epochs", "trainer.enable_progress_bar",
@@ -86,17 +94,25 @@ def check_ckpt_path(ckpt_path: str | Path | None, run_dir: Path) -> str | None:
     return str(path)
 
 
-def claim(run_dir: Path, config: dict[str, Any], ckpt_path: str | None, write: bool = True) -> dict[str, str]:
+def claim(run_dir: Path, config: dict[str, Any], ckpt_path: str | None, write: bool = True,
+          export_dir: Path | None = None) -> dict[str, str]:
     """Record (or confirm) this run's identity in `run_dir`; returns {"config_hash", "run_id"}.
     write=False (a rank other than 0 of a multi-process run): the same checks, nothing written.
 
     Refuses (ValueError, one line) a directory whose checkpoints belong to another config, a fresh
-    start over this run's own checkpoints, and a checkpoint file recorded by another run.
+    start over this run's own checkpoints, a checkpoint file recorded by another run, and a directory
+    holding checkpoints or a head export (`<run_dir>/head`, or `export_dir` inside it) but no `run.json`.
     """
     run_dir = Path(run_dir)
     want = config_hash(config)
     path = run_dir / IDENTITY_FILE
     recorded = _read_identity(path)
+    if recorded is None:
+        found = _run_contents(run_dir, export_dir)
+        if found:
+            raise ValueError(f"{run_dir} holds {' and '.join(found)} but no {IDENTITY_FILE} (the record of the run they "
+                             f"belong to), so they may be another run's; use another --run.dir, or remove {run_dir} "
+                             "to start over there")
     if recorded is not None and has_checkpoints(run_dir):
         if recorded.get("config_hash") != want:
             raise ValueError(f"{run_dir} holds another run (run id {recorded.get('run_id')}; its config differs: "
@@ -113,6 +129,82 @@ def claim(run_dir: Path, config: dict[str, Any], ckpt_path: str | None, write: b
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json(path, {**identity, "config": config}, indent=1, sort_keys=True, default=str)
     return identity
+
+
+def _run_contents(run_dir: Path, export_dir: Path | None) -> list[str]:
+    """What of a run `run_dir` holds: its checkpoints, its head export."""
+    found = []
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt")) if (run_dir / "checkpoints").is_dir() else []
+    if ckpts:
+        found.append(f"checkpoints ({', '.join(ckpts[:3])}{', ...' if len(ckpts) > 3 else ''})")
+    heads = {run_dir / "head"}
+    if export_dir is not None and Path(export_dir).resolve().is_relative_to(run_dir.resolve()):
+        heads.add(Path(export_dir))
+    for head in sorted(heads):
+        if head.is_dir() and any(head.iterdir()):
+            found.append(f"a head export ({head.name}/)")
+    return found
+
+
+class RunLock:
+    """The run directory's lock, held by one process (rank 0) for a run's lifetime: `flock` on
+    `<run_dir>/.lock` (the OS releases it when the holder exits or dies), the holder's pid inside.
+
+    `acquire()` makes the directory if needed (`created` says so) and raises ValueError naming the
+    directory and the holder's pid when another process holds it; `release(remove_dir)` unlinks the
+    lock file while still holding it, and with remove_dir removes the directory if it made it and it
+    is empty (a refused start leaves nothing behind)."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_FILE
+        self.created = False
+        self._fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        self.created = not self.run_dir.exists()
+        while True:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            except OSError as err:
+                raise ValueError(f"{self.path}: cannot open the run directory's lock ({err.strerror})") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+                os.close(fd)
+                raise ValueError(f"{self.run_dir} is in use by a live run (pid {holder} holds {self.path}); wait for "
+                                 "it to end (then resume with --ckpt_path last), or use another --run.dir") from None
+            except OSError as err:  # a filesystem without locks
+                os.close(fd)
+                raise ValueError(f"{self.path}: cannot lock the run directory ({err.strerror}); use a --run.dir on a "
+                                 "local filesystem") from None
+            try:  # a holder that just released it unlinked the file we locked: lock the one at the path now
+                same = os.fstat(fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self, remove_dir: bool = False) -> None:
+        if self._fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)  # while held: a waiter's inode check then fails and it retries
+        finally:
+            os.close(self._fd)
+            self._fd = None
+        if remove_dir and self.created:
+            try:
+                self.run_dir.rmdir()
+            except OSError:  # not empty: something else was written there
+                pass
 
 
 def _read_identity(path: Path) -> dict[str, Any] | None:

@@ -18,8 +18,10 @@ running the same command again; under `srun` (one task per device) or `torchrun`
 started by the launcher. Only global rank 0 writes `run.json`, logs to MLflow (its logger is made
 once the rank is known), prints progress, writes checkpoints (Lightning) and exports the head. Before anything loads, the trainer settings are checked, the resume path
 (`run_dir.check_ckpt_path`: a local file; `last` must exist) and the run directory's identity
-(`run_dir.claim`: one run per directory); checkpoints are written atomically and loaded weights-only
-(`run_dir.AtomicCheckpointIO`).
+(`run_dir.claim`: one run per directory, under rank 0's `run_dir.RunLock`, held until the export:
+one live run per directory); a start refused there or by its data leaves no `run.json` behind;
+checkpoints are written atomically and loaded weights-only (`run_dir.AtomicCheckpointIO`). A stop
+signal after the last optimizer step lets the validation and export finish (exit 0, said in a line).
 `--mlflow_run_id RUN` logs into an existing run and leaves it open (a multi-rank sweep trial's
 parent run, made by the worker: experiments/launch.py).
 CLI exit codes: 0 done, 2 bad config, data or resume path (one line naming file and key),
@@ -70,6 +72,8 @@ class TrainResult:
     """stopped on request (SIGUSR1/SIGTERM/SIGINT, or `should_stop`) after writing checkpoints/last.ckpt (nothing exported); resume with ckpt_path last"""
     stop_signal: int | None = None
     """the signal that stopped the run (None: not stopped by a signal)"""
+    late_signal: int | None = None
+    """a stop signal that arrived after the last optimizer step: the run finished and exported anyway"""
     model: Any = field(default=None, repr=False)
     """the trained MtpcTrainModule (backbone + head), so a caller can evaluate without reloading"""
 
@@ -164,9 +168,15 @@ def _fit(cfg: TrainConfig, started: float, *, mlflow_run_id: str | None, ckpt_pa
     from experiments.callbacks import StopCheckpoint, YieldToTimer
     from experiments.datamodule import ChatDataModule
     from experiments.mlflow_run import make_logger
-    from experiments.module import MtpcTrainModule
     from experiments.progress import StepProgress
-    from experiments.run_dir import AtomicCheckpointIO, RunIdentity, claim
+    from experiments.run_dir import (
+        IDENTITY_FILE,
+        AtomicCheckpointIO,
+        RunIdentity,
+        RunLock,
+        claim,
+        has_checkpoints,
+    )
 
     run_dir = Path(cfg.run.dir)
     if cfg.run.cpu_threads:
@@ -180,22 +190,60 @@ def _fit(cfg: TrainConfig, started: float, *, mlflow_run_id: str | None, ckpt_pa
     progress = [StepProgress(cfg.run.name)] if cfg.trainer.get("enable_progress_bar", True) else []
     trainer = Trainer(**trainer_arguments(cfg), callbacks=[periodic, stopper, identity, YieldToTimer(stopper.stop_requested), *progress, *callbacks],
                       plugins=[cluster_environment(), AtomicCheckpointIO()], default_root_dir=str(run_dir), logger=False)
+    if should_stop is None:
+        # the run owns its signals (StopCheckpoint): Lightning's connector would end a validation on SIGTERM
+        # with SystemExit(0) (no head) and put back, after fit, the handlers of before it over ours
+        trainer._signal_connector.register_signal_handlers = lambda: None
     rank_zero = trainer.global_rank == 0  # known from the cluster environment before any rank starts
-    # every rank checks the run directory; rank 0 alone records it (the others would each draw a run id)
-    identity.identity = claim(run_dir, cfg.to_dict(), None if ckpt_path is None else str(ckpt_path), write=rank_zero)
-    L.seed_everything(cfg.seed_everything, verbose=False)
-    module, data = MtpcTrainModule(cfg.model), ChatDataModule(cfg.data)
-    if cfg.run.hidden_cache and cfg.model.lora_depth == 0:
-        from experiments.hidden_cache import HiddenCache
-        from mtpc.paths import cache_dir
+    # rank 0 holds the run directory's lock for the whole run (a second start or resume beside it is
+    # refused); the other ranks of a multi-process run are started by, or beside, that rank 0
+    lock = RunLock(run_dir).acquire() if rank_zero else None
+    fresh = not (run_dir / IDENTITY_FILE).exists()
+    try:
+        # every rank checks the run directory; rank 0 alone records it (the others would each draw a run id)
+        identity.identity = claim(run_dir, cfg.to_dict(), None if ckpt_path is None else str(ckpt_path), write=rank_zero,
+                                  export_dir=Path(cfg.run.export_dir))
+        L.seed_everything(cfg.seed_everything, verbose=False)
+        module, data = _build_module(cfg), ChatDataModule(cfg.data)
+        if cfg.run.hidden_cache and cfg.model.lora_depth == 0:
+            from experiments.hidden_cache import HiddenCache
+            from mtpc.paths import cache_dir
 
-        folder = cache_dir() / "hidden" if cfg.run.hidden_cache == "auto" else Path(cfg.run.hidden_cache)
-        module.hidden_cache = HiddenCache(folder, module.backbone)
-    resuming = ckpt_path is not None
-    if cfg.run.tracking and rank_zero:
-        trainer.logger = make_logger(cfg, run_id=mlflow_run_id, resuming=resuming)
-    trainer.fit(module, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None)
-    return _finish(cfg, trainer, module, data, stopper, started)
+            folder = cache_dir() / "hidden" if cfg.run.hidden_cache == "auto" else Path(cfg.run.hidden_cache)
+            module.hidden_cache = HiddenCache(folder, module.backbone)
+        resuming = ckpt_path is not None
+        if cfg.run.tracking and rank_zero:
+            trainer.logger = make_logger(cfg, run_id=mlflow_run_id, resuming=resuming)
+        trainer.fit(module, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None)
+        return _finish(cfg, trainer, module, data, stopper, started)
+    except BaseException:
+        refused = fresh and trainer.global_step == 0 and not has_checkpoints(run_dir)
+        if rank_zero and refused:  # a refused start (bad data, backbone arguments): leave nothing behind
+            (run_dir / IDENTITY_FILE).unlink(missing_ok=True)
+            for empty in (run_dir / "checkpoints",):
+                if empty.is_dir() and not any(empty.iterdir()):
+                    empty.rmdir()
+        if lock is not None:
+            lock.release(remove_dir=refused)
+            lock = None
+        raise
+    finally:
+        stopper.release()
+        if lock is not None:
+            lock.release()
+
+
+def _build_module(cfg: TrainConfig) -> Any:
+    """`MtpcTrainModule(cfg.model)`; a keyword argument the backbone's loader does not take (which
+    `ModelConfig.check` could not rule out) is a one-line error naming model.backbone_kwargs."""
+    from experiments.module import MtpcTrainModule
+
+    try:
+        return MtpcTrainModule(cfg.model)
+    except TypeError as err:
+        if "keyword argument" not in str(err) or not cfg.model.backbone_kwargs:
+            raise
+        raise ValueError(f"{cfg.source}: model.backbone_kwargs: {' '.join(str(err).split())}") from None
 
 
 def _finish(cfg: TrainConfig, trainer: Any, module: Any, data: Any, stopper: Any, started: float) -> TrainResult:
@@ -227,7 +275,7 @@ def _finish(cfg: TrainConfig, trainer: Any, module: Any, data: Any, stopper: Any
     if logger:
         log_end(logger, metrics, trainer.global_step, head_dir)
     write_json(run_dir / "metrics.json", metrics, indent=2)
-    return TrainResult(head_dir=head_dir, metrics=metrics, **common)
+    return TrainResult(head_dir=head_dir, metrics=metrics, late_signal=stopper.late_signum, **common)
 
 
 def _export(cfg: TrainConfig, module: Any) -> Path:
@@ -253,7 +301,7 @@ def parse_cli(argv: list[str] | None) -> tuple[TrainConfig, str | None, str | No
     from jsonargparse import ArgumentParser
 
     from experiments.config import build_fit_parser
-    from experiments.parsing import blame, check_cli_class_paths
+    from experiments.parsing import blame, check_cli_class_paths, source_of
 
     check_cli_class_paths(list(sys.argv[1:] if argv is None else argv))  # before anything is parsed (and imported)
     root = ArgumentParser(prog="python -m experiments.train", exit_on_error=False,
@@ -264,7 +312,12 @@ def parse_cli(argv: list[str] | None) -> tuple[TrainConfig, str | None, str | No
     try:
         ns = root.parse_args(argv)
     except Exception as err:  # jsonargparse's ArgumentError: say it in one line, usage on request (--help)
-        raise ValueError(f"{' '.join(str(err).split())} (python -m experiments.train fit --help lists the options)") from None
+        message = " ".join(str(err).split())
+        named = re.match(r'Parser key "([^"]+)": (.*)', message)  # a wrong type: name where that key was set
+        where = source_of(named.group(1), sources) if named else None
+        if named and where:
+            raise ValueError(f"{where}: {named.group(1)}: {named.group(2)}") from None
+        raise ValueError(f"{message} (python -m experiments.train fit --help lists the options)") from None
     fit = ns.fit
     files = [str(f) for f in (fit.get("config") or []) if f is not None]
     cfg = from_namespace(fit, ", ".join(files) or "<command line>")
@@ -301,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:  # a write failed: mtpc.atomic names the path ("no space left" for a full disk)
         print(f"error: {err.strerror or err}", file=sys.stderr)
         return 74
+    except KeyboardInterrupt:  # Ctrl-C twice, or once after the last step and again during the export
+        print("error: interrupted; no head exported (checkpoints/last.ckpt holds the last saved step: resume "
+              "with --ckpt_path last)", file=sys.stderr)
+        return 130
     if result.preempted:
         name = signal.Signals(result.stop_signal).name if result.stop_signal else "request"
         print(f"stopped by {name}: checkpoint in {result.checkpoint_dir}; resume with --ckpt_path last")
@@ -310,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     if rank_zero_only.rank != 0:  # the other ranks of a multi-process run say nothing
         return 0
     print(f"head exported to {result.head_dir}")
+    if result.late_signal is not None:
+        print(f"{signal.Signals(result.late_signal).name} arrived after the last training step: the run finished "
+              "its final validation and export instead of stopping")
     print(json.dumps({k: round(v, 5) for k, v in result.metrics.items()}, indent=1))
     return 0
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Iterator, Sequence
@@ -124,9 +125,17 @@ def _iter_json_list(text: str, name: str) -> Iterator[tuple[int, int, Any | Exce
 
 
 def _iter_file(path: Path) -> Iterator[tuple[int, Any | Exception]]:
+    """(line, record or the error that kept it from being read): a JSONL line is decoded as UTF-8 on
+    its own, so a line with invalid bytes is one malformed record; a .json list is read with the bytes
+    that are not UTF-8 kept as lone surrogates, so a record holding some is one too."""
     if path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for lineno, raw in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for lineno, data in enumerate(f, 1):
+                try:
+                    raw = data.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield lineno, e
+                    continue
                 if not raw.strip():
                     continue
                 try:
@@ -134,8 +143,13 @@ def _iter_file(path: Path) -> Iterator[tuple[int, Any | Exception]]:
                 except json.JSONDecodeError as e:
                     yield lineno, e
     else:
-        for line, _, rec in _iter_json_list(path.read_text(encoding="utf-8"), str(path)):
-            yield line, rec
+        text = path.read_bytes().decode("utf-8", errors="surrogateescape")
+        for line, _, rec in _iter_json_list(text, str(path)):
+            bad = None if isinstance(rec, Exception) else _NOT_UTF8.search(json.dumps(rec, ensure_ascii=False))
+            yield line, (UnicodeDecodeError("utf-8", b"", 0, 1, "invalid bytes in the record") if bad else rec)
+
+
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")  # bytes surrogateescape kept (UTF-8 never decodes to these)
 
 
 def load_messages(source: str | os.PathLike, *, on_error: str = "raise", split: str = "train", **dataset_kw) -> list[dict]:
@@ -157,6 +171,9 @@ def load_messages(source: str | os.PathLike, *, on_error: str = "raise", split: 
     out, skipped = [], []
     for where, default_id, rec in items:
         try:
+            if isinstance(rec, UnicodeDecodeError):
+                at = f" at byte {rec.start} of the line" if rec.object else ""
+                raise RecordError(f"{where}: not valid UTF-8 ({rec.reason}{at}); a messages file is UTF-8 JSON")
             if isinstance(rec, Exception):
                 raise RecordError(f"{where}: invalid JSON ({rec})")
             out.append(_normalize_record(rec, where, default_id))
