@@ -285,10 +285,10 @@ def read_back(spec: SweepSpec, exp_id: str, parent: str) -> tuple[list[float], l
         if len(sets) < e.sets:
             odd = [t for t in e.temperatures if not math.isfinite(t)]
             raise IncompleteResults(
-                f"the trial ended without its {m} evaluation: {len(sets)} evaluation run(s) with mode={m} under parent "
-                f"run {parent} (prompt sets {sorted(map(str, sets))}), expected {e.sets}; the evaluation ran no such "
-                f"pass (eval.modes {list(e.modes)}, eval.temperatures {list(e.temperatures)})"
-                + (f"; eval.temperatures holds {odd}: a temperature must be a finite number" if odd else "")
+                f"the trial stored no {m} evaluation for {e.sets - len(sets)} of {e.sets} prompt set(s) (parent run "
+                f"{parent}): its evaluation ran no such pass; "
+                + (f"eval.temperatures holds {odd}: a temperature must be a finite number" if odd else
+                   f"eval.modes {list(e.modes)}, eval.temperatures {list(e.temperatures)}")
             )
     values = []
     for o in spec.objectives:

@@ -174,7 +174,7 @@ def test_a_trial_that_stores_no_evaluation_fails_with_its_real_error(tmp_path, t
     assert run.worker(spec) == 0
     (t,) = trials(spec.storage, "noeval")
     err = t.user_attrs["error"]
-    assert t.state.name == "FAIL" and err.startswith("IncompleteResults: the trial ended without its greedy evaluation")
+    assert t.state.name == "FAIL" and err.startswith("IncompleteResults: the trial stored no greedy evaluation for 1 of 1")
     assert "TrackingError" not in err and "eval.temperatures [1.0]" in err, err
     assert [p["grid_key"] for p in run.failed_points(spec)] == ["cp-r2-n4-k0"]
     odd = dataclasses.replace(spec, eval=dataclasses.replace(spec.eval, temperatures=(float("nan"),)))
