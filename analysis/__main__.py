@@ -135,7 +135,7 @@ def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[
     beside `out` (`<out>.tmp<pid>`), then moved into `out` by renames only once every file is
     complete, so `out` holds either the whole new set or its previous files untouched (a full disk:
     OSError naming the file, "no space left"). Returns (written files, best-config lines)."""
-    from mtpc.atomic import fsync_dir, remove_stale_temps, temp_name
+    from mtpc.atomic import disk_error, fsync_dir, remove_stale_temps, temp_name
 
     if out.exists() and not out.is_dir():
         raise OSError(f"{out}: not a directory")
@@ -150,9 +150,10 @@ def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[
         for f in written:  # renames within one filesystem: no space needed, nothing half-written
             os.replace(f, out / f.name)
         fsync_dir(out)
-    except OSError as e:  # named as the file it was to be, not its temporary
-        what = f"{e.filename}: {e.strerror}" if e.filename and e.strerror else (e.strerror or str(e))
-        raise OSError(e.errno, what.replace(str(tmp), str(out))) from None
+    except OSError as e:  # named as the file it was to be, not its temporary; a full disk says "no space left"
+        if e.filename:  # a native error (mkdir, rename); mtpc.atomic's already name their file
+            e = disk_error(e, e.filename)
+        raise OSError(e.errno, (e.strerror or str(e)).replace(str(tmp), str(out))) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return [out / f.name for f in written], best

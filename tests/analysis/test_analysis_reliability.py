@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 from analysis import __main__ as cli
 from analysis.load import load
 from tests.analysis_helpers import log_sweep, synthetic_evaluations
-from tests.faults import full_disk
+from tests.faults import fill, full_disk, small_tmpfs
 from tests.sweep_helpers import fresh_tracking_uri
 from tracking.schema import grid_key
 
@@ -96,3 +96,22 @@ def test_a_full_disk_while_writing_the_outputs_keeps_the_previous_set(tmp_path, 
     after = {p.name: p.read_bytes() for p in out.iterdir()}
     assert set(after) == set(before) and after["summary.csv"] != before["summary.csv"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("out.tmp")]
+
+
+def test_on_a_real_full_tmpfs_the_previous_set_stays(tmp_path, capsys):
+    """The same on a real filesystem that fills up (matplotlib, the folder, every write as it is)."""
+    uri = fresh_tracking_uri(tmp_path / "mlflow")
+    log_sweep(uri, "tmpfs", synthetic_evaluations(circuits=("cp", "ff"), windows=(8, 16), prompt_sets=("chat",)))
+    with small_tmpfs("8m") as d:
+        out = d / "analysis"
+        args = ["--tracking-uri", uri, "--experiment", "tmpfs", "--out", str(out), "--no-log-to-mlflow"]
+        assert cli.main(args) == 0
+        before = {p.name: p.read_bytes() for p in out.iterdir()}
+        log_sweep(uri, "tmpfs", synthetic_evaluations(circuits=("btree",), windows=(8, 16), prompt_sets=("chat",)))
+        fill(d, leave=0)
+        capsys.readouterr()
+        assert cli.main(args) == 1
+        err = capsys.readouterr().err.strip()
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the previous set, untouched
+        assert len(err.splitlines()) == 1 and "no space left" in err and str(out) in err and ".tmp" not in err, err
+        assert sorted(p.name for p in d.iterdir()) == ["analysis", "filler"]
