@@ -137,23 +137,24 @@ def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[
     OSError naming the file, "no space left"). Returns (written files, best-config lines)."""
     from mtpc.atomic import disk_error, fsync_dir, remove_stale_temps, temp_name
 
-    if out.exists() and not out.is_dir():
+    dest = out.resolve()  # `--out .` has no name to put a temporary beside; a link: beside its target
+    if dest.exists() and not dest.is_dir():
         raise OSError(f"{out}: not a directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(out.parent, out.name)  # of an analysis killed while writing
-    tmp = temp_name(out)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(dest.parent, dest.name)  # of an analysis killed while writing
+    tmp = temp_name(dest)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
         written, best = _write_set(result, client, tmp, top)
-        out.mkdir(exist_ok=True)
+        dest.mkdir(exist_ok=True)
         for f in written:  # renames within one filesystem: no space needed, nothing half-written
-            os.replace(f, out / f.name)
-        fsync_dir(out)
+            os.replace(f, dest / f.name)
+        fsync_dir(dest)
     except OSError as e:  # named as the file it was to be, not its temporary; a full disk says "no space left"
         if e.filename:  # a native error (mkdir, rename); mtpc.atomic's already name their file
             e = disk_error(e, e.filename)
-        raise OSError(e.errno, (e.strerror or str(e)).replace(str(tmp), str(out))) from None
+        raise OSError(e.errno, (e.strerror or str(e)).replace(str(tmp), str(dest))) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return [out / f.name for f in written], best
