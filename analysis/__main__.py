@@ -16,6 +16,12 @@ logged as the artifacts of that experiment's sweep-level run `pareto-summary` (`
 a later analysis replaces it: the earlier one is deleted); `--no-log-to-mlflow` writes files only,
 `--log-to-mlflow` makes a second experiment an error instead of a note.
 
+The files are written as a set: into `<out>.tmp<pid>` beside --out, then renamed into --out once
+all are complete, so a full disk leaves the previous outputs as they were (one line naming the file
+and "no space left", exit 1). Evaluation runs of deleted trial runs are left out (a note counts
+them); an evaluation stored under several finished trial runs of one grid point is taken from the
+newest only (a warning names the point: analysis/load.py).
+
 Errors (no match, unreachable store, ...) print one clear message and exit 1; runs missing a
 metric are listed and skipped. (A package entry point: run as a module, the package directory is
 not put on sys.path, so no module here can shadow an installed one such as PyPI's `tables`.)
@@ -24,6 +30,8 @@ not put on sys.path, so no module here can shadow an installed one such as PyPI'
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -114,20 +122,54 @@ def report_skips(result: LoadResult) -> None:
             print(f"  ... and {n - MAX_LISTED_SKIPS} more", file=sys.stderr)
     if result.n_unfinished:
         print(f"note: {result.unfinished_note()} (status not FINISHED)", file=sys.stderr)
+    if result.n_of_deleted:
+        print(f"note: {result.n_of_deleted} evaluation run(s) of deleted trial runs left out", file=sys.stderr)
+    for note in result.duplicates:
+        print(f"warning: {note}", file=sys.stderr)
     for note in result.missing_points:
         print(f"warning: {note}", file=sys.stderr)
 
 
 def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[list[Path], list[str]]:
-    """Figures, tables and summary for every setting; returns (written files, best-config lines)."""
+    """Figures, tables and summary for every setting, written as a set: all into a temporary folder
+    beside `out` (`<out>.tmp<pid>`), then moved into `out` by renames only once every file is
+    complete, so `out` holds either the whole new set or its previous files untouched (a full disk:
+    OSError naming the file, "no space left"). Returns (written files, best-config lines)."""
+    from mtpc.atomic import disk_error, fsync_dir, remove_stale_temps, temp_name
+
+    dest = out.resolve()  # `--out .` has no name to put a temporary beside; a link: beside its target
+    if dest.exists() and not dest.is_dir():
+        raise OSError(f"{out}: not a directory")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(dest.parent, dest.name)  # of an analysis killed while writing
+    tmp = temp_name(dest)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        written, best = _write_set(result, client, tmp, top)
+        dest.mkdir(exist_ok=True)
+        for f in written:  # renames within one filesystem: no space needed, nothing half-written
+            os.replace(f, dest / f.name)
+        fsync_dir(dest)
+    except OSError as e:  # named as the file it was to be, not its temporary; a full disk says "no space left"
+        if e.filename:  # a native error (mkdir, rename); mtpc.atomic's already name their file
+            e = disk_error(e, e.filename)
+        raise OSError(e.errno, (e.strerror or str(e)).replace(str(tmp), str(dest))) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [out / f.name for f in written], best
+
+
+def _write_set(result: LoadResult, client, out: Path, top: int) -> tuple[list[Path], list[str]]:
+    """Every output file into the (temporary) folder `out`, each flushed to disk (mtpc.atomic)."""
     from analysis import (  # matplotlib import is slow: only when there is work
         paper_tables,
         pareto_plot,
         plots,
         style,
     )
+    from mtpc.atomic import write_text
 
-    out.mkdir(parents=True, exist_ok=True)
     agg = aggregate(result.runs)
     parts = split_settings(agg)
     written: list[Path] = []
@@ -155,7 +197,7 @@ def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[
         md, tex = paper_tables.to_markdown(table), paper_tables.to_latex(table)
         for suffix, text in (("md", md), ("tex", tex)):
             path = out / f"table_{slug}.{suffix}"
-            path.write_text(text)
+            write_text(path, text)
             written.append(path)
         md_all.append(md)
         tex_all.append(tex)
@@ -164,14 +206,14 @@ def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[
         if warning:
             print(warning, file=sys.stderr)
     for name, text in (("tables.md", "\n".join(md_all)), ("tables.tex", "\n".join(tex_all))):
-        (out / name).write_text(text)
+        write_text(out / name, text)
         written.append(out / name)
     if hist_problems:  # one line per kind of problem, not one per run
         print(
             f"warning: {len(hist_problems)} accepted-length histogram(s) skipped, e.g. {hist_problems[0]}",
             file=sys.stderr,
         )
-    agg.drop(columns="run_ids").to_csv(out / "summary.csv", index=False)
+    write_text(out / "summary.csv", agg.drop(columns="run_ids").to_csv(index=False))
     written.append(out / "summary.csv")
     return written, best_lines
 
@@ -250,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
-        print(f"error: cannot write the outputs to {args.out!r}: {exc}", file=sys.stderr)
+        print(f"error: cannot write the outputs to {args.out}/: {exc.strerror or exc}; nothing there was replaced",
+              file=sys.stderr)
         return 1
     return 0
 

@@ -2,7 +2,11 @@
 
 One row per *evaluation* run (`tracking.is_evaluation_run`: a child run of a trial carrying the
 params `mode` and `prompt_set`, written by `tracking.log_evaluation`). Parent (trial) runs,
-analysis summary runs and unfinished runs are left out. Params are typed (ints, floats, strings);
+analysis summary runs and unfinished runs are left out, and so are the evaluation runs of a deleted
+(trashed) trial run. One evaluation (same experiment, params and prompt set) stored under several
+finished trial runs (a grid point run twice: a sweep started again after its journal was emptied)
+is never averaged: the newest trial run's evaluations are kept, the others left out with a warning
+naming the grid point (`LoadResult.duplicates`). Params are typed (ints, floats, strings);
 optional params (``extra_token``, ``temperature``, ``seed``, ``hardware``, ``top_p``, ``eos``,
 ``acceptance_method`` (absent: "online", how every run was evaluated before the offline method), and
 the training axes ``kl_beta``, ``kl_temperature``, ``train_seed``) and optional metrics become
@@ -34,6 +38,7 @@ from tracking.schema import (
     PARETO_METRICS,
     POINTS_TAG,
     SWEEP_AXES,
+    grid_key,
 )
 
 #: params every evaluation run must carry, with their types (rank: but a baseline method's, BASELINE_METHODS)
@@ -119,6 +124,8 @@ class LoadResult:
     n_unfinished: int = 0
     experiments: list[str] = field(default_factory=list)  # names
     missing_points: list[str] = field(default_factory=list)  # one note per experiment holding fewer grid points than its sweep
+    n_of_deleted: int = 0  # evaluation runs left out: their trial (parent) run is deleted
+    duplicates: list[str] = field(default_factory=list)  # one note per grid point evaluated under several trial runs
 
     def unfinished_note(self) -> str:
         return f"{self.n_unfinished} unfinished run(s) ignored" if self.n_unfinished else ""
@@ -214,15 +221,79 @@ def records_to_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
     return df.reset_index(drop=True)
 
 
+def deleted_run_ids(client, experiment_ids: list[str]) -> set[str]:
+    """The ids of the experiments' deleted (trashed, not yet garbage-collected) runs."""
+    from mlflow.entities import ViewType
+
+    out: set[str] = set()
+    token = None
+    while True:
+        page = client.search_runs(experiment_ids, run_view_type=ViewType.DELETED_ONLY, max_results=1000, page_token=token)
+        out.update(r.info.run_id for r in page)
+        token = page.token
+        if not token:
+            return out
+
+
+#: params that tell one evaluation from another; `converged` is an outcome of training, not one of them
+_IDENTITY = tuple(k for k in (*REQUIRED_PARAMS, *OPTIONAL_PARAMS) if k != "converged")
+
+
+def newest_parent_only(records: list[dict[str, Any]], started: Mapping[str, int]) -> tuple[list[dict[str, Any]], list[str]]:
+    """`records` without the evaluations that a newer trial run of the same grid point repeats: where
+    one evaluation (experiment, the `_IDENTITY` params, prompt set) is stored under several parent
+    runs, only the parent whose evaluation runs started last keeps its rows. Returns the rows kept
+    and one note per grid point that had such duplicates (pure; `started`: run id -> start time)."""
+    newest: dict[str, int] = {}  # parent -> its latest evaluation start
+    groups: dict[tuple, set[str]] = {}
+    for r in records:
+        parent = r.get("parent_run_id")
+        if parent is None:
+            continue
+        newest[parent] = max(newest.get(parent, 0), started.get(r["run_id"]) or 0)
+        groups.setdefault((r["experiment_id"], *(repr(r.get(k)) for k in _IDENTITY)), set()).add(parent)
+    drop: set[str] = set()
+    per_point: dict[tuple[str, str], set[str]] = {}
+    for parents in groups.values():
+        if len(parents) < 2:
+            continue
+        keep = max(parents, key=lambda p: (newest[p], p))
+        drop |= parents - {keep}
+    if not drop:
+        return records, []
+    kept = [r for r in records if r.get("parent_run_id") not in drop]
+    for r in records:
+        if r.get("parent_run_id") is not None:
+            point = (r["experiment_id"], grid_key({k: r.get(k) for k in SWEEP_AXES}))
+            per_point.setdefault(point, set()).add(r["parent_run_id"])
+    notes = []
+    for (exp, key), parents in sorted(per_point.items()):
+        gone = sorted(parents & drop)
+        if gone:
+            n = sum(1 for r in records if r.get("parent_run_id") in gone)
+            keep = sorted(parents - drop)
+            notes.append(f"grid point {key} (experiment id {exp}) has finished evaluation runs under {len(parents)} trial runs "
+                         f"(the point ran twice, e.g. a sweep started again after its journal was emptied): kept the newest "
+                         f"trial run's ({', '.join(keep)}), left out {n} run(s) of {', '.join(gone)}; never averaged together")
+    return kept, notes
+
+
 def load_runs(client, experiment_ids: list[str]) -> LoadResult:
-    """Every finished evaluation run of the experiments as a typed DataFrame (no filters)."""
+    """Every finished evaluation run of the experiments as a typed DataFrame (no filters), without
+    the runs of deleted trial runs and of trial runs a newer one of the same point repeats."""
     records: list[dict[str, Any]] = []
     skipped: list[SkippedRun] = []
-    unfinished = 0
+    unfinished = of_deleted = 0
+    deleted = deleted_run_ids(client, experiment_ids)
+    started: dict[str, int] = {}
     for run in tracking.evaluation_runs(client, experiment_ids):
         if run.info.status != "FINISHED":
             unfinished += 1
             continue
+        if run.data.tags.get(tracking.PARENT_TAG) in deleted:  # its trial run is in the trash: so are its results
+            of_deleted += 1
+            continue
+        started[run.info.run_id] = run.info.start_time or 0
         rec = run_record(
             run.info.run_id,
             run.info.run_name or "",
@@ -235,7 +306,8 @@ def load_runs(client, experiment_ids: list[str]) -> LoadResult:
             skipped.append(rec)
         else:
             records.append(rec)
-    return LoadResult(records_to_frame(records), skipped, unfinished)
+    records, duplicates = newest_parent_only(records, started)
+    return LoadResult(records_to_frame(records), skipped, unfinished, n_of_deleted=of_deleted, duplicates=duplicates)
 
 
 def missing_points(experiments: list[Any], runs: pd.DataFrame) -> list[str]:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import io
 import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -100,12 +101,19 @@ def png_dpi(fig: Figure) -> float:
 
 
 def save(fig: Figure, out_dir: Path, stem: str) -> list[Path]:
-    """Write ``stem``.png (PNG_DPI, at most MAX_PNG_PX wide) and ``stem``.pdf under out_dir; close
-    the figure."""
+    """Write ``stem``.png (PNG_DPI, at most MAX_PNG_PX wide) and ``stem``.pdf under out_dir, each
+    rendered in memory and written atomically (`mtpc.atomic`: a full disk raises OSError naming the
+    file, "no space left"); close the figure."""
+    from mtpc.atomic import write_bytes
+
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{stem}.png", out_dir / f"{stem}.pdf"]
-    with paper_style():
-        fig.savefig(paths[0], dpi=png_dpi(fig))
-        fig.savefig(paths[1])
-    plt.close(fig)
+    try:
+        for path, kw in ((paths[0], {"dpi": png_dpi(fig)}), (paths[1], {})):
+            buf = io.BytesIO()
+            with paper_style():
+                fig.savefig(buf, format=path.suffix[1:], **kw)
+            write_bytes(path, buf.getvalue())
+    finally:
+        plt.close(fig)
     return paths

@@ -22,8 +22,11 @@ lock (experiments/evaluation.py) and training waits between steps while another 
 (experiments.callbacks.YieldToTimer), so no latency is measured while another trial computes. The last
 line says how long each step took.
 
-Idempotent: a second run finds the model and the finished study and only redraws the analysis. A
-demo started while another one writes the same `--out` is refused (exit 2; a lock file in `--out`).
+Idempotent: a second run finds the model and the finished study and only redraws the analysis; a
+run after a Ctrl-C resumes the interrupted trial from its checkpoint (not a failure: the exit code
+is 0 once every point is COMPLETE, non-zero while a point has only failed trials). A demo started
+while another one writes the same `--out` is refused (exit 2; a lock file in `--out`), and so are an
+`--out` that is an existing file and `--workers` below 1, before anything is written.
 Leaves out: anything SLURM (see `sbatch slurm/sweep.sh sweeps/smoke.yaml`).
 """
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -133,6 +137,12 @@ def demo_overrides(out: Path, objective: str) -> dict:
     }
 
 
+def status_command(out: Path) -> str:
+    """The `--status` command of the demo's study in `out` (smoke.yaml with the demo's study and folder)."""
+    return (f"python -m sweeps.run {SMOKE.relative_to(REPO)} --set study=mtpc-demo "
+            f"--set output_dir={shlex.quote(str(out))} --status")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sweeps.demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/demo", help="results directory (journal, MLflow store, checkpoints, figures)")
@@ -141,9 +151,21 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     phases = Phases()
     out = Path(a.out).resolve()
+    problem = (f"--workers {a.workers}: expected at least 1 worker process" if a.workers < 1 else
+               f"--out {a.out}: {out} exists and is not a directory; give a folder for the demo's results"
+               if out.exists() and not out.is_dir() else
+               f"--out {a.out}: {out.parent} is not a directory" if not out.exists() and not _dir_or_absent(out.parent)
+               else None)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     from filelock import FileLock, Timeout
 
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"error: --out {a.out}: cannot create {out} ({e.strerror or e})", file=sys.stderr)
+        return 2
     lock = FileLock(str(out / ".demo.lock"))
     try:
         lock.acquire(timeout=0)
@@ -155,6 +177,13 @@ def main(argv: list[str] | None = None) -> int:
         return _demo(a, out, phases)
     finally:
         lock.release()
+
+
+def _dir_or_absent(path: Path) -> bool:
+    """No file stands where a folder of `path`'s (or `path` itself) is to be created."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path.is_dir()
 
 
 def _demo(a: argparse.Namespace, out: Path, phases: Phases) -> int:
@@ -212,12 +241,14 @@ def _demo(a: argparse.Namespace, out: Path, phases: Phases) -> int:
     if (head / "config.json").is_file():
         print(f"load a head      : MtpcModel.from_pretrained(\"{_shown(head)}\")")
     print(f"figures, tables  : {fig_dir}")
+    print(f"trial states     : {status_command(out)}")
     print(f"open the UI      : mlflow ui --backend-store-uri {spec.tracking_uri} --host 127.0.0.1 --port 5000")
     print(f"                   then browse {tracking.runs_url('http://127.0.0.1:5000', exp_id)}")
     print(f"demo took {time.time() - phases.t0:.0f} s ({phases.summary()}); exit code {rc}")
-    failed = st["states"].get("FAIL", 0)
+    # grid points whose every trial failed; a pre-empted trial that a re-run resumed is not one
+    failed = len(st.get("failed_points", []))
     if failed:
-        print(f"{failed} trial(s) failed: see their `error` in `python -m sweeps.run {SMOKE.relative_to(REPO)} --status` or the log above")
+        print(f"{failed} grid point(s) failed: see their `error` in `{status_command(out)}` or the log above")
     return rc if rc else (1 if failed else 0)
 
 

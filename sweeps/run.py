@@ -13,17 +13,25 @@
   (`-n N`, default 1), after re-enqueueing every point whose COMPLETE trials have lost their
   MLflow runs (a deleted or replaced tracking store; each named in a warning);
   `--retry-failed` also re-enqueues points whose trials all failed.
-- `--submit`: validate, init, then `sbatch slurm/sweep.sh` with the spec's resources (a trial of
-  several ranks: each array task holds its nodes, tasks and GPUs; `sbatch_resources`). A worker in a
-  SLURM job too small for one trial stops at once with exit code 2 (`check_allocation`).
+- `--submit`: validate, check that `sbatch` is on PATH, init, then `sbatch slurm/sweep.sh` with the
+  spec's resources (a trial of several ranks: each array task holds its nodes, tasks and GPUs;
+  `sbatch_resources`); no `sbatch`, or an sbatch that fails (no controller), is one line, exit 2. A
+  worker in a SLURM job too small for one trial stops at once with exit code 2 (`check_allocation`).
 - `--status`: trial counts per state, the RUNNING trials whose worker is gone, the FAIL trials
-  with their errors (JSON).
+  with their errors (pre-empted trials that were re-enqueued apart, under `preempted`), the grid
+  points whose every trial failed (`failed_points`) (JSON); before any run, one line saying that
+  there is no study yet and where it looked.
 
 Exit codes (of every mode; with `--workers`, the most serious code of its workers):
-  0   done: no trial left waiting (FAIL trials, if any, are listed by --status)
+  0   done: no trial left waiting, and every grid point has a COMPLETE trial (or is still to run)
   1   an unexpected error (a bug): Python prints the traceback
   2   bad input: an invalid spec or option, or a store (the Optuna storage, the MLflow tracking
-      store) that cannot be reached before any trial ran; one line on stderr, nothing consumed
+      store, the SLURM controller of --submit) that cannot be reached before any trial ran; one line
+      on stderr, nothing consumed
+  65  done, but grid points failed: every trial of each failed (a trial's error, not a worker's
+      death); one line per point on stderr with its error; `--status` lists them,
+      `--resume --retry-failed` runs them again (`--workers`, `--resume`, `--task`; a bare `--worker`,
+      what the runner supervises, exits 0 and leaves the verdict to it)
   69  the MLflow tracking store stopped taking writes during the sweep: the attempt that hit it is
       FAIL with the tracking URI in its error and its point is enqueued again; the workers stopped
       taking trials; run `--resume` once the store answers (it also ends the runs left RUNNING)
@@ -39,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,6 +59,7 @@ import tracking
 from sweeps.liveness import Owner, gone_workers
 from sweeps.spec import SpecError, SweepSpec, load_spec, parse_sets
 from sweeps.study import (
+    PREEMPTED_ATTR,
     StorageError,
     check_storage,
     init,
@@ -60,8 +70,10 @@ from sweeps.study import (
     validate_trial_configs,
 )
 from sweeps.worker import EXIT_PREEMPTED, EXIT_TRACKING, StopFlag, worker
+from tracking.schema import grid_key
 
 EXIT_BAD_INPUT = 2
+EXIT_POINTS_FAILED = 65  # EX_DATAERR: the sweep ended, but grid points have only FAIL trials
 EXIT_WORKER_DIED = 70  # EX_SOFTWARE
 #: worker exit codes that end a worker on purpose (anything else is a death: replaced)
 _DELIBERATE = {0, EXIT_BAD_INPUT, EXIT_TRACKING, EXIT_PREEMPTED}
@@ -140,34 +152,104 @@ def local_workers(spec: SweepSpec, n: int, extra: list[str]) -> int:
     return next((c for c in _SEVERITY if c in codes), 0)
 
 
+def no_study(spec: SweepSpec) -> str:
+    """The line `--status` prints before any run: no study yet, and where it looked."""
+    return (f"no study {spec.study!r} yet in {spec.storage}: nothing has run with this spec there; "
+            f"start it with `python -m sweeps.run {spec.path} --workers N` (or --init)")
+
+
 def status(spec: SweepSpec) -> dict[str, Any]:
-    """Trial counts per state, RUNNING trials whose worker is gone, FAIL trials with their error."""
+    """Trial counts per state, RUNNING trials whose worker is gone, FAIL trials with their error
+    (pre-empted ones, re-enqueued without spending a retry, apart), the grid points that failed.
+    Before any run (no journal file, or no such study in it): {"exists": False, "storage": ...}."""
     from optuna.trial import TrialState
 
+    path = spec.storage[len("journal:"):] if spec.storage.startswith("journal:") else None
+    if path is not None and not Path(path).is_file():  # Optuna would create it (and fail in a missing folder)
+        return {"study": spec.study, "exists": False, "storage": spec.storage}
     storage = open_storage(spec.storage)
     study = load_study(spec, storage)
     if study is None:
-        return {"study": spec.study, "exists": False}
+        return {"study": spec.study, "exists": False, "storage": spec.storage}
     counts: dict[str, int] = {}
-    failed = []
+    failed, preempted = [], []
     for t in study.get_trials(deepcopy=False):
         counts[t.state.name] = counts.get(t.state.name, 0) + 1
         if t.state == TrialState.FAIL:
-            failed.append({"trial": t.number, "grid_key": t.user_attrs.get("grid_key"),
-                           "error": str(t.user_attrs.get("error", ""))[:300]})  # fmt: skip
+            entry = {"trial": t.number, "grid_key": t.user_attrs.get("grid_key"),
+                     "error": str(t.user_attrs.get("error", ""))[:300]}  # fmt: skip
+            (preempted if t.user_attrs.get(PREEMPTED_ATTR) else failed).append(entry)
     return {"study": spec.study, "exists": True, "points": spec.n_trials, "states": counts,
-            "worker_gone": gone_workers(spec, study, Owner.current()), "failed": failed}  # fmt: skip
+            "worker_gone": gone_workers(spec, study, Owner.current()), "failed": failed, "preempted": preempted,
+            "failed_points": failed_points(spec, study)}  # fmt: skip
+
+
+def failed_points(spec: SweepSpec, study=None) -> list[dict[str, Any]]:
+    """The grid points whose every trial is FAIL (none COMPLETE, none waiting or running), each with
+    the error of its last trial: what makes a finished sweep exit EXIT_POINTS_FAILED. A trial failed
+    by the reaper and enqueued again (a dead or pre-empted worker) is not one: its retry decides."""
+    from optuna.trial import TrialState
+
+    if spec.grid is None:
+        return []
+    if study is None:
+        study = load_study(spec, open_storage(spec.storage))
+        if study is None:
+            return []
+    by_key: dict[str, list] = {}
+    for t in study.get_trials(deepcopy=False):
+        by_key.setdefault(t.user_attrs.get("grid_key", ""), []).append(t)
+    out = []
+    for point in spec.grid:
+        ts = sorted(by_key.get(grid_key(point), []), key=lambda t: t.number)
+        if ts and all(t.state == TrialState.FAIL for t in ts):
+            out.append({"grid_key": grid_key(point), "trials": [t.number for t in ts],
+                        "error": str(ts[-1].user_attrs.get("error", ""))[:300]})  # fmt: skip
+    return out
+
+
+def finished(spec: SweepSpec, rc: int) -> int:
+    """The exit code of a sweep whose workers returned `rc`: EXIT_POINTS_FAILED (with one line per
+    failed point) when they all finished (0) but grid points failed."""
+    if rc != 0:
+        return rc
+    failed = failed_points(spec)
+    for p in failed:
+        log(f"error: grid point {p['grid_key']} failed (trial(s) {p['trials']}): {p['error']}")
+    if failed:
+        log(f"{len(failed)} of {spec.n_trials} grid point(s) failed; `--status` lists them, "
+            "`--resume --retry-failed` runs them again")
+        return EXIT_POINTS_FAILED
+    return 0
 
 
 def submit(spec: SweepSpec, script: Path, extra: list[str] = (), dry_run: bool = False) -> list[str]:
     """Init, then sbatch the array with the spec's resources; `extra` (e.g. --set overrides) is
-    passed on to every task's `sweeps.run` so the tasks see the same spec as this process."""
+    passed on to every task's `sweeps.run` so the tasks see the same spec as this process. No
+    `sbatch` on PATH (checked after the stores, before init) or an sbatch that fails: SubmitError in one line."""
+    check_storage(spec.storage)  # the stores first: an unreachable one is named before SLURM is
+    tracking.check_tracking(spec.tracking_uri)
+    if not dry_run and shutil.which("sbatch") is None:
+        raise SubmitError("sbatch not found on PATH: --submit needs a SLURM client and controller "
+                          "(run locally with `--workers N`, or `slurm/local_cluster.sh start DIR`)")
     init(spec)
     cmd = ["sbatch", *sbatch_resources(spec), f"--job-name={spec.study}", str(script), str(spec.path), *extra]
     log("submitting: " + " ".join(cmd))
     if not dry_run:
-        subprocess.run(cmd, check=True)
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise SubmitError(f"sbatch could not be run: {e}") from None
+        if r.returncode != 0:
+            said = " ".join((r.stderr or r.stdout).split())[-500:] or "no message"
+            raise SubmitError(f"sbatch failed (exit code {r.returncode}): {said}; nothing was submitted "
+                              "(the study is initialised; submit again once SLURM answers)")
+        print(r.stdout, end="", flush=True)  # "Submitted batch job <id>"
     return cmd
+
+
+class SubmitError(RuntimeError):
+    """sbatch is missing or refused the job: one line, exit 2."""
 
 
 def sbatch_resources(spec: SweepSpec) -> list[str]:
@@ -250,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
             check_allocation(spec)
             if a.task:
                 init(spec, retry_failed=a.retry_failed)
-            return worker(spec, max_trials=a.max_trials, stop=stop)
+            rc = worker(spec, max_trials=a.max_trials, stop=stop)
+            # a supervised local worker (`--worker`) leaves the verdict on failed points to its runner
+            return finished(spec, rc) if a.task else rc
         if a.workers is not None or a.resume:
             n = a.workers if a.workers is not None else a.n_workers
             if n < 1:
@@ -258,14 +342,17 @@ def main(argv: list[str] | None = None) -> int:
             init(spec, retry_failed=a.retry_failed)
             if a.resume:
                 requeue_lost_runs(spec)  # trials COMPLETE in Optuna whose MLflow runs are gone
-            return local_workers(spec, n, extra)
+            return finished(spec, local_workers(spec, n, extra))
         if a.submit:
             submit(spec, Path(__file__).resolve().parent.parent / "slurm" / "sweep.sh", extra)
             return 0
         if a.status:
-            print(json.dumps(status(spec)))
+            st = status(spec)
+            if not st["exists"]:
+                print(no_study(spec), file=sys.stderr)
+            print(json.dumps(st))
             return 0
-    except (SpecError, StorageError, tracking.TrackingError) as e:
+    except (SpecError, StorageError, SubmitError, tracking.TrackingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return 0

@@ -453,8 +453,14 @@ def load_spec(path: str | Path, *, env: dict[str, str] | None = None, overrides:
         raw = read_yaml(path, what="sweep spec")
     except ValueError as e:
         raise SpecError(str(e)) from None
+    if raw is None:  # an empty file, or comments only
+        raise SpecError(f"{path}: the sweep spec is empty; expected a YAML mapping with at least `study`, `space` "
+                        "and `objectives` (docs/sweeps.md)")
+    if not isinstance(raw, dict):
+        raise SpecError(f"{path}: expected a YAML mapping of spec keys (study, space, objectives, ...), "
+                        f"got a {type(raw).__name__}")
     if overrides:
-        raw = apply_overrides(raw or {}, overrides, merge=False)
+        raw = apply_overrides(raw, overrides, merge=False)
     return parse_spec(raw, path, env=env)
 
 

@@ -4,7 +4,9 @@ signature), the grid enqueued exactly once, and how a worker claims the next tri
 `init` is idempotent and file-locked, so every SLURM task can run it: it checks that both stores
 answer, validates every grid point's training config, creates the MLflow experiment and the study
 once (before any worker starts; workers select the experiment by id), refuses an existing study
-with another space, and enqueues every grid point that has no trial yet. Workers only pop WAITING
+with another space, refuses to create a study anew where MLflow already holds finished trial runs
+of it (an emptied or replaced journal: every point would run twice), and enqueues every grid point
+that has no trial yet. Workers only pop WAITING
 trials; they never ask the sampler for grid points, so each point runs once however many start
 together. Leaves out: running a trial (sweeps/worker.py) and dead workers (sweeps/liveness.py).
 """
@@ -145,6 +147,7 @@ def init(spec: SweepSpec, *, retry_failed: bool = False) -> dict[str, Any]:
         storage = open_storage(spec.storage)
         study = load_study(spec, storage)
         if study is None:
+            check_no_finished_runs(spec, exp_id)
             study = optuna.create_study(study_name=spec.study, storage=storage, directions=spec.directions, sampler=sampler(spec))
             study.set_user_attr("space_signature", spec.space_signature())
             study.set_user_attr("objectives", [o.label for o in spec.objectives])
@@ -170,6 +173,25 @@ def init(spec: SweepSpec, *, retry_failed: bool = False) -> dict[str, Any]:
         summary = {"study": spec.study, "experiment_id": exp_id, "enqueued": enqueued, "points": spec.n_trials}
         log(f"init: {summary}")
         return summary
+
+
+def check_no_finished_runs(spec: SweepSpec, exp_id: str) -> None:
+    """Before a study is created: SpecError (one line) when the MLflow experiment already holds
+    FINISHED trial runs of a study of this name. The journal was emptied, deleted or replaced after
+    the sweep ran (the runs outlive it): a new study would re-run every point and leave two finished
+    trial runs per point. Refused rather than adopted: the Optuna side of those trials (values,
+    attempts, errors) is gone, and a sweep that resumes must not guess it."""
+    flt = f"tags.`optuna.study` = '{spec.study}' and attributes.status = 'FINISHED'"
+    done = [r for r in tracking.iter_runs(tracking.client(spec.tracking_uri), [exp_id], flt)
+            if tracking.PARENT_TAG not in r.data.tags]
+    if done:
+        keys = sorted({r.data.tags.get("mtpc.grid_key", "?") for r in done})
+        raise SpecError(
+            f"{spec.path}: study {spec.study!r} is not in {spec.storage} (an emptied, deleted or replaced journal?), "
+            f"but MLflow experiment {spec.experiment!r} at {spec.tracking_uri} already holds {len(done)} finished "
+            f"trial run(s) of it ({len(keys)} grid point(s): {', '.join(keys[:5])}{', ...' if len(keys) > 5 else ''}); "
+            "a new study would run every point again: restore the journal, or give the spec a new `study` name, "
+            "or delete those runs in MLflow first")
 
 
 def view_labels(spec: SweepSpec) -> list[str]:

@@ -17,6 +17,7 @@ codes (sweeps/run.py).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import threading
@@ -48,6 +49,11 @@ EXIT_TRACKING = 69  # EX_UNAVAILABLE: the tracking store stopped taking writes; 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped by a signal; the running trial checkpointed, stays RUNNING
 HEARTBEAT_S = 20.0
 ENDING_WAIT_S = 180.0  # how long an idle worker waits for peers' jobs that are COMPLETING
+
+
+class IncompleteResults(RuntimeError):
+    """The trial returned, but the evaluation runs or metrics the objectives need are not stored: the
+    trial did not produce them (the store answered; a store that fails is TrackingLost's case)."""
 
 
 class TrackingLost(RuntimeError):  # noqa: N818 (the worker's reason to stop, not a trial error)
@@ -273,22 +279,28 @@ def _completed_twin(study, key: str, lost: tuple[int, ...] = ()) -> int | None:
 def read_back(spec: SweepSpec, exp_id: str, parent: str) -> tuple[list[float], list[str]]:
     """Objective values from the *stored* evaluation runs; raise unless every evaluation is there."""
     children = tracking.child_runs(spec.tracking_uri, exp_id, parent)
-    for m in spec.eval.modes:
+    e = spec.eval
+    for m in e.modes:
         sets = {r.data.params.get("prompt_set") for r in children if r.data.params.get("mode") == m}
-        if len(sets) < spec.eval.sets:
-            raise tracking.TrackingError(
-                f"parent run {parent}: {len(sets)} stored evaluation run(s) with mode={m} (prompt sets {sorted(map(str, sets))}), "
-                f"expected {spec.eval.sets}; the evaluation did not store its results"
+        if len(sets) < e.sets:
+            odd = [t for t in e.temperatures if not math.isfinite(t)]
+            raise IncompleteResults(
+                f"the trial stored no {m} evaluation for {e.sets - len(sets)} of {e.sets} prompt set(s) (parent run "
+                f"{parent}): its evaluation ran no such pass; "
+                + (f"eval.temperatures holds {odd}: a temperature must be a finite number" if odd else
+                   f"eval.modes {list(e.modes)}, eval.temperatures {list(e.temperatures)}")
             )
     values = []
     for o in spec.objectives:
         rows = [r for r in children if o.mode is None or r.data.params.get("mode") == o.mode]
         vals = [r.data.metrics.get(o.metric) for r in rows]
         if not vals or any(v is None for v in vals):
-            raise tracking.TrackingError(f"metric {o.metric!r} missing from a stored evaluation run of parent {parent}")
+            raise IncompleteResults(f"metric {o.metric!r} missing from a stored evaluation run of parent {parent}: the "
+                                    "evaluation did not produce it (a NaN or infinite value is not stored)")
         values.append(sum(vals) / len(vals))
     for r in children:
         missing = [m for m in tracking.STORED_METRICS if m not in r.data.metrics]
         if missing:
-            raise tracking.TrackingError(f"evaluation run {r.info.run_id} lacks metrics {missing}")
+            raise IncompleteResults(f"evaluation run {r.info.run_id} lacks metrics {missing}: the evaluation did not "
+                                    "produce them (a NaN or infinite value is not stored)")
     return values, [r.info.run_id for r in children]

@@ -123,7 +123,8 @@ def short(exc: BaseException, limit: int = 300) -> str:
 
 def check_tracking(uri: str, timeout: float = 5.0) -> None:
     """Raise TrackingError unless a store for writing can be reached: http(s) answers /health;
-    sqlite / file: the directory exists or can be created and is writable; other schemes
+    sqlite: the database path is a file or absent (not a folder), its directory exists or can be
+    created and is writable; file: the directory exists or can be created and is writable; other schemes
     (postgresql://, databricks, ...): the client can list experiments."""
     parsed = urlparse(uri)
     if parsed.scheme in ("http", "https"):
@@ -141,6 +142,11 @@ def check_tracking(uri: str, timeout: float = 5.0) -> None:
         path = sqlite_path(uri)
         if path is None:
             raise TrackingError(f"MLflow URI {uri}: expected sqlite:///<path>")
+        if path.is_dir():
+            raise TrackingError(f"MLflow store {uri}: {path} is a directory, not a database file; "
+                                f"name a file, e.g. sqlite:///{path / DEFAULT_DB}")
+        if path.exists() and not path.is_file():
+            raise TrackingError(f"MLflow store {uri}: {path} is not a regular file")
         _writable_dir(path.parent, f"MLflow store {uri}")
         return
     if parsed.scheme in ("", "file"):
