@@ -552,7 +552,9 @@ def load_config(config: TrainConfig | dict[str, Any] | str | Path, overrides: di
             p = CONFIG_DIR / f"{p}.yaml"
         if not p.is_file():
             raise ValueError(f"config: no such file {str(p)!r}")
-        raw = read_yaml(p) or {}
+        raw = read_yaml(p)
+        if raw is None:
+            raise ValueError(f"{p}: the config is empty; expected a mapping of sections (model, data, trainer, run)")
         source = str(p)
     if not isinstance(raw, dict):
         raise ValueError(f"{source}: expected a mapping of sections (model, data, trainer, run), got {type(raw).__name__}")

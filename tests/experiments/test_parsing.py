@@ -60,3 +60,12 @@ def test_an_inline_config_string_is_checked_like_a_file():
     parsing.check_cli_class_paths(["fit", "--config", '{"trainer": {"max_steps": 3}}'])  # a harmless one passes
     with pytest.raises(ValueError, match="aliases are expanded"):
         parsing.check_cli_class_paths(["fit", "--config", LAUGHS])
+
+
+def test_an_empty_config_file_is_refused_naming_it(tmp_path):
+    """An empty training config (a typo'd path to a new file, a truncated copy) used to train the
+    defaults silently, also when a sweep spec's train.config named it."""
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing here\n")
+    with pytest.raises(ValueError, match=rf"^{empty}: the config is empty; expected a mapping"):
+        load_config(empty)
