@@ -355,8 +355,8 @@ def _axis_value(fail: _SpecFail, name: str, v: Any, key: str) -> Any:
     """One axis value, checked once where no TrainConfig is built: an architecture axis against
     `mtpc.names` (the bounds a trial's head would enforce; ff's rank is then set to 1 by `point_rank`,
     so the ff rule holds), a training axis by its type (`tracking.axes`) and its config field's rule
-    (`experiments.config.check_value`, the rule `TrainConfig.check` applies). Returns the value as
-    the axis's type (a float axis: 0 and 0.0 are one point)."""
+    (`experiments.config.check_value`, the rule `TrainConfig.check` applies). `_point` then gives it
+    the axis's type."""
     a = axes.axis(name)
     if a.role == axes.ARCHITECTURE:
         try:
