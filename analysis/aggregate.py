@@ -21,12 +21,21 @@ import numpy as np
 import pandas as pd
 
 from analysis.front import pareto_front
-from analysis.load import ACC_POS_RE, OPTIONAL_METRICS, REQUIRED_METRICS
+from analysis.load import ACC_POS_RE, OPTIONAL_METRICS, REQUIRED_METRICS, axis_names
 from mtpc.names import CIRCUIT_KINDS
+from tracking import axes
 
 SETTING_KEYS: tuple[str, ...] = ("backbone", "mode", "extra_token", "eos", "temperature", "top_p", "hardware",
                                   "acceptance_method")
-CONFIG_KEYS: tuple[str, ...] = ("circuit", "window", "rank", "lora_depth", "kl_beta", "kl_temperature", "train_seed")
+
+
+def config_keys() -> tuple[str, ...]:
+    """What makes a configuration: every sweep axis (`tracking.axes`, read now), architecture first."""
+    return tuple(axis_names())
+
+
+#: the shipped table's configuration keys at import (for reading; the functions here call config_keys)
+CONFIG_KEYS: tuple[str, ...] = config_keys()
 
 
 def _is_missing(v) -> bool:
@@ -116,7 +125,7 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
     circuit (ff, cp, hmm, btree), k."""
     if runs.empty:
         raise ValueError("aggregate: the runs DataFrame is empty")
-    keys = [k for k in (*SETTING_KEYS, *CONFIG_KEYS) if k in runs.columns]
+    keys = [k for k in (*SETTING_KEYS, *config_keys()) if k in runs.columns]
     metrics = metric_columns(runs)
     g = runs.groupby(keys, dropna=False, sort=False)
     mean = g[metrics].mean().add_suffix("_mean")
@@ -133,18 +142,18 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
     )
     out = out[ordered]
     out = _attach_stp(runs, out)
-    for k in ("window", "rank", "lora_depth", "train_seed"):
+    for k in (a.name for a in axes.axes() if a.type is int):
         if k in out.columns:
             out[k] = out[k].astype("Int64")
     # groupby turns None into NaN in object keys: give None back
-    for k in ("backbone", "mode", "extra_token", "eos", "hardware", "circuit", "acceptance_method"):
+    for k in ("backbone", "mode", "extra_token", "eos", "hardware", "acceptance_method", *(a.name for a in axes.axes() if a.type is str)):
         if k in out.columns:
             out[k] = out[k].astype(object).where(out[k].notna(), None)
     out["_circuit_order"] = (
         out["circuit"].map({c: i for i, c in enumerate(CIRCUIT_KINDS)}).fillna(len(CIRCUIT_KINDS))
     )
     sort_keys = [k for k in SETTING_KEYS if k in out.columns]
-    train_keys = [k for k in ("kl_beta", "kl_temperature", "train_seed") if k in out.columns]
+    train_keys = [k for k in axis_names(axes.TRAINING) if k in out.columns]
     out = out.sort_values(
         sort_keys + ["window", "rank", "_circuit_order", "lora_depth", *train_keys], na_position="last", kind="stable"
     )

@@ -9,8 +9,9 @@ is never averaged: the newest trial run's evaluations are kept, the others left 
 naming the grid point (`LoadResult.duplicates`). Params are typed (ints, floats, strings);
 optional params (``extra_token``, ``temperature``, ``seed``, ``hardware``, ``top_p``, ``eos``,
 ``acceptance_method`` (absent: "online", how every run was evaluated before the offline method), and
-the training axes ``kl_beta``, ``kl_temperature``, ``train_seed``) and optional metrics become
-NaN/None when absent, so stores written before a param existed still load. Per-position
+the training axes of `tracking.axes` (``kl_beta``, ``kl_temperature``, ``train_seed``, ...), typed by
+their rows) and optional metrics become NaN/None when absent (never the axis's default), so stores
+written before a param existed still load. Per-position
 acceptance metrics ``acceptance_pos_<i>`` (i = 1-based window position) become columns of their own.
 
 `load` = the tracking-URI rule + open the store + pick the experiments + read + filter, with errors
@@ -31,6 +32,7 @@ import pandas as pd
 
 import tracking
 from analysis.filters import Filters, apply_filters
+from tracking import axes
 from tracking.schema import (
     ACCEPTANCE_PREFIX,
     BASELINE_METHODS,
@@ -41,30 +43,42 @@ from tracking.schema import (
     grid_key,
 )
 
-#: params every evaluation run must carry, with their types (rank: but a baseline method's, BASELINE_METHODS)
-REQUIRED_PARAMS: dict[str, type] = {
-    "backbone": str,
-    "circuit": str,
-    "window": int,
-    "rank": int,
-    "lora_depth": int,
-    "mode": str,
-    "prompt_set": str,
-}
-#: params that may be absent (NaN / None then)
-OPTIONAL_PARAMS: dict[str, type] = {
-    "extra_token": str,
-    "temperature": float,
-    "seed": int,
-    "hardware": str,
-    "top_p": float,
-    "eos": str,  # banned | allowed (EOS_MODES)
-    "kl_beta": float,  # training: weight of the distillation term (0: cross-entropy only)
-    "kl_temperature": float,  # training: temperature of the teacher in the KL term
-    "train_seed": int,  # training seed of the head (the evaluation seed is `seed`)
-    "converged": int,  # 1: held-out window NLL changed < 1 % over the last fifth of training; 0: undertrained
-    "acceptance_method": str,  # offline | online (ACCEPTANCE_METHODS); a run without it is online
-}
+#: the order the analysis shows the library's architecture axes in (n before r, as the tables read);
+#: any other axis follows in `tracking.axes` order
+ARCHITECTURE_ORDER: tuple[str, ...] = ("circuit", "window", "rank", "lora_depth")
+
+
+def axis_names(role: str | None = None) -> list[str]:
+    """The sweep axes (`tracking.axes`, read now) of one role or all, in the analysis's order."""
+    names = axes.names(role)
+    return [k for k in ARCHITECTURE_ORDER if k in names] + [k for k in names if k not in ARCHITECTURE_ORDER]
+
+
+def required_params() -> dict[str, type]:
+    """Params every evaluation run must carry, with their types (rank: but a baseline method's,
+    BASELINE_METHODS): the backbone, the architecture axes, mode, prompt_set."""
+    return {"backbone": str, **{k: axes.axis(k).type for k in axis_names(axes.ARCHITECTURE)}, "mode": str, "prompt_set": str}
+
+
+def optional_params() -> dict[str, type]:
+    """Params that may be absent (NaN / None then): the evaluation's, then every training axis
+    (`tracking.axes`, typed by its row), then converged and acceptance_method."""
+    return {
+        "extra_token": str,
+        "temperature": float,
+        "seed": int,  # the evaluation's sampling seed (the training seed is the axis train_seed)
+        "hardware": str,
+        "top_p": float,
+        "eos": str,  # banned | allowed (EOS_MODES)
+        **{k: axes.axis(k).type for k in axis_names(axes.TRAINING)},
+        "converged": int,  # 1: held-out window NLL changed < 1 % over the last fifth of training; 0: undertrained
+        "acceptance_method": str,  # offline | online (ACCEPTANCE_METHODS); a run without it is online
+    }
+
+
+#: the shipped table's params at import (for reading; the loader calls the functions)
+REQUIRED_PARAMS: dict[str, type] = required_params()
+OPTIONAL_PARAMS: dict[str, type] = optional_params()
 #: metrics without which a run cannot be placed on the Pareto plot or in a table
 REQUIRED_METRICS: tuple[str, ...] = PARETO_METRICS
 OPTIONAL_METRICS: tuple[str, ...] = tuple(m for m in EVAL_METRICS if m not in PARETO_METRICS)
@@ -162,7 +176,7 @@ def run_record(
         "parent_run_id": tags.get(tracking.PARENT_TAG),
     }
     missing: list[str] = []
-    for name, kind in REQUIRED_PARAMS.items():
+    for name, kind in required_params().items():
         try:
             value = _parse(params.get(name), kind)
         except ValueError:
@@ -170,7 +184,7 @@ def run_record(
         if value is None and not (name == "rank" and row.get("circuit") in BASELINE_METHODS):
             missing.append(f"param {name}")  # a baseline method (EvaByte's own decoding) has no rank
         row[name] = value
-    for name, kind in OPTIONAL_PARAMS.items():
+    for name, kind in optional_params().items():
         try:
             row[name] = _parse(params.get(name), kind)
         except ValueError:
@@ -200,14 +214,15 @@ def records_to_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
     """Typed DataFrame from `run_record` rows: Int64 for integer params, float64 for metrics and
     float params, object (str or None) for string params; columns in a fixed order."""
     base = ["run_id", "run_name", "experiment_id", "parent_run_id"]
-    params = list(REQUIRED_PARAMS) + list(OPTIONAL_PARAMS)
+    kinds = {**required_params(), **optional_params()}
+    params = list(kinds)
     metrics = list(REQUIRED_METRICS) + list(OPTIONAL_METRICS)
     df = pd.DataFrame.from_records(records)
     acc = _acceptance_pos_columns(df.columns)
     columns = base + params + metrics + acc
     df = df.reindex(columns=columns)
     for name in params:
-        kind = {**REQUIRED_PARAMS, **OPTIONAL_PARAMS}[name]
+        kind = kinds[name]
         if kind is int:
             df[name] = df[name].astype("Int64")
         elif kind is float:
@@ -318,8 +333,8 @@ def missing_points(experiments: list[Any], runs: pd.DataFrame) -> list[str]:
         if not expected:
             continue
         rows = runs[runs["experiment_id"] == e.experiment_id] if "experiment_id" in runs else runs.iloc[0:0]
-        axes = [a for a in SWEEP_AXES if a in rows.columns]
-        found = len(rows[axes].drop_duplicates()) if len(rows) and axes else 0
+        cols = [a for a in axes.names() if a in rows.columns]
+        found = len(rows[cols].drop_duplicates()) if len(rows) and cols else 0
         if found < int(expected):
             notes.append(f"experiment {e.name!r} holds evaluation runs of {found} of the sweep's {expected} grid points "
                          "(unfinished, or a lost tracking store: `python -m sweeps.run <spec> --resume` re-runs them)")

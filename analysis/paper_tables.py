@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.aggregate import Setting, stp_baseline
+from tracking import axes
 from tracking.schema import DEGENERATE_WARN_FRACTION
 
 
@@ -54,8 +55,16 @@ COLUMNS: tuple[Column, ...] = (
 NOTE = ("× own STP: each evaluation's throughput over the STP run measured beside it, averaged; "
         "× STP row: mean throughput over the STP row's")
 NOTE_TEX = NOTE.replace("× ", r"$\times$ ")
-#: training axes shown as key columns when they vary within a setting: (aggregate column, header)
-TRAIN_KEYS: tuple[tuple[str, str], ...] = (("kl_beta", "β"), ("kl_temperature", "T_kl"), ("train_seed", "seed"))
+
+
+def train_keys() -> tuple[tuple[str, str], ...]:
+    """Training axes shown as key columns when they vary within a setting: (aggregate column, header
+    = the axis's label in `tracking.axes`)."""
+    return tuple((a.name, a.label) for a in axes.axes(axes.TRAINING))
+
+
+#: the shipped table's (for reading; build_table calls train_keys)
+TRAIN_KEYS: tuple[tuple[str, str], ...] = train_keys()
 
 
 @dataclass
@@ -81,7 +90,7 @@ def _decimals(values: np.ndarray) -> int:
 def build_table(setting: Setting, part: pd.DataFrame) -> Table:
     """The table of one setting from its aggregated rows (output of `split_settings`)."""
     show_k = part["lora_depth"].nunique(dropna=False) > 1
-    shown = [(col, head) for col, head in TRAIN_KEYS if col in part.columns and part[col].nunique(dropna=False) > 1]
+    shown = [(col, head) for col, head in train_keys() if col in part.columns and part[col].nunique(dropna=False) > 1]
     keys = ["n", "r", "circuit"] + (["k"] if show_k else []) + [head for _, head in shown]
     rows = pd.DataFrame(
         {
@@ -229,8 +238,8 @@ TIE_BAND = 0.05
 
 def config_label(row: pd.Series) -> str:
     return f"{row['circuit']} n={row['window']} r={row['rank']} k={row['lora_depth']}" + "".join(
-        f" {tag}={row[col]:g}" for col, tag in (("kl_beta", "β"), ("train_seed", "seed"))
-        if col in row.index and pd.notna(row[col]))
+        f" {a.label}={row[a.name]:g}" for a in axes.axes(axes.TRAINING)  # kl_beta, train_seed always; another axis off its default
+        if a.name in row.index and pd.notna(row[a.name]) and (a.always or row[a.name] != a.default))
 
 
 def ranking_column(part: pd.DataFrame) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.aggregate import CONFIG_KEYS, split_settings
+from analysis.aggregate import config_keys, split_settings
 from analysis.paper_tables import TIE_BAND, config_label, ranking_column, tied_with_best
 
 
@@ -34,7 +34,7 @@ def _settings(path: Path) -> dict[str, pd.DataFrame]:
 
 
 def _key(row: pd.Series) -> tuple:
-    return tuple(None if pd.isna(row.get(k)) else row.get(k) for k in CONFIG_KEYS if k in row.index)
+    return tuple(None if pd.isna(row.get(k)) else row.get(k) for k in config_keys() if k in row.index)
 
 
 def _winners(part: pd.DataFrame, band: float) -> tuple[str, list[str]]:

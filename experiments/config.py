@@ -43,7 +43,7 @@ from experiments.parsing import (
     read_yaml,
 )
 from mtpc import names
-from tracking import schema
+from tracking import axes, schema
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 TRAIN_CONFIGS = ("debug", "default", "llama_byte", "evabyte")  # shipped in CONFIG_DIR (pretrain_*.yaml are not ours)
@@ -136,8 +136,7 @@ class ModelConfig:
                 fail("model.revision" if self.trust_remote_code else "model.trust_remote_code", str(err))
         if self.init not in INITS:
             fail("model.init", f"got {self.init!r}; expected one of {list(INITS)}")
-        if not is_number(self.lr) or not self.lr > 0:
-            fail("model.lr", f"got {self.lr!r}; expected a positive number")
+        check_value("model.lr", self.lr, fail)
         if self.gamma is not None and not (is_number(self.gamma) and 0 < self.gamma <= 1):
             fail("model.gamma", f"got {self.gamma!r}; expected null or 0 < gamma <= 1")
         if not is_integer(self.chunk_size) or self.chunk_size < 1:
@@ -150,9 +149,8 @@ class ModelConfig:
             if key not in accepted:
                 fail(f"model.backbone_kwargs.{key}", f"not an argument backbone {bb!r} takes (unknown key {key!r}); "
                      f"expected one of {sorted(accepted)}")
-        names.check_axis("kl_beta", self.kl_beta, where=f"{fail.source}: model.")
-        if not is_number(self.kl_temperature) or not 0 < self.kl_temperature < float("inf"):
-            fail("model.kl_temperature", f"got {self.kl_temperature!r}; expected a finite number > 0 (temperature of the teacher)")
+        check_value("model.kl_beta", self.kl_beta, fail)
+        check_value("model.kl_temperature", self.kl_temperature, fail)
         lse = self.lora_start_epoch
         if not is_integer(lse) or lse < 0:
             fail("model.lora_start_epoch", f"got {lse!r}; expected an integer >= 0")
@@ -354,6 +352,7 @@ class TrainConfig:
     def check(self) -> TrainConfig:
         """Raise ValueError `<source>: <key>: ...` for the first bad value; returns self. Loads nothing heavy."""
         fail = Fail(self.source)
+        check_value("seed_everything", self.seed_everything, fail)
         self.model.check(fail, self.trainer)
         _check_trainer(fail, self.trainer)
         self.data.check(fail, self.model.window)
@@ -406,12 +405,12 @@ class TrainConfig:
 
     def params(self) -> dict[str, Any]:
         """MLflow params: every model field (backbone, circuit, window, rank, lora_depth, revision, ...),
-        the seed, the data and trainer settings a comparison needs, and the bytes per optimizer step."""
+        the seed, every sweep axis under its param name (`point_of`: train_seed = seed_everything), the data and trainer settings a comparison needs, and the bytes per optimizer step."""
         d, t = self.data, self.trainer
         accumulate = self.accumulation()
         world = world_size(t)
         return {
-            **asdict(self.model), "seed": self.seed_everything, "train_seed": self.seed_everything,
+            **asdict(self.model), "seed": self.seed_everything, **point_of(self),
             "data_source": d.source, "extra_train_source": d.extra_train_source, "seq_len": d.seq_len,
             "batch_size": d.batch_size, "on_error": d.on_error,
             "accumulate_grad_batches": accumulate, "max_epochs": t.get("max_epochs"),
@@ -464,20 +463,55 @@ def world_size(trainer: dict[str, Any]) -> int:
     return int(n) * int(nodes)
 
 
+#: the rules of single TrainConfig fields, each checked on its value alone: the sections' checks call
+#: them, and a sweep spec checks a training axis's values with them where no TrainConfig is built
+#: (`check_value`). path -> rule(value) -> what was expected (None: the value is valid)
+VALUE_RULES: dict[str, Any] = {
+    "model.lr": lambda v: None if is_number(v) and v > 0 else "expected a positive number",
+    "model.kl_beta": lambda v: None if is_number(v) and 0 <= v <= 1 else "expected a number in [0, 1] (0: cross-entropy only)",
+    "model.kl_temperature": lambda v: None if is_number(v) and 0 < v < float("inf")
+    else "expected a finite number > 0 (temperature of the teacher)",
+    "seed_everything": lambda v: None if is_integer(v) and 0 <= v < 2**32 else "expected an integer in [0, 2**32)",
+}
+
+
+def check_value(path: str, value: Any, fail: Fail) -> None:
+    """`fail(path, "got <value>; <expected>")` unless `value` passes the rule of field `path` (VALUE_RULES;
+    a field without one passes)."""
+    rule = VALUE_RULES.get(path)
+    problem = rule(value) if rule else None
+    if problem:
+        fail(path, f"got {value!r}; {problem}")
+
+
+def config_value(cfg: TrainConfig, path: str) -> Any:
+    """The value of the field at dotted `path` (`model.rank`, `seed_everything`)."""
+    return functools.reduce(getattr, path.split("."), cfg)
+
+
+def point_of(cfg: TrainConfig) -> dict[str, Any]:
+    """Every sweep axis's value in `cfg`, under its param name (`tracking.axes`), as the axis's type."""
+    return {a.name: a.value(config_value(cfg, a.path)) for a in axes.axes()}
+
+
 def apply_point(cfg: TrainConfig, point: dict[str, Any]) -> TrainConfig:
-    """`cfg` with a sweep grid point set: the architecture axes and kl_beta on `model`, train_seed as
-    `seed_everything` (axes the point leaves out keep the config's values). Checked by `cfg.check()`."""
-    model = {k: point[k] for k in (*schema.GRID_PARAMS, "kl_beta") if k in point}
-    seed = {"seed_everything": point["train_seed"]} if "train_seed" in point else {}
-    return replace(cfg, model=replace(cfg.model, **model), **seed)
+    """`cfg` with a sweep point set: each axis's value on the config path its row names
+    (`tracking.axes`; train_seed -> seed_everything), through the one override rule
+    (`experiments.parsing.apply_overrides`, types checked by the parser); axes the point leaves out keep
+    the config's values. UnknownAxis (a ValueError, one line) for a key that is no axis. The values
+    are checked by `cfg.check()`."""
+    axes.check_names(point)
+    if not point:
+        return cfg
+    overrides = {axes.axis(name).path: value for name, value in point.items()}
+    return load_config(cfg, overrides, trainer_types=False)
 
 
 def default_run_name(cfg: TrainConfig) -> str:
     """`<backbone>-<grid key>`, e.g. `tiny-cp-r4-n4-k0` (`-kl0.5-s1` for kl_beta 0.5, seed 1): the
-    sweep's name of the same head (`tracking.schema.grid_key`) after the backbone's."""
+    sweep's name of the same head (`tracking.schema.grid_key` of every axis's value) after the backbone's."""
     bb = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(cfg.model.backbone).name)
-    point = {k: getattr(cfg.model, k) for k in (*schema.GRID_PARAMS, "kl_beta")}
-    return f"{bb}-{schema.grid_key({**point, 'train_seed': cfg.seed_everything})}"
+    return f"{bb}-{schema.grid_key(point_of(cfg))}"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -5,8 +5,8 @@ prompt sets in one process, one child run per (mode, temperature, eos, prompt_se
     run_trial(train: TrainConfig, point, evaluation: EvalConfig, *, mlflow_tracking_uri, mlflow_experiment_id, ...)
 
 `train` is the sweep's base config (the spec's `train` section, parsed at load time), `point` the
-grid point {"circuit", "rank", "window", "lora_depth", "kl_beta", "train_seed"}: `trial_config` sets
-it with `experiments.config.apply_point` and points the run at the trial's tracking and directory;
+grid point {axis param: value} (the axes of `tracking.axes`: circuit, rank, window, lora_depth,
+kl_beta, train_seed, ...): `trial_config` sets it with `experiments.config.apply_point` and points the run at the trial's tracking and directory;
 train_head checks the values once. `evaluation` is the spec's `eval` section. Training checkpoints
 under `checkpoint_dir`; a re-run with the same directory resumes from `last.ckpt`. When
 `should_stop()` turns true (the sweep worker's SIGUSR1/SIGTERM), training saves a checkpoint at the
@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import tracking
-from experiments.config import EvalConfig, TrainConfig, apply_point
+from experiments.config import EvalConfig, TrainConfig, apply_point, point_of
 from mtpc.atomic import write_json
+from tracking import axes
 
 
 def trial_config(base: TrainConfig, point: dict[str, Any], *, tracking_uri: str | None = None,
@@ -108,9 +109,10 @@ def convergence(history: list[tuple[int, float]], fraction: float = CONVERGENCE_
 
 def training_axes(cfg: Any) -> dict[str, Any]:
     """The training params every child run carries (so CE and distilled heads, and training seeds,
-    can be told apart from the child alone): kl_beta, kl_temperature, train_seed. `cfg`: the TrainConfig."""
-    return {"kl_beta": float(cfg.model.kl_beta), "kl_temperature": float(cfg.model.kl_temperature),
-            "train_seed": cfg.seed_everything}
+    can be told apart from the child alone): every training axis of `tracking.axes` (kl_beta,
+    kl_temperature, train_seed, ...) under its param name, as trained. `cfg`: the TrainConfig."""
+    point = point_of(cfg)
+    return {name: point[name] for name in axes.names(axes.TRAINING)}
 
 
 def evaluate_head(head_dir: Path, cfg: TrainConfig, evaluation: EvalConfig, *, parent_run_id: str,

@@ -2,10 +2,10 @@
 
 Holds the circuit kinds, the decoding modes and extra-token rules, the engine settings, the
 window/rank/LoRA-depth bounds with the ff rank rule (`check_architecture`, the one check the head,
-the training config and the sweep spec all call; `check_axis` for one value, including the
-distillation weight kl_beta and a training seed) and the defaults of a head. The experiment schema
-built on it (sweep axes, grid keys, MLflow params and metrics, artifact names) is
-`tracking/schema.py`. Import from here; never restate a tuple or a bound elsewhere.
+the training config and the sweep spec all call; `check_axis` for one value) and the defaults of a
+head. The experiment built on it (the sweep axes, `tracking/axes.py`; grid keys, MLflow params and
+metrics, artifact names, `tracking/schema.py`) is not the library's: a training setting's rule
+lives with the training config (`experiments.config`). Import from here; never restate a tuple or a bound elsewhere.
 
 Only names and plain checks live here (no torch, so the analysis and sweep specs can read it
 cheaply).
@@ -69,24 +69,20 @@ class ArchitectureError(ValueError):
 
 
 def check_axis(name: str, value: Any, *, decoding: bool = False, where: str = "") -> None:
-    """Check one value of an architecture axis, kl_beta or a training seed alone (the bounds; the ff rank rule needs the circuit too)."""
-    if name == "kl_beta":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-            raise ArchitectureError(where, name, f"expected a number in [0, 1] (0: cross-entropy only), got {value!r}")
-        return
-    if name == "train_seed":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ArchitectureError(where, name, f"expected an integer >= 0, got {value!r}")
-        return
+    """Check one value of an architecture axis (circuit, window, rank, lora_depth) alone: the bounds
+    (the ff rank rule needs the circuit too). ValueError for another name."""
     if name == "circuit":
         if value not in CIRCUIT_KINDS:
             raise ArchitectureError(where, name, f"unknown circuit kind {value!r}; expected one of {list(CIRCUIT_KINDS)}")
         return
-    low, high = {
+    bounds = {
         "window": (MIN_DECODE_WINDOW if decoding else MIN_HEAD_WINDOW, MAX_WINDOW),
         "rank": (MIN_RANK, MAX_RANK),
         "lora_depth": (0, MAX_LORA_DEPTH),
-    }[name]
+    }
+    if name not in bounds:
+        raise ValueError(f"check_axis: {name!r} is not an architecture axis; expected circuit, {', '.join(bounds)}")
+    low, high = bounds[name]
     if isinstance(value, bool) or not isinstance(value, int):
         raise ArchitectureError(where, name, f"expected an integer in [{low}, {high}], got {value!r}")
     if not low <= value <= high:

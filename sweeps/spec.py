@@ -30,7 +30,8 @@ from experiments import config, parsing
 from experiments.config import EvalConfig, TrainConfig
 from experiments.parsing import Fail, apply_overrides, check_class_paths, parse_section, read_yaml
 from mtpc.names import DECODE_MODES, ArchitectureError, check_axis, point_rank
-from tracking.schema import EVAL_METRICS, GRID_PARAMS, SWEEP_AXES, TRAIN_AXES, grid_key
+from tracking import axes
+from tracking.schema import EVAL_METRICS, grid_key
 from tracking.store import resolve_uri
 
 OBJECTIVE_KINDS = ("trial", "fixture")
@@ -271,8 +272,8 @@ class FixtureSettings:
         fail.number("fixture.step_seconds", self.step_seconds, 0.0, 3600.0)
         for i, f in enumerate(self.fail):
             for k in f:
-                if k not in SWEEP_AXES:
-                    fail(f"fixture.fail[{i}].{k}", f"unknown key; expected one of {sorted(SWEEP_AXES)}")
+                if k not in axes.names():
+                    fail(f"fixture.fail[{i}].{k}", f"unknown key; expected one of {sorted(axes.names())}")
         return self
 
 
@@ -351,21 +352,48 @@ def _mapping(fail: _SpecFail, d: Any, key: str, allowed: set[str], required: set
 
 
 def _axis_value(fail: _SpecFail, name: str, v: Any, key: str) -> Any:
-    """One axis value, checked against `mtpc.names` (the bounds a trial's head would enforce): the
-    spec's only check of it (ff's rank is then set to 1 by `point_rank`, so the ff rule holds)."""
-    try:
-        check_axis(name, v, decoding=True)
-    except ArchitectureError as e:
-        fail(key, e.detail)
+    """One axis value, checked once where no TrainConfig is built: an architecture axis against
+    `mtpc.names` (the bounds a trial's head would enforce; ff's rank is then set to 1 by `point_rank`,
+    so the ff rule holds), a training axis by its type (`tracking.axes`) and its config field's rule
+    (`experiments.config.check_value`, the rule `TrainConfig.check` applies). `_point` then gives it
+    the axis's type."""
+    a = axes.axis(name)
+    if a.role == axes.ARCHITECTURE:
+        try:
+            check_axis(name, v, decoding=True)
+        except ArchitectureError as e:
+            fail(key, e.detail)
+        return v
+    ok = {int: parsing.is_integer, float: parsing.is_number, str: lambda x: isinstance(x, str)}.get(a.type, lambda x: True)
+    if not ok(v):
+        fail(key, f"expected {a.type.__name__ if a.type is not float else 'a number'} (the type of {a.path}), got {v!r}")
+    config.check_value(a.path, v, _AxisFail(fail, key))
     return v
 
 
-def _point(p: dict[str, Any]) -> dict[str, Any]:
-    """A product point with ff's rank axis collapsed (`mtpc.names.point_rank`); training axes default
-    (TRAIN_AXES), kl_beta as a float (so 0 and 0.0 are one point)."""
-    p = {k: p.get(k, TRAIN_AXES.get(k)) for k in SWEEP_AXES}
+class _AxisFail(Fail):
+    """A config field's rule reporting under the spec key of the axis value it checks."""
+
+    def __init__(self, spec_fail: _SpecFail, key: str):
+        super().__init__(spec_fail.source)
+        self.spec_fail, self.key = spec_fail, key
+
+    def __call__(self, key: str, msg: str) -> None:
+        self.spec_fail(self.key, f"{msg} ({key})")
+
+
+def _grid_axes(slices: dict) -> tuple[str, ...]:
+    """The axes of a grid's points: the architecture, the training axes with `always`, and those any
+    slice names (a spec that does not name an axis keeps its points, keys and signature)."""
+    named = {k for sl in slices.values() if isinstance(sl, dict) for k in sl}
+    return tuple(a.name for a in axes.axes() if a.role == axes.ARCHITECTURE or a.always or a.name in named)
+
+
+def _point(p: dict[str, Any], grid_axes: tuple[str, ...]) -> dict[str, Any]:
+    """A product point with ff's rank axis collapsed (`mtpc.names.point_rank`); training axes the
+    slice leaves out at their defaults, each value as its axis's type (0 and 0.0 are one point)."""
+    p = {k: axes.axis(k).value(p.get(k, axes.axis(k).default)) for k in grid_axes}
     p["rank"] = point_rank(p["circuit"], p["rank"])
-    p["kl_beta"] = float(p["kl_beta"])
     return p
 
 
@@ -373,27 +401,29 @@ def _expand_grid(fail: _SpecFail, space: dict) -> tuple[tuple[dict[str, Any], ..
     _mapping(fail, space, "space", {"kind", "slices", "full_product"}, {"slices"})
     slices = space["slices"]
     if not isinstance(slices, dict) or not slices:
-        fail("space.slices", "expected a non-empty mapping slice_name -> {circuit, rank, window, lora_depth"
-             "[, kl_beta, train_seed]}")
+        fail("space.slices", f"expected a non-empty mapping slice_name -> {{{', '.join(axes.names(axes.ARCHITECTURE))}"
+             f"[, {', '.join(axes.names(axes.TRAINING))}]}}")
     full = space.get("full_product", False)
     if not isinstance(full, bool):
         fail("space.full_product", f"expected true/false, got {full!r}")
+    grid_axes = _grid_axes(slices)
     per_slice: dict[str, dict[str, list]] = {}
     for name, sl in slices.items():
         key = f"space.slices.{name}"
-        _mapping(fail, sl, key, set(SWEEP_AXES), set(GRID_PARAMS))
-        per_slice[str(name)] = {
-            p: [_axis_value(fail, p, v, f"{key}.{p}") for v in _values(fail, sl.get(p, TRAIN_AXES.get(p)), f"{key}.{p}")]
-            for p in SWEEP_AXES
+        sl = _mapping(fail, sl, key, set(axes.names()), set(axes.names(axes.ARCHITECTURE)))
+        per_slice[str(name)] = {  # an axis the slice leaves out: its default (a training axis)
+            p: [_axis_value(fail, p, v, f"{key}.{p}") for v in _values(fail, sl[p], f"{key}.{p}")] if p in sl
+            else [axes.axis(p).default]
+            for p in grid_axes
         }
     if full:
-        union = {p: sorted({v for s in per_slice.values() for v in s[p]}, key=str) for p in SWEEP_AXES}
+        union = {p: sorted({v for s in per_slice.values() for v in s[p]}, key=str) for p in grid_axes}
         per_slice = {"full": union}
     points: dict[str, dict[str, Any]] = {}
     membership: dict[str, list[str]] = {}
     for sname, vals in per_slice.items():
-        for combo in itertools.product(*(vals[p] for p in SWEEP_AXES)):
-            pt = _point(dict(zip(SWEEP_AXES, combo, strict=True)))
+        for combo in itertools.product(*(vals[p] for p in grid_axes)):
+            pt = _point(dict(zip(grid_axes, combo, strict=True)), grid_axes)
             k = grid_key(pt)
             points.setdefault(k, pt)
             if sname not in membership.setdefault(k, []):
@@ -404,7 +434,8 @@ def _expand_grid(fail: _SpecFail, space: dict) -> tuple[tuple[dict[str, Any], ..
 def _sampler_space(fail: _SpecFail, space: dict) -> SamplerSpace:
     _mapping(fail, space, "space", {"kind", "params", "seed"}, {"kind", "params"})
     kind = fail.choice("space.kind", space["kind"], ("grid",) + SAMPLERS)
-    params = _mapping(fail, space["params"], "space.params", set(GRID_PARAMS), set(GRID_PARAMS))
+    arch = set(axes.names(axes.ARCHITECTURE))  # a sampler searches the architecture; training axes stay at their defaults
+    params = _mapping(fail, space["params"], "space.params", arch, arch)
     out: dict[str, dict[str, Any]] = {}
     for name, d in params.items():
         key = f"space.params.{name}"

@@ -22,7 +22,8 @@ from typing import Any
 import tracking
 from mtpc.names import point_rank
 from sweeps.spec import STORAGE_ENV, SpecError, SweepSpec
-from tracking.schema import POINTS_TAG, SWEEP_AXES, TRAIN_AXES, grid_key
+from tracking import axes
+from tracking.schema import POINTS_TAG, grid_key
 
 
 class StorageError(RuntimeError):
@@ -274,10 +275,12 @@ def enqueue_retry(spec: SweepSpec, study, t, *, attempt: int) -> None:
 
 
 def trial_point(t) -> dict[str, Any]:
-    """The grid point of a trial: its params, else the fixed params it was enqueued with, else the
-    training axes' defaults."""
+    """The grid point of a trial: its params, else the fixed params it was enqueued with, else (an
+    `always` training axis, `tracking.axes`) its default; another axis the trial does not hold stays out."""
     fixed = t.system_attrs.get("fixed_params", {})
-    return {k: t.params.get(k, fixed.get(k, TRAIN_AXES.get(k))) for k in SWEEP_AXES}
+    held = {**fixed, **t.params}
+    return {a.name: held.get(a.name, a.default) for a in axes.axes()
+            if a.name in held or a.role == axes.ARCHITECTURE or a.always}
 
 
 def experiment_id(spec: SweepSpec, study=None) -> str:
@@ -328,9 +331,10 @@ def ask_new(spec: SweepSpec, study) -> int | None:
 
 def suggest(spec: SweepSpec, trial) -> dict[str, Any]:
     """The trial's point: a grid trial's fixed params, or the sampler's draw."""
-    if spec.grid is not None:
-        choices = {p: sorted({pt[p] for pt in spec.grid}, key=str) for p in SWEEP_AXES}
-        return {p: trial.suggest_categorical(p, choices[p]) for p in SWEEP_AXES}
+    if spec.grid is not None:  # the axes of the grid's points (tracking.axes order), each from its values
+        names = [a for a in axes.names() if a in spec.grid[0]]
+        choices = {p: sorted({pt[p] for pt in spec.grid}, key=str) for p in names}
+        return {p: trial.suggest_categorical(p, choices[p]) for p in names}
     out: dict[str, Any] = {}
     for p, d in spec.sampler.params.items():
         if "choices" in d:
@@ -338,4 +342,5 @@ def suggest(spec: SweepSpec, trial) -> dict[str, Any]:
         else:
             out[p] = trial.suggest_int(p, d["low"], d["high"], log=d["log"])
     out["rank"] = point_rank(out["circuit"], out["rank"])
-    return {**out, **TRAIN_AXES}  # a sampler space searches the architecture; training axes stay at their defaults
+    # a sampler space searches the architecture; the training axes of every point stay at their defaults
+    return {**out, **{a.name: a.default for a in axes.axes(axes.TRAINING) if a.always}}

@@ -1,60 +1,34 @@
 """The experiment schema: what a sweep varies, how its runs are named, and the MLflow params,
 metrics and artifacts an evaluation stores, stated once for experiments/, sweeps/ and analysis/.
 
-Holds the sweep axes (the architecture `GRID_PARAMS`, the training axes `TRAIN_AXES` with their
-defaults), the grid key (`grid_key`: checkpoint directories, trial runs, evaluation run names),
-the evaluation params and metrics with their named subsets, and the artifact file names
-(DESIGN section 3). The bounds of every axis and the circuit kinds and decoding modes are the
-library's (`mtpc.names`). Names only (no MLflow, no torch).
+The sweep axes are declared once, one row each, in `tracking/axes.py` (`AXES`: param name, config
+path, role, grid-key tag, label, type, default); `grid_key` (checkpoint directories, trial runs,
+evaluation run names) and everything else an axis touches are derived from those rows. Adding an
+axis is one row there, nothing here. This module holds the evaluation params and metrics with their
+named subsets and the artifact file names (DESIGN section 3). The bounds of the architecture axes
+and the circuit kinds and decoding modes are the library's (`mtpc.names`). Names only (no MLflow,
+no torch).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-#: the axes of a sweep grid point (and the architecture params of a trial), in grid-key order
-GRID_PARAMS: tuple[str, ...] = ("circuit", "rank", "window", "lora_depth")
-#: training axes a grid may vary beside the architecture, with their defaults: kl_beta (weight of the
-#: distillation term, 0 = cross-entropy; training's model.kl_beta) and train_seed (the head's
-#: training seed, training's seed_everything; the evaluation `seed` is another param)
-TRAIN_AXES: dict[str, Any] = {"kl_beta": 0.0, "train_seed": 0}
-#: every axis of a sweep grid point: the architecture, then the training axes (grid-key order)
-SWEEP_AXES: tuple[str, ...] = GRID_PARAMS + tuple(TRAIN_AXES)
-#: the tag of each axis in a grid key (`cp-r8-n16-k0`, `cp-r8-n16-k0-kl0.5-s1`). A new sweep axis
-#: adds its name to SWEEP_AXES (with its default in TRAIN_AXES, which a key leaves out, so the keys
-#: (run names, checkpoint directories) of points that do not use the axis stay what they were) and
-#: its tag here; that is the one place.
-GRID_KEY_TAGS: dict[str, str] = {"circuit": "", "rank": "r", "window": "n", "lora_depth": "k", "kl_beta": "kl", "train_seed": "s"}
+from tracking import axes
+from tracking.axes import grid_key
 
+__all__ = ["grid_key"]
 
-def _same(value: Any, default: Any) -> bool:
-    try:
-        return float(value) == float(default)
-    except (TypeError, ValueError):
-        return str(value) == str(default)
-
-
-def grid_key(point: dict[str, Any]) -> str:
-    """A short stable name for a grid point, e.g. `cp-r8-n16-k0` (`-kl0.5-s1` for kl_beta 0.5,
-    train_seed 1; axes at their TRAIN_AXES default are left out, and an axis the method does not have,
-    such as `evabyte-mtp`'s rank): checkpoint directories, the parent
-    run of a trial and the names of its evaluation runs. Values may be str (as MLflow stores
-    params) or numbers alike."""
-    parts = []
-    for name in SWEEP_AXES:
-        if name in TRAIN_AXES:
-            value = point.get(name, TRAIN_AXES[name])
-            if value is None or _same(value, TRAIN_AXES[name]):
-                continue
-        else:
-            value = point[name]
-            if value is None or value == "None":  # an axis the method lacks (EvaByte's own decoding: no rank)
-                continue
-        if isinstance(value, float) or isinstance(TRAIN_AXES.get(name), float):
-            value = f"{float(value):g}"  # 0.5 and "0.5" alike
-        parts.append(f"{GRID_KEY_TAGS[name]}{value}")
-    return "-".join(parts)
-
+# The shipped table's names, as they are when this module is imported (for reading; code that must
+# see a row added at run time calls tracking.axes, as the suite itself does).
+#: the architecture axes, in grid-key order
+GRID_PARAMS: tuple[str, ...] = axes.names(axes.ARCHITECTURE)
+#: the training axes with their defaults
+TRAIN_AXES: dict[str, Any] = axes.defaults()
+#: every axis: the architecture, then the training axes (grid-key order)
+SWEEP_AXES: tuple[str, ...] = axes.names()
+#: the tag of each axis in a grid key
+GRID_KEY_TAGS: dict[str, str] = {a.name: a.tag for a in axes.axes()}
 
 
 #: how EOS is treated during evaluation: banned (probability 0: every method generates the same
