@@ -39,7 +39,6 @@ from tracking.schema import (
     EVAL_METRICS,
     PARETO_METRICS,
     POINTS_TAG,
-    SWEEP_AXES,
     grid_key,
 )
 
@@ -279,7 +278,7 @@ def newest_parent_only(records: list[dict[str, Any]], started: Mapping[str, int]
     kept = [r for r in records if r.get("parent_run_id") not in drop]
     for r in records:
         if r.get("parent_run_id") is not None:
-            point = (r["experiment_id"], grid_key({k: r.get(k) for k in SWEEP_AXES}))
+            point = (r["experiment_id"], grid_key({k: r.get(k) for k in axes.names()}))
             per_point.setdefault(point, set()).add(r["parent_run_id"])
     notes = []
     for (exp, key), parents in sorted(per_point.items()):
