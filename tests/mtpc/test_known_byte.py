@@ -139,12 +139,13 @@ def test_the_loop_gives_each_cycle_the_byte_emitted_last(mode):
 @pytest.mark.slow
 def test_compiled_greedy_draft_reads_c_on_the_cpu():
     """`CompiledDraft` (torch.compile, static shapes, inductor's C++ wrapper) of a known-byte head:
-    the same drafts as the eager head + draft for several c, and generate equals plain greedy."""
-    from mtpc.speculative.drafters import CompiledDraft
-
+    the same drafts as the eager head + draft for every c, and generate equals plain greedy."""
     bb = _peaked_backbone(0, scale=1.5, dtype=torch.float32)
     m = MtpcModel.from_components(bb, {"kind": "btree", "window": 4, "rank": 3, "known_byte": True})
-    comp = CompiledDraft(m._head_fn, m.circuit, None, bb.device)
+    fast = MtpcModel(bb, m.head, compile=True)
+    comp, calls = fast._compiled_draft, []
+    inner = comp._fn
+    comp._fn = lambda *a: calls.append(1) or inner(*a)
     h = torch.randn(bb.hidden_size)
     with torch.inference_mode():
         drafts = set()
@@ -155,6 +156,6 @@ def test_compiled_greedy_draft_reads_c_on_the_cpu():
             assert torch.equal(x, want), c
             drafts.add(tuple(x[1:].tolist()))
     assert len(drafts) > 1  # c changes the draft beyond its own position
-    fast = MtpcModel(bb, m.head, compile=True)
     prompt = torch.tensor([2, 3, 0])
     assert fast.generate(prompt, 12).ids.tolist() == m.generate_plain(prompt, 12).ids.tolist()
+    assert len(calls) > bb.vocab_size  # the compiled draft ran inside generate too
