@@ -5,8 +5,9 @@ Both take the loop's hidden state as the "parameters" (`head` passes it through 
 {"hidden": h}) and run head + normalise + draft inside one call, so that the whole step is one
 graph. The known byte c is the draft's prefix [c], a static-address input of the graph (copied
 into its buffer per replay, like h): the head function reads it there as `head_fn(h, prefix)`, so
-a known-byte head's E[c] is inside the graph too (drop cycles: prefix None, c None). Leaves out: the capture and compile machinery (mtpc/backbones/graphs.py), the eager
-drafter (loop.py `CircuitDrafter`).
+a known-byte head's E[c] is inside the graph too (drop cycles: prefix None, c None). Leaves out:
+the capture and compile machinery (mtpc/backbones/graphs.py), the eager drafter (loop.py
+`CircuitDrafter`).
 """
 
 from __future__ import annotations
