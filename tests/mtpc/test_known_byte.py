@@ -136,6 +136,27 @@ def test_the_loop_gives_each_cycle_the_byte_emitted_last(mode):
     assert out == m.generate(prompt, 24, mode=mode, seed=1, ban_eos=True).ids.tolist()  # the API: same path
 
 
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sample"])
+def test_graphed_draft_hands_c_to_the_head(greedy):
+    """`GraphedDraft` captures head_fn(h, prefix) + draft with c the prefix, a graph input. Without
+    CUDA the capture fails and it runs that same function eagerly: this checks the plumbing of c
+    only; the captured graph is checked on CUDA by bench/bench_gpu.py (known_byte_head_draft_*)."""
+    from mtpc.speculative.drafters import GraphedDraft
+
+    bb = _peaked_backbone(0, scale=1.5)
+    m = MtpcModel.from_components(bb, {"kind": "cp", "window": 4, "rank": 3, "known_byte": True})
+    graphed = GraphedDraft(m._head_fn, m.circuit, torch.Generator().manual_seed(3))
+    h = torch.randn(bb.hidden_size, dtype=bb.dtype)
+    ref = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        for c in range(bb.vocab_size):
+            prefix = torch.tensor([c])
+            x, q = graphed(graphed.head(h, prefix), prefix, greedy)
+            want, q_want = m.circuit._draft(m._head_fn(h, prefix), prefix, generator=ref, greedy=greedy)
+            assert torch.equal(x, want) and torch.equal(q, q_want), c
+    assert list(graphed.errors) == [(greedy, False)] and not graphed.graphs  # no CUDA: ran eagerly
+
+
 @pytest.mark.slow
 def test_compiled_greedy_draft_reads_c_on_the_cpu():
     """`CompiledDraft` (torch.compile, static shapes, inductor's C++ wrapper) of a known-byte head:
