@@ -46,6 +46,7 @@ import engine_timing as et  # noqa: E402  (bench/engine_timing.py)
 from mtpc import MtpcModel  # noqa: E402
 from mtpc.backbones import BackboneAdapter, LlamaEngine, make_engine  # noqa: E402
 from mtpc.circuits import CIRCUIT_KINDS  # noqa: E402
+from mtpc.heads import HeadConfig, random_head  # noqa: E402
 
 BARS_3B = {"step_over_bound": 1.5, "verify16_over_step": 1.15, "cycle_btree_full_over_step": 1.45,
            "cycle_btree_appG_over_step": 1.25}  # fmt: skip
@@ -221,12 +222,24 @@ def part_graph_vs_eager(args, device) -> dict:
         m = MtpcModel(bb, et.make_head(bb, "btree", 8, 8, 16))
         h = eager.feed(torch.tensor([66], device=device)).draft_hidden[-1].clone()
         pre = torch.tensor([67], device=device)
-        x_e, q_e = m.circuit._draft(m._head_fn(h), pre, greedy=True)
+        x_e, q_e = m.circuit._draft(m._head_fn(h, pre), pre, greedy=True)
         x_g, q_g = m._graphed_draft({"hidden": h}, pre, True)
         diffs["head_draft_window_equal"] = bool(torch.equal(x_e, x_g))
         diffs["head_draft_logq"] = float((q_e - q_g).abs().max())
+        # a known-byte head: c is the graph's static prefix input; replays with other c must follow it
+        cfg = HeadConfig("btree", 8, 8, bb.vocab_size, bb.hidden_size, leaf_delta_rank=16, known_byte=True)
+        mk = MtpcModel(bb, random_head(cfg, 0, device=device, dtype=bb.dtype, sum_std=1.0))
+        equal, worst = True, 0.0
+        for c in (67, 10, 200):
+            pre = torch.tensor([c], device=device)
+            x_e, q_e = mk.circuit._draft(mk._head_fn(h, pre), pre, greedy=True)
+            x_g, q_g = mk._graphed_draft({"hidden": h}, pre, True)
+            equal, worst = equal and bool(torch.equal(x_e, x_g)), max(worst, float((q_e - q_g).abs().max()))
+        diffs["known_byte_head_draft_window_equal"] = equal
+        diffs["known_byte_head_draft_logq"] = worst
     return {"max_abs_diff": diffs, "graphs_captured": sorted(graph._graphs), "graph_errors": graph.graph_errors,
-            "draft_graph_errors": {str(k): v for k, v in m._graphed_draft.errors.items()}}  # fmt: skip
+            "draft_graph_errors": {str(k): v for k, v in m._graphed_draft.errors.items()},
+            "known_byte_draft_graph_errors": {str(k): v for k, v in mk._graphed_draft.errors.items()}}  # fmt: skip
 
 
 def part_bf16(args, device) -> dict:

@@ -210,7 +210,7 @@ def head_draft(model, hidden: torch.Tensor, prefix: torch.Tensor, greedy: bool =
 
     def run():
         with torch.inference_mode():
-            return model.circuit._draft(model._head_fn(hidden), prefix, generator=gen, greedy=greedy)
+            return model.circuit._draft(model._head_fn(hidden, prefix), prefix, generator=gen, greedy=greedy)
 
     return run
 

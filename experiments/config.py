@@ -101,6 +101,8 @@ class ModelConfig:
     """diagonal bias of hmm/btree transitions at init (null: ln(r-1) + 4, near identity)"""
     leaf_delta_rank: int = 0
     """0: a full unembedding per (position, component); k > 0: a shared per-position unembedding plus rank-k deltas (paper App. G)"""
+    known_byte: bool = False
+    """condition the head on the window's first byte c, known in the keep cycle (reads e_t + E[c], E from the backbone's input embedding); trained and scored on positions 2..n; such heads cannot decode with extra_token=drop (docs/heads.md)"""
     backbone_dtype: str | None = None
     """torch dtype name for the backbone weights (e.g. bfloat16); null: as stored"""
     backbone_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -134,6 +136,8 @@ class ModelConfig:
                 check_remote_code(bb, self.trust_remote_code, self.revision, backbone_config_dict(bb, self.revision))
             except ValueError as err:
                 fail("model.revision" if self.trust_remote_code else "model.trust_remote_code", str(err))
+        if not isinstance(self.known_byte, bool):
+            fail("model.known_byte", f"got {self.known_byte!r}; expected true or false")
         if self.init not in INITS:
             fail("model.init", f"got {self.init!r}; expected one of {list(INITS)}")
         check_value("model.lr", self.lr, fail)

@@ -55,6 +55,17 @@ def build_backbone(name: str, lora_depth: int, dtype: str | None = None, tiny_se
     return load_backbone(name, lora_depth=lora_depth, dtype=torch_dtype, **kwargs)
 
 
+def input_embedding(backbone: torch.nn.Module) -> torch.Tensor | None:
+    """The backbone's input embedding as (v, d) (its first v rows), or None where it has none."""
+    model = getattr(backbone, "model", None)
+    get = getattr(model, "get_input_embeddings", None)
+    table = getattr(get(), "weight", None) if callable(get) else None
+    v, d = backbone.vocab_size, backbone.hidden_size
+    if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[0] < v or table.shape[1] != d:
+        return None
+    return table.detach()[:v]
+
+
 def _is_trainable_key(key: str) -> bool:
     return key.startswith("head.") or "lora_" in key
 
@@ -90,13 +101,17 @@ class MtpcTrainModule(L.LightningModule):
             p.requires_grad_(True)
         head = HeadConfig(kind=c.circuit, window=c.window, rank=c.rank, vocab=self.backbone.vocab_size,
                           hidden=self.backbone.hidden_size, lora_depth=c.lora_depth, backbone=c.backbone,
-                          leaf_delta_rank=c.leaf_delta_rank)
+                          leaf_delta_rank=c.leaf_delta_rank, known_byte=c.known_byte)
         self.head = MtpcHead(head)
         if c.init != "random":
             W = self.backbone.mtp_unembeddings() if c.init == "mtp" else None
             if W is None:
                 W = self.backbone.lm_head_weight[None]  # (1, v, d)
             self.head.init_from_unembeddings(W.detach().float(), noise=c.init_noise, transition_bias=c.transition_bias)
+        if c.known_byte:  # E from the backbone's input embedding where it has one (else reset's random E)
+            E = input_embedding(self.backbone)
+            if E is not None:
+                self.head.init_known_embedding(E.float())
         self.head.float()
         self.tokenizer = getattr(self.backbone, "tokenizer", None)
 
@@ -206,8 +221,10 @@ class MtpcTrainModule(L.LightningModule):
         gamma = default_gamma(n) if c.gamma is None else float(c.gamma)
         discount = gamma ** torch.arange(n, dtype=torch.float64, device=sums.device)
         beta = float(c.kl_beta)
-        values = {"val_loss": (discount * ((1 - beta) * nll + beta * kl)).sum(), "val_window_nll": nll.sum(),
-                  "val_bits_per_byte": nll.sum() / n / math.log(2), "val_window_kl": kl.sum()}
+        s = 1 if c.known_byte else 0  # a known-byte head scores positions 2..n: val_nll_1 / val_kl_1 are NaN
+        nll[:s], kl[:s] = float("nan"), float("nan")
+        values = {"val_loss": (discount * ((1 - beta) * nll + beta * kl))[s:].sum(), "val_window_nll": nll[s:].sum(),
+                  "val_bits_per_byte": nll[s:].sum() / (n - s) / math.log(2), "val_window_kl": kl[s:].sum()}
         values.update({f"val_nll_{j}": v for j, v in enumerate(nll, start=1)})
         values.update({f"val_kl_{j}": v for j, v in enumerate(kl, start=1)})
         if sums[3 * n + 1] > 0:  # the same on every rank after the reduction: all log it or none

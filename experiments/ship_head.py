@@ -45,7 +45,9 @@ def _card(name: str, head: Any, run: dict[str, Any], metrics: dict[str, Any], re
         "",
         f"- **Circuit**: {head.config.kind}, window n = {head.config.window}, rank r = {head.config.rank}, "
         f"leaves {'App. G (rank-' + str(head.config.leaf_delta_rank) + ' deltas)' if head.config.leaf_delta_rank else 'full'}, "
-        f"LoRA depth k = {head.config.lora_depth}; stored in bf16, loaded to the backbone's dtype.",
+        f"LoRA depth k = {head.config.lora_depth}"
+        f"{'; reads the known byte c (e_t + E[c]: scored on positions 2..n, keep cycle only)' if head.config.known_byte else ''}"
+        "; stored in bf16, loaded to the backbone's dtype.",
         f"- **Training**: the window loss with distillation weight beta = {m['kl_beta']} (temperature "
         f"{m.get('kl_temperature', 1.0)}), Adam lr {m['lr']}, {steps} optimizer steps of {rows} x {d['seq_len']} "
         f"bytes (~{int(steps) * rows * d['seq_len'] / 1e6:.1f} MB of text) on the bundled ShareGPT training "

@@ -14,6 +14,13 @@ n (v d + r k (v + d)) parameters. Sum units come from R e_t + b, one weight/bias
 circuit parameter name (mixture, initial, transitions, root, internal); the head knows nothing
 kind-specific beyond `circuit.param_shapes`. The circuit normalises the logits itself.
 
+Known byte (`known_byte=True`, beyond the paper): in the keep cycle window position 1 is the byte c
+the previous cycle already emitted, so the head reads u = e_t + E[c] instead of e_t, E a learnt
+vocab x d table (`known_embedding`; from the backbone's input embedding when trained, random for
+random heads), and every path that computes the parameters takes c (`forward(e, c)`,
+`HeadDecoder.params(e, c)`): the product keeps its size d. Such a head scores window positions
+2..n only (position 1 is its input) and cannot draft a window without a known byte (drop cycle).
+
 Left out: the loss (mtpc/losses.py), the backbone and its LoRA adapter (mtpc/backbones/; only
 the adapter's state dict passes through `save_head` / `load_head`).
 """
@@ -37,7 +44,8 @@ from mtpc.circuits import build_circuit
 from mtpc.kernels import onednn_linear, onednn_pack, use_onednn, warn_fallback
 from mtpc.names import ArchitectureError, check_architecture
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: config.json has known_byte (version-1 exports load as known_byte False)
+FORMAT_VERSIONS = (1, 2)  # what load_head reads
 HEAD_FILE = "head.safetensors"
 LORA_FILE = "lora.safetensors"
 CONFIG_FILE = "config.json"
@@ -65,6 +73,9 @@ class HeadConfig:
     leaf_delta_rank: int = 0
     """0: a full unembedding per (position, component); k > 0: shared per-position unembedding
     plus a rank-k delta per component (paper App. G)"""
+    known_byte: bool = False
+    """condition on the window's first byte c (known in the keep cycle): the head reads e_t + E[c],
+    scores positions 2..n only, and cannot decode with extra_token="drop" """
 
     def __post_init__(self) -> None:
         try:
@@ -75,8 +86,16 @@ class HeadConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+        if not isinstance(self.known_byte, bool):
+            raise ValueError(f"known_byte: expected true or false, got {self.known_byte!r}")
         if not isinstance(self.backbone, str):
             raise ValueError(f"backbone: expected a string (name or path), got {self.backbone!r}")
+
+    @property
+    def first_scored(self) -> int:
+        """The first window position (1-based) the head is trained and evaluated on: 2 for a
+        known-byte head (position 1 is its input c), else 1."""
+        return 2 if self.known_byte else 1
 
     def check_compatible(self, backbone_hidden: int, backbone_vocab: int) -> None:
         """Raise ValueError unless this head reads e_t of size d and predicts the backbone's vocab."""
@@ -132,13 +151,16 @@ class MtpcHead(nn.Module):
         self.sum_bias = nn.ParameterDict(
             {name: nn.Parameter(torch.empty(*shapes[name], **fk)) for name in self.sum_names}
         )
+        if config.known_byte:
+            self.known_embedding = nn.Parameter(torch.empty(v, d, **fk))  # E: the known byte's vector
         self.reset_parameters()
 
     # --- parameters -------------------------------------------------------------------------
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Random leaves (std d^-1/2, so logits are O(1) for unit-RMS e_t); zero sum weights and
-        biases (uniform mixtures / transitions). The delta's B starts at zero."""
+        biases (uniform mixtures / transitions). The delta's B starts at zero. A known-byte head's
+        E is drawn last, N(0, 1) (rows of unit RMS, like e_t), so the other draws do not move."""
         std = self.config.hidden**-0.5
         with torch.no_grad():
             if self.config.leaf_delta_rank == 0:
@@ -150,6 +172,20 @@ class MtpcHead(nn.Module):
             for name in self.sum_names:
                 self.sum_weight[name].zero_()
                 self.sum_bias[name].zero_()
+            if self.config.known_byte:
+                self.known_embedding.normal_(0.0, 1.0, generator=generator)
+
+    def init_known_embedding(self, E: Tensor) -> None:
+        """Copy a (v, d) table into a known-byte head's E (training: the backbone's input embedding,
+        so u = e_t + E[c] starts from vectors the backbone already gives the byte c)."""
+        cfg = self.config
+        if not cfg.known_byte:
+            raise ValueError("init_known_embedding: this head has known_byte=False (no E to set)")
+        if not isinstance(E, Tensor) or tuple(E.shape) != (cfg.vocab, cfg.hidden):
+            got = tuple(E.shape) if isinstance(E, Tensor) else type(E).__name__
+            raise ValueError(f"E: expected shape (v={cfg.vocab}, d={cfg.hidden}), got {got}")
+        with torch.no_grad():
+            self.known_embedding.copy_(E.detach().to(self.known_embedding.dtype))
 
     def init_from_unembeddings(
         self,
@@ -230,12 +266,29 @@ class MtpcHead(nn.Module):
         delta = delta.transpose(0, 1).reshape(-1, n, r, v)  # (N, n, r, v)
         return (base + delta).view(*lead, n, r, v)
 
-    def forward(self, e: Tensor) -> dict[str, Tensor]:
+    def forward(self, e: Tensor, c: Tensor | None = None) -> dict[str, Tensor]:
+        """e (..., d), c (...) int: the known byte (window position 1) of each context, required by
+        a known-byte head and ignored by others -> unnormalised logits (`logits(head_input(e, c))`)."""
+        return self.logits(self.head_input(e, c))
+
+    def head_input(self, e: Tensor, c: Tensor | None = None) -> Tensor:
+        """What the head's products read, in the head's dtype: u = e + E[c] for a known-byte head,
+        else e. e (..., d), c (...) int -> (..., d)."""
         d = self.config.hidden
         if e.shape[-1] != d:
             raise ValueError(f"e: expected last dim = hidden = {d}, got shape {tuple(e.shape)}")
         e = e.to(self._param_dtype)
-        return {"leaves": self.leaf_logits(e), **self.sum_logits(e)}  # leaves (..., n, r, v)
+        if not self.config.known_byte:
+            return e
+        if c is None or tuple(c.shape) != tuple(e.shape[:-1]) or c.dtype.is_floating_point:
+            got = "none" if c is None else f"{c.dtype} {tuple(c.shape)}"
+            raise ValueError(f"c: a known-byte head needs the known byte of each context, an integer tensor "
+                             f"of shape {tuple(e.shape[:-1])}; got {got}")
+        return e + F.embedding(c, self.known_embedding)  # (..., d)
+
+    def logits(self, u: Tensor) -> dict[str, Tensor]:
+        """u (..., d) in the head's dtype (`head_input`) -> {name: unnormalised logits}."""
+        return {"leaves": self.leaf_logits(u), **self.sum_logits(u)}  # leaves (..., n, r, v)
 
     def sum_logits(self, e: Tensor) -> dict[str, Tensor]:
         """e (..., d) in the head's dtype -> the sum-unit logits only (everything but leaves)."""
@@ -269,11 +322,12 @@ class HeadDecoder:
     """A head's batch-1 decoding path: one context e (d,) -> normalised circuit parameters, and the draft.
 
     The interface of the decoding loop (once per generation `dec = head.decoder()`, then per cycle):
-      theta = dec.params(e)      # what circuit.normalize(head(e)) returns: the same keys, shapes
+      theta = dec.params(e, c)   # what circuit.normalize(head(e, c)) returns: the same keys, shapes
                                  # (*param_shapes[name]) and dtype (float64 for a float64 head,
-                                 # else float32), equal to rounding
+                                 # else float32), equal to rounding; c (1,) the known byte (a
+                                 # known-byte head needs it, others ignore it)
       x, log_q = circuit._draft(theta, prefix, generator=g, greedy=greedy)  # as before, or at once:
-      x, log_q = dec.draft(e, prefix, g, greedy)   # conditionals=False: (x, None), same x
+      x, log_q = dec.draft(e, prefix, g, greedy)   # conditionals=False: (x, None), same x; c = prefix[0]
     No autograd (train with `MtpcHead.forward`), no host sync, fixed shapes.
 
     How: every weight that multiplies e (leaves W, or for App. G leaves the shared unembedding U
@@ -286,8 +340,9 @@ class HeadDecoder:
     components; nothing of size (n r, N, v) or (n, r, v, d) is formed. One log_softmax
     normalises the leaves and one every sum unit (all have r children).
 
-    A snapshot: it holds the copy of the weights it was built from (the head's size again, but
-    B, which it reads in place); `MtpcHead.decoder()` builds a new one after the head's weights
+    A known-byte head adds E[c] to e first (one row gathered on the device, `index_select`: no
+    host read, so c can be a graph's static input). A snapshot: it holds the copy of the weights it
+    was built from (the head's size again, but B, which it reads in place); `MtpcHead.decoder()` builds a new one after the head's weights
     change.
     """
 
@@ -327,6 +382,7 @@ class HeadDecoder:
                 tail = torch.cat([head.sum_bias[name].detach().reshape(-1) for name in self.sum_names])
                 self.bias[0, width - tail.shape[0] :] = tail
             self.bias_vec = self.bias.view(-1)  # (N,) for oneDNN
+            self.known = head.known_embedding.detach().clone() if cfg.known_byte else None  # E (v, d)
         self.hidden = d
         self.leaf_shape = (n, r, v)
         self.split = [n * r * v] if k == 0 else [n * v, n * r * k]  # leaf blocks of the product, then the sums
@@ -338,12 +394,18 @@ class HeadDecoder:
         dtype = self.dtype
         self.out_dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32  # as Circuit.normalize
 
-    def params(self, e: Tensor) -> dict[str, Tensor]:
-        """e (d,) -> {name: normalised log-parameters (*param_shapes[name])} (= normalize(head(e)))."""
+    def params(self, e: Tensor, c: Tensor | None = None) -> dict[str, Tensor]:
+        """e (d,), c (1,) or () int the known byte (ignored unless the head has known_byte) ->
+        {name: normalised log-parameters (*param_shapes[name])} (= normalize(head(e, c)))."""
         if e.shape != (self.hidden,):
             raise ValueError(f"e: the decoder takes one context of shape ({self.hidden},), got {tuple(e.shape)}")
         if e.dtype != self.dtype:
             e = e.to(self.dtype)
+        if self.known is not None:
+            if c is None or c.numel() != 1 or c.dtype.is_floating_point:
+                got = "none" if c is None else f"{c.dtype} {tuple(c.shape)}"
+                raise ValueError(f"c: a known-byte head needs the known byte, one integer id; got {got}")
+            e = e + self.known.index_select(0, c.reshape(1)).view(-1)  # u = e + E[c]
         if self.onednn:
             y = onednn_linear(e.unsqueeze(0), self.weight, self.bias_vec).view(-1)  # (N,) every e-dependent logit
         else:
@@ -375,11 +437,12 @@ class HeadDecoder:
         """Head + draft for one context e (d,): `circuit._draft(params(e), prefix, ...)` ->
         (window x (n,) int64 with x[:k] = prefix (k,), log q(x_i = . | x_<i) (n, v)).
 
-        prefix: the k bytes the window starts with ([c] in the keep cycle) or None (drop cycle);
+        prefix: the k bytes the window starts with ([c] in the keep cycle; a known-byte head reads
+        prefix[0] as its c) or None (drop cycle);
         generator: the sampling generator (unused when greedy). conditionals=False returns
         (x, None), the same x, without the conditionals (greedy verification does not read them).
         """
-        q = self.params(e)
+        q = self.params(e, None if prefix is None else prefix[:1])
         return self.circuit._draft(q, prefix, generator=generator, greedy=greedy, conditionals=conditionals)
 
 
@@ -419,6 +482,8 @@ def random_head(
                 head.sum_weight[name].copy_(sum_std * torch.randn(head.sum_weight[name].shape, generator=gen))
             if config.leaf_delta_rank:
                 head.leaf_delta_out.copy_(sum_std * torch.randn(head.leaf_delta_out.shape, generator=gen))
+            if config.known_byte:
+                head.known_embedding.copy_(torch.randn(v, d, generator=gen))
     return head.eval()
 
 
@@ -473,8 +538,10 @@ def load_head(
     if not isinstance(raw, dict):
         raise ValueError(f"{config_path}: expected a JSON object")
     version = raw.pop("format_version", None)
-    if version != FORMAT_VERSION:
-        raise ValueError(f"{config_path}: format_version {version!r} is not supported; expected {FORMAT_VERSION}")
+    if version not in FORMAT_VERSIONS or isinstance(version, bool):
+        raise ValueError(f"{config_path}: format_version {version!r} is not supported; expected one of {FORMAT_VERSIONS}")
+    if version == 1 and "known_byte" in raw:  # version 1 predates the option: its heads read e_t alone
+        raise ValueError(f"{config_path}: format_version 1 has no known_byte key; expected format_version 2")
     _check_sha256(directory, raw.pop(SHA256_KEY, None), config_path, allow_unverified)
     config = HeadConfig.from_dict(raw, where=str(config_path))
     state = _read_tensors(head_path)
@@ -492,7 +559,8 @@ def load_head(
             raise ValueError(
                 f"{head_path}: tensor {name!r} has shape {tuple(state[name].shape)}, but {config_path.name} "
                 f"(kind={config.kind}, window={config.window}, rank={config.rank}, vocab={config.vocab}, "
-                f"hidden={config.hidden}, leaf_delta_rank={config.leaf_delta_rank}) implies {shape}"
+                f"hidden={config.hidden}, leaf_delta_rank={config.leaf_delta_rank}, "
+                f"known_byte={config.known_byte}) implies {shape}"
             )
     dtype = dtype or next(iter(state.values())).dtype
     _check_finite(state, head_path)

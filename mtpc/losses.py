@@ -14,6 +14,12 @@ later target does too, so the first m present targets are scored from prefix mar
 rest never enter (exact marginalisation by the circuit). The code enforces the prefix with a
 running product, so a non-contiguous doc_ids would only drop targets, never score a wrong one.
 
+Known-byte heads (`HeadConfig.known_byte`): teacher-forced with c = x_{t+1}, the window's first
+target, so the head reads e_t + E[x_{t+1}]; x_{t+1} stays in the window as evidence (conditioned on,
+as the draft's prefix [c]) but is never scored (it is the head's input), so the loss and every
+reported NLL run over positions 2..n: per_position_nll (and _kl) hold NaN at position 1, window_nll
+sums positions 2..n and bits_per_byte divides by n - 1.
+
 Distillation (optional, `teacher_logits` + `kl_beta`): for every window position j the full forward
 KL(p_j || q_j) over all v bytes, where p_j = softmax(teacher_logits[t + j - 1] / kl_temperature) is
 the frozen backbone's teacher-forced next-byte distribution (its STP logits from the same forward)
@@ -59,11 +65,12 @@ class WindowLossOutput:
     loss: Tensor
     """scalar sum_j gamma^(j-1) L_j; the only differentiable field"""
     per_position_nll: Tensor
-    """(n,) L_j in nats (detached)"""
+    """(n,) L_j in nats (detached); NaN at positions the head does not score (position 1 of a
+    known-byte head)"""
     window_nll: Tensor
-    """scalar sum_j L_j, undiscounted (detached)"""
+    """scalar sum_j L_j over the scored positions, undiscounted (detached)"""
     bits_per_byte: Tensor
-    """window_nll / n / ln 2 (detached)"""
+    """window_nll / (scored positions: n, or n - 1 for a known-byte head) / ln 2 (detached)"""
     valid_targets: Tensor
     """(n,) number of scored targets at each window offset, summed over the batch"""
     examples: Tensor | None = None
@@ -223,7 +230,9 @@ def _observed_circuit(kind: str, window: int, rank: int):
 
 class _ChunkedWindowLoss(torch.autograd.Function):
     """loss = sum(loss_w * ((1 - beta) nll + beta kl)) and stats = sum_rows(stat_w * nll) (and of kl),
-    in chunks of rows; without a teacher beta = 0 and kl is not computed.
+    in chunks of rows; without a teacher beta = 0 and kl is not computed. e is the head's input u
+    (`MtpcHead.head_input`): for a known-byte head e_t + E[c] is formed outside, and E's gradient
+    reaches it through autograd from the gradient this function returns for u.
 
     forward recomputes each chunk with grad enabled on a detached slice of e, takes the
     chunk's gradients for e and every trainable head parameter at once, and accumulates them;
@@ -418,23 +427,28 @@ def window_loss(
     kl_beta KL(p_j || q_j) + (1 - kl_beta) NLL, p_j = softmax(teacher_logits[t + j - 1] / kl_temperature).
     examples (n,): the example counts L_j is normalised by (`loss_weights`; None: this batch's own).
     """
-    n = head.config.window
+    n, first = head.config.window, head.config.first_scored
     gamma = default_gamma(n) if gamma is None else float(gamma)
     _validate(head, e, input_ids, score_mask, doc_ids, gamma, chunk_size, teacher_logits, kl_beta, kl_temperature)
     x, _, scored = window_targets(input_ids.long(), score_mask, doc_ids.long(), n)
+    if first > 1:  # a known-byte head: x_{t+1} is its input c, conditioned on but never scored
+        scored = scored.clone()
+        scored[..., : first - 1] = False
     dtype = torch.float64 if next(head.parameters()).dtype == torch.float64 else torch.float32
     stat_w, loss_w, counts = loss_weights(scored, gamma, dtype, examples)  # (B, S, n), (B, S, n), (n,)
     B, S, d = e.shape
     active = scored.any(dim=-1).flatten().nonzero().squeeze(-1)  # (N,) rows with something to score
-    e_rows = e.reshape(-1, d)[active]  # (N, d)
     x_rows, loss_rows, stat_rows = (t.reshape(-1, n)[active] for t in (x, loss_w, stat_w))  # (N, n)
+    u_rows = e.reshape(-1, d)[active]  # (N, d) the head's input: e_t, or for a known-byte head e_t + E[x_{t+1}]
+    if head.config.known_byte:
+        u_rows = head.head_input(u_rows, x_rows[:, 0])
     teacher = None
     if teacher_logits is not None:
         teacher = _Teacher(teacher_logits.detach().reshape(B * S, -1), teacher_index(active, S, n),
                            float(kl_beta), float(kl_temperature))
     per_kl = None
     if chunk_size is None:
-        q = head.circuit.normalize(head(e_rows))
+        q = head.circuit.normalize(head.logits(u_rows))
         nll = _conditional_nll(head.circuit._prefix_log_marginals(q, x_rows))  # (N, n)
         term = nll
         if teacher is not None:
@@ -444,27 +458,34 @@ def window_loss(
         loss = (term * loss_rows).sum()
         per_position = (nll.detach() * stat_rows).sum(dim=0)
     else:
-        params = [p for p in head.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
-        if torch.is_grad_enabled() and (e_rows.requires_grad or params):
+        known = getattr(head, "known_embedding", None)  # E reaches the chunks through u_rows only
+        params = [p for p in head.parameters() if p.requires_grad and p is not known] if torch.is_grad_enabled() else []
+        if torch.is_grad_enabled() and (u_rows.requires_grad or params):
             loss, per_position, per_kl = _ChunkedWindowLoss.apply(
-                head, chunk_size, teacher, e_rows, x_rows, loss_rows, stat_rows, *params
+                head, chunk_size, teacher, u_rows, x_rows, loss_rows, stat_rows, *params
             )
         else:
             with torch.no_grad():
                 loss, per_position, per_kl = _ChunkedWindowLoss.forward(
-                    _NoGradCtx(0), head, chunk_size, teacher, e_rows, x_rows, loss_rows, stat_rows
+                    _NoGradCtx(0), head, chunk_size, teacher, u_rows, x_rows, loss_rows, stat_rows
                 )
         per_kl = None if teacher is None else per_kl
-    total = per_position.sum()
+    total = per_position[first - 1 :].sum()
+    if first > 1:  # say so: these positions are not scored (a 0 would read as a perfect prediction)
+        per_position = per_position.clone()
+        per_position[: first - 1] = float("nan")
+        if per_kl is not None:
+            per_kl = per_kl.clone()
+            per_kl[: first - 1] = float("nan")
     return WindowLossOutput(
         loss=loss,
         per_position_nll=per_position,
         window_nll=total,
-        bits_per_byte=total / n / math.log(2),
+        bits_per_byte=total / (n - first + 1) / math.log(2),
         valid_targets=counts,
         examples=scored.any(dim=1).sum(dim=0),
         per_position_kl=per_kl,
-        window_kl=None if per_kl is None else per_kl.sum(),
+        window_kl=None if per_kl is None else per_kl[first - 1 :].sum(),
     )
 
 

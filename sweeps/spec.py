@@ -573,6 +573,9 @@ def parse_spec(raw: Any, path: Path, *, env: dict[str, str]) -> SweepSpec:
     for o in objectives:
         if o.mode is not None and o.mode not in evs.modes:
             fail("objectives", f"objective mode {o.mode!r} is not evaluated (eval.modes = {list(evs.modes)})")
+    if evs.extra_token == "drop" and train.model.known_byte:
+        fail("eval.extra_token", "'drop' cannot decode with train.model.known_byte: true (the head needs the kept "
+             "byte c); expected keep")
     return SweepSpec(
         path=path.resolve(),
         study=study,

@@ -3,8 +3,11 @@ and drafter: `GraphedDraft` (a CUDA graph per case) and `CompiledDraft` (torch.c
 
 Both take the loop's hidden state as the "parameters" (`head` passes it through as
 {"hidden": h}) and run head + normalise + draft inside one call, so that the whole step is one
-graph. Leaves out: the capture and compile machinery (mtpc/backbones/graphs.py), the eager
-drafter (loop.py `CircuitDrafter`).
+graph. The known byte c is the draft's prefix [c], a static-address input of the graph (copied
+into its buffer per replay, like h): the head function reads it there as `head_fn(h, prefix)`, so
+a known-byte head's E[c] is inside the graph too (drop cycles: prefix None, c None). Leaves out:
+the capture and compile machinery (mtpc/backbones/graphs.py), the eager drafter (loop.py
+`CircuitDrafter`).
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ class GraphedDraft:
         self.graphs: dict[tuple[bool, bool], Any] = {}
         self.errors: dict[tuple[bool, bool], str] = {}
 
-    def head(self, hidden: Tensor) -> dict[str, Tensor]:
-        return {"hidden": hidden}
+    def head(self, hidden: Tensor, c: Tensor | None = None) -> dict[str, Tensor]:
+        return {"hidden": hidden}  # c comes back as the drafter's prefix
 
     def _eager(self, hidden: Tensor, prefix: Tensor | None, greedy: bool):
-        return self.circuit._draft(self.head_fn(hidden), prefix, generator=self.generator, greedy=greedy)
+        theta = self.head_fn(hidden, prefix)  # prefix = [c]: the known byte
+        return self.circuit._draft(theta, prefix, generator=self.generator, greedy=greedy)
 
     def __call__(
         self, theta: dict[str, Tensor], prefix: Tensor | None, greedy: bool
@@ -71,15 +75,16 @@ class CompiledDraft:
 
         self._fn = compile_static(self._greedy, device)
 
-    def head(self, hidden: Tensor) -> dict[str, Tensor]:
-        return {"hidden": hidden}
+    def head(self, hidden: Tensor, c: Tensor | None = None) -> dict[str, Tensor]:
+        return {"hidden": hidden}  # c comes back as the drafter's prefix
 
     def _greedy(self, hidden: Tensor, prefix: Tensor | None):
-        return self.circuit._draft(self.head_fn(hidden), prefix, generator=None, greedy=True)
+        return self.circuit._draft(self.head_fn(hidden, prefix), prefix, generator=None, greedy=True)
 
     def __call__(
         self, theta: dict[str, Tensor], prefix: Tensor | None, greedy: bool
     ) -> tuple[Tensor, Tensor]:
         if greedy:
             return self._fn(theta["hidden"], prefix)
-        return self.circuit._draft(self.head_fn(theta["hidden"]), prefix, generator=self.generator, greedy=False)
+        theta = self.head_fn(theta["hidden"], prefix)
+        return self.circuit._draft(theta, prefix, generator=self.generator, greedy=False)

@@ -11,7 +11,9 @@ and what was emitted. Fixed shapes per window (n bytes fed per verify, 1 per pla
 the engine capture its calls as CUDA graphs.
 
 The keep cycle (DESIGN section 3). The caches hold bytes up to a; c = x_{a+1} is emitted but
-has no state. theta_a = head(e_a) drafts the window [c, d_2..d_n] with prefix [c]; one call
+has no state. theta_a = head(e_a, c) drafts the window [c, d_2..d_n] with prefix [c] (c reaches
+a known-byte head's input too; other heads ignore it: either way theta_a depends only on bytes
+fixed before the draft, so exactness holds); one call
 feeds it; verifier row j is p for window position j+2, tested against row j+2 of the draft's
 conditionals; the extra token (residual after a rejection, bonus after full acceptance)
 becomes the next c; every cache is cropped to a + 1 + s.
@@ -24,7 +26,8 @@ only the test stops early. So every count (accepted, tested, emitted) is of byte
 returns, and nothing is truncated afterwards. An accepted EOS ends the cycle without its extra token.
 
 The drop cycle (Algorithm 2). The caches hold bytes up to a and the verifier row for x_{a+1}
-is known. The draft d_1..d_n is sampled from theta_a without prefix; d_1 is tested against
+is known. The draft d_1..d_n is sampled from theta_a = head(e_a, None) without prefix (no known
+byte: a known-byte head cannot run it); d_1 is tested against
 that row, d_{j+1} against row j of the call; after s >= 1 acceptances the extra token is
 thrown away (caches cropped to a + s); after s = 0 the correction token is kept and fed in
 an extra call.
@@ -59,8 +62,9 @@ __all__ = ["AdapterEngine", "CircuitDrafter", "DecodeConfig", "DecodeStats", "En
            "plain_decode", "plain_decode_batch", "speculative_decode"]  # fmt: skip
 
 
-# head_fn: draft hidden (d,) -> normalised circuit parameters for that context
-HeadFn = Callable[[Tensor], dict[str, Tensor]]
+# head_fn: (draft hidden (d,), the known byte c (1,) or None in the drop cycle) -> normalised
+# circuit parameters for that context
+HeadFn = Callable[[Tensor, Tensor | None], dict[str, Tensor]]
 # drafter: (params, prefix (k,) or None, greedy) -> (window (n,) int64, log conditionals (n, v))
 Drafter = Callable[[dict[str, Tensor], Tensor | None, bool], tuple[Tensor, Tensor]]
 
@@ -281,9 +285,9 @@ def speculative_decode(
 
     while not done:
         t0 = _clock(sync)
-        theta = head_fn(last_h)
         a1 = engine.length  # a + 1 bytes have state
         if cfg.extra_token == "keep":
+            theta = head_fn(last_h, c)
             x, log_q = drafter(theta, c, greedy)  # (n,), (n, v)
             step = engine.feed(x)
             got, c = verify(x[1:], step.p_logits, log_q[1:], cfg.max_new_tokens - len(out) - 1)
@@ -293,6 +297,7 @@ def speculative_decode(
             last_h = step.draft_hidden[s]
             tested_from, tested = 1, min(s + 1, testable)
         else:
+            theta = head_fn(last_h, None)
             x, log_q = drafter(theta, None, greedy)  # (n,), (n, v)
             step = engine.feed(x)
             p_logits = torch.cat([last_p.unsqueeze(0), step.p_logits])  # (n+1, v)

@@ -46,7 +46,7 @@ from mtpc.speculative.loop import (
 )
 from mtpc.speculative.stats import GenerationOutput, GenerationStats, peak_memory_bytes, reset_peak_memory
 
-HEAD_DICT_KEYS = ("kind", "window", "rank", "lora_depth", "seed", "leaf_delta_rank")
+HEAD_DICT_KEYS = ("kind", "window", "rank", "lora_depth", "seed", "leaf_delta_rank", "known_byte")
 
 
 def _wrap_backbone(backbone: Backbone | nn.Module, lora_depth: int) -> Backbone:
@@ -66,7 +66,8 @@ def _wrap_backbone(backbone: Backbone | nn.Module, lora_depth: int) -> Backbone:
 
 
 def _fresh_head(spec: dict, backbone: Backbone) -> nn.Module:
-    """A random head from {"kind", "window", "rank", "lora_depth", "seed"} (seeded leaves and sums)."""
+    """A random head from {"kind", "window", "rank", "lora_depth", "seed", "leaf_delta_rank",
+    "known_byte"} (seeded leaves, sums and known-byte table)."""
     from mtpc.heads import HeadConfig, random_head
     from mtpc.names import default_rank
 
@@ -87,6 +88,7 @@ def _fresh_head(spec: dict, backbone: Backbone) -> nn.Module:
         lora_depth=spec.get("lora_depth", backbone.lora_depth),
         backbone=str(getattr(backbone, "name", "")),
         leaf_delta_rank=spec.get("leaf_delta_rank", 0),
+        known_byte=spec.get("known_byte", False),
     )
     # random sum units too, so cp/hmm/btree differ from ff
     return random_head(cfg, spec.get("seed", 0), device=backbone.device, dtype=backbone.dtype, sum_std=1.0)
@@ -252,10 +254,11 @@ class MtpcModel:
         stats = GenerationStats.from_run(st, mode, peak_memory_bytes(self.device))
         return GenerationOutput(torch.tensor(ids, dtype=torch.long), text, stats)
 
-    def _head_fn(self, hidden: Tensor) -> dict[str, Tensor]:
-        """Normalised circuit parameters for one context through the head's batch-1 decoding path
-        (`MtpcHead.decoder`, equal to `circuit.normalize(head(e))`; built once per weights)."""
-        return self.head.decoder(self._head_onednn).params(hidden)
+    def _head_fn(self, hidden: Tensor, known: Tensor | None = None) -> dict[str, Tensor]:
+        """Normalised circuit parameters for one context (hidden (d,), the known byte (1,): read by a
+        known-byte head only) through the head's batch-1 decoding path (`MtpcHead.decoder`, equal to
+        `circuit.normalize(head(e, c))`; built once per weights)."""
+        return self.head.decoder(self._head_onednn).params(hidden, known)
 
     def engine_label(self) -> str:
         """How this model decodes: "compact/<weight layout>" (e.g. "compact/onednn") or "hf". Latencies
@@ -289,7 +292,10 @@ class MtpcModel:
         ban_eos: bool = False,
     ) -> GenerationOutput:
         """Self-speculative decoding; the output is distributed exactly as `generate_plain`'s
-        (greedy: identical) for extra_token="keep"; "drop" is the paper's Algorithm 2 (biased when sampling)."""
+        (greedy: identical) for extra_token="keep"; "drop" is the paper's Algorithm 2 (biased when
+        sampling; refused for a known-byte head, which needs the window's first byte)."""
+        if extra_token == "drop" and self.head.config.known_byte:
+            raise ValueError('extra_token="drop": this head has known_byte=True (it needs the kept byte c); use "keep"')
         ids = self.encode_prompt(prompt)
         cfg = self._config(
             ids,

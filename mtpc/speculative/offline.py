@@ -568,7 +568,7 @@ def _alphas(tf: TeacherForced, head: Any, chunk: int) -> list[tuple[Tensor, Tens
     out = torch.empty(win.shape[0], n - 1, dtype=torch.float64, device=dev)
     for lo in range(0, win.shape[0], chunk):
         sl = slice(lo, lo + chunk)
-        theta = circuit.normalize(head(h[sl]))
+        theta = circuit.normalize(head(h[sl], win[sl, 0]))  # c = y_i, the cycle's known byte
         if greedy:
             x, _ = circuit._draft(theta, win[sl, :1], greedy=True, conditionals=False)  # (c, n)
             out[sl] = (x[:, 1:] == win[sl, 1:]).to(torch.float64)

@@ -168,7 +168,7 @@ def _markov_draft_head(n, seed=0, support=2):
     tables = tables * mask.reshape(3, -1)
     tables = (tables / tables.sum(-1, keepdim=True)).reshape((3,) + (3,) * n)
 
-    def head_fn(hidden):  # hidden: one-hot of the last byte with state
+    def head_fn(hidden, c):  # hidden: one-hot of the last byte with state; c: the known byte (unused)
         return {"joint": tables[int(hidden.argmax())]}
 
     return head_fn
@@ -257,7 +257,7 @@ def _oracle_drafter(transition):
 def _oracle_run(n, T, eos_id=None, prompt=(0, 2)):
     cfg = DecodeConfig(max_new_tokens=T, mode="greedy", eos_id=eos_id)
     return speculative_decode(
-        MarkovEngine(EOS_CHAIN), lambda h: {"n": n}, _oracle_drafter(EOS_CHAIN), n, torch.tensor(prompt), cfg,
+        MarkovEngine(EOS_CHAIN), lambda h, c: {"n": n}, _oracle_drafter(EOS_CHAIN), n, torch.tensor(prompt), cfg,
         lambda p: int(p.argmax()),
     )
 

@@ -60,13 +60,13 @@ def test_each_cycle_drafts_from_a_fresh_prefills_draft_state(lora_depth, extra_t
     eng = _Tracking(make_engine(bb, len(prompt) + T + 4))
     checked, gaps = [], []
 
-    def head_fn(hidden):
+    def head_fn(hidden, c):
         with torch.inference_mode():
             ref = bb(torch.tensor([eng.tokens]))  # the HF-layer adapter on the held bytes, from scratch
         assert_close(hidden, ref.draft_hidden[0, -1], rtol=0, atol=atol)
         gaps.append(float((ref.draft_hidden[0, -1] - ref.verify_hidden[0, -1]).abs().max()))
         checked.append(len(eng.tokens))
-        return m._head_fn(hidden)
+        return m._head_fn(hidden, c)
 
     cfg = DecodeConfig(max_new_tokens=T, mode="sample", extra_token=extra_token, eos_id=1, ban_eos=True)
     gen = torch.Generator().manual_seed(5)
@@ -147,8 +147,8 @@ def _sparse_head(m, allowed):
     keep[:, :, list(allowed)] = 0.0
     keep[0] = 0.0
 
-    def head_fn(hidden):
-        theta = m._head_fn(hidden)
+    def head_fn(hidden, c):
+        theta = m._head_fn(hidden, c)
         return m.circuit.normalize({**theta, "leaves": theta["leaves"] + keep})
 
     return head_fn
@@ -175,13 +175,15 @@ _seen: set = set()
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("kind,lora_depth", [("btree", 1), ("cp", 0)])
-def test_keep_is_exact_by_enumeration_over_n_plus_one_bytes(kind, lora_depth, engine):
+@pytest.mark.parametrize("kind,lora_depth,known", [("btree", 1, False), ("cp", 0, False), ("hmm", 1, True)])
+def test_keep_is_exact_by_enumeration_over_n_plus_one_bytes(kind, lora_depth, known, engine):
     """Every random path of plain and keep decoding of T = n + 1 = 4 bytes (v = 4, EOS banned, top-p
-    0.9 on p, drafted bytes restricted to 2 symbols) on a tiny float64 Llama: the same distribution."""
+    0.9 on p, drafted bytes restricted to 2 symbols) on a tiny float64 Llama: the same distribution
+    (known: a known-byte head, its parameters read each cycle's c)."""
     n, T = 3, 4
     bb = _peaked_backbone(lora_depth, vocab=4, scale=3.0, engine=engine, attn="sdpa")
-    m = MtpcModel.from_components(bb, {"kind": kind, "window": n, "rank": 2, "lora_depth": lora_depth, "seed": 1})
+    spec = {"kind": kind, "window": n, "rank": 2, "lora_depth": lora_depth, "seed": 1, "known_byte": known}
+    m = MtpcModel.from_components(bb, spec)
     prompt = torch.tensor([2, 0, 3])
     head_fn = _sparse_head(m, allowed=(0, 3))
     _seen.clear()

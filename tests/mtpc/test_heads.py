@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mtpc import MtpcModel
-from mtpc.heads import HeadConfig, MtpcHead, load_head, random_head, save_head
+from mtpc.heads import FORMAT_VERSION, HeadConfig, MtpcHead, load_head, random_head, save_head
 from mtpc.names import CIRCUIT_KINDS
 
 KINDS = CIRCUIT_KINDS
@@ -220,7 +220,7 @@ def test_export_round_trip_gives_identical_outputs(tmp_path, kind):
     lora = {"base_model.layers.1.q_proj.lora_A.weight": torch.randn(4, 5)}
     save_head(tmp_path, head, lora_state=lora)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["kind"] == kind and config["backbone"] == "tiny-llama" and config["format_version"] == 1
+    assert config["kind"] == kind and config["backbone"] == "tiny-llama" and config["format_version"] == FORMAT_VERSION == 2
     loaded, lora_loaded = load_head(tmp_path)
     assert loaded.config == head.config
     e = torch.randn(3, 5)

@@ -1,6 +1,7 @@
 """Tests for mtpc/losses.py: the window loss against a direct per-position computation from
 enumerated window distributions, masking / marginalisation, and the chunked autograd Function
-against the naive version (loss, statistics and gradients for head parameters and e)."""
+against the naive version (loss, statistics and gradients for head parameters and e). Both also
+on known-byte heads (c = x_{t+1} read by the head, position 1 not scored)."""
 
 from __future__ import annotations
 
@@ -36,12 +37,16 @@ def make_batch(v=3, d=4, dtype=torch.float64):
 
 
 def reference(head, e, ids, score, docs, gamma):
-    """Loss terms straight from the definition, one window at a time, by enumeration."""
-    n, v = head.config.window, head.config.vocab
+    """Loss terms straight from the definition, one window at a time, by enumeration (a known-byte
+    head reads c = x_{t+1} and is not scored at position 1: NaN there)."""
+    n, v, known = head.config.window, head.config.vocab, head.config.known_byte
     B, S = ids.shape
     windows = torch.tensor(list(itertools.product(range(v), repeat=n)))
     per, joints = [], {}
     for j in range(1, n + 1):
+        if known and j == 1:
+            per.append(math.nan)
+            continue
         total, examples = 0.0, 0
         for b in range(B):
             terms = []
@@ -52,7 +57,8 @@ def reference(head, e, ids, score, docs, gamma):
                 if j > m or not score[b, t + j]:
                     continue
                 if (b, t) not in joints:
-                    params = {k: p.expand(len(windows), *p.shape) for k, p in head(e[b, t]).items()}
+                    c = ids[b, t + 1] if known else None  # present: j <= m
+                    params = {k: p.expand(len(windows), *p.shape) for k, p in head(e[b, t], c).items()}
                     joints[b, t] = head.circuit.log_prob(params, windows).view((v,) * n).detach()  # (v,)*n
                 joint = joints[b, t]
                 prefix = ids[b, t + 1 : t + j + 1].tolist()
@@ -66,20 +72,23 @@ def reference(head, e, ids, score, docs, gamma):
                 examples += 1
         per.append(total / max(examples, 1))
     per = torch.tensor([float(p) for p in per], dtype=torch.float64)
-    return (per * gamma ** torch.arange(n, dtype=torch.float64)).sum(), per
+    return (per.nan_to_num(0.0) * gamma ** torch.arange(n, dtype=torch.float64)).sum(), per
 
 
+@pytest.mark.parametrize("known", [False, True], ids=["e", "known-byte"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("chunk_size", [None, 4])
-def test_matches_direct_per_position_computation(kind, chunk_size):
-    head = make_head(kind)
+def test_matches_direct_per_position_computation(kind, chunk_size, known):
+    head = make_head(kind, known_byte=known)
     e, ids, score, docs = make_batch()
     out = window_loss(head, e, ids, score, docs, gamma=0.7, chunk_size=chunk_size)
     loss, per = reference(head, e, ids, score, docs, 0.7)
-    torch.testing.assert_close(out.per_position_nll, per, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(out.per_position_nll, per, rtol=1e-10, atol=1e-10, equal_nan=True)
     torch.testing.assert_close(out.loss.detach(), loss, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(out.window_nll, per.sum())
-    torch.testing.assert_close(out.bits_per_byte, per.sum() / 3 / math.log(2))
+    torch.testing.assert_close(out.window_nll, per.nansum())
+    torch.testing.assert_close(out.bits_per_byte, per.nansum() / (2 if known else 3) / math.log(2))
+    if known:  # position 1 is the head's input: never scored, said so
+        assert out.valid_targets[0] == 0 and out.examples[0] == 0 and out.valid_targets[1:].sum() > 0
 
 
 def test_window_targets_presence_is_a_prefix_cut_at_boundaries():
@@ -133,10 +142,13 @@ def _grads(head, e_source, ids, score, docs, chunk_size):
     return out, grads
 
 
-@pytest.mark.parametrize("kind, delta", [("ff", 0), ("cp", 0), ("hmm", 0), ("btree", 0), ("cp", 2), ("btree", 2)])
+@pytest.mark.parametrize("kind, delta, known", [("ff", 0, False), ("cp", 0, False), ("hmm", 0, False),
+                                               ("btree", 0, False), ("cp", 2, False), ("btree", 2, False),
+                                               ("ff", 0, True), ("hmm", 0, True), ("btree", 2, True)])  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_chunked_equals_naive_loss_and_gradients(kind, delta, dtype):
-    head = make_head(kind, n=4, r=3, v=5, d=6, dtype=dtype, leaf_delta_rank=delta)
+def test_chunked_equals_naive_loss_and_gradients(kind, delta, dtype, known):
+    """... known-byte heads too, where E's gradient reaches it through the head input u = e + E[c]."""
+    head = make_head(kind, n=4, r=3, v=5, d=6, dtype=dtype, leaf_delta_rank=delta, known_byte=known)
     e, ids, score, docs = make_batch(v=5, d=6, dtype=dtype)
     source = {"lin": torch.nn.Linear(6, 6).to(dtype), "e0": e}
     ref, ref_grads = _grads(head, source, ids, score, docs, None)
@@ -144,7 +156,7 @@ def test_chunked_equals_naive_loss_and_gradients(kind, delta, dtype):
     for chunk in (1, 5, 1000):
         out, grads = _grads(head, source, ids, score, docs, chunk)
         torch.testing.assert_close(out.loss, ref.loss, **tol)
-        torch.testing.assert_close(out.per_position_nll, ref.per_position_nll, **tol)
+        torch.testing.assert_close(out.per_position_nll, ref.per_position_nll, **tol, equal_nan=True)
         for name, g in ref_grads.items():
             torch.testing.assert_close(grads[name], g, **tol, msg=lambda m, where=f"{name} chunk={chunk}": f"{where}: {m}")
         assert all(g.abs().sum() > 0 for g in grads.values())

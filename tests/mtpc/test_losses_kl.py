@@ -6,6 +6,8 @@ plain loss, and argument errors."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -16,8 +18,8 @@ from mtpc.names import CIRCUIT_KINDS
 FORMS = [(kind, 0) for kind in CIRCUIT_KINDS] + [("cp", 2), ("hmm", 2), ("btree", 2)]
 
 
-def make_head(kind, n=3, r=2, v=5, d=4, dtype=torch.float64, delta=0):
-    head = MtpcHead(HeadConfig(kind, n, 1 if kind == "ff" else r, v, d, leaf_delta_rank=delta)).to(dtype)
+def make_head(kind, n=3, r=2, v=5, d=4, dtype=torch.float64, delta=0, known=False):
+    head = MtpcHead(HeadConfig(kind, n, 1 if kind == "ff" else r, v, d, leaf_delta_rank=delta, known_byte=known)).to(dtype)
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(0.0, 0.7)
@@ -36,12 +38,15 @@ def make_batch(v=5, d=4, dtype=torch.float64):
 
 
 def direct(head, e, ids, score, docs, teacher, gamma, beta, temperature):
-    """The loss from its definition, one window at a time: differentiable, plus (n,) KL and NLL terms."""
-    n = head.config.window
+    """The loss from its definition, one window at a time: differentiable, plus (n,) KL and NLL terms
+    (a known-byte head reads c = x_{t+1}; position 1 unscored: NaN)."""
+    n, known = head.config.window, head.config.known_byte
     B, S = ids.shape
     loss = torch.zeros((), dtype=torch.float64)
     per_kl, per_nll = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
-    for j in range(1, n + 1):
+    if known:
+        per_kl[0] = per_nll[0] = math.nan
+    for j in range(2 if known else 1, n + 1):
         total, total_kl, total_nll, examples = 0.0, 0.0, 0.0, 0
         for b in range(B):
             terms = []
@@ -53,7 +58,8 @@ def direct(head, e, ids, score, docs, teacher, gamma, beta, temperature):
                     continue
                 window = torch.zeros(n, dtype=torch.long)
                 window[:m] = ids[b, t + 1 : t + m + 1]
-                q_row = head.circuit.conditionals(head(e[b, t]), window)[j - 1]  # (v,) log q_j(. | x_<j)
+                q = head(e[b, t], ids[b, t + 1] if known else None)
+                q_row = head.circuit.conditionals(q, window)[j - 1]  # (v,) log q_j(. | x_<j)
                 log_p = torch.log_softmax(teacher[b, t + j - 1] / temperature, dim=-1)  # (v,)
                 kl = (log_p.exp() * (log_p - q_row)).sum()
                 nll = -q_row[ids[b, t + j]]
@@ -79,25 +85,25 @@ def grads_of(head, lin, e0, fn):
     return out, g
 
 
-@pytest.mark.parametrize("kind, delta", FORMS)
-def test_matches_direct_per_window_computation_loss_stats_and_gradients(kind, delta):
-    head = make_head(kind, delta=delta)
+@pytest.mark.parametrize("kind, delta, known", [(k, d, False) for k, d in FORMS] + [("cp", 0, True), ("btree", 2, True)])
+def test_matches_direct_per_window_computation_loss_stats_and_gradients(kind, delta, known):
+    head = make_head(kind, delta=delta, known=known)
     e, ids, score, docs, teacher = make_batch()
     lin = torch.nn.Linear(4, 4).double()
     beta, temp, gamma = 0.6, 0.7, 0.8
     ref, ref_g = grads_of(head, lin, e, lambda x: direct(head, x, ids, score, docs, teacher, gamma, beta, temp)[0])
     with torch.no_grad():
         _, per_kl, per_nll = direct(head, lin(e), ids, score, docs, teacher, gamma, beta, temp)
-    assert per_kl.min() > 0 and per_nll.min() > 0
+    assert per_kl.nan_to_num(1.0).min() > 0 and per_nll.nan_to_num(1.0).min() > 0
     tol = dict(rtol=1e-10, atol=1e-10)
     for chunk in (None, 1, 4, 1000):
         out, g = grads_of(head, lin, e, lambda x, c=chunk: window_loss(head, x, ids, score, docs, gamma=gamma, chunk_size=c,
                                                                       teacher_logits=teacher, kl_beta=beta, kl_temperature=temp))
         where = f"{kind} delta={delta} chunk={chunk}"
         torch.testing.assert_close(out.loss.detach(), ref.detach(), **tol, msg=lambda m, w=where: f"{w}: {m}")
-        torch.testing.assert_close(out.per_position_kl, per_kl, **tol, msg=lambda m, w=where: f"{w}: {m}")
-        torch.testing.assert_close(out.per_position_nll, per_nll, **tol, msg=lambda m, w=where: f"{w}: {m}")
-        torch.testing.assert_close(out.window_kl, per_kl.sum(), **tol)
+        torch.testing.assert_close(out.per_position_kl, per_kl, **tol, equal_nan=True, msg=lambda m, w=where: f"{w}: {m}")
+        torch.testing.assert_close(out.per_position_nll, per_nll, **tol, equal_nan=True, msg=lambda m, w=where: f"{w}: {m}")
+        torch.testing.assert_close(out.window_kl, per_kl.nansum(), **tol)
         for name, ref_grad in ref_g.items():
             assert ref_grad.abs().sum() > 0 or name.startswith("sum") and kind == "ff"
             torch.testing.assert_close(g[name], ref_grad, **tol, msg=lambda m, nm=name, w=where: f"{w} {nm}: {m}")

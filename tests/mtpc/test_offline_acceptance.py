@@ -102,14 +102,17 @@ def _expectation(dist: dict) -> list[float]:
     return [sum(dist[k] * k[1][j] for k in keys) for j in range(len(keys[0][1]))]
 
 
-@pytest.mark.parametrize("kind,lora_depth,ban", [("btree", 1, True), ("cp", 0, False), ("hmm", 0, True),
-                                                 ("ff", 1, False)])  # fmt: skip
-def test_sampling_expectations_equal_the_loop_by_enumeration(kind, lora_depth, ban):
-    """Every random path of the loop (T = 4 bytes, n = 3, v = 3) vs offline over every plain text."""
+@pytest.mark.parametrize("kind,lora_depth,ban,known", [("btree", 1, True, False), ("cp", 0, False, False),
+                                                       ("hmm", 0, True, False), ("ff", 1, False, False),
+                                                       ("cp", 1, True, True), ("btree", 0, False, True)])  # fmt: skip
+def test_sampling_expectations_equal_the_loop_by_enumeration(kind, lora_depth, ban, known):
+    """Every random path of the loop (T = 4 bytes, n = 3, v = 3) vs offline over every plain text
+    (known: a known-byte head, which both read with the cycle's c)."""
     bb = _peaked_backbone(lora_depth, vocab=3, scale=2.0, attn="sdpa")
     m = MtpcModel.from_components(
-        bb, {"kind": kind, "window": N_ENUM, "rank": min(RANK[kind], 2), "lora_depth": lora_depth, "seed": 1}
-    )
+        bb, {"kind": kind, "window": N_ENUM, "rank": min(RANK[kind], 2), "lora_depth": lora_depth, "seed": 1,
+             "known_byte": known}
+    )  # fmt: skip
     head_fn = _sparse_head(m, allowed=(0, 2))  # drafted bytes 2..n on 2 symbols: fewer paths
     cfg = DecodeConfig(max_new_tokens=T_ENUM, mode="sample", top_p=0.95, eos_id=1, ban_eos=ban)
 
@@ -154,8 +157,8 @@ class _SparseHead(torch.nn.Module):
         self.inner, self.head_fn = head, head_fn
         self.config, self.circuit = head.config, head.circuit
 
-    def forward(self, e):
-        rows = [self.head_fn(h) for h in e]
+    def forward(self, e, c=None):
+        rows = [self.head_fn(h, None if c is None else c[i : i + 1]) for i, h in enumerate(e)]
         return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
 
 

@@ -53,11 +53,16 @@ def _prompts(vocab, count, seed=0):
 
 
 def _heads(bb, window, seed=0):
-    """Random heads of every kind plus an ff head copied from the lm_head (accepts more)."""
+    """Random heads of every kind, two known-byte heads (`*-known`: keep only) and a cp head copied
+    from the lm_head (accepts more)."""
     out = {}
     for kind in CIRCUIT_KINDS:
         spec = {"kind": kind, "window": window, "rank": RANK[kind], "lora_depth": bb.lora_depth, "seed": seed}
         out[kind] = MtpcModel.from_components(bb, spec)
+    for kind in ("cp", "btree"):
+        spec = {"kind": kind, "window": window, "rank": RANK[kind], "lora_depth": bb.lora_depth, "seed": seed,
+                "known_byte": True}  # fmt: skip
+        out[f"{kind}-known"] = MtpcModel.from_components(bb, spec)
     cfg = HeadConfig("cp", window, 2, bb.vocab_size, bb.hidden_size, lora_depth=bb.lora_depth)
     copy = MtpcHead(cfg, dtype=bb.dtype)
     copy.init_from_unembeddings(bb.lm_head_weight.detach(), noise=0.5)
@@ -82,7 +87,7 @@ def test_greedy_equals_plain_greedy(lora_depth, engine, dtype):
             ban = i % 2 == 0  # EOS (id 1) both stops and is banned across the prompts
             plain = next(iter(models.values())).generate_plain(prompt, max_new_tokens=20, ban_eos=ban)
             for name, m in models.items():
-                for extra in ("keep", "drop"):
+                for extra in ("keep",) if m.head.config.known_byte else ("keep", "drop"):
                     out = m.generate(prompt, max_new_tokens=20, extra_token=extra, ban_eos=ban)
                     assert out.ids.tolist() == plain.ids.tolist(), (name, extra, prompt.tolist())
                     if extra == "keep":
@@ -215,13 +220,17 @@ def _enum_program(m, prompt, T, extra_token="keep"):
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize(
-    "kind,lora_depth,window", [("cp", 0, 3), ("btree", 1, 3), ("hmm", 0, 2), ("ff", 1, 2), ("btree", 0, 2)]
-)
-def test_keep_is_exact_by_enumeration_on_a_real_backbone(kind, lora_depth, window, engine):
-    """Every random path of prefill + one keep cycle (T = 2 bytes, v = 4) against plain sampling."""
+    "kind,lora_depth,window,known",
+    [("cp", 0, 3, False), ("btree", 1, 3, False), ("hmm", 0, 2, False), ("ff", 1, 2, False), ("btree", 0, 2, False),
+     ("cp", 0, 3, True), ("hmm", 1, 3, True), ("ff", 0, 2, True)],
+)  # fmt: skip
+def test_keep_is_exact_by_enumeration_on_a_real_backbone(kind, lora_depth, window, known, engine):
+    """Every random path of prefill + one keep cycle (T = 2 bytes, v = 4) against plain sampling
+    (known: a known-byte head, whose parameters read the prefill's byte c)."""
     bb = _peaked_backbone(lora_depth, vocab=4, scale=3.0, engine=engine)
     prompt = torch.tensor([2, 0, 3])
-    spec = {"kind": kind, "window": window, "rank": RANK[kind], "lora_depth": lora_depth, "seed": 1}
+    spec = {"kind": kind, "window": window, "rank": RANK[kind], "lora_depth": lora_depth, "seed": 1,
+            "known_byte": known}  # fmt: skip
     m = MtpcModel.from_components(bb, spec)
     plain = enumerate_outcomes(_enum_program(m, prompt, 2, "plain"))
     keep = enumerate_outcomes(_enum_program(m, prompt, 2, "keep"))

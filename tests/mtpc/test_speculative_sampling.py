@@ -1,12 +1,13 @@
 """Monte Carlo check of speculative sampling through the public API (real circuit `_draft` sampler).
 
 Setting (on both decoding engines): a tiny float64 Llama (4 symbols, EOS banned: 3 live ones) with a moderately peaked
-target (lm_head x2) and random heads of every kind made confident (leaf weights x10), so they
-are peaked and mismatched. For each head, N seeded `generate(mode="sample")` runs give the
+target (lm_head x2) and random heads of every kind, plus two known-byte heads (`*-known`: their
+parameters read the kept byte c), made confident (leaf weights x10), so they are peaked and
+mismatched. For each head, N seeded `generate(mode="sample")` runs give the
 empirical distribution of the first T = 3 bytes; the exact plain distribution comes from
 enumerating every random path of plain sampling. Test: Pearson chi-square goodness of fit,
 bins with expected count < 5 merged, significance ALPHA = 1e-3, i.e. a false-alarm rate of
-0.1 % per keep check (4 checks: <= 0.4 % for the file; the seeds are fixed, so a given
+0.1 % per keep check (6 heads: <= 0.6 % per engine; the seeds are fixed, so a given
 checkout either passes or fails deterministically). The same test on extra_token="drop"
 with the btree head rejects (measured p ~ 1e-7 at N = 600): the check can fail.
 """
@@ -30,6 +31,7 @@ ALPHA = 1e-3
 N_RUNS = 600
 T = 3
 PROMPT = torch.tensor([2, 0, 3])
+KNOWN = ("cp", "btree")  # kinds also checked as known-byte heads
 
 
 def _exact_plain(bb) -> dict:
@@ -78,6 +80,11 @@ def setting(request):
         with torch.no_grad():
             m.head.leaf_weight.mul_(10.0)
         models[kind] = m
+    for kind in KNOWN:
+        m = MtpcModel.from_components(bb, {"kind": kind, "window": 3, "rank": RANK[kind], "seed": 1, "known_byte": True})
+        with torch.no_grad():
+            m.head.leaf_weight.mul_(10.0)
+        models[f"{kind}-known"] = m
     return bb, models, _exact_plain(bb)
 
 
@@ -88,7 +95,7 @@ def test_pvalue_helper_flags_a_wrong_distribution():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", CIRCUIT_KINDS)
+@pytest.mark.parametrize("kind", [*CIRCUIT_KINDS, *(f"{k}-known" for k in KNOWN)])
 def test_keep_sampling_matches_plain_distribution(setting, kind):
     _, models, exact = setting
     counts = _sampled_counts(models[kind], "keep")

@@ -108,6 +108,14 @@ def test_objective_mode_must_be_evaluated(tmp_path):
         load_spec(_write(tmp_path, raw), env=NOENV)
 
 
+def test_known_byte_heads_train_from_the_train_section_and_refuse_drop(tmp_path):
+    raw = _base() | {"train": {"config": "debug", "model": {"known_byte": True}}}
+    assert load_spec(_write(tmp_path, raw), env=NOENV).train.model.known_byte is True
+    raw["eval"] = {"extra_token": "drop", "acceptance": "online"}
+    with pytest.raises(SpecError, match=r"'eval.extra_token'.*'drop' cannot decode with train.model.known_byte"):
+        load_spec(_write(tmp_path, raw), env=NOENV)
+
+
 def test_env_overrides_and_defaults(tmp_path, monkeypatch):
     """The tracking-URI rule: MLFLOW_TRACKING_URI > mlflow.tracking_uri > sqlite:///<cwd>/mlflow.db
     (the default the analysis and `mlflow ui` read too); a relative sqlite path is made absolute."""
