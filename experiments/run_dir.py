@@ -54,9 +54,17 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+#: options added after runs were stored, at the value that leaves a run as it was: a config at that value
+#: hashes as one written before the option existed, so a stored study resumes and a pre-empted trial
+#: accepts its own checkpoint after an upgrade (set to anything else, the option is part of the identity)
+LATER_OPTIONS = {"model.known_byte": False}
+
+
 def identity_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The flat resolved config that defines a run: without `run.*` and `RESUMABLE_KEYS`."""
-    return {k: v for k, v in _flat(config).items() if not k.startswith("run.") and k not in RESUMABLE_KEYS}
+    """The flat resolved config that defines a run: without `run.*`, `RESUMABLE_KEYS` and the
+    `LATER_OPTIONS` left at their neutral value."""
+    return {k: v for k, v in _flat(config).items() if not k.startswith("run.") and k not in RESUMABLE_KEYS
+            and not (k in LATER_OPTIONS and v == LATER_OPTIONS[k])}
 
 
 def config_hash(config: dict[str, Any]) -> str:

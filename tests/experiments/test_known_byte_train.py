@@ -54,3 +54,16 @@ def test_debug_fit_of_a_known_byte_head(tmp_path):
         want, got = res.model.head(e, c), head(e, c)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+
+
+def test_known_byte_enters_the_run_identity_only_when_set():
+    """A config written before the option existed keeps its identity (stored studies resume); setting
+    the option makes it another run."""
+    from experiments.config import load_config
+    from experiments.run_dir import config_hash
+
+    base = load_config("debug").to_dict()
+    before = {**base, "model": {k: v for k, v in base["model"].items() if k != "known_byte"}}
+    assert config_hash(base) == config_hash(before)
+    on = load_config("debug", {"model.known_byte": True}).to_dict()
+    assert config_hash(on) != config_hash(base)
