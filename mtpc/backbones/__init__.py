@@ -13,8 +13,8 @@ in its config.json, e.g. EvaByte) is refused unless `trust_remote_code=True`, an
 directory needs only `trust_remote_code=True`: the code is the one on disk. tokenkit's byte Llama
 (`model_type: tpu_llama`, e.g. "llama3-byte") is the exception: the suite implements it
 (`tpu_llama.py`) and loads its weights by name, so its `auto_map` code never runs and needs no consent. `check_remote_code`
-states the rule; the training config calls it too, before any weights are read. The adapter classes live in `base.py`
-(Llama architecture) and `evabyte.py`; the decoding engines in `engine.py` (protocol, HF layers)
+states the rule; the training config calls it too, before any weights are read. The adapter classes live in `hf_llama.py`
+(Llama architecture) and `evabyte.py`, the `Backbone` protocol in `common.py`; the decoding engines in `engine.py` (protocol, HF layers)
 and `llama.py` (the compact Llama forward), CUDA graph capture in `graphs.py`.
 """
 
