@@ -188,3 +188,28 @@ def test_file_map_lists_every_file():
         if rel not in mapped:
             missing.append(rel)
     assert not missing, f"docs/FILES.md lacks: {missing}"
+
+
+def test_every_reliability_case_names_tests_that_exist():
+    """docs/reliability.md's cases are the campaign (`python -m tests.reliability_campaign`): each row
+    names at least one test, and each named test is a function of the named file."""
+    import ast
+
+    from tests.reliability_campaign import cases
+
+    rows = cases()
+    assert len(rows) > 60
+    missing = []
+    for case, nodes in rows:
+        if not nodes:
+            missing.append(f"{case}: no test named")
+        for node in nodes:
+            path, _, name = node.partition("::")
+            if not (ROOT / path).is_file():
+                missing.append(f"{case}: {path} does not exist")
+                continue
+            if name:
+                defined = {n.name for n in ast.walk(ast.parse((ROOT / path).read_text())) if isinstance(n, ast.FunctionDef)}
+                if name not in defined:
+                    missing.append(f"{case}: {node} is not a test there")
+    assert not missing, "\n".join(missing)
