@@ -56,9 +56,8 @@ def _card(name: str, head: Any, run: dict[str, Any], metrics: dict[str, Any], re
     val = {k: v for k, v in metrics.items() if k.startswith("val") and isinstance(v, (int, float))}
     if val:
         lines.append("- **Validation** (held-out rows, last step): " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(val.items())))
-    if metrics.get("train_seconds"):
-        lines.append(f"- **Time**: {metrics['train_seconds'] / 60:.0f} wall minutes of the last training process "
-                     f"(a resumed run counts its last part only), {metrics.get('machine', 'CPU')}")
+    if metrics.get("machine"):
+        lines.append(f"- **Machine**: {metrics['machine']}")
     if metrics.get("command"):
         lines.append(f"- **Command**: `{metrics['command']}`")
     if report is not None:
