@@ -104,3 +104,18 @@ def randomize_lora(bb: BackboneAdapter, seed: int = 1, scale: float = 0.3) -> No
     with torch.no_grad():
         for p in bb.lora_parameters():
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype) * scale)
+
+
+def export_tiny_cp_head(root) -> None:
+    """A tiny float32 byte Llama saved as `root/bb` (with the byte tokenizer) and a random cp head
+    (n = 4, r = 2) for it exported as `root/cp`: what the evaluation CLI's tests load by path."""
+    from mtpc import MtpcModel
+    from mtpc.heads import save_head
+    from mtpc.tokenizer import ByteTokenizer
+
+    model = tiny_llama(vocab=320, hidden=16, layers=2, heads=2, kv_heads=1, dtype=torch.float32, max_context=512)
+    model.save_pretrained(root / "bb")
+    ByteTokenizer().save_pretrained(root / "bb")
+    m = MtpcModel.from_components(model, {"kind": "cp", "window": 4, "rank": 2})
+    m.head.config.backbone = str(root / "bb")
+    save_head(root / "cp", m.head)

@@ -9,28 +9,21 @@ import json
 from dataclasses import replace
 
 import pytest
-import torch
 
 from experiments.config import EvalConfig
 from experiments.evaluate import main
 from experiments.evaluation import degeneracy_warnings, evaluate_heads, log_evaluation_to_mlflow
 from mtpc import MtpcModel
-from mtpc.heads import save_head
 from mtpc.textstats import degeneracy_metrics
 from mtpc.tokenizer import ByteTokenizer
-from tests.backbone_helpers import tiny_llama
+from tests.backbone_helpers import export_tiny_cp_head
 from tracking.schema import DEGENERACY_METRICS
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("degeneracy")
-    bb = tiny_llama(vocab=320, hidden=16, layers=2, heads=2, kv_heads=1, dtype=torch.float32, max_context=512)
-    bb.save_pretrained(root / "bb")
-    ByteTokenizer().save_pretrained(root / "bb")
-    m = MtpcModel.from_components(bb, {"kind": "cp", "window": 4, "rank": 2})
-    m.head.config.backbone = str(root / "bb")
-    save_head(root / "cp", m.head)
+    export_tiny_cp_head(root)
     return root
 
 

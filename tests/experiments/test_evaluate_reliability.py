@@ -16,21 +16,14 @@ from experiments.config import EvalConfig
 from experiments.evaluate import main
 from experiments.parsing import Fail
 from mtpc import MtpcModel
-from mtpc.heads import save_head
-from mtpc.tokenizer import ByteTokenizer
-from tests.backbone_helpers import tiny_llama
+from tests.backbone_helpers import export_tiny_cp_head
 from tests.faults import full_disk
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval_rel")
-    model = tiny_llama(vocab=320, hidden=16, layers=2, heads=2, kv_heads=1, dtype=torch.float32, max_context=512)
-    model.save_pretrained(root / "bb")
-    ByteTokenizer().save_pretrained(root / "bb")
-    m = MtpcModel.from_components(model, {"kind": "cp", "window": 4, "rank": 2})
-    m.head.config.backbone = str(root / "bb")
-    save_head(root / "cp", m.head)
+    export_tiny_cp_head(root)
     (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in ["short", "x" * 450, "mid"]))
     return root
 
