@@ -70,11 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", nargs="+", type=int, help="keep only these windows n")
     p.add_argument("--lora-depth", nargs="+", type=int, help="keep only these LoRA depths k")
     p.add_argument(
-        "--circuit", nargs="+", choices=(*CIRCUIT_KINDS, *BASELINE_METHODS),
-        help="keep only these circuits (or EvaByte's own decoding, evabyte-mtp)"
+        "--circuit",
+        nargs="+",
+        choices=(*CIRCUIT_KINDS, *BASELINE_METHODS),
+        help="keep only these circuits (or EvaByte's own decoding, evabyte-mtp)",
     )
     p.add_argument(
-        "--prompt-sets", choices=("reported", "dev", "all"), default="reported",
+        "--prompt-sets",
+        choices=("reported", "dev", "all"),
+        default="reported",
         help="reported prompt sets (default), the development sets dev<i> (used to choose settings), or all",
     )
     p.add_argument(
@@ -87,7 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="attach figures and tables to the sweep-level summary run of the experiment (default: "
         "when the runs come from one experiment)",
     )
-    p.add_argument("--summary-run-name", default="pareto-summary", help="name of that summary run (default: pareto-summary)")
+    p.add_argument(
+        "--summary-run-name",
+        default="pareto-summary",
+        help="name of that summary run (default: pareto-summary)",
+    )
     return p
 
 
@@ -123,7 +131,9 @@ def report_skips(result: LoadResult) -> None:
     if result.n_unfinished:
         print(f"note: {result.unfinished_note()} (status not FINISHED)", file=sys.stderr)
     if result.n_of_deleted:
-        print(f"note: {result.n_of_deleted} evaluation run(s) of deleted trial runs left out", file=sys.stderr)
+        print(
+            f"note: {result.n_of_deleted} evaluation run(s) of deleted trial runs left out", file=sys.stderr
+        )
     for note in result.duplicates:
         print(f"warning: {note}", file=sys.stderr)
     for note in result.missing_points:
@@ -151,7 +161,9 @@ def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[
         for f in written:  # renames within one filesystem: no space needed, nothing half-written
             os.replace(f, dest / f.name)
         fsync_dir(dest)
-    except OSError as e:  # named as the file it was to be, not its temporary; a full disk says "no space left"
+    except (
+        OSError
+    ) as e:  # named as the file it was to be, not its temporary; a full disk says "no space left"
         if e.filename:  # a native error (mkdir, rename); mtpc.atomic's already name their file
             e = disk_error(e, e.filename)
         raise OSError(e.errno, (e.strerror or str(e)).replace(str(tmp), str(dest))) from None
@@ -275,8 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         elif log_to_mlflow is None:
             log_to_mlflow = len(set(result.runs["experiment_id"])) == 1
             if not log_to_mlflow:
-                print("note: figures and tables not logged to MLflow: the runs come from several experiments "
-                      "(pass --experiment)", file=sys.stderr)
+                print(
+                    "note: figures and tables not logged to MLflow: the runs come from several experiments "
+                    "(pass --experiment)",
+                    file=sys.stderr,
+                )
         print(
             f"{len(result.runs)} evaluation run(s) from {', '.join(result.experiments)} at {uri} ({filters.describe()})"
         )
@@ -292,8 +307,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:
-        print(f"error: cannot write the outputs to {args.out}/: {exc.strerror or exc}; nothing there was replaced",
-              file=sys.stderr)
+        print(
+            f"error: cannot write the outputs to {args.out}/: {exc.strerror or exc}; nothing there was replaced",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

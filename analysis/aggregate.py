@@ -25,8 +25,16 @@ from analysis.load import ACC_POS_RE, OPTIONAL_METRICS, REQUIRED_METRICS, axis_n
 from mtpc.names import CIRCUIT_KINDS
 from tracking import axes
 
-SETTING_KEYS: tuple[str, ...] = ("backbone", "mode", "extra_token", "eos", "temperature", "top_p", "hardware",
-                                  "acceptance_method")
+SETTING_KEYS: tuple[str, ...] = (
+    "backbone",
+    "mode",
+    "extra_token",
+    "eos",
+    "temperature",
+    "top_p",
+    "hardware",
+    "acceptance_method",
+)
 
 
 def config_keys() -> tuple[str, ...]:
@@ -146,7 +154,15 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
         if k in out.columns:
             out[k] = out[k].astype("Int64")
     # groupby turns None into NaN in object keys: give None back
-    for k in ("backbone", "mode", "extra_token", "eos", "hardware", "acceptance_method", *(a.name for a in axes.axes() if a.type is str)):
+    for k in (
+        "backbone",
+        "mode",
+        "extra_token",
+        "eos",
+        "hardware",
+        "acceptance_method",
+        *(a.name for a in axes.axes() if a.type is str),
+    ):
         if k in out.columns:
             out[k] = out[k].astype(object).where(out[k].notna(), None)
     out["_circuit_order"] = (
@@ -155,7 +171,9 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
     sort_keys = [k for k in SETTING_KEYS if k in out.columns]
     train_keys = [k for k in axis_names(axes.TRAINING) if k in out.columns]
     out = out.sort_values(
-        sort_keys + ["window", "rank", "_circuit_order", "lora_depth", *train_keys], na_position="last", kind="stable"
+        sort_keys + ["window", "rank", "_circuit_order", "lora_depth", *train_keys],
+        na_position="last",
+        kind="stable",
     )
     return out.drop(columns="_circuit_order").reset_index(drop=True)
 

@@ -41,7 +41,9 @@ class PairedSample:
     def __post_init__(self) -> None:
         shapes = {np.shape(x) for x in (self.num_a, self.den_a, self.num_b, self.den_b)}
         if len(shapes) != 1 or len(next(iter(shapes))) != 1 or next(iter(shapes))[0] == 0:
-            raise ValueError(f"PairedSample: expected four 1-D arrays of one length P >= 1 (one entry per prompt), got shapes {sorted(shapes)}")
+            raise ValueError(
+                f"PairedSample: expected four 1-D arrays of one length P >= 1 (one entry per prompt), got shapes {sorted(shapes)}"
+            )
 
     def ratio(self) -> float:
         return _ratio(self.num_a.sum(), self.den_a.sum(), self.num_b.sum(), self.den_b.sum())
@@ -67,15 +69,18 @@ class BootstrapResult:
     resamples: int
 
 
-def paired_bootstrap(samples: Sequence[PairedSample], resamples: int = 10_000, level: float = 0.95,
-                     seed: int = 0) -> BootstrapResult:
+def paired_bootstrap(
+    samples: Sequence[PairedSample], resamples: int = 10_000, level: float = 0.95, seed: int = 0
+) -> BootstrapResult:
     """Paired bootstrap over prompts of the ratio of pooled means (see the module docstring)."""
     if not samples:
         raise ValueError("paired_bootstrap: no samples (one PairedSample per training seed)")
     if len({len(s.num_a) for s in samples}) != 1:
         raise ValueError("paired_bootstrap: every training seed must cover the same prompts (equal P)")
     if not 0 < level < 1 or resamples < 1:
-        raise ValueError(f"paired_bootstrap: expected 0 < level < 1 and resamples >= 1, got {level}, {resamples}")
+        raise ValueError(
+            f"paired_bootstrap: expected 0 < level < 1 and resamples >= 1, got {level}, {resamples}"
+        )
     stack = lambda f: np.sum([np.asarray(getattr(s, f), dtype=float) for s in samples], axis=0)  # noqa: E731
     na, da, nb, db = (stack(f) for f in ("num_a", "den_a", "num_b", "den_b"))  # (P,) pooled over seeds
     P = len(na)
@@ -84,9 +89,18 @@ def paired_bootstrap(samples: Sequence[PairedSample], resamples: int = 10_000, l
         boot = (na[idx].sum(1) / da[idx].sum(1)) / (nb[idx].sum(1) / db[idx].sum(1))  # (R,)
     boot = boot[np.isfinite(boot)]
     alpha = (1 - level) / 2
-    low, high = (float(np.quantile(boot, q)) for q in (alpha, 1 - alpha)) if len(boot) else (math.nan, math.nan)
-    return BootstrapResult(_ratio(na.sum(), da.sum(), nb.sum(), db.sum()), low, high, level,
-                           tuple(s.ratio() for s in samples), P, resamples)
+    low, high = (
+        (float(np.quantile(boot, q)) for q in (alpha, 1 - alpha)) if len(boot) else (math.nan, math.nan)
+    )
+    return BootstrapResult(
+        _ratio(na.sum(), da.sum(), nb.sum(), db.sum()),
+        low,
+        high,
+        level,
+        tuple(s.ratio() for s in samples),
+        P,
+        resamples,
+    )
 
 
 @dataclass(frozen=True)
@@ -104,8 +118,14 @@ def decide(hypothesis: str, result: BootstrapResult, threshold: float, min_seeds
     r = result
     clears = bool(r.low >= threshold)
     if len(r.per_seed) < min_seeds:
-        return Decision(hypothesis, threshold, r, NOT_DECIDED,
-                        f"{len(r.per_seed)} training seed(s), the rule needs {min_seeds}", clears)
+        return Decision(
+            hypothesis,
+            threshold,
+            r,
+            NOT_DECIDED,
+            f"{len(r.per_seed)} training seed(s), the rule needs {min_seeds}",
+            clears,
+        )
     failed = []
     if not r.ratio >= threshold:
         failed.append(f"ratio {r.ratio:.3f} < {threshold:g}")
@@ -115,6 +135,12 @@ def decide(hypothesis: str, result: BootstrapResult, threshold: float, min_seeds
         failed.append("a training seed's ratio is <= 1 (" + ", ".join(f"{x:.3f}" for x in r.per_seed) + ")")
     if failed:
         return Decision(hypothesis, threshold, r, NOT_REPRODUCED, "; ".join(failed), clears)
-    return Decision(hypothesis, threshold, r, REPRODUCED,
-                    f"ratio {r.ratio:.3f} >= {threshold:g}, {r.level:.0%} interval [{r.low:.3f}, {r.high:.3f}] "
-                    "excludes 1.0, every seed > 1", clears)
+    return Decision(
+        hypothesis,
+        threshold,
+        r,
+        REPRODUCED,
+        f"ratio {r.ratio:.3f} >= {threshold:g}, {r.level:.0%} interval [{r.low:.3f}, {r.high:.3f}] "
+        "excludes 1.0, every seed > 1",
+        clears,
+    )

@@ -43,7 +43,9 @@ class Filters:
         if self.circuit is not None:
             bad = [m for m in self.circuit if m not in (*CIRCUIT_KINDS, *BASELINE_METHODS)]
             if bad:
-                raise ValueError(f"filter circuit={bad}: expected values in {[*CIRCUIT_KINDS, *BASELINE_METHODS]}")
+                raise ValueError(
+                    f"filter circuit={bad}: expected values in {[*CIRCUIT_KINDS, *BASELINE_METHODS]}"
+                )
 
     def active(self) -> dict[str, tuple]:
         return {k: v for k, v in self.__dict__.items() if v is not None and k != "prompt_sets"}

@@ -97,4 +97,3 @@ def drafts_tested(hist: np.ndarray, window: int, extra_token: str = "keep") -> n
             continue  # position 1 is the verifier's own byte: never a tested draft
         out[i - 1] = at_least[max(j, 0)]
     return out
-

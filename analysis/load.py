@@ -56,7 +56,12 @@ def axis_names(role: str | None = None) -> list[str]:
 def required_params() -> dict[str, type]:
     """Params every evaluation run must carry, with their types (rank: but a baseline method's,
     BASELINE_METHODS): the backbone, the architecture axes, mode, prompt_set."""
-    return {"backbone": str, **{k: axes.axis(k).type for k in axis_names(axes.ARCHITECTURE)}, "mode": str, "prompt_set": str}
+    return {
+        "backbone": str,
+        **{k: axes.axis(k).type for k in axis_names(axes.ARCHITECTURE)},
+        "mode": str,
+        "prompt_set": str,
+    }
 
 
 def optional_params() -> dict[str, type]:
@@ -136,9 +141,13 @@ class LoadResult:
     skipped: list[SkippedRun] = field(default_factory=list)
     n_unfinished: int = 0
     experiments: list[str] = field(default_factory=list)  # names
-    missing_points: list[str] = field(default_factory=list)  # one note per experiment holding fewer grid points than its sweep
+    missing_points: list[str] = field(
+        default_factory=list
+    )  # one note per experiment holding fewer grid points than its sweep
     n_of_deleted: int = 0  # evaluation runs left out: their trial (parent) run is deleted
-    duplicates: list[str] = field(default_factory=list)  # one note per grid point evaluated under several trial runs
+    duplicates: list[str] = field(
+        default_factory=list
+    )  # one note per grid point evaluated under several trial runs
 
     def unfinished_note(self) -> str:
         return f"{self.n_unfinished} unfinished run(s) ignored" if self.n_unfinished else ""
@@ -188,7 +197,9 @@ def run_record(
             row[name] = _parse(params.get(name), kind)
         except ValueError:
             missing.append(f"param {name} (unparsable {params.get(name)!r})")
-    row["acceptance_method"] = row.get("acceptance_method") or "online"  # stores from before the param: online
+    row["acceptance_method"] = (
+        row.get("acceptance_method") or "online"
+    )  # stores from before the param: online
     for name in REQUIRED_METRICS:
         value = metrics.get(name)
         if value is None or not math.isfinite(value):
@@ -242,7 +253,9 @@ def deleted_run_ids(client, experiment_ids: list[str]) -> set[str]:
     out: set[str] = set()
     token = None
     while True:
-        page = client.search_runs(experiment_ids, run_view_type=ViewType.DELETED_ONLY, max_results=1000, page_token=token)
+        page = client.search_runs(
+            experiment_ids, run_view_type=ViewType.DELETED_ONLY, max_results=1000, page_token=token
+        )
         out.update(r.info.run_id for r in page)
         token = page.token
         if not token:
@@ -253,7 +266,9 @@ def deleted_run_ids(client, experiment_ids: list[str]) -> set[str]:
 _IDENTITY = tuple(k for k in (*REQUIRED_PARAMS, *OPTIONAL_PARAMS) if k != "converged")
 
 
-def newest_parent_only(records: list[dict[str, Any]], started: Mapping[str, int]) -> tuple[list[dict[str, Any]], list[str]]:
+def newest_parent_only(
+    records: list[dict[str, Any]], started: Mapping[str, int]
+) -> tuple[list[dict[str, Any]], list[str]]:
     """`records` without the evaluations that a newer trial run of the same grid point repeats: where
     one evaluation (experiment, the `_IDENTITY` params, prompt set) is stored under several parent
     runs, only the parent whose evaluation runs started last keeps its rows. Returns the rows kept
@@ -286,9 +301,11 @@ def newest_parent_only(records: list[dict[str, Any]], started: Mapping[str, int]
         if gone:
             n = sum(1 for r in records if r.get("parent_run_id") in gone)
             keep = sorted(parents - drop)
-            notes.append(f"grid point {key} (experiment id {exp}) has finished evaluation runs under {len(parents)} trial runs "
-                         f"(the point ran twice, e.g. a sweep started again after its journal was emptied): kept the newest "
-                         f"trial run's ({', '.join(keep)}), left out {n} run(s) of {', '.join(gone)}; never averaged together")
+            notes.append(
+                f"grid point {key} (experiment id {exp}) has finished evaluation runs under {len(parents)} trial runs "
+                f"(the point ran twice, e.g. a sweep started again after its journal was emptied): kept the newest "
+                f"trial run's ({', '.join(keep)}), left out {n} run(s) of {', '.join(gone)}; never averaged together"
+            )
     return kept, notes
 
 
@@ -304,7 +321,9 @@ def load_runs(client, experiment_ids: list[str]) -> LoadResult:
         if run.info.status != "FINISHED":
             unfinished += 1
             continue
-        if run.data.tags.get(tracking.PARENT_TAG) in deleted:  # its trial run is in the trash: so are its results
+        if (
+            run.data.tags.get(tracking.PARENT_TAG) in deleted
+        ):  # its trial run is in the trash: so are its results
             of_deleted += 1
             continue
         started[run.info.run_id] = run.info.start_time or 0
@@ -321,7 +340,9 @@ def load_runs(client, experiment_ids: list[str]) -> LoadResult:
         else:
             records.append(rec)
     records, duplicates = newest_parent_only(records, started)
-    return LoadResult(records_to_frame(records), skipped, unfinished, n_of_deleted=of_deleted, duplicates=duplicates)
+    return LoadResult(
+        records_to_frame(records), skipped, unfinished, n_of_deleted=of_deleted, duplicates=duplicates
+    )
 
 
 def missing_points(experiments: list[Any], runs: pd.DataFrame) -> list[str]:
@@ -335,8 +356,10 @@ def missing_points(experiments: list[Any], runs: pd.DataFrame) -> list[str]:
         cols = [a for a in axes.names() if a in rows.columns]
         found = len(rows[cols].drop_duplicates()) if len(rows) and cols else 0
         if found < int(expected):
-            notes.append(f"experiment {e.name!r} holds evaluation runs of {found} of the sweep's {expected} grid points "
-                         "(unfinished, or a lost tracking store: `python -m sweeps.run <spec> --resume` re-runs them)")
+            notes.append(
+                f"experiment {e.name!r} holds evaluation runs of {found} of the sweep's {expected} grid points "
+                "(unfinished, or a lost tracking store: `python -m sweeps.run <spec> --resume` re-runs them)"
+            )
     return notes
 
 

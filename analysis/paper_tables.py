@@ -52,8 +52,10 @@ COLUMNS: tuple[Column, ...] = (
     Column(STP_ROW_RATIO, "× STP row ↑", r"$\times$ STP row $\uparrow$", "max"),
     Column("degenerate_fraction", "degenerate", "degenerate", "min", highlight=False),
 )
-NOTE = ("× own STP: each evaluation's throughput over the STP run measured beside it, averaged; "
-        "× STP row: mean throughput over the STP row's")
+NOTE = (
+    "× own STP: each evaluation's throughput over the STP run measured beside it, averaged; "
+    "× STP row: mean throughput over the STP row's"
+)
 NOTE_TEX = NOTE.replace("× ", r"$\times$ ")
 
 
@@ -90,7 +92,11 @@ def _decimals(values: np.ndarray) -> int:
 def build_table(setting: Setting, part: pd.DataFrame) -> Table:
     """The table of one setting from its aggregated rows (output of `split_settings`)."""
     show_k = part["lora_depth"].nunique(dropna=False) > 1
-    shown = [(col, head) for col, head in train_keys() if col in part.columns and part[col].nunique(dropna=False) > 1]
+    shown = [
+        (col, head)
+        for col, head in train_keys()
+        if col in part.columns and part[col].nunique(dropna=False) > 1
+    ]
     keys = ["n", "r", "circuit"] + (["k"] if show_k else []) + [head for _, head in shown]
     rows = pd.DataFrame(
         {
@@ -175,9 +181,11 @@ def degeneracy_warning(table: Table) -> str | None:
     if not rows:
         return None
     shown = "; ".join(rows[:6]) + (f"; ... {len(rows) - 6} more" if len(rows) > 6 else "")
-    return (f"warning [{table.setting.title()}]: degenerate_fraction > {DEGENERATE_WARN_FRACTION} in "
-            f"{len(rows)} of {int((~table.rows['is_stp']).sum())} row(s) ({shown}): their acceptance is "
-            "measured on looping text")
+    return (
+        f"warning [{table.setting.title()}]: degenerate_fraction > {DEGENERATE_WARN_FRACTION} in "
+        f"{len(rows)} of {int((~table.rows['is_stp']).sum())} row(s) ({shown}): their acceptance is "
+        "measured on looping text"
+    )
 
 
 def to_markdown(table: Table) -> str:
@@ -213,8 +221,12 @@ def to_latex(table: Table) -> str:
         r"\centering",
         r"\small",
         rf"\caption{{{_tex_escape(table.setting.title())}: mean $\pm$ std over prompt sets; {NOTE_TEX}."
-        + (f" {_tex_escape(str(len(degenerate_rows(table))))} row(s) with degenerate fraction $>$ "
-           f"{DEGENERATE_WARN_FRACTION}: acceptance measured on looping text." if degenerate_rows(table) else "")
+        + (
+            f" {_tex_escape(str(len(degenerate_rows(table))))} row(s) with degenerate fraction $>$ "
+            f"{DEGENERATE_WARN_FRACTION}: acceptance measured on looping text."
+            if degenerate_rows(table)
+            else ""
+        )
         + "}",
         rf"\begin{{tabular}}{{{spec}}}",
         r"\toprule",
@@ -238,8 +250,10 @@ TIE_BAND = 0.05
 
 def config_label(row: pd.Series) -> str:
     return f"{row['circuit']} n={row['window']} r={row['rank']} k={row['lora_depth']}" + "".join(
-        f" {a.label}={row[a.name]:g}" for a in axes.axes(axes.TRAINING)  # kl_beta, train_seed always; another axis off its default
-        if a.name in row.index and pd.notna(row[a.name]) and (a.always or row[a.name] != a.default))
+        f" {a.label}={row[a.name]:g}"
+        for a in axes.axes(axes.TRAINING)  # kl_beta, train_seed always; another axis off its default
+        if a.name in row.index and pd.notna(row[a.name]) and (a.always or row[a.name] != a.default)
+    )
 
 
 def ranking_column(part: pd.DataFrame) -> str:
@@ -273,7 +287,9 @@ def best_configuration(setting: Setting, part: pd.DataFrame, tie_band: float = T
     if close:
         what = "× own STP" if col == "speedup_vs_stp_mean" else "throughput"
         line += f"; within {tie_band:.0%} of it in {what}, not ranked: " + ", ".join(
-            f"{config_label(part.iloc[j])} ({key[j]:.{2 if col == 'speedup_vs_stp_mean' else 1}f})" for j in close)
+            f"{config_label(part.iloc[j])} ({key[j]:.{2 if col == 'speedup_vs_stp_mean' else 1}f})"
+            for j in close
+        )
     return line
 
 

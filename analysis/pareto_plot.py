@@ -293,7 +293,9 @@ def _drop_overlapping_iso_labels(ax) -> None:
             t.set_ha("left")
         elif ext.x1 > box.x1:
             t.set_ha("right")
-        over = max(ext.y1 - box.y1, 0.0) - max(box.y0 - ext.y0, 0.0)  # its box pads past the top (bottom) edge
+        over = max(ext.y1 - box.y1, 0.0) - max(
+            box.y0 - ext.y0, 0.0
+        )  # its box pads past the top (bottom) edge
         if over:
             px, py = ax.transData.transform(t.get_position())
             t.set_position(ax.transData.inverted().transform((px, py - over - np.sign(over))))

@@ -154,7 +154,10 @@ def _pooled(row: pd.Series, hists: dict[str, np.ndarray]) -> np.ndarray | None:
 
 
 def acceptance_figure(
-    setting: Setting, part: pd.DataFrame, top: int = 5, width: float = COLUMN_WIDTH_IN,
+    setting: Setting,
+    part: pd.DataFrame,
+    top: int = 5,
+    width: float = COLUMN_WIDTH_IN,
     hists: dict[str, np.ndarray] | None = None,
 ) -> Figure | None:
     """Per-position acceptance rate (accepted / tested at window position i) of the
@@ -181,12 +184,24 @@ def acceptance_figure(
             hist = _pooled(row, hists)
             if hist is None:
                 continue
-            tested = drafts_tested(hist, int(max(row["window"], pos.max())), setting.extra_token or "keep")[pos - 1]
+            tested = drafts_tested(hist, int(max(row["window"], pos.max())), setting.extra_token or "keep")[
+                pos - 1
+            ]
             lo, hi = wilson_interval(v, tested)
             band = ok & (tested > 0)
-            ax.fill_between(pos[band], lo[band], hi[band], color=color, alpha=0.18, lw=0, gid=f"band-{row['circuit']}")
+            ax.fill_between(
+                pos[band], lo[band], hi[band], color=color, alpha=0.18, lw=0, gid=f"band-{row['circuit']}"
+            )
             shown = ok & (tested > 0)
-            ax_n.plot(pos[shown], tested[shown], marker=marker, ms=2.5, lw=0.8, color=color, gid=f"tested-{row['circuit']}")
+            ax_n.plot(
+                pos[shown],
+                tested[shown],
+                marker=marker,
+                ms=2.5,
+                lw=0.8,
+                color=color,
+                gid=f"tested-{row['circuit']}",
+            )
             counted = True
         ax.set_ylim(0, 1.02)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -220,7 +235,9 @@ def accepted_length_figure(
         total = _pooled(row, hists)
         if total is None:
             continue
-        total = total[: int(row["window"])]  # s drafts accepted, 0 <= s <= n - 1 (the evaluator's n + 1-long counts end in a 0)
+        total = total[
+            : int(row["window"])
+        ]  # s drafts accepted, 0 <= s <= n - 1 (the evaluator's n + 1-long counts end in a 0)
         if total.sum() > 0:
             series.append((row, color, marker, total / total.sum()))
     if not series:

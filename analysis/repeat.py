@@ -64,21 +64,33 @@ def compare(a: Path, b: Path, band: float = TIE_BAND) -> tuple[str, float]:
         kb = {_key(r): r for _, r in pb.iterrows()}
         if set(ka) != set(kb):
             raise ValueError(f"{title}: the runs hold different configurations")
-        lines += [f"### {title}", "", "| head | μ_acc A | μ_acc B | × own STP A | × own STP B | Δ | front A | front B |",
-                  "|---|--:|--:|--:|--:|--:|:-:|:-:|"]
+        lines += [
+            f"### {title}",
+            "",
+            "| head | μ_acc A | μ_acc B | × own STP A | × own STP B | Δ | front A | front B |",
+            "|---|--:|--:|--:|--:|--:|:-:|:-:|",
+        ]
         rank = ranking_column(pa)
         for key in sorted(ka, key=lambda k: -float(ka[k][rank])):
             ra, rb = ka[key], kb[key]
             xa, xb = float(ra["speedup_vs_stp_mean"]), float(rb["speedup_vs_stp_mean"])
             delta = xb / xa - 1
             worst = max(worst, abs(delta))
-            lines.append(f"| {config_label(ra)} | {ra['mu_acc_mean']:.3f} | {rb['mu_acc_mean']:.3f} | {xa:.2f} | {xb:.2f} "
-                         f"| {delta:+.1%} | {'x' if ra['on_front'] else ''} | {'x' if rb['on_front'] else ''} |")
+            lines.append(
+                f"| {config_label(ra)} | {ra['mu_acc_mean']:.3f} | {rb['mu_acc_mean']:.3f} | {xa:.2f} | {xb:.2f} "
+                f"| {delta:+.1%} | {'x' if ra['on_front'] else ''} | {'x' if rb['on_front'] else ''} |"
+            )
         (wa, ta), (wb, tb) = _winners(pa, band), _winners(pb, band)
-        same_front = {_key(r) for _, r in pa[pa.on_front].iterrows()} == {_key(r) for _, r in pb[pb.on_front].iterrows()}
-        lines += ["", f"winner A: {wa}" + (f" (within {band:.0%}, not ranked: {', '.join(ta)})" if ta else ""),
-                  f"winner B: {wb}" + (f" (within {band:.0%}, not ranked: {', '.join(tb)})" if tb else ""),
-                  f"same winner: {_same_winner(wa, ta, wb, tb)}; same front: {'yes' if same_front else 'no'}", ""]
+        same_front = {_key(r) for _, r in pa[pa.on_front].iterrows()} == {
+            _key(r) for _, r in pb[pb.on_front].iterrows()
+        }
+        lines += [
+            "",
+            f"winner A: {wa}" + (f" (within {band:.0%}, not ranked: {', '.join(ta)})" if ta else ""),
+            f"winner B: {wb}" + (f" (within {band:.0%}, not ranked: {', '.join(tb)})" if tb else ""),
+            f"same winner: {_same_winner(wa, ta, wb, tb)}; same front: {'yes' if same_front else 'no'}",
+            "",
+        ]
     lines.append(f"max |Δ ratio| = {worst:.1%}")
     return "\n".join(lines), worst
 
@@ -91,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     for path in (args.a, args.b):
         if not path.is_file():
-            print(f"analysis.repeat: {path} does not exist (expected a summary.csv from python -m analysis)", file=sys.stderr)
+            print(
+                f"analysis.repeat: {path} does not exist (expected a summary.csv from python -m analysis)",
+                file=sys.stderr,
+            )
             return 2
     try:
         text, _ = compare(args.a, args.b, args.tie_band)

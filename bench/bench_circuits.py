@@ -38,7 +38,9 @@ from tracking import runs  # noqa: E402
 def machine() -> dict:
     m = runs.machine()
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
     except OSError:
         sha = ""
     return {
@@ -84,7 +86,10 @@ def bench_train_group(kinds, n, r, v, budget_elems, reps, generator) -> list[dic
     steps = {}
     for kind in kinds:
         c = build_circuit(kind, window=n, rank=r, vocab=v)
-        raw = {k: torch.randn((batch, *s), generator=generator).requires_grad_(True) for k, s in c.param_shapes.items()}
+        raw = {
+            k: torch.randn((batch, *s), generator=generator).requires_grad_(True)
+            for k, s in c.param_shapes.items()
+        }
 
         def step(c=c, raw=raw, prefix=False):
             q = c.normalize(raw)
@@ -129,6 +134,7 @@ def bench_draft(kind, n, r, v, reps, threads, generator) -> dict:
     g = torch.Generator().manual_seed(0)
     x = c._sample(q, g, prefix)
     out = {"kind": kind, "n": n, "r": r, "v": v, "threads": threads}
+
     def put(name, fn, warmup=10):
         w, cpu = timed(fn, reps, warmup, 0.2)
         out[f"{name}_ms"], out[f"{name}_cpu_ms"] = 1e3 * w, 1e3 * cpu
@@ -148,7 +154,11 @@ def table(rows, cols) -> str:
     head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
     body = ""
     for row in rows:
-        body += "| " + " | ".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in cols) + " |\n"
+        body += (
+            "| "
+            + " | ".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in cols)
+            + " |\n"
+        )
     return head + body
 
 
@@ -159,13 +169,24 @@ def main(argv=None) -> None:
     ap.add_argument("--windows", nargs="+", type=int, default=[8, 16])
     ap.add_argument("--ranks", nargs="+", type=int, default=[1, 8, 32, 128])
     ap.add_argument("--vocab", type=int, default=320)
-    ap.add_argument("--train-elems", type=int, default=8_000_000, help="batch = this / (n r v), clamped to [16, 1024]")
+    ap.add_argument(
+        "--train-elems", type=int, default=8_000_000, help="batch = this / (n r v), clamped to [16, 1024]"
+    )
     ap.add_argument("--train-reps", type=int, default=15, help="interleaved rounds per (n, r)")
-    ap.add_argument("--train-threads", type=int, default=1,
-                    help="1 by default: on a shared, oversubscribed CPU, multi-threaded ops stall on descheduled threads")
+    ap.add_argument(
+        "--train-threads",
+        type=int,
+        default=1,
+        help="1 by default: on a shared, oversubscribed CPU, multi-threaded ops stall on descheduled threads",
+    )
     ap.add_argument("--draft-reps", type=int, default=200)
-    ap.add_argument("--draft-threads", nargs="+", type=int, default=[1],
-                    help="intra-op threads for the batch-1 draft (2 stalls on an oversubscribed CPU)")
+    ap.add_argument(
+        "--draft-threads",
+        nargs="+",
+        type=int,
+        default=[1],
+        help="intra-op threads for the batch-1 draft (2 stalls on an oversubscribed CPU)",
+    )
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--skip-draft", action="store_true")
     args = ap.parse_args(argv)
@@ -203,17 +224,53 @@ def main(argv=None) -> None:
         if row["kind"] == "btree" and "nll_over_cp" in row:
             checks[f"btree_over_cp_train_nll_cpu_n{row['n']}_r{row['r']}"] = row["nll_over_cp"]
             checks[f"btree_over_cp_train_prefix_cpu_n{row['n']}_r{row['r']}"] = row["prefix_over_cp"]
-    result = {"machine": info, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "train": train, "draft": draft, "checks": checks}
+    result = {
+        "machine": info,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "train": train,
+        "draft": draft,
+        "checks": checks,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     for row in train:
         row.setdefault("nll_over_cp", float("nan") if row["kind"] != "cp" else 1.0)
         row.setdefault("prefix_over_cp", float("nan") if row["kind"] != "cp" else 1.0)
-    print(table(train, ["kind", "n", "r", "batch", "train_nll_cpu_ms_per_1k", "nll_over_cp", "train_prefix_cpu_ms_per_1k",
-                        "prefix_over_cp", "train_nll_ms_per_1k"]) if train else "")
-    print(table(draft, ["kind", "n", "r", "threads", "draft_ms", "draft_cpu_ms", "draft_no_grad_ms",
-                        "sample_then_conditionals_ms", "greedy_draft_ms", "normalize_ms"]))
+    print(
+        table(
+            train,
+            [
+                "kind",
+                "n",
+                "r",
+                "batch",
+                "train_nll_cpu_ms_per_1k",
+                "nll_over_cp",
+                "train_prefix_cpu_ms_per_1k",
+                "prefix_over_cp",
+                "train_nll_ms_per_1k",
+            ],
+        )
+        if train
+        else ""
+    )
+    print(
+        table(
+            draft,
+            [
+                "kind",
+                "n",
+                "r",
+                "threads",
+                "draft_ms",
+                "draft_cpu_ms",
+                "draft_no_grad_ms",
+                "sample_then_conditionals_ms",
+                "greedy_draft_ms",
+                "normalize_ms",
+            ],
+        )
+    )
     print(json.dumps(checks, indent=1))
     print(f"wrote {args.out}")
 

@@ -43,8 +43,19 @@ def variants(batch: int) -> dict[str, tuple[list[str], dict[str, str]]]:
     """name -> (extra `fit` flags, extra environment)."""
     return {
         "one": (["--data.batch_size", str(batch), "--run.cpu_threads", "2"], {"OMP_NUM_THREADS": "2"}),
-        "ddp2": (["--data.batch_size", str(batch // 2), "--trainer.devices", "2", "--trainer.strategy", "ddp",
-                  "--run.cpu_threads", "1"], {"OMP_NUM_THREADS": "1"}),
+        "ddp2": (
+            [
+                "--data.batch_size",
+                str(batch // 2),
+                "--trainer.devices",
+                "2",
+                "--trainer.strategy",
+                "ddp",
+                "--run.cpu_threads",
+                "1",
+            ],
+            {"OMP_NUM_THREADS": "1"},
+        ),
     }
 
 
@@ -52,11 +63,26 @@ def _run(name: str, flags: list[str], env_extra: dict[str, str], common: list[st
     steps = work / f"{name}.steps"
     steps.unlink(missing_ok=True)
     run_dir = work / name
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "LOCAL_RANK", "NODE_RANK",
-                                                                     "WORLD_SIZE", "RANK"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "MASTER_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK"))
+    }
     env.update(env_extra, **{STEP_FILE_ENV: str(steps), "PYTHONPATH": str(ROOT)})
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "fit", *common, *flags, "--run.dir", str(run_dir),
-           "--run.tracking", "false", "--trainer.enable_progress_bar", "false"]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        "fit",
+        *common,
+        *flags,
+        "--run.dir",
+        str(run_dir),
+        "--run.tracking",
+        "false",
+        "--trainer.enable_progress_bar",
+        "false",
+    ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -64,8 +90,12 @@ def _run(name: str, flags: list[str], env_extra: dict[str, str], common: list[st
         raise RuntimeError(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     stamps = [float(x) for x in steps.read_text().split()]
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    return {"wall_s": wall, "step_times_s": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
-            "global_step": metrics["global_step"], "final_train_loss": metrics.get("train_loss")}
+    return {
+        "wall_s": wall,
+        "step_times_s": [b - a for a, b in zip(stamps, stamps[1:], strict=False)],
+        "global_step": metrics["global_step"],
+        "final_train_loss": metrics.get("train_loss"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,16 +105,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=2, help="global batch (rows per optimizer step)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
-    ap.add_argument("--dry-run", action="store_true", help="debug config, 2 steps, 1 round; no times reported")
+    ap.add_argument(
+        "--dry-run", action="store_true", help="debug config, 2 steps, 1 round; no times reported"
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.dry_run:
         a.config, a.steps, a.rounds, a.warmup, a.batch = "debug", 2, 1, 0, 4
     if a.batch % 2:
         ap.error("--batch must be even (2 ranks)")
-    config = a.config if Path(a.config).is_file() else str(ROOT / "experiments" / "configs" / f"{a.config}.yaml")
-    common = ["--config", config, "--trainer.max_steps", str(a.steps), "--trainer.max_epochs", "-1",
-              "--run.checkpoint_every_n_steps", "0", "--trainer.limit_val_batches", "0"]
+    config = (
+        a.config if Path(a.config).is_file() else str(ROOT / "experiments" / "configs" / f"{a.config}.yaml")
+    )
+    common = [
+        "--config",
+        config,
+        "--trainer.max_steps",
+        str(a.steps),
+        "--trainer.max_epochs",
+        "-1",
+        "--run.checkpoint_every_n_steps",
+        "0",
+        "--trainer.limit_val_batches",
+        "0",
+    ]
     results: dict[str, list[dict]] = {name: [] for name in variants(a.batch)}
     from experiments.background import timing
 
@@ -95,15 +139,22 @@ def main(argv: list[str] | None = None) -> int:
             for name, (flags, env) in order:
                 with contextlib.nullcontext() if a.dry_run else timing(progress=True):
                     results[name].append(_run(f"{name}-{r}", flags, env, common, Path(tmp)))
-    report: dict = {"config": a.config, "steps": a.steps, "global_batch": a.batch, "rounds": a.rounds,
-                    "dry_run": a.dry_run, "variants": {}}
+    report: dict = {
+        "config": a.config,
+        "steps": a.steps,
+        "global_batch": a.batch,
+        "rounds": a.rounds,
+        "dry_run": a.dry_run,
+        "variants": {},
+    }
     for name, rounds in results.items():
         assert all(x["global_step"] == a.steps for x in rounds), (name, [x["global_step"] for x in rounds])
-        steps = [t for x in rounds for t in x["step_times_s"][max(a.warmup - 1, 0):]]
+        steps = [t for x in rounds for t in x["step_times_s"][max(a.warmup - 1, 0) :]]
         report["variants"][name] = {
             "median_step_s": None if a.dry_run else statistics.median(steps),
             "wall_s": None if a.dry_run else [x["wall_s"] for x in rounds],
-            "global_step": a.steps, "final_train_loss": [x["final_train_loss"] for x in rounds],
+            "global_step": a.steps,
+            "final_train_loss": [x["final_train_loss"] for x in rounds],
         }
     if not a.dry_run:
         v = report["variants"]

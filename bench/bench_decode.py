@@ -59,8 +59,16 @@ from mtpc.paths import cache_dir  # noqa: E402
 SECTIONS = ("engine", "bf16", "heads")
 BARS = {"step_over_floor": 1.15, "k1_draft_top_adds": 0.15, "cycle_over_hf_generate_step": 1.15}
 
-REPORT = ("mu_acc", "tokens_per_cycle", "mu_lat", "throughput", "speedup_vs_stp", "speedup_vs_ff",
-          "degenerate_fraction", "distinct_4gram_ratio")  # degeneracy beside every acceptance figure
+REPORT = (
+    "mu_acc",
+    "tokens_per_cycle",
+    "mu_lat",
+    "throughput",
+    "speedup_vs_stp",
+    "speedup_vs_ff",
+    "degenerate_fraction",
+    "distinct_4gram_ratio",
+)  # degeneracy beside every acceptance figure
 
 
 def find_head(heads_dir: Path, kind: str, window: int) -> Path | None:
@@ -162,7 +170,9 @@ def engine_section(args) -> dict:
                  "weight_mb": et.weight_bytes(model) / 1e6, "default_layout": default}  # fmt: skip
     floors = et.weight_floors(model)  # one product per weight, per kernel; a plain read
     with torch.inference_mode():
-        steps = et.timed(floors | {k: et.engine_call(e, one, P) for k, e in engines.items()}, args.reps, R, clock=clock)
+        steps = et.timed(
+            floors | {k: et.engine_call(e, one, P) for k, e in engines.items()}, args.reps, R, clock=clock
+        )
         best = min((k for k in floors if k != "read"), key=lambda k: steps["ms"][k])
         steps["rounds_ms"]["floor"] = steps["rounds_ms"][best]  # the fastest product kernel: the floor
         out["step_ms"] = steps["ms"] | {"floor": steps["ms"][best]}
@@ -178,7 +188,9 @@ def engine_section(args) -> dict:
         out["verify_ms"] = vres["ms"]
         for lay in LAYOUTS:
             sfx = "" if lay == default else f"_{lay}"
-            out[f"verify_over_step{sfx}"] = {n: et.ratio(vres, f"verify_{n}{sfx}", f"step{sfx}") for n in (8, 16)}
+            out[f"verify_over_step{sfx}"] = {
+                n: et.ratio(vres, f"verify_{n}{sfx}", f"step{sfx}") for n in (8, 16)
+            }
         for lay in LAYOUTS:
             if lay != default:
                 out[f"{lay}_verify_over_{default}_verify"] = {
@@ -191,8 +203,12 @@ def engine_section(args) -> dict:
             ver_c |= {f"verify_{n}": ver[f"verify_{n}"] for n in (8, 16)}
             cres = et.timed(ver_c, args.reps, R, clock=clock)
             out["verify_ms_compiled"] = cres["ms"]
-            out["verify_over_step_compiled"] = {n: et.ratio(cres, f"verify_{n}_compiled", "step_compiled") for n in (8, 16)}
-            out["compiled_verify_over_eager_verify"] = {n: et.ratio(cres, f"verify_{n}_compiled", f"verify_{n}") for n in (8, 16)}
+            out["verify_over_step_compiled"] = {
+                n: et.ratio(cres, f"verify_{n}_compiled", "step_compiled") for n in (8, 16)
+            }
+            out["compiled_verify_over_eager_verify"] = {
+                n: et.ratio(cres, f"verify_{n}_compiled", f"verify_{n}") for n in (8, 16)
+            }
         hidden = engines["compact_k0"].feed(one).draft_hidden[-1].clone()
         engines["compact_k0"].crop(P)
         hd = {}
@@ -212,10 +228,14 @@ def engine_section(args) -> dict:
     hf_fns = et.hf_generate_step(model, prompt, new, eos)
     rounds: dict[str, list[float]] = {"hf_generate_step": []}
     for name, m in models.items():  # warm-up (and compile)
-        m.generate(prompt, max_new_tokens=new, ban_eos=True), m.generate_plain(prompt, max_new_tokens=new, ban_eos=True)
+        (
+            m.generate(prompt, max_new_tokens=new, ban_eos=True),
+            m.generate_plain(prompt, max_new_tokens=new, ban_eos=True),
+        )
         rounds[f"cycle_{name}"], rounds[f"plain_step_{name}"] = [], []
     for fn in hf_fns.values():
         fn()
+
     def cost(fn) -> float:  # ms of `clock` spent in fn()
         t0 = clock()
         fn()
@@ -227,7 +247,9 @@ def engine_section(args) -> dict:
             rounds["hf_generate_step"].append((t_long - t_one) / (new - 1))
             for name, m in models.items():
                 gen: list = []
-                t_long = cost(lambda m=m, gen=gen: gen.append(m.generate(prompt, max_new_tokens=new, ban_eos=True)))
+                t_long = cost(
+                    lambda m=m, gen=gen: gen.append(m.generate(prompt, max_new_tokens=new, ban_eos=True))
+                )
                 t_one = cost(lambda m=m: m.generate(prompt, max_new_tokens=1, ban_eos=True))
                 rounds[f"cycle_{name}"].append((t_long - t_one) / gen[0].stats.cycles)
                 t_long = cost(lambda m=m: m.generate_plain(prompt, max_new_tokens=new, ban_eos=True))
@@ -290,21 +312,31 @@ def engine_section(args) -> dict:
         r[f"{lay}_step_over_{default}_step"] = et.ratio(steps, f"compact_k0_{lay}", "compact_k0")
         r[f"{lay}_cycle_over_hf_generate_step"] = per_round(f"cycle_compact_{lay}", "hf_generate_step")
         r[f"{lay}_cycle_over_{default}_cycle"] = per_round(f"cycle_compact_{lay}", "cycle_compact")
-        r[f"{lay}_plain_step_over_hf_generate_step"] = per_round(f"plain_step_compact_{lay}", "hf_generate_step")
+        r[f"{lay}_plain_step_over_hf_generate_step"] = per_round(
+            f"plain_step_compact_{lay}", "hf_generate_step"
+        )
     if args.compile:
         r["compiled_step_over_floor"] = et.ratio(steps, "compact_k0_compiled", "floor")
         r["compiled_k1_draft_top_adds"] = et.ratio(steps, "compact_k1_compiled", "compact_k0_compiled") - 1
         r["compiled_cycle_over_hf_generate_step"] = per_round("cycle_compact_compiled", "hf_generate_step")
-        r["compiled_plain_step_over_hf_generate_step"] = per_round("plain_step_compact_compiled", "hf_generate_step")
+        r["compiled_plain_step_over_hf_generate_step"] = per_round(
+            "plain_step_compact_compiled", "hf_generate_step"
+        )
     out["ratios"] = r
     out["bars"] = {k: {"bar": b, "value": r[k], "met": r[k] <= b} for k, b in BARS.items()}
     if args.compile:
         for k, b in BARS.items():
-            out["bars"][f"compiled_{k}"] = {"bar": b, "value": r[f"compiled_{k}"], "met": r[f"compiled_{k}"] <= b}
+            out["bars"][f"compiled_{k}"] = {
+                "bar": b,
+                "value": r[f"compiled_{k}"],
+                "met": r[f"compiled_{k}"] <= b,
+            }
 
     # greedy outputs: HF generate == our plain == our speculative (keep and drop), every engine
     prompts = et.random_prompts(args.identity_prompts, 64, seed=args.seed + 1)
-    out["identity"] = {name: et.greedy_identity(m, prompts, new, hf_model=model, eos=eos) for name, m in models.items()}
+    out["identity"] = {
+        name: et.greedy_identity(m, prompts, new, hf_model=model, eos=eos) for name, m in models.items()
+    }
     return out
 
 
@@ -328,7 +360,10 @@ def bf16_section(args) -> dict:
                 if engine == "compact":
                     res["layout"] = m.engine(True, 8).layout
                 out[f"{tag}_{engine}_n{window}"] = res
-                print(f"bf16 section: {tag} {engine} n={window}: {res['fraction_differ']:.2f} differ", flush=True)
+                print(
+                    f"bf16 section: {tag} {engine} n={window}: {res['fraction_differ']:.2f} differ",
+                    flush=True,
+                )
     out["model"] = label
     out["head"] = "cp r = 2 initialised from the lm_head (noise 0.5), k = 0"
     return out
@@ -375,23 +410,35 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results/decode_cpu.json")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
-    ap.add_argument("--model", default="auto", help="engine/bf16 sections: random | default | <dir> (auto: default if trained)")
+    ap.add_argument(
+        "--model",
+        default="auto",
+        help="engine/bf16 sections: random | default | <dir> (auto: default if trained)",
+    )
     ap.add_argument("--context", type=int, default=256, help="engine section: cached bytes before each step")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--identity-prompts", type=int, default=4)
     ap.add_argument("--bf16-prompts", type=int, default=20)
-    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
-                    help="engine section: this thread's CPU time (robust to other jobs on the core) or wall time")
-    ap.add_argument("--compile", action="store_true", help="engine section: also the compact engine under torch.compile")
+    ap.add_argument(
+        "--clock",
+        choices=("cpu", "wall"),
+        default="cpu",
+        help="engine section: this thread's CPU time (robust to other jobs on the core) or wall time",
+    )
+    ap.add_argument(
+        "--compile", action="store_true", help="engine section: also the compact engine under torch.compile"
+    )
     ap.add_argument("--windows", default="8,16")
     ap.add_argument("--heads-dir", default=str(cache_dir() / "heads"))
     ap.add_argument("--random-rank", type=int, default=8)
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--sets", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier on a shared CPU)")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (1: steadier on a shared CPU)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -427,7 +474,10 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps(report, indent=2) + "\n")
         if name == "engine":
             for k, b in report[name]["bars"].items():
-                print(f"bar {k}: {b['value']:.3f} (<= {b['bar']}: {'met' if b['met'] else 'MISSED'})", flush=True)
+                print(
+                    f"bar {k}: {b['value']:.3f} (<= {b['bar']}: {'met' if b['met'] else 'MISSED'})",
+                    flush=True,
+                )
         print(f"{name}: wrote {out} ({time.time() - t0:.0f} s)", flush=True)
     return 0
 

@@ -33,7 +33,11 @@ sys.path.insert(0, str(ROOT))
 
 
 def third_party() -> Path:
-    for cand in (os.environ.get("MTPC_THIRD_PARTY"), ROOT.parent / "shared" / "third_party", ROOT / "shared" / "third_party"):
+    for cand in (
+        os.environ.get("MTPC_THIRD_PARTY"),
+        ROOT.parent / "shared" / "third_party",
+        ROOT / "shared" / "third_party",
+    ):
         if cand and (Path(cand) / "evabyte_hf" / "modeling_evabyte.py").is_file():
             return Path(cand)
     raise SystemExit("EvaByte's code not found: set MTPC_THIRD_PARTY to the folder holding evabyte_hf/")
@@ -42,7 +46,9 @@ def third_party() -> Path:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--dry", action="store_true", help="CPU, tiny sizes, the tests' triton shim (checks the script only)")
+    ap.add_argument(
+        "--dry", action="store_true", help="CPU, tiny sizes, the tests' triton shim (checks the script only)"
+    )
     ap.add_argument("--new-bytes", type=int, default=64)
     a = ap.parse_args(argv)
     os.environ["MTPC_THIRD_PARTY"] = str(third_party())
@@ -61,7 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path("/tmp") / f"mtpc_evabyte_gpu_{os.getpid()}"
     shim = a.dry  # the tests' triton shim on the CPU; on CUDA EvaByte's own triton kernels
     path = write_tiny_evabyte(out_dir / "ckpt", shim=shim, src=third_party() / "evabyte_hf", **sizes)
-    result: dict = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "sizes": sizes, "runs": []}
+    result: dict = {
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "sizes": sizes,
+        "runs": [],
+    }
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(64, 320, (prompt_len,), generator=g) for _ in range(2)]
 
@@ -76,15 +86,22 @@ def main(argv: list[str] | None = None) -> int:
         own = [real_greedy(bb0.model, p.to(device), a.new_bytes) for p in prompts]
         for k in (0, 2):
             bb = load_tiny_evabyte(path, lora_depth=k, lora_rank=4, shim=shim, dtype=dtype, device=device)
-            mtp = MtpcHead(HeadConfig(kind="ff", window=4, rank=1, vocab=320, hidden=bb.hidden_size, lora_depth=k))
+            mtp = MtpcHead(
+                HeadConfig(kind="ff", window=4, rank=1, vocab=320, hidden=bb.hidden_size, lora_depth=k)
+            )
             mtp.init_from_unembeddings(bb.mtp_unembeddings().float(), noise=0.0)
-            for name, head in (("ff-mtp", mtp), ("cp", {"kind": "cp", "window": 4, "rank": 2, "lora_depth": k, "seed": 0})):
+            for name, head in (
+                ("ff-mtp", mtp),
+                ("cp", {"kind": "cp", "window": 4, "rank": 2, "lora_depth": k, "seed": 0}),
+            ):
                 m = MtpcModel.from_components(bb, head)
                 for i, p in enumerate(prompts):
                     spec = m.generate(p.to(device), max_new_tokens=a.new_bytes, ban_eos=True).ids.tolist()
                     plain = m.generate_plain(p.to(device), max_new_tokens=a.new_bytes, ban_eos=True)
                     ref = own[i]
-                    first_diff = next((j for j, (u, v) in enumerate(zip(spec, ref, strict=False)) if u != v), None)
+                    first_diff = next(
+                        (j for j, (u, v) in enumerate(zip(spec, ref, strict=False)) if u != v), None
+                    )
                     entry["greedy"].append({"k": k, "head": name, "prompt": i, "spec_eq_plain": spec == plain.ids.tolist(),
                                             "spec_eq_own": spec == ref, "first_diff_vs_own": first_diff})  # fmt: skip
         return entry
@@ -94,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
             result["runs"].append(one_dtype(dtype))
         except Exception as e:  # noqa: BLE001 - record it, keep the other dtype and what ran before
             where = [f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)[-4:]]
-            result["runs"].append({"dtype": str(dtype), "error": f"{type(e).__name__}: {e}", "where": where, "greedy": []})
+            result["runs"].append(
+                {"dtype": str(dtype), "error": f"{type(e).__name__}: {e}", "where": where, "greedy": []}
+            )
         Path(a.out).write_text(json.dumps(result, indent=1))  # saved after each dtype
     result["seconds"] = time.time() - t0
     Path(a.out).write_text(json.dumps(result, indent=1))

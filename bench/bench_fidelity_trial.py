@@ -63,9 +63,19 @@ def random_default_shape(directory: Path) -> str:
 
     from mtpc.tokenizer import ByteTokenizer
 
-    cfg = LlamaConfig(vocab_size=320, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
-                      tie_word_embeddings=False, bos_token_id=257, eos_token_id=258, pad_token_id=256)
+    cfg = LlamaConfig(
+        vocab_size=320,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=257,
+        eos_token_id=258,
+        pad_token_id=256,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(directory)
     ByteTokenizer().save_pretrained(directory)
@@ -109,13 +119,28 @@ def measure(args: argparse.Namespace) -> dict:
             self.val.append(time.perf_counter() - self.v)
 
     rows = []
-    points = POINTS if not args.points else [
-        (c, int(n), int(r), int(k), float(b)) for c, n, r, k, b in (p.split(":") for p in args.points.split(","))]
+    points = (
+        POINTS
+        if not args.points
+        else [
+            (c, int(n), int(r), int(k), float(b))
+            for c, n, r, k, b in (p.split(":") for p in args.points.split(","))
+        ]
+    )
     for kind, n, r, k, beta in points:
         timer = StepTimer()
-        over = {"model.backbone": backbone, "model.circuit": kind, "model.window": n, "model.rank": r,
-                "model.lora_depth": k, "model.lora_start_epoch": 0, "model.kl_beta": beta,
-                "trainer.max_steps": args.steps, "run.tracking": False, "run.checkpoint_every_n_steps": 0}
+        over = {
+            "model.backbone": backbone,
+            "model.circuit": kind,
+            "model.window": n,
+            "model.rank": r,
+            "model.lora_depth": k,
+            "model.lora_start_epoch": 0,
+            "model.kl_beta": beta,
+            "trainer.max_steps": args.steps,
+            "run.tracking": False,
+            "run.checkpoint_every_n_steps": 0,
+        }
         t0 = time.perf_counter()
         res = train_head("default", over, run_dir=tmp / f"{kind}{n}{k}{beta}", callbacks=[timer])
         train_wall = time.perf_counter() - t0
@@ -123,24 +148,42 @@ def measure(args: argparse.Namespace) -> dict:
         model = load_for_eval(res.head_dir, res.config)
         load_s = time.perf_counter() - t1
         t2 = time.perf_counter()
-        online = EvalConfig(modes=DECODE_MODES, max_new_tokens=GEN_BYTES, acceptance="online")  # every prompt timed
+        online = EvalConfig(
+            modes=DECODE_MODES, max_new_tokens=GEN_BYTES, acceptance="online"
+        )  # every prompt timed
         evaluate_heads({"head": model}, prompts, online, progress=False)
         eval_s = time.perf_counter() - t2
         t3 = time.perf_counter()
         evaluate_heads({"head": model}, prompts, replace(online, stp=False), progress=False)
         head_s = time.perf_counter() - t3
         step_s = statistics.median(timer.steps[1:])
-        row = {"circuit": kind, "window": n, "rank": r, "lora_depth": k, "kl_beta": beta,
-               "step_s": step_s, "steps_timed": len(timer.steps) - 1, "validation_s": statistics.median(timer.val),
-               "overhead_s": train_wall - sum(timer.steps) - sum(timer.val) + load_s,
-               "generation_pair_s": eval_s / (2 * args.generations),  # STP + head, per 128-byte answer
-               "generation_head_s": head_s / (2 * args.generations),  # the head alone (eval.stp: false)
-               "val_window_nll": res.metrics.get("val_window_nll")}
+        row = {
+            "circuit": kind,
+            "window": n,
+            "rank": r,
+            "lora_depth": k,
+            "kl_beta": beta,
+            "step_s": step_s,
+            "steps_timed": len(timer.steps) - 1,
+            "validation_s": statistics.median(timer.val),
+            "overhead_s": train_wall - sum(timer.steps) - sum(timer.val) + load_s,
+            "generation_pair_s": eval_s / (2 * args.generations),  # STP + head, per 128-byte answer
+            "generation_head_s": head_s / (2 * args.generations),  # the head alone (eval.stp: false)
+            "val_window_nll": res.metrics.get("val_window_nll"),
+        }
         rows.append(row)
         print(json.dumps(row), flush=True)
-    return {"backbone": label, "hardware": hardware(), "threads": 1, "steps": args.steps,
-            "generations": args.generations, "generation_bytes": GEN_BYTES, "load_average_at_end": os.getloadavg(),
-            "note": "shared 2-core CPU; other jobs were running (see load average)", "points": rows}
+    return {
+        "backbone": label,
+        "hardware": hardware(),
+        "threads": 1,
+        "steps": args.steps,
+        "generations": args.generations,
+        "generation_bytes": GEN_BYTES,
+        "load_average_at_end": os.getloadavg(),
+        "note": "shared 2-core CPU; other jobs were running (see load average)",
+        "points": rows,
+    }
 
 
 RATE_POINTS = (("btree", 4, 4, 0.0), ("btree", 8, 16, 0.5))  # the demo's head, the bench head
@@ -168,7 +211,14 @@ def rate(args: argparse.Namespace) -> dict:
     rows = []
     for kind, n, r, beta in RATE_POINTS:
         for k in (0, 1):
-            cfg = {**vars(base.model), "circuit": kind, "window": n, "rank": r, "kl_beta": beta, "lora_depth": k}
+            cfg = {
+                **vars(base.model),
+                "circuit": kind,
+                "window": n,
+                "rank": r,
+                "kl_beta": beta,
+                "lora_depth": k,
+            }
             arms = ["trunk", "cache"] if k == 0 else ["trunk"]
             modules = {}
             for arm in arms:
@@ -181,7 +231,10 @@ def rate(args: argparse.Namespace) -> dict:
                         m.hidden_cache.get(b[0], lambda b=b, m=m: m.backbone(b[0]).verify_hidden)
                 params = [*m.head.parameters(), *m.lora_params]
                 modules[arm] = (m, torch.optim.Adam(params, lr=1e-3))
-            parts = {arm: {p: [] for p in ("trunk", "teacher", "loss_forward", "backward", "adam", "step")} for arm in arms}
+            parts = {
+                arm: {p: [] for p in ("trunk", "teacher", "loss_forward", "backward", "adam", "step")}
+                for arm in arms
+            }
             for _ in range(args.rate_rounds):
                 for arm in arms:
                     m, opt = modules[arm]
@@ -200,8 +253,16 @@ def rate(args: argparse.Namespace) -> dict:
                             with torch.no_grad():
                                 logits = m.backbone.stp_logits(verify.detach())
                         t.append(time.thread_time())
-                        res = window_loss(m.head, e, ids, mask, doc, chunk_size=m.config.chunk_size, teacher_logits=logits,
-                                          kl_beta=beta)
+                        res = window_loss(
+                            m.head,
+                            e,
+                            ids,
+                            mask,
+                            doc,
+                            chunk_size=m.config.chunk_size,
+                            teacher_logits=logits,
+                            kl_beta=beta,
+                        )
                         t.append(time.thread_time())
                         res.loss.backward()
                         t.append(time.thread_time())
@@ -210,35 +271,61 @@ def rate(args: argparse.Namespace) -> dict:
                         t.append(time.thread_time())
                         if i == 0:
                             continue  # the first step of a round warms allocations
-                        for name, a, b in zip(("trunk", "teacher", "loss_forward", "backward", "adam"), t, t[1:], strict=False):
+                        for name, a, b in zip(
+                            ("trunk", "teacher", "loss_forward", "backward", "adam"), t, t[1:], strict=False
+                        ):
                             parts[arm][name].append(b - a)
                         parts[arm]["step"].append(t[-1] - t[0])
             positions = batches[0][0].numel()
             for arm in arms:
                 med = {p: statistics.median(v) for p, v in parts[arm].items()}
-                row = {"circuit": kind, "window": n, "rank": r, "kl_beta": beta, "lora_depth": k, "arm": arm,
-                       "positions_per_step": positions, "step_cpu_s": med["step"],
-                       "positions_per_cpu_s": positions / med["step"],
-                       "share": {p: med[p] / med["step"] for p in med if p != "step"},
-                       "steps_timed": len(parts[arm]["step"])}
+                row = {
+                    "circuit": kind,
+                    "window": n,
+                    "rank": r,
+                    "kl_beta": beta,
+                    "lora_depth": k,
+                    "arm": arm,
+                    "positions_per_step": positions,
+                    "step_cpu_s": med["step"],
+                    "positions_per_cpu_s": positions / med["step"],
+                    "share": {p: med[p] / med["step"] for p in med if p != "step"},
+                    "steps_timed": len(parts[arm]["step"]),
+                }
                 if arm == "cache":
                     hc = modules[arm][0].hidden_cache
-                    row.update(cache_fill_s=hc.fill_s, cache_fill_batches=hc.misses,
-                               speedup_vs_trunk=statistics.median(parts["trunk"]["step"]) / med["step"])
+                    row.update(
+                        cache_fill_s=hc.fill_s,
+                        cache_fill_batches=hc.misses,
+                        speedup_vs_trunk=statistics.median(parts["trunk"]["step"]) / med["step"],
+                    )
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    return {"figure": "trained byte positions per thread-CPU second of the optimizer step (validation, set-up "
-                      "and the cache fill excluded)", "backbone": "default (shipped)", "hardware": hardware(),
-            "threads": 1, "steps_per_round": args.rate_steps - 1, "rounds": args.rate_rounds,
-            "load_average_at_end": os.getloadavg(), "points": rows}
+    return {
+        "figure": "trained byte positions per thread-CPU second of the optimizer step (validation, set-up "
+        "and the cache fill excluded)",
+        "backbone": "default (shipped)",
+        "hardware": hardware(),
+        "threads": 1,
+        "steps_per_round": args.rate_steps - 1,
+        "rounds": args.rate_rounds,
+        "load_average_at_end": os.getloadavg(),
+        "points": rows,
+    }
 
 
 def _nearest(rows: list[dict], point: dict) -> dict:
     """The measured head most like `point`: same circuit, then window, rank, distillation on/off, k."""
+
     def score(r):
-        return ((r["circuit"] != point["circuit"]) * 1000 + (r["window"] != point["window"]) * 100
-                + abs(math.log2(r["rank"]) - math.log2(point["rank"])) * 10
-                + ((r["kl_beta"] > 0) != (point.get("kl_beta", 0.0) > 0)) * 5 + abs(r["lora_depth"] - point["lora_depth"]))
+        return (
+            (r["circuit"] != point["circuit"]) * 1000
+            + (r["window"] != point["window"]) * 100
+            + abs(math.log2(r["rank"]) - math.log2(point["rank"])) * 10
+            + ((r["kl_beta"] > 0) != (point.get("kl_beta", 0.0) > 0)) * 5
+            + abs(r["lora_depth"] - point["lora_depth"])
+        )
+
     return min(rows, key=score)
 
 
@@ -256,7 +343,13 @@ def estimate(measured: Path, spec_path: str, overrides: list[str]) -> dict:
     validations = max(1, steps // every)
     e = spec.eval
     passes = sum(1 for i, _ in enumerate(e.temperatures) for m in e.modes if m == "sample" or i == 0)
-    gens = passes * len(e.eos) * (e.sets + e.dev_sets) * e.n_prompts * (e.max_new_tokens / data["generation_bytes"])
+    gens = (
+        passes
+        * len(e.eos)
+        * (e.sets + e.dev_sets)
+        * e.n_prompts
+        * (e.max_new_tokens / data["generation_bytes"])
+    )
     per_slice: dict[str, float] = {}
     total = 0.0
     from sweeps.spec import grid_key
@@ -268,8 +361,15 @@ def estimate(measured: Path, spec_path: str, overrides: list[str]) -> dict:
         total += s
         for sl in spec.grid_slices[grid_key(p)][:1]:  # charged to its first slice
             per_slice[sl] = per_slice.get(sl, 0.0) + s
-    return {"points": len(spec.grid), "cpu_minutes": total / 60, "per_slice_cpu_minutes": {k: v / 60 for k, v in per_slice.items()},
-            "steps": steps, "validations": validations, "generations_per_trial": gens, "measured": str(measured)}
+    return {
+        "points": len(spec.grid),
+        "cpu_minutes": total / 60,
+        "per_slice_cpu_minutes": {k: v / 60 for k, v in per_slice.items()},
+        "steps": steps,
+        "validations": validations,
+        "generations_per_trial": gens,
+        "measured": str(measured),
+    }
 
 
 def main() -> None:
@@ -279,11 +379,19 @@ def main() -> None:
     p.add_argument("--generations", type=int, default=2, help="held-out prompts evaluated per head and mode")
     p.add_argument("--points", default=None, help="circuit:n:r:k:kl_beta,... instead of the built-in list")
     p.add_argument("--merge", type=Path, default=None, help="append the measured points to this earlier JSON")
-    p.add_argument("--estimate", nargs=2, metavar=("MEASURED_JSON", "SPEC"), help="estimate a spec's CPU time")
+    p.add_argument(
+        "--estimate", nargs=2, metavar=("MEASURED_JSON", "SPEC"), help="estimate a spec's CPU time"
+    )
     p.add_argument("--set", action="append", default=[], help="spec override key=value (with --estimate)")
-    p.add_argument("--rate", action="store_true", help="the head-training rate figure instead (module docstring)")
-    p.add_argument("--rate-steps", type=int, default=6, help="batches per round with --rate (the first warms)")
-    p.add_argument("--rate-rounds", type=int, default=3, help="rounds with --rate (arms interleaved by round)")
+    p.add_argument(
+        "--rate", action="store_true", help="the head-training rate figure instead (module docstring)"
+    )
+    p.add_argument(
+        "--rate-steps", type=int, default=6, help="batches per round with --rate (the first warms)"
+    )
+    p.add_argument(
+        "--rate-rounds", type=int, default=3, help="rounds with --rate (arms interleaved by round)"
+    )
     args = p.parse_args()
     if args.estimate:
         print(json.dumps(estimate(Path(args.estimate[0]), args.estimate[1], args.set), indent=2))

@@ -66,7 +66,9 @@ def hardware_info(device: torch.device) -> dict:
     return {**machine(device), "device": str(device)}
 
 
-def measure_backbone(model, device, ctx: int, args, heads: dict[str, tuple[int, int]], budget: Budget) -> dict:
+def measure_backbone(
+    model, device, ctx: int, args, heads: dict[str, tuple[int, int]], budget: Budget
+) -> dict:
     """Steps, verifies, head + draft and cycles on one backbone (model: an HF LlamaForCausalLM on device)."""
     eos = 257
     prompt = et.random_prompts(1, ctx, seed=0, device=device)[0]
@@ -102,7 +104,13 @@ def measure_backbone(model, device, ctx: int, args, heads: dict[str, tuple[int, 
     # head + draft and the greedy cycle for each head
     hidden = eng.feed(one).draft_hidden[-1].clone()
     eng.crop(ctx)
-    out["head_draft_ms"], out["head_bytes"], out["cycle_ms"], out["cycle_mu_acc"], out["draft_graph_errors"] = {}, {}, {}, {}, {}
+    (
+        out["head_draft_ms"],
+        out["head_bytes"],
+        out["cycle_ms"],
+        out["cycle_mu_acc"],
+        out["draft_graph_errors"],
+    ) = {}, {}, {}, {}, {}
     for name, (rank, delta) in heads.items():
         for kind in CIRCUIT_KINDS:
             if budget.left() < args.reserve_s:
@@ -149,7 +157,10 @@ def part_3b(args, device, budget: Budget, bandwidth: float | None) -> dict:
         vals = {"step_over_bound": out["step_over_bound"], "verify16_over_step": out["verify16_over_step"],
                 "cycle_btree_full_over_step": out["cycle_over_step"].get("btree_full"),
                 "cycle_btree_appG_over_step": out["cycle_over_step"].get("btree_appG")}  # fmt: skip
-        out["bars"] = {k: {"bar": b, "value": vals[k], "met": vals[k] is not None and vals[k] <= b} for k, b in BARS_3B.items()}
+        out["bars"] = {
+            k: {"bar": b, "value": vals[k], "met": vals[k] is not None and vals[k] <= b}
+            for k, b in BARS_3B.items()
+        }
     return out
 
 
@@ -176,7 +187,9 @@ def part_default(args, device, budget: Budget) -> dict:
     out = measure_backbone(model, device, 64 if args.tiny else args.context, args, {"appG": (8, 16)}, budget)
     out["model"] = label
     out["us"] = {k: v * 1e3 for k, v in out.pop("ms").items()}
-    out["head_draft_us"] = {k: {m: t * 1e3 for m, t in v.items()} for k, v in out.pop("head_draft_ms").items()}
+    out["head_draft_us"] = {
+        k: {m: t * 1e3 for m, t in v.items()} for k, v in out.pop("head_draft_ms").items()
+    }
     out["cycle_us"] = {k: v * 1e3 for k, v in out.pop("cycle_ms").items()}
     return out
 
@@ -184,7 +197,10 @@ def part_default(args, device, budget: Budget) -> dict:
 def part_fp32_identity(args, device) -> dict:
     model, label = load_default(args, device, torch.float32)
     if model is None:
-        model, label = et.random_llama(et.TINY_SHAPE if args.tiny else et.DEFAULT_SHAPE, device=device), "random"
+        model, label = (
+            et.random_llama(et.TINY_SHAPE if args.tiny else et.DEFAULT_SHAPE, device=device),
+            "random",
+        )
     bb = BackboneAdapter.from_hf(model, name=label)
     prompts = et.random_prompts(args.identity_prompts, 64, seed=3, device=device)
     out = {"model": label}
@@ -194,7 +210,9 @@ def part_fp32_identity(args, device) -> dict:
     m = MtpcModel(bb, et.stp_copy_head(bb, 8))
     out["cp_lm_head_copy"] = et.greedy_identity(m, prompts, args.new_tokens)
     out["all_identical"] = all(
-        v["spec_eq_plain"] == v["prompts"] and v["drop_eq_plain"] == v["prompts"] for v in out.values() if isinstance(v, dict)
+        v["spec_eq_plain"] == v["prompts"] and v["drop_eq_plain"] == v["prompts"]
+        for v in out.values()
+        if isinstance(v, dict)
     )
     out["cuda_graphs"] = m.cuda_graphs
     return out
@@ -246,7 +264,12 @@ def part_bf16(args, device) -> dict:
     out = {}
     prompts = et.random_prompts(args.bf16_prompts, 64, seed=4, device=device)
     dt = torch.float32 if args.tiny else torch.bfloat16
-    models = {"llama32_3b": lambda: (et.random_llama(et.TINY_SHAPE if args.tiny else et.LLAMA32_3B_SHAPE, dtype=dt, device=device), "random")}
+    models = {
+        "llama32_3b": lambda: (
+            et.random_llama(et.TINY_SHAPE if args.tiny else et.LLAMA32_3B_SHAPE, dtype=dt, device=device),
+            "random",
+        )
+    }
     models["default_model"] = lambda: load_default(args, device, dt)
     for name, build in models.items():
         model, label = build()
@@ -255,7 +278,10 @@ def part_bf16(args, device) -> dict:
             continue
         bb = BackboneAdapter.from_hf(model, name=label)
         m = MtpcModel(bb, et.stp_copy_head(bb, 16))
-        out[name] = et.bf16_divergence(m, prompts, args.new_tokens) | {"dtype": str(dt), "head": "cp r=2 from the lm_head, n=16"}
+        out[name] = et.bf16_divergence(m, prompts, args.new_tokens) | {
+            "dtype": str(dt),
+            "head": "cp r=2 from the lm_head, n=16",
+        }
         del model, bb, m
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -265,7 +291,9 @@ def part_bf16(args, device) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results/gpu.json")
-    ap.add_argument("--default-model", default="", help="directory of the default model (else the shipped one)")
+    ap.add_argument(
+        "--default-model", default="", help="directory of the default model (else the shipped one)"
+    )
     ap.add_argument("--tiny", action="store_true", help="CPU dry run with tiny sizes")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -276,7 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--identity-prompts", type=int, default=3)
     ap.add_argument("--bf16-prompts", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=140.0, help="skip what is left after this many seconds")
-    ap.add_argument("--reserve-s", type=float, default=25.0, help="stop adding heads when less than this is left")
+    ap.add_argument(
+        "--reserve-s", type=float, default=25.0, help="stop adding heads when less than this is left"
+    )
     ap.add_argument("--copy-gib", type=float, default=4.0)
     args = ap.parse_args(argv)
     if args.tiny:
@@ -297,7 +327,10 @@ def main(argv: list[str] | None = None) -> int:
 
     bandwidth = None
     parts = [
-        ("bandwidth", lambda: {"bytes_per_s": et.copy_bandwidth(device, args.copy_gib), "gib": args.copy_gib}),
+        (
+            "bandwidth",
+            lambda: {"bytes_per_s": et.copy_bandwidth(device, args.copy_gib), "gib": args.copy_gib},
+        ),
         ("llama32_3b", lambda: part_3b(args, device, budget, bandwidth)),
         ("fp32_identity", lambda: part_fp32_identity(args, device)),
         ("graph_vs_eager", lambda: part_graph_vs_eager(args, device)),
@@ -312,8 +345,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             report[name] = run()
         except Exception as e:  # noqa: BLE001 - record and go on: one failing part must not lose the others
-            tb = traceback.extract_tb(e.__traceback__)[-4:]  # where it broke: the device run is read afterwards
-            report[name] = {"error": f"{type(e).__name__}: {e}", "where": [f"{f.filename}:{f.lineno} {f.name}" for f in tb]}
+            tb = traceback.extract_tb(e.__traceback__)[
+                -4:
+            ]  # where it broke: the device run is read afterwards
+            report[name] = {
+                "error": f"{type(e).__name__}: {e}",
+                "where": [f"{f.filename}:{f.lineno} {f.name}" for f in tb],
+            }
         report[name]["part_s"] = time.time() - t0
         if name == "bandwidth" and "bytes_per_s" in report[name]:
             bandwidth = report[name]["bytes_per_s"]

@@ -57,7 +57,9 @@ FLUSH_BYTES = 256 * 2**20
 def make_head(kind: str, n: int, r: int, v: int, d: int, k: int, seed: int) -> MtpcHead:
     """A head parameterised like the trained ones (App. G leaves, float32), with random weights:
     leaves from a random unembedding (init_from_unembeddings), sum weights small random."""
-    return random_head(HeadConfig(kind, n, r, v, d, leaf_delta_rank=k), seed, init="unembedding", sum_std=0.02)
+    return random_head(
+        HeadConfig(kind, n, r, v, d, leaf_delta_rank=k), seed, init="unembedding", sum_std=0.02
+    )
 
 
 class StandIn:
@@ -68,9 +70,16 @@ class StandIn:
         from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(seed)
-        cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
-                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
-                          tie_word_embeddings=False)
+        cfg = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+        )
         self.model = LlamaForCausalLM(cfg).eval()
         self.bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         params = inspect.signature(self.model.forward).parameters  # transformers renamed the cache argument
@@ -98,7 +107,9 @@ def _bench_head(head, kind, n, r, v, d, k, rounds, flush, step, seed) -> dict:
     g = torch.Generator().manual_seed(seed + 2)
     paths = {}
     for greedy, mode in ((False, "sample"), (True, "greedy")):
-        paths[f"old_{mode}"] = lambda greedy=greedy: c._draft(c.normalize(head(e)), prefix, generator=g, greedy=greedy)
+        paths[f"old_{mode}"] = lambda greedy=greedy: c._draft(
+            c.normalize(head(e)), prefix, generator=g, greedy=greedy
+        )
         paths[f"new_{mode}"] = lambda greedy=greedy: dec.draft(e, prefix, generator=g, greedy=greedy)
         paths[f"addmm_{mode}"] = lambda greedy=greedy: mkl.draft(e, prefix, generator=g, greedy=greedy)
     paths["new_greedy_x_only"] = lambda: dec.draft(e, prefix, generator=g, greedy=True, conditionals=False)
@@ -127,9 +138,22 @@ def _bench_head(head, kind, n, r, v, d, k, rounds, flush, step, seed) -> dict:
                     wall[(cond, name)].append(t1 - t0)
                     cpu[(cond, name)].append(c1 - c0)
     size = flush.numel() * flush.element_size()
-    row = {"kind": kind, "n": n, "r": r, "v": v, "d": d, "leaf_delta_rank": k, "dtype": "float32",
-           "params": sum(p.numel() for p in head.parameters()), "weight_bytes": nbytes, "new_onednn": dec.onednn}
-    for suffix, reads in (("", read), ("_cpu", read_cpu)):  # wall, and CPU time (robust to waiting for a core)
+    row = {
+        "kind": kind,
+        "n": n,
+        "r": r,
+        "v": v,
+        "d": d,
+        "leaf_delta_rank": k,
+        "dtype": "float32",
+        "params": sum(p.numel() for p in head.parameters()),
+        "weight_bytes": nbytes,
+        "new_onednn": dec.onednn,
+    }
+    for suffix, reads in (
+        ("", read),
+        ("_cpu", read_cpu),
+    ):  # wall, and CPU time (robust to waiting for a core)
         bandwidth = size / statistics.median(reads)  # bytes / s
         row[f"read{suffix}_GBps"] = bandwidth / 1e9
         row[f"floor{suffix}_ms"] = 1e3 * nbytes / bandwidth
@@ -140,9 +164,13 @@ def _bench_head(head, kind, n, r, v, d, k, rounds, flush, step, seed) -> dict:
     for cond in conditions:
         for mode in DECODE_MODES:
             row[f"{cond}_new_{mode}_over_floor"] = row[f"{cond}_new_{mode}_ms"] / row["floor_ms"]
-            row[f"{cond}_new_{mode}_cpu_over_floor_cpu"] = row[f"{cond}_new_{mode}_cpu_ms"] / row["floor_cpu_ms"]
+            row[f"{cond}_new_{mode}_cpu_over_floor_cpu"] = (
+                row[f"{cond}_new_{mode}_cpu_ms"] / row["floor_cpu_ms"]
+            )
             row[f"{cond}_old_over_new_{mode}"] = row[f"{cond}_old_{mode}_ms"] / row[f"{cond}_new_{mode}_ms"]
-            row[f"{cond}_new_over_addmm_{mode}"] = row[f"{cond}_new_{mode}_ms"] / row[f"{cond}_addmm_{mode}_ms"]
+            row[f"{cond}_new_over_addmm_{mode}"] = (
+                row[f"{cond}_new_{mode}_ms"] / row[f"{cond}_addmm_{mode}_ms"]
+            )
     for mode in ("sample", "greedy", "greedy_x_only"):
         row[f"bar_met_{mode}"] = row[f"loop_new_{mode}_ms"] <= row["bar_ms"]
         row[f"bar_met_{mode}_cpu"] = row[f"loop_new_{mode}_cpu_ms"] <= row["bar_cpu_ms"]
@@ -150,22 +178,49 @@ def _bench_head(head, kind, n, r, v, d, k, rounds, flush, step, seed) -> dict:
 
 
 def table(rows) -> str:
-    cols = ["kind", "r", "read_GBps", "floor_ms", "bar_ms", "loop_old_sample_ms", "loop_new_sample_ms",
-            "loop_addmm_greedy_ms", "loop_new_greedy_ms", "loop_new_greedy_x_only_ms", "loop_new_params_ms", "loop_draft_sample_ms",
-            "cold_new_sample_ms", "read_cpu_GBps", "bar_cpu_ms", "loop_new_sample_cpu_ms", "loop_new_greedy_cpu_ms"]
+    cols = [
+        "kind",
+        "r",
+        "read_GBps",
+        "floor_ms",
+        "bar_ms",
+        "loop_old_sample_ms",
+        "loop_new_sample_ms",
+        "loop_addmm_greedy_ms",
+        "loop_new_greedy_ms",
+        "loop_new_greedy_x_only_ms",
+        "loop_new_params_ms",
+        "loop_draft_sample_ms",
+        "cold_new_sample_ms",
+        "read_cpu_GBps",
+        "bar_cpu_ms",
+        "loop_new_sample_cpu_ms",
+        "loop_new_greedy_cpu_ms",
+    ]
     out = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
     for row in rows:
-        out += "| " + " | ".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in cols) + " |\n"
+        out += (
+            "| "
+            + " | ".join(f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in cols)
+            + " |\n"
+        )
     return out
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("bench/results/head_cpu.json"))
-    ap.add_argument("--rounds", type=int, default=30, help="timed rounds per head (each times every path once per condition)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=30,
+        help="timed rounds per head (each times every path once per condition)",
+    )
     ap.add_argument("--vocab", type=int, default=320)
     ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--leaf-delta-rank", type=int, default=16, help="App. G delta rank k of the trained heads")
+    ap.add_argument(
+        "--leaf-delta-rank", type=int, default=16, help="App. G delta rank k of the trained heads"
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--heads", nargs="+", default=[f"{k}:{n}:{r}" for k, n, r in HEADS], help="kind:n:r ...")
     args = ap.parse_args(argv)
@@ -188,11 +243,19 @@ def main(argv=None) -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
     info["loadavg_end"] = list(os.getloadavg())
-    checks = {f"{row['kind']}_n{row['n']}_r{row['r']}_bar_met_{m}{t}": row[f"bar_met_{m}{t}"]
-              for row in rows if (row["kind"], row["n"], row["r"]) in BAR_HEADS
-              for m in ("sample", "greedy", "greedy_x_only") for t in ("", "_cpu")}
-    result = {"machine": info, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "heads": rows, "checks": checks}
+    checks = {
+        f"{row['kind']}_n{row['n']}_r{row['r']}_bar_met_{m}{t}": row[f"bar_met_{m}{t}"]
+        for row in rows
+        if (row["kind"], row["n"], row["r"]) in BAR_HEADS
+        for m in ("sample", "greedy", "greedy_x_only")
+        for t in ("", "_cpu")
+    }
+    result = {
+        "machine": info,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "heads": rows,
+        "checks": checks,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(table(rows))

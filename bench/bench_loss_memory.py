@@ -126,14 +126,26 @@ def compare(naive_path: str, chunked_path: str) -> dict:
             "max_abs_err_over_max_abs": rel,
             "norm_rel_err": ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item(),
             # elementwise rtol on float32 sums with cancellation is rounding-dominated; informative only
-            "elementwise_allclose_rtol1e-4_atol1e-6max": torch.allclose(got, ref, rtol=1e-4, atol=1e-6 * scale),
+            "elementwise_allclose_rtol1e-4_atol1e-6max": torch.allclose(
+                got, ref, rtol=1e-4, atol=1e-6 * scale
+            ),
         }
     return {"loss_rel_err": loss_rel, "loss_ok": loss_rel <= 1e-5, "grads_ok": bool(ok), "grads": worst}
 
 
 def run_mode(mode: str, kind: str, delta: int, args: argparse.Namespace, grads_path: str) -> dict:
-    cmd = [sys.executable, __file__, "--worker", mode, "--kind", kind, "--grads", grads_path,
-           "--leaf-delta-rank", str(delta)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        mode,
+        "--kind",
+        kind,
+        "--grads",
+        grads_path,
+        "--leaf-delta-rank",
+        str(delta),
+    ]
     for k in ("seq_len", "window", "rank", "vocab", "hidden", "chunk_size", "repeats"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -155,9 +167,15 @@ def main() -> None:
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--repeats", type=int, default=2, help="timed steps after one warm-up, per process")
     p.add_argument("--rounds", type=int, default=2, help="fresh naive + chunked processes, alternating")
-    p.add_argument("--against", choices=["naive", "ce"], default="naive",
-                   help="naive: chunked CE vs naive CE; ce: chunked distillation vs chunked CE")
-    p.add_argument("--leaf-delta-ranks", default="0", help="comma-separated leaf forms (0 full, k > 0 App. G)")
+    p.add_argument(
+        "--against",
+        choices=["naive", "ce"],
+        default="naive",
+        help="naive: chunked CE vs naive CE; ce: chunked distillation vs chunked CE",
+    )
+    p.add_argument(
+        "--leaf-delta-ranks", default="0", help="comma-separated leaf forms (0 full, k > 0 App. G)"
+    )
     p.add_argument("--worker", choices=["naive", "chunked", "kl"], help=argparse.SUPPRESS)
     p.add_argument("--kind", help=argparse.SUPPRESS)
     p.add_argument("--leaf-delta-rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -172,7 +190,12 @@ def main() -> None:
     base, new = ("naive", "chunked") if args.against == "naive" else ("chunked", "kl")
     mem_bar, time_bar = (0.25, 1.3) if args.against == "naive" else (1.5, 1.5)
     results = []
-    forms = [(k.strip(), int(dr)) for k in args.kinds.split(",") if k.strip() for dr in args.leaf_delta_ranks.split(",")]
+    forms = [
+        (k.strip(), int(dr))
+        for k in args.kinds.split(",")
+        if k.strip()
+        for dr in args.leaf_delta_ranks.split(",")
+    ]
     for kind, delta in forms:
         with tempfile.TemporaryDirectory() as tmp:
             rounds = {base: [], new: []}
@@ -180,18 +203,29 @@ def main() -> None:
                 for mode in (base, new):
                     run = run_mode(mode, kind, delta, args, os.path.join(tmp, f"{mode}.pt"))
                     rounds[mode].append(run)
-                    print(f"{kind} delta={delta} {mode}: {run['median_s']:.2f} s, peak above params+grads "
-                          f"{run['peak_above_params_and_grads_bytes'] / 2**20:.0f} MiB", flush=True)
+                    print(
+                        f"{kind} delta={delta} {mode}: {run['median_s']:.2f} s, peak above params+grads "
+                        f"{run['peak_above_params_and_grads_bytes'] / 2**20:.0f} MiB",
+                        flush=True,
+                    )
             runs = {
                 mode: {
                     "median_s": statistics.median(t for r in rs for t in r["times_s"]),
-                    "peak_above_params_and_grads_bytes": max(r["peak_above_params_and_grads_bytes"] for r in rs),
+                    "peak_above_params_and_grads_bytes": max(
+                        r["peak_above_params_and_grads_bytes"] for r in rs
+                    ),
                     "rounds": rs,
                 }
                 for mode, rs in rounds.items()
             }
-            check = compare(os.path.join(tmp, "naive.pt"), os.path.join(tmp, "chunked.pt")) if base == "naive" else {}
-        mem_ratio = runs[new]["peak_above_params_and_grads_bytes"] / runs[base]["peak_above_params_and_grads_bytes"]
+            check = (
+                compare(os.path.join(tmp, "naive.pt"), os.path.join(tmp, "chunked.pt"))
+                if base == "naive"
+                else {}
+            )
+        mem_ratio = (
+            runs[new]["peak_above_params_and_grads_bytes"] / runs[base]["peak_above_params_and_grads_bytes"]
+        )
         time_ratio = runs[new]["median_s"] / runs[base]["median_s"]
         row = {
             "kind": kind,
@@ -205,12 +239,28 @@ def main() -> None:
             "time_ok": time_ratio <= time_bar,
         }
         agreement = f", loss ok {check['loss_ok']}, grads ok {check['grads_ok']}" if check else ""
-        print(f"{kind} delta={delta}: {new}/{base} memory ratio {mem_ratio:.3f} (<= {mem_bar}: {row['memory_ok']}), "
-              f"time ratio {time_ratio:.2f} (<= {time_bar}: {row['time_ok']}){agreement}", flush=True)
+        print(
+            f"{kind} delta={delta}: {new}/{base} memory ratio {mem_ratio:.3f} (<= {mem_bar}: {row['memory_ok']}), "
+            f"time ratio {time_ratio:.2f} (<= {time_bar}: {row['time_ok']}){agreement}",
+            flush=True,
+        )
         results.append(row)
     report = {
-        "config": {k: getattr(args, k) for k in ("seq_len", "window", "rank", "vocab", "hidden", "chunk_size", "repeats",
-                                                 "rounds", "against", "leaf_delta_ranks")},
+        "config": {
+            k: getattr(args, k)
+            for k in (
+                "seq_len",
+                "window",
+                "rank",
+                "vocab",
+                "hidden",
+                "chunk_size",
+                "repeats",
+                "rounds",
+                "against",
+                "leaf_delta_ranks",
+            )
+        },
         "machine": {
             **machine(),
             "load_average_at_end": os.getloadavg(),
@@ -222,7 +272,10 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.out}")
-    if not all(r.get("loss_ok", True) and r.get("grads_ok", True) and r["memory_ok"] and r["time_ok"] for r in results):
+    if not all(
+        r.get("loss_ok", True) and r.get("grads_ok", True) and r["memory_ok"] and r["time_ok"]
+        for r in results
+    ):
         sys.exit(1)
 
 

@@ -158,7 +158,9 @@ def measure(args) -> dict:
     fuses = fused_pass_applies(bb, args.batch)
     two_step = args.two_step or not fuses  # continuations + teacher_force, timed beside the fused path
     for mode in args.modes:
-        cfg = DecodeConfig(max_new_tokens=args.max_new_tokens, mode=mode, eos_id=bb.eos_token_id, ban_eos=True)
+        cfg = DecodeConfig(
+            max_new_tokens=args.max_new_tokens, mode=mode, eos_id=bb.eos_token_id, ban_eos=True
+        )
         rec = {"continuations_s": 0.0, "pass_s": 0.0, "per_head_s": [0.0] * len(models), "online_s": 0.0,
                "metrics": [], "greedy_prompts_differing": 0, "d_accepted": [], "d_cycles": [], "fused_s": 0.0,
                "fused_texts_differing": 0, "greedy_texts_differing_online": 0}  # fmt: skip
@@ -166,7 +168,9 @@ def measure(args) -> dict:
             seeds = list(range(len(prompts)))
             if two_step:
                 t0 = _clock(args.device)
-                ys = continuations(bb, prompts, cfg, seeds=seeds, batch_size=args.batch, slot_budget=args.slot_budget)
+                ys = continuations(
+                    bb, prompts, cfg, seeds=seeds, batch_size=args.batch, slot_budget=args.slot_budget
+                )
                 t1 = _clock(args.device)
                 tf = teacher_force(bb, prompts, ys, cfg)
                 t2 = _clock(args.device)
@@ -174,10 +178,14 @@ def measure(args) -> dict:
                 rec["pass_s"] += t2 - t1
             if fuses:  # the suite's path for k = 0 on the compact forward
                 t = _clock(args.device)
-                fused = decode_and_force(bb, prompts, cfg, seeds=seeds, batch_size=args.batch, slot_budget=args.slot_budget)
+                fused = decode_and_force(
+                    bb, prompts, cfg, seeds=seeds, batch_size=args.batch, slot_budget=args.slot_budget
+                )
                 rec["fused_s"] += _clock(args.device) - t
                 if two_step:
-                    rec["fused_texts_differing"] += sum(a != b for a, b in zip(fused.continuations, ys, strict=True))
+                    rec["fused_texts_differing"] += sum(
+                        a != b for a, b in zip(fused.continuations, ys, strict=True)
+                    )
                 tf = fused  # the heads below read the fused pass (the suite's path for k = 0)
             offline = []
             for j, m in enumerate(models):
@@ -194,12 +202,19 @@ def measure(args) -> dict:
                 texts.append(g.ids.tolist())
                 online.append(g.stats)
             rec["online_s"] += _clock(args.device) - t
-            paired = offline_acceptance(teacher_force(bb, prompts, texts, cfg), m.head)  # on the loop's own texts
+            paired = offline_acceptance(
+                teacher_force(bb, prompts, texts, cfg), m.head
+            )  # on the loop's own texts
             if mode == "greedy":  # the suite's offline texts (fused, batched) against the loop's own
-                rec["greedy_texts_differing_online"] += sum(a != b for a, b in zip(tf.continuations, texts, strict=True))
+                rec["greedy_texts_differing_online"] += sum(
+                    a != b for a, b in zip(tf.continuations, texts, strict=True)
+                )
             for st, off in zip(online, paired, strict=True):
                 if mode == "greedy":
-                    differs = st.accepted_length_histogram != off.accepted_length_histogram or st.cycles != off.cycles
+                    differs = (
+                        st.accepted_length_histogram != off.accepted_length_histogram
+                        or st.cycles != off.cycles
+                    )
                     rec["greedy_prompts_differing"] += int(differs)
                 rec["d_accepted"].append(st.mu_acc * st.cycles - off.accepted)
                 rec["d_cycles"].append(st.cycles - off.cycles)
@@ -208,7 +223,9 @@ def measure(args) -> dict:
         else:  # not measured: left out rather than written as 0
             for k in ("continuations_s", "pass_s", "fused_texts_differing"):
                 rec.pop(k)
-        offline_one = (rec["fused_s"] if fuses else rec["continuations_s"] + rec["pass_s"]) + rec["per_head_s"][0]
+        offline_one = (rec["fused_s"] if fuses else rec["continuations_s"] + rec["pass_s"]) + rec[
+            "per_head_s"
+        ][0]
         rec["offline_one_head_s"] = offline_one  # the suite's path: fused when k = 0 on the compact forward
         if args.online:
             rec["speedup_one_head"] = rec["online_s"] / offline_one
@@ -228,19 +245,39 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--heads", type=int, default=1, help="heads sharing one pass per prompt set")
     p.add_argument("--window", type=int, default=8)
-    p.add_argument("--batch", type=int, default=CONTINUATION_BATCH, help="at most this many prompts decoded at once for the continuations")
-    p.add_argument("--no-two-step", dest="two_step", action="store_false",
-                   help="time only the fused path (decode_and_force), not continuations + teacher_force beside it")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=CONTINUATION_BATCH,
+        help="at most this many prompts decoded at once for the continuations",
+    )
+    p.add_argument(
+        "--no-two-step",
+        dest="two_step",
+        action="store_false",
+        help="time only the fused path (decode_and_force), not continuations + teacher_force beside it",
+    )
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--prompt-source", default="heldout",
-                   help="heldout (the bundled corpus's held-out prompts) or a .jsonl of them (experiments.evaluate)")
+    p.add_argument(
+        "--prompt-source",
+        default="heldout",
+        help="heldout (the bundled corpus's held-out prompts) or a .jsonl of them (experiments.evaluate)",
+    )
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--slot-budget", type=int, default=None,
-                   help="at most this many key slots allocated a batch (default: offline.KV_BUDGET_BYTES of keys and values)")
-    p.add_argument("--modes", nargs="+", choices=DECODE_MODES, default=list(DECODE_MODES), help="greedy, sample or both")
+    p.add_argument(
+        "--slot-budget",
+        type=int,
+        default=None,
+        help="at most this many key slots allocated a batch (default: offline.KV_BUDGET_BYTES of keys and values)",
+    )
+    p.add_argument(
+        "--modes", nargs="+", choices=DECODE_MODES, default=list(DECODE_MODES), help="greedy, sample or both"
+    )
     p.add_argument("--no-online", dest="online", action="store_false", help="skip the online arm")
     p.add_argument("--tiny", action="store_true", help="dry run on a random tiny Llama")
-    p.add_argument("--prefill-only", action="store_true", help="time only the prompts' prefill (both arms pay it)")
+    p.add_argument(
+        "--prefill-only", action="store_true", help="time only the prompts' prefill (both arms pay it)"
+    )
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     result = measure_prefill(args) if args.prefill_only else measure(args)
@@ -251,7 +288,14 @@ def main(argv: list[str] | None = None) -> dict:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
     modes = result.get("modes")
-    print(json.dumps({m: {k: v for k, v in r.items() if k != "metrics"} for m, r in modes.items()} if modes else result, indent=1))
+    print(
+        json.dumps(
+            {m: {k: v for k, v in r.items() if k != "metrics"} for m, r in modes.items()}
+            if modes
+            else result,
+            indent=1,
+        )
+    )
     return result
 
 

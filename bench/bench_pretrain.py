@@ -26,9 +26,16 @@ SHAPES = {  # name: (layers, d, heads, kv_heads, ffn)
 
 def build(shape) -> LlamaForCausalLM:
     layers, d, heads, kv, ffn = shape
-    cfg = LlamaConfig(vocab_size=320, hidden_size=d, intermediate_size=ffn, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=320,
+        hidden_size=d,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     cfg._attn_implementation = "sdpa"
     return LlamaForCausalLM(cfg)
 
@@ -85,8 +92,15 @@ def main() -> None:
         for seq, threads, bf16 in itertools.product(args.seqs, args.threads, (False, True)):
             torch.set_num_threads(threads)
             rate = train_rate(model, seq, max(1, args.bytes_per_step // seq), bf16)
-            row = dict(shape=name, params=params, seq_len=seq, threads=threads, bf16=bf16,
-                       train_bytes_per_s=round(rate, 1), decode_step_ms_1thread=round(step, 3))
+            row = dict(
+                shape=name,
+                params=params,
+                seq_len=seq,
+                threads=threads,
+                bf16=bf16,
+                train_bytes_per_s=round(rate, 1),
+                decode_step_ms_1thread=round(step, 3),
+            )
             print(json.dumps(row), flush=True)
             rows.append(row)
     old = [r for r in rows if r["shape"] == "old-4x512-f1024"]

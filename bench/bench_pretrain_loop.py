@@ -36,7 +36,9 @@ from mtpc.data import pack, sharegpt_corpus
 from mtpc.tokenizer import ByteTokenizer
 from tracking.runs import machine
 
-SHAPE = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=1024, max_context=4096)
+SHAPE = dict(
+    hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=1024, max_context=4096
+)
 
 
 def _model(seed: int = 0):
@@ -84,16 +86,27 @@ def _lightning_times(model, opt, batches, bf16: bool) -> list[float]:
         def on_train_end(self, *a):
             starts.append(time.perf_counter())
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed" if bf16 else "32-true", max_steps=len(batches),
-                        logger=False, enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
-                        gradient_clip_val=1.0, callbacks=[Clock()])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision="bf16-mixed" if bf16 else "32-true",
+        max_steps=len(batches),
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        gradient_clip_val=1.0,
+        callbacks=[Clock()],
+    )
     trainer.fit(Module(), torch.utils.data.DataLoader(batches, batch_size=None))
     return [b - a for a, b in zip(starts[1:-1], starts[2:], strict=True)]  # the first step (set-up) left out
 
 
 def measure(rounds: int, steps: int, threads: int) -> dict:
     corpus = sharegpt_corpus(progress=False).train[:400]
-    rows = {s: TrainRows(pack(corpus, ByteTokenizer(), s, max_rows=64), b, 0) for s, b in ((512, 8), (2048, 2))}
+    rows = {
+        s: TrainRows(pack(corpus, ByteTokenizer(), s, max_rows=64), b, 0) for s, b in ((512, 8), (2048, 2))
+    }
     variants = {
         "ours": dict(seq=512, threads=threads, bf16=True),
         "ours_1thread": dict(seq=512, threads=1, bf16=True),
@@ -125,8 +138,13 @@ def measure(rounds: int, steps: int, threads: int) -> dict:
     for name, v in variants.items():
         med = statistics.median(times[name])
         rate = v["seq"] * (8 if v["seq"] == 512 else 2) / med
-        out[name] = {"bytes_per_s": rate, "step_s_median": med, "steps": len(times[name]),
-                     "flops_per_s": rate * flops(v["seq"]), "threads": v["threads"]}
+        out[name] = {
+            "bytes_per_s": rate,
+            "step_s_median": med,
+            "steps": len(times[name]),
+            "flops_per_s": rate * flops(v["seq"]),
+            "threads": v["threads"],
+        }
     for name in out:
         out[name]["ratio_to_ours"] = out[name]["bytes_per_s"] / out["ours"]["bytes_per_s"]
     out["data"] = {"batch_s": data_s, "share_of_ours_step": data_s / out["ours"]["step_s_median"]}
@@ -145,9 +163,13 @@ def main(argv=None) -> None:
     res["machine"] = {**machine(), "command": "python bench/bench_pretrain_loop.py"}
     for name, r in res.items():
         if "bytes_per_s" in r:
-            print(f"{name:14s} {r['bytes_per_s']:8,.0f} B/s  {r['ratio_to_ours']:.2f}x ours  "
-                  f"{r['flops_per_s'] / 1e9:6.1f} GFLOP/s  ({r['steps']} steps, {r['threads']} threads)")
-    print(f"data: {res['data']['batch_s'] * 1e3:.2f} ms per batch ({res['data']['share_of_ours_step']:.2%} of a step)")
+            print(
+                f"{name:14s} {r['bytes_per_s']:8,.0f} B/s  {r['ratio_to_ours']:.2f}x ours  "
+                f"{r['flops_per_s'] / 1e9:6.1f} GFLOP/s  ({r['steps']} steps, {r['threads']} threads)"
+            )
+    print(
+        f"data: {res['data']['batch_s'] * 1e3:.2f} ms per batch ({res['data']['share_of_ours_step']:.2%} of a step)"
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=2)

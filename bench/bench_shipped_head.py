@@ -55,7 +55,9 @@ def _model(head: str, dry_run: bool) -> MtpcModel:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--head", default="default", help="'default', 'shipped:<name>' or a head export directory")
+    ap.add_argument(
+        "--head", default="default", help="'default', 'shipped:<name>' or a head export directory"
+    )
     ap.add_argument("--sets", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=32, help="prompts per set")
     ap.add_argument("--bytes", type=int, default=128, help="new bytes per prompt")
@@ -63,7 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="greedy,sample")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--dry-run", action="store_true", help="a tiny random model and head, 2 prompts: checks the bench runs")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="a tiny random model and head, 2 prompts: checks the bench runs",
+    )
     a = ap.parse_args(argv)
     if a.dry_run:
         a.sets, a.prompts, a.bytes, a.rounds = 1, 2, 8, 1
@@ -73,11 +79,14 @@ def main(argv: list[str] | None = None) -> int:
 
     model = _model(a.head, a.dry_run)
     prompts = _prompts(a.sets, a.prompts, a.dry_run)
-    result = {"command": "python bench/bench_shipped_head.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "machine": f"{machine_line(machine())}; L3 {l3_cache()}",
-              "head": a.head if not a.dry_run else "dry-run",
-              "prompts": f"{a.sets} held-out sets x {a.prompts} prompts x {a.bytes} bytes, EOS banned, {a.rounds} rounds",
-              "date": time.strftime("%Y-%m-%d"), "modes": {}}
+    result = {
+        "command": "python bench/bench_shipped_head.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": f"{machine_line(machine())}; L3 {l3_cache()}",
+        "head": a.head if not a.dry_run else "dry-run",
+        "prompts": f"{a.sets} held-out sets x {a.prompts} prompts x {a.bytes} bytes, EOS banned, {a.rounds} rounds",
+        "date": time.strftime("%Y-%m-%d"),
+        "modes": {},
+    }
     with timing(progress=True):  # one timer on the machine; registered background work paused
         for mode in a.modes.split(","):
             result["modes"][mode] = measure_speedup(model, prompts, mode, a.bytes, a.rounds, a.temperature)

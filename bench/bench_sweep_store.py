@@ -39,15 +39,29 @@ GRID = {"a": {"circuit": ["cp", "hmm"], "rank": [2, 4], "window": [4, 8], "lora_
 POINTS = 16
 
 
-def _run(tmp: Path, study: str, workers: int, steps: int, step_seconds: float, storage: str | None, uri: str) -> float:
+def _run(
+    tmp: Path, study: str, workers: int, steps: int, step_seconds: float, storage: str | None, uri: str
+) -> float:
     extra = {"storage": storage} if storage else {}
-    spec = fixture_spec(tmp, study, tracking_uri=uri, space={"kind": "grid", "slices": GRID},
-                        fixture={"steps": steps, "step_seconds": step_seconds}, **extra)
+    spec = fixture_spec(
+        tmp,
+        study,
+        tracking_uri=uri,
+        space={"kind": "grid", "slices": GRID},
+        fixture={"steps": steps, "step_seconds": step_seconds},
+        **extra,
+    )
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("MTPC_OPTUNA_STORAGE", None)
     t = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "sweeps.run", str(spec), "--workers", str(workers)], env=env, cwd=REPO,
-                       capture_output=True, text=True, timeout=3600)
+    r = subprocess.run(
+        [sys.executable, "-m", "sweeps.run", str(spec), "--workers", str(workers)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     dt = time.perf_counter() - t
     if r.returncode != 0:
         raise RuntimeError(f"{study}: sweeps.run exited {r.returncode}: {r.stderr[-1000:]}")
@@ -68,7 +82,11 @@ def main(argv=None) -> None:
         pg = None
         if "postgres" in args.stores:
             r = subprocess.run(["bash", str(SCRIPT), "start"], capture_output=True, text=True, check=True)
-            pg = dict(line[len("export "):].split("=", 1) for line in r.stdout.splitlines() if line.startswith("export "))
+            pg = dict(
+                line[len("export ") :].split("=", 1)
+                for line in r.stdout.splitlines()
+                if line.startswith("export ")
+            )
         try:
             for store in args.stores:
                 for w in args.workers:
@@ -76,27 +94,54 @@ def main(argv=None) -> None:
                     tmp = d / study
                     tmp.mkdir()
                     if store == "journal":
-                        dt = _run(tmp, study, w, args.steps, args.step_seconds, None,
-                                  fresh_tracking_uri(tmp / "mlflow"))
+                        dt = _run(
+                            tmp,
+                            study,
+                            w,
+                            args.steps,
+                            args.step_seconds,
+                            None,
+                            fresh_tracking_uri(tmp / "mlflow"),
+                        )
                     else:
                         for db in (f"optuna_{w}", f"mlflow_{w}"):
-                            subprocess.run(["bash", str(SCRIPT), "createdb", pg["MTPC_PG_DIR"], db], check=True)
+                            subprocess.run(
+                                ["bash", str(SCRIPT), "createdb", pg["MTPC_PG_DIR"], db], check=True
+                            )
                         proc, uri = start_server(tmp / "server", backend=f"{pg['MTPC_PG_URL']}/mlflow_{w}")
                         try:
-                            dt = _run(tmp, study, w, args.steps, args.step_seconds,
-                                      f"{pg['MTPC_PG_URL']}/optuna_{w}", uri)
+                            dt = _run(
+                                tmp,
+                                study,
+                                w,
+                                args.steps,
+                                args.step_seconds,
+                                f"{pg['MTPC_PG_URL']}/optuna_{w}",
+                                uri,
+                            )
                         finally:
                             stop_server(proc)
-                    row = {"store": store, "workers": w, "points": POINTS, "wall_s": dt,
-                           "trials_per_minute": POINTS / dt * 60,
-                           "sleep_per_trial_s": args.steps * args.step_seconds}
+                    row = {
+                        "store": store,
+                        "workers": w,
+                        "points": POINTS,
+                        "wall_s": dt,
+                        "trials_per_minute": POINTS / dt * 60,
+                        "sleep_per_trial_s": args.steps * args.step_seconds,
+                    }
                     results.append(row)
-                    print(f"{store:9s} {w} workers: {dt:6.1f} s, {row['trials_per_minute']:5.1f} trials/min", flush=True)
+                    print(
+                        f"{store:9s} {w} workers: {dt:6.1f} s, {row['trials_per_minute']:5.1f} trials/min",
+                        flush=True,
+                    )
         finally:
             if pg:
                 subprocess.run(["bash", str(SCRIPT), "stop", pg["MTPC_PG_DIR"]], capture_output=True)
-    out = {"results": results, "machine": machine(),
-           "command": "python bench/bench_sweep_store.py " + " ".join(argv or sys.argv[1:])}
+    out = {
+        "results": results,
+        "machine": machine(),
+        "command": "python bench/bench_sweep_store.py " + " ".join(argv or sys.argv[1:]),
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
 

@@ -65,7 +65,12 @@ def _sync(device) -> None:
 
 
 def timed(
-    fns: dict[str, Callable[[], Any]], reps: int, rounds: int, device="cpu", warmup: int = 2, clock=time.perf_counter
+    fns: dict[str, Callable[[], Any]],
+    reps: int,
+    rounds: int,
+    device="cpu",
+    warmup: int = 2,
+    clock=time.perf_counter,
 ) -> dict:
     """{name: median ms per call} and {name: list of per-round ms}; variants interleaved per round.
 
@@ -127,7 +132,11 @@ def weight_floors(model) -> dict[str, Callable[[], None]]:
     if onednn_unsupported(ws[0].device, ws[0].dtype) is None:
         mats = []
         for layer in model.model.layers:
-            w = {n: getattr(layer.self_attn if n in _ATTN else layer.mlp, n).weight.detach() for g in _GROUPS.values() for n in g}
+            w = {
+                n: getattr(layer.self_attn if n in _ATTN else layer.mlp, n).weight.detach()
+                for g in _GROUPS.values()
+                for n in g
+            }
             mats += [_onednn_pack([w[n] for n in ms]) for ms in _GROUPS.values()]
         mats.append(_onednn_pack([model.get_output_embeddings().weight.detach()]))
         xs = [torch.randn(1, m.shape[1], dtype=ws[0].dtype) for m in mats]
@@ -154,7 +163,9 @@ def kv_bytes(model, context: int) -> int:
     """Keys + values a step at `context` positions reads (all layers, one sequence)."""
     c = model.config
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * hd * context * model.lm_head.weight.element_size()
+    return (
+        2 * c.num_hidden_layers * c.num_key_value_heads * hd * context * model.lm_head.weight.element_size()
+    )
 
 
 def engine_call(engine, ids: torch.Tensor, context: int) -> Callable[[], None]:
@@ -248,6 +259,7 @@ def part_clocks(clock: Callable[[], float] = time.thread_time):
                 return fn(*a, **k)
             finally:
                 acc[part] += clock() - t0
+
         return run
 
     make_engine = MtpcModel.engine
@@ -257,22 +269,31 @@ def part_clocks(clock: Callable[[], float] = time.thread_time):
         eng.feed, eng.crop = timed_fn(eng.feed, "verify"), timed_fn(eng.crop, "verify")
         return eng
 
-    accept = [n for n in ("greedy_verify", "sample_verify", "greedy_target", "target_probs", "testable_drafts")
-              if hasattr(loop, n)]
+    accept = [
+        n
+        for n in ("greedy_verify", "sample_verify", "greedy_target", "target_probs", "testable_drafts")
+        if hasattr(loop, n)
+    ]
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(MtpcModel, "engine", engine))
         stack.enter_context(mock.patch.object(HeadDecoder, "params", timed_fn(HeadDecoder.params, "head")))
-        stack.enter_context(mock.patch.object(loop.CircuitDrafter, "__call__", timed_fn(loop.CircuitDrafter.__call__, "draft")))
+        stack.enter_context(
+            mock.patch.object(
+                loop.CircuitDrafter, "__call__", timed_fn(loop.CircuitDrafter.__call__, "draft")
+            )
+        )
         for name in accept:
             stack.enter_context(mock.patch.object(loop, name, timed_fn(getattr(loop, name), "accept")))
         yield acc
 
 
-def cycle_parts(model: Any, prompt: torch.Tensor, new: int, clock: Callable[[], float] = time.thread_time,
-                **gen_kw: Any) -> dict[str, float]:
+def cycle_parts(
+    model: Any, prompt: torch.Tensor, new: int, clock: Callable[[], float] = time.thread_time, **gen_kw: Any
+) -> dict[str, float]:
     """ms per cycle of each part of the loop (CYCLE_PARTS) and of the whole cycle, on `clock`: a
     generation of `new` bytes minus one of 1 byte (the prefill and set-up cancel), divided by its
     cycles. The parts' timers cost a little time themselves (in `python`)."""
+
     def run(n: int) -> tuple[dict[str, float], float, Any]:
         with part_clocks(clock) as acc:
             t0 = clock()
@@ -297,9 +318,17 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def greedy_identity(model, prompts: list[torch.Tensor], new: int, hf_model=None, eos: int | None = None) -> dict:
+def greedy_identity(
+    model, prompts: list[torch.Tensor], new: int, hf_model=None, eos: int | None = None
+) -> dict:
     """generate vs generate_plain (keep and drop) and, with hf_model, vs HF generate: counts of identical outputs."""
-    res = {"prompts": len(prompts), "spec_eq_plain": 0, "drop_eq_plain": 0, "plain_eq_hf": None, "first_diffs": []}
+    res = {
+        "prompts": len(prompts),
+        "spec_eq_plain": 0,
+        "drop_eq_plain": 0,
+        "plain_eq_hf": None,
+        "first_diffs": [],
+    }
     if hf_model is not None:
         res["plain_eq_hf"] = 0
     for p in prompts:
@@ -339,14 +368,18 @@ def stp_copy_head(backbone, window: int, rank: int = 2, noise: float = 0.5, seed
     high acceptance, like a trained head), for greedy-identity and bf16 measurements."""
     from mtpc.heads import HeadConfig, MtpcHead
 
-    cfg = HeadConfig("cp", window, rank, backbone.vocab_size, backbone.hidden_size, lora_depth=backbone.lora_depth)
+    cfg = HeadConfig(
+        "cp", window, rank, backbone.vocab_size, backbone.hidden_size, lora_depth=backbone.lora_depth
+    )
     head = MtpcHead(cfg, device=backbone.device, dtype=backbone.dtype)
     torch.manual_seed(seed)
     head.init_from_unembeddings(backbone.lm_head_weight.detach(), noise=noise)
     return head.eval()
 
 
-def random_prompts(count: int, length: int, vocab: int = 256, seed: int = 0, device="cpu") -> list[torch.Tensor]:
+def random_prompts(
+    count: int, length: int, vocab: int = 256, seed: int = 0, device="cpu"
+) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(32, min(vocab, 127), (length,), generator=g).to(device) for _ in range(count)]
 

@@ -31,11 +31,17 @@ from mtpc.backbones import BackboneAdapter, LlamaEngine  # noqa: E402
 def top_kernels(prof, device_type: str, n: int = 12) -> list[dict]:
     attr = "device_time_total" if device_type == "cuda" else "cpu_time_total"
     rows = sorted(prof.key_averages(), key=lambda e: getattr(e, attr, 0.0), reverse=True)
-    total = sum(getattr(e, attr, 0.0) for e in prof.key_averages() if device_type != "cuda" or e.device_type.name == "CUDA")
+    total = sum(
+        getattr(e, attr, 0.0)
+        for e in prof.key_averages()
+        if device_type != "cuda" or e.device_type.name == "CUDA"
+    )
     out = []
     for e in rows[:n]:
         us = getattr(e, attr, 0.0)
-        out.append({"name": e.key[:120], "count": e.count, "total_us": us, "share": us / total if total else None})
+        out.append(
+            {"name": e.key[:120], "count": e.count, "total_us": us, "share": us / total if total else None}
+        )
     return out
 
 
@@ -46,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=1024)
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    shape, dtype, ctx = (et.TINY_SHAPE, torch.float32, 64) if args.tiny else (et.LLAMA32_3B_SHAPE, torch.bfloat16, args.context)
+    shape, dtype, ctx = (
+        (et.TINY_SHAPE, torch.float32, 64)
+        if args.tiny
+        else (et.LLAMA32_3B_SHAPE, torch.bfloat16, args.context)
+    )
     t0 = time.time()
     report: dict = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "dtype": str(dtype),
                     "context": ctx, "command": "python bench/profile_gpu_step.py " + " ".join(sys.argv[1:]),
@@ -60,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     eng_e = et.prefilled(LlamaEngine(bb, cap, static=eng_g.static, cuda_graphs=False), prompt, cap)
     one = torch.tensor([65], device=device)
     floor = et.weight_floor(model)
-    fns = {"step_graph": et.engine_call(eng_g, one, ctx), "step_eager": et.engine_call(eng_e, one, ctx), "floor_launches": floor}
+    fns = {
+        "step_graph": et.engine_call(eng_g, one, ctx),
+        "step_eager": et.engine_call(eng_e, one, ctx),
+        "floor_launches": floor,
+    }
     if graphs:
         with torch.inference_mode():
             s = torch.cuda.Stream()

@@ -98,26 +98,36 @@ def _open_lock(path: Path) -> int:
             except FileExistsError:
                 continue  # another process created it first: open theirs
             except OSError as e:
-                raise TimingLockError(f"timing lock {path}: cannot create it ({e.strerror}); "
-                                      f"set {TIMING_LOCK_ENV} to a writable file path") from None
+                raise TimingLockError(
+                    f"timing lock {path}: cannot create it ({e.strerror}); "
+                    f"set {TIMING_LOCK_ENV} to a writable file path"
+                ) from None
             try:
                 os.fchmod(fd, 0o666)  # the umask cut 0o666: any user's evaluation may take it next
             except OSError:
                 pass
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise TimingLockError(f"timing lock {path} is a symbolic link; expected a regular file "
-                                      f"(remove it, or set {TIMING_LOCK_ENV} to another path)") from None
-            raise TimingLockError(f"timing lock {path}: cannot open it ({e.strerror}); expected a regular "
-                                  f"file any user can read (or set {TIMING_LOCK_ENV})") from None
+                raise TimingLockError(
+                    f"timing lock {path} is a symbolic link; expected a regular file "
+                    f"(remove it, or set {TIMING_LOCK_ENV} to another path)"
+                ) from None
+            raise TimingLockError(
+                f"timing lock {path}: cannot open it ({e.strerror}); expected a regular "
+                f"file any user can read (or set {TIMING_LOCK_ENV})"
+            ) from None
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-            raise TimingLockError(f"timing lock {path} is {kind}; expected a regular file "
-                                  f"(set {TIMING_LOCK_ENV} to a file path)")
+            raise TimingLockError(
+                f"timing lock {path} is {kind}; expected a regular file "
+                f"(set {TIMING_LOCK_ENV} to a file path)"
+            )
         return fd
-    raise TimingLockError(f"timing lock {path}: created and removed under us three times; expected a stable file")
+    raise TimingLockError(
+        f"timing lock {path}: created and removed under us three times; expected a stable file"
+    )
 
 
 def check_timing_lock() -> Path:
@@ -156,10 +166,15 @@ def _gate_path() -> Path:
 
 # ---- who holds a lock: the kernel's word (/proc/locks), not a file's --------------------------------
 
+
 def _flock_holders(fd_or_path: int | Path) -> list[tuple[int, str]]:
     """(pid, 'READ'/'WRITE') of every process holding a flock on the file (by device and inode)."""
     try:
-        st = os.fstat(fd_or_path) if isinstance(fd_or_path, int) else os.stat(fd_or_path, follow_symlinks=False)
+        st = (
+            os.fstat(fd_or_path)
+            if isinstance(fd_or_path, int)
+            else os.stat(fd_or_path, follow_symlinks=False)
+        )
         lines = Path("/proc/locks").read_text().splitlines()
     except OSError:
         return []
@@ -210,6 +225,7 @@ def lock_holders() -> list[int]:
 
 # ---- the pause protocol ----------------------------------------------------------------------------
 
+
 def pausable_dir() -> Path:
     return cache_dir() / PAUSABLE_DIR
 
@@ -236,13 +252,19 @@ def _register(run_dir: str | os.PathLike | None, what: str, inheritable: bool) -
     tmp = folder / f".{pid}.json.tmp"
     with contextlib.suppress(FileNotFoundError):
         tmp.unlink()
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | (0 if inheritable else os.O_CLOEXEC), 0o644)
+    fd = os.open(
+        tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | (0 if inheritable else os.O_CLOEXEC), 0o644
+    )
     try:
         if inheritable:
             os.set_inheritable(fd, True)
         fcntl.flock(fd, fcntl.LOCK_EX)  # locked before it is in place: a file in place and unlocked is stale
-        record = {"pid": pid, "start_time": _start_time(pid), "what": what,
-                  "run_dir": None if run_dir is None else str(Path(run_dir).resolve())}
+        record = {
+            "pid": pid,
+            "start_time": _start_time(pid),
+            "what": what,
+            "run_dir": None if run_dir is None else str(Path(run_dir).resolve()),
+        }
         os.write(fd, (json.dumps(record) + "\n").encode())
         os.replace(tmp, path)
     except BaseException:
@@ -302,11 +324,18 @@ def _guardian(pids: list[int]) -> subprocess.Popen:
     """A process in a session of its own that continues `pids` when its stdin closes: when the timer
     closes it, or when the kernel does because the timer died (SIGKILL included)."""
     script = "read _ ; kill -CONT " + " ".join(str(p) for p in pids) + " 2>/dev/null"
-    return subprocess.Popen(["/bin/sh", "-c", script], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+    return subprocess.Popen(
+        ["/bin/sh", "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        close_fds=True,
+    )
 
 
 # ---- the three holds ---------------------------------------------------------------------------------
+
 
 def wait_while_timing(should_stop: Callable[[], bool] | None = None, say: bool = True) -> float:
     """Block while another process holds the timing lock; return the seconds waited (0.0 at once
@@ -328,8 +357,11 @@ def wait_while_timing(should_stop: Callable[[], bool] | None = None, say: bool =
                 break
             if say and not told and time.monotonic() - t0 > 5.0:
                 who = [describe(p) for p, how in _flock_holders(fd) if how == "WRITE"] or ["another process"]
-                print(f"waiting for the timing lock {timing_lock_path()}, held by {'; '.join(who)}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"waiting for the timing lock {timing_lock_path()}, held by {'; '.join(who)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 told = True
             time.sleep(_POLL_S)
     finally:
@@ -377,7 +409,9 @@ def timing(progress: bool = False):
             _depth.n -= 1
         return
     if getattr(_heavy, "n", 0):
-        raise RuntimeError("timing() inside heavy(): a timed block cannot start while this thread holds the lock shared")
+        raise RuntimeError(
+            "timing() inside heavy(): a timed block cannot start while this thread holds the lock shared"
+        )
     t0 = time.monotonic()
     fd = _flock(timing_lock_path(), fcntl.LOCK_EX, wait=False)
     if fd is None:
@@ -398,8 +432,11 @@ def timing(progress: bool = False):
     # while background work is held, SIGTERM raises SystemExit instead (SIGINT already raises); SIGKILL
     # cannot be caught: the guardian continues them then.
     held_term = None
-    if pids and threading.current_thread() is threading.main_thread() \
-            and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+    if (
+        pids
+        and threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None)
+    ):
         held_term = signal.signal(signal.SIGTERM, _exit_on_signal)
     guardian = None
     try:
@@ -429,6 +466,7 @@ def timing(progress: bool = False):
 
 # ---- `python -m experiments.background run -- CMD ...`: pausable background work ------------------
 
+
 def run_registered(argv: list[str], what: str | None = None, nice: int = 19) -> None:
     """Register this process (the lock inherited across exec), lower its priority, and become `argv`."""
     fd, _ = _register(None, what or " ".join(argv)[:200], inheritable=True)
@@ -444,21 +482,29 @@ def run_registered(argv: list[str], what: str | None = None, nice: int = 19) -> 
 def main(args: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m experiments.background",
-                                 description="Run a command as pausable background work: at the lowest CPU "
-                                             "priority, stopped while anything in the suite times.")
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.background",
+        description="Run a command as pausable background work: at the lowest CPU "
+        "priority, stopped while anything in the suite times.",
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="run CMD registered (the suite's timers pause it)")
     run.add_argument("--what", default=None, help="a label for messages (default: the command)")
-    run.add_argument("--nice", type=int, default=19, help="CPU niceness added (default 19: the lowest priority)")
+    run.add_argument(
+        "--nice", type=int, default=19, help="CPU niceness added (default 19: the lowest priority)"
+    )
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     sub.add_parser("status", help="who holds the timing lock, and which registrants a timer would pause")
     a = ap.parse_args(args)
     if a.cmd == "status":
-        print(f"timing lock {timing_lock_path()}: "
-              + ("; ".join(describe(p) for p in lock_holders()) or "free"))
+        print(
+            f"timing lock {timing_lock_path()}: " + ("; ".join(describe(p) for p in lock_holders()) or "free")
+        )
         pids = registered()
-        print(f"pausable background work ({pausable_dir()}): " + ("; ".join(describe(p) for p in pids) or "none"))
+        print(
+            f"pausable background work ({pausable_dir()}): "
+            + ("; ".join(describe(p) for p in pids) or "none")
+        )
         return 0
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not command:

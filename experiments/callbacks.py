@@ -48,8 +48,12 @@ STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 class StopCheckpoint(Callback):
     """On a stop request: save `checkpoint` after the current optimizer step and stop (`stopped`)."""
 
-    def __init__(self, checkpoint: Path, should_stop: Callable[[], bool] | None = None,
-                 signums: tuple[int, ...] = STOP_SIGNALS):
+    def __init__(
+        self,
+        checkpoint: Path,
+        should_stop: Callable[[], bool] | None = None,
+        signums: tuple[int, ...] = STOP_SIGNALS,
+    ):
         self.checkpoint, self.should_stop, self.signums = Path(checkpoint), should_stop, tuple(signums)
         self.requested = False
         self.stopped = False
@@ -71,8 +75,11 @@ class StopCheckpoint(Callback):
         if self.finishing and not self.stopped:
             if self.late_signum is None:
                 self.late_signum = signum
-                os.write(2, f"{signal.Signals(signum).name} after the last training step: finishing the final "
-                            "validation and the head export (Ctrl-C to interrupt)\n".encode())
+                os.write(
+                    2,
+                    f"{signal.Signals(signum).name} after the last training step: finishing the final "
+                    "validation and the head export (Ctrl-C to interrupt)\n".encode(),
+                )
             return
         if not self.requested:
             self.signum = signum
@@ -98,7 +105,9 @@ class StopCheckpoint(Callback):
             signal.signal(signum, previous)
         self._previous = {}
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.fit_loop._should_accumulate():
             return
         requested = self.stop_requested()
@@ -132,7 +141,11 @@ class StopCheckpoint(Callback):
 
 
 def _last_epoch(trainer: Trainer) -> bool:
-    return trainer.max_epochs is not None and trainer.max_epochs > 0 and trainer.current_epoch + 1 >= trainer.max_epochs
+    return (
+        trainer.max_epochs is not None
+        and trainer.max_epochs > 0
+        and trainer.current_epoch + 1 >= trainer.max_epochs
+    )
 
 
 class YieldToTimer(Callback):

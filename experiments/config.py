@@ -46,12 +46,24 @@ from mtpc import names
 from tracking import axes, schema
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-TRAIN_CONFIGS = ("debug", "default", "llama_byte", "evabyte")  # shipped in CONFIG_DIR (pretrain_*.yaml are not ours)
+TRAIN_CONFIGS = (
+    "debug",
+    "default",
+    "llama_byte",
+    "evabyte",
+)  # shipped in CONFIG_DIR (pretrain_*.yaml are not ours)
 INITS = ("lm_head", "mtp", "random")
 ON_ERROR = ("raise", "skip")
 #: the `tiny` debug backbone: a random Llama built in-process (seeded; experiments/module.py), vocab 320 like the byte models
-TINY_BACKBONE = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+TINY_BACKBONE = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
 #: seeds are uint32 (numpy's range, what Lightning's seed_everything accepts; larger ones it replaces by a random seed)
 MAX_SEED = 2**32 - 1
 #: bytes per packed row (the paper: 8192; no backbone here has a context of a million bytes)
@@ -60,7 +72,14 @@ MAX_SEQ_LEN = 1 << 20
 MAX_ROWS = 1 << 20
 #: the only classes a config may name (`class_path`, or a dotted name where Lightning takes an object):
 #: Trainer arguments the suite sets itself (a YAML `trainer:` section cannot set them)
-TRAINER_OWNED = ("callbacks", "logger", "plugins", "default_root_dir", "enable_checkpointing", "use_distributed_sampler")
+TRAINER_OWNED = (
+    "callbacks",
+    "logger",
+    "plugins",
+    "default_root_dir",
+    "enable_checkpointing",
+    "use_distributed_sampler",
+)
 
 
 @dataclass
@@ -119,21 +138,35 @@ class ModelConfig:
         from mtpc.backbones.facts import backbone_config_dict, backbone_num_layers
 
         k = self.lora_depth
-        names.check_architecture(self.circuit, self.window, self.rank, k, decoding=True, where=f"{fail.source}: model.")
+        names.check_architecture(
+            self.circuit, self.window, self.rank, k, decoding=True, where=f"{fail.source}: model."
+        )
         bb = self.backbone
         if not isinstance(bb, str) or not bb:
-            fail("model.backbone", f"got {bb!r}; expected `default`, `tiny`, a local model directory or a hub name")
+            fail(
+                "model.backbone",
+                f"got {bb!r}; expected `default`, `tiny`, a local model directory or a hub name",
+            )
         p = Path(bb).expanduser()
         if bb.startswith((".", "/", "~")) and not (p / "config.json").exists():
             fail("model.backbone", f"no model at {str(p)!r} (expected a directory with config.json)")
-        layers = TINY_BACKBONE["num_hidden_layers"] if bb == "tiny" else backbone_num_layers(bb, revision=self.revision)
+        layers = (
+            TINY_BACKBONE["num_hidden_layers"]
+            if bb == "tiny"
+            else backbone_num_layers(bb, revision=self.revision)
+        )
         if layers is None and bb not in ("default", "tiny") and "/" not in bb:
-            fail("model.backbone", f"unknown backbone {bb!r}: not `default`, `tiny`, a local directory or an org/name hub id")
+            fail(
+                "model.backbone",
+                f"unknown backbone {bb!r}: not `default`, `tiny`, a local directory or an org/name hub id",
+            )
         if layers is not None and k > layers:
             fail("model.lora_depth", f"k = {k} exceeds the {layers} layers of backbone {bb!r}")
         if bb != "tiny":  # the library's rule, on the config.json when it is on this machine (read as JSON)
             try:
-                check_remote_code(bb, self.trust_remote_code, self.revision, backbone_config_dict(bb, self.revision))
+                check_remote_code(
+                    bb, self.trust_remote_code, self.revision, backbone_config_dict(bb, self.revision)
+                )
             except ValueError as err:
                 fail("model.revision" if self.trust_remote_code else "model.trust_remote_code", str(err))
         if not isinstance(self.known_byte, bool):
@@ -151,8 +184,11 @@ class ModelConfig:
         accepted = backbone_kwarg_names(bb)
         for key in self.backbone_kwargs:
             if key not in accepted:
-                fail(f"model.backbone_kwargs.{key}", f"not an argument backbone {bb!r} takes (unknown key {key!r}); "
-                     f"expected one of {sorted(accepted)}")
+                fail(
+                    f"model.backbone_kwargs.{key}",
+                    f"not an argument backbone {bb!r} takes (unknown key {key!r}); "
+                    f"expected one of {sorted(accepted)}",
+                )
         check_value("model.kl_beta", self.kl_beta, fail)
         check_value("model.kl_temperature", self.kl_temperature, fail)
         lse = self.lora_start_epoch
@@ -160,8 +196,11 @@ class ModelConfig:
             fail("model.lora_start_epoch", f"got {lse!r}; expected an integer >= 0")
         max_epochs, max_steps = trainer.get("max_epochs"), trainer.get("max_steps") or -1
         if k > 0 and is_integer(max_epochs) and 0 <= max_epochs <= lse and not max_steps > 0:
-            fail("model.lora_start_epoch", f"LoRA (lora_depth={k}) would start at epoch {lse} but trainer.max_epochs = "
-                 f"{max_epochs}; expected lora_start_epoch < max_epochs")
+            fail(
+                "model.lora_start_epoch",
+                f"LoRA (lora_depth={k}) would start at epoch {lse} but trainer.max_epochs = "
+                f"{max_epochs}; expected lora_start_epoch < max_epochs",
+            )
 
 
 @dataclass
@@ -195,12 +234,18 @@ class DataConfig:
         from mtpc.data import source_problem
 
         if not isinstance(self.source, str) or not self.source:
-            fail("data.source", f"got {self.source!r}; expected `sharegpt`, `debug`, a .json/.jsonl file or a HF dataset name")
+            fail(
+                "data.source",
+                f"got {self.source!r}; expected `sharegpt`, `debug`, a .json/.jsonl file or a HF dataset name",
+            )
         problem = source_problem(self.source)
         if problem:
             fail("data.source", problem)
         if not is_integer(self.seq_len) or not window + 1 <= self.seq_len <= MAX_SEQ_LEN:
-            fail("data.seq_len", f"got {self.seq_len!r}; expected an integer in window + 1 = {window + 1} .. {MAX_SEQ_LEN}")
+            fail(
+                "data.seq_len",
+                f"got {self.seq_len!r}; expected an integer in window + 1 = {window + 1} .. {MAX_SEQ_LEN}",
+            )
         if not is_integer(self.batch_size) or not 1 <= self.batch_size <= MAX_ROWS:
             fail("data.batch_size", f"got {self.batch_size!r}; expected an integer in 1 .. {MAX_ROWS}")
         fail.integer("data.seed", self.seed, 0, MAX_SEED)
@@ -210,8 +255,11 @@ class DataConfig:
             fail("data.on_error", f"got {self.on_error!r}; expected one of {list(ON_ERROR)}")
         extra = self.extra_train_source
         if extra is not None and (not isinstance(extra, str) or not Path(extra).expanduser().is_file()):
-            fail("data.extra_train_source", f"got {extra!r}; expected an existing .json/.jsonl messages file "
-                 "(e.g. from python -m experiments.selfdistill)")
+            fail(
+                "data.extra_train_source",
+                f"got {extra!r}; expected an existing .json/.jsonl messages file "
+                "(e.g. from python -m experiments.selfdistill)",
+            )
 
 
 @dataclass
@@ -243,8 +291,13 @@ class RunConfig:
         ce = self.checkpoint_every_n_steps
         if not is_integer(ce) or ce < 0:
             fail("run.checkpoint_every_n_steps", f"got {ce!r}; expected an integer >= 0")
-        if self.cpu_threads is not None and not (is_integer(self.cpu_threads) and 1 <= self.cpu_threads <= 4096):
-            fail("run.cpu_threads", f"got {self.cpu_threads!r}; expected null (torch's default) or an integer in 1 .. 4096")
+        if self.cpu_threads is not None and not (
+            is_integer(self.cpu_threads) and 1 <= self.cpu_threads <= 4096
+        ):
+            fail(
+                "run.cpu_threads",
+                f"got {self.cpu_threads!r}; expected null (torch's default) or an integer in 1 .. 4096",
+            )
         for key in ("dir", "export_dir"):
             problem = _folder_problem(getattr(self, key))
             if problem:
@@ -321,8 +374,11 @@ class EvalConfig:
         fail.choice("eval.extra_token", self.extra_token, names.EXTRA_TOKEN_OPTIONS)
         fail.choice("eval.acceptance", self.acceptance, schema.ACCEPTANCE_METHODS)
         if self.acceptance == "offline" and self.extra_token != "keep":
-            fail("eval.extra_token", f"{self.extra_token!r} is online-only (offline acceptance mirrors the keep "
-                 "cycle; drop is not exact): expected keep, or eval.acceptance: online")
+            fail(
+                "eval.extra_token",
+                f"{self.extra_token!r} is online-only (offline acceptance mirrors the keep "
+                "cycle; drop is not exact): expected keep, or eval.acceptance: online",
+            )
         fail.integer("eval.latency_prompts", self.latency_prompts, 1, 100000)
         for t in self.temperatures:
             fail.number("eval.temperatures", t, 1e-6, 100.0)
@@ -378,12 +434,17 @@ class TrainConfig:
             fail("data.global_batch_size", f"got {total!r}; expected a positive integer or null")
         per_step = world_size(self.trainer) * self.data.batch_size
         if total % per_step:
-            fail("data.global_batch_size", f"{total} rows is not a multiple of devices x num_nodes x data.batch_size "
-                 f"= {per_step}")
+            fail(
+                "data.global_batch_size",
+                f"{total} rows is not a multiple of devices x num_nodes x data.batch_size = {per_step}",
+            )
         derived = total // per_step
         if configured not in (None, derived):
-            fail("trainer.accumulate_grad_batches", f"{configured} disagrees with data.global_batch_size {total} = "
-                 f"{per_step} rows per step x {derived}; set one of them")
+            fail(
+                "trainer.accumulate_grad_batches",
+                f"{configured} disagrees with data.global_batch_size {total} = "
+                f"{per_step} rows per step x {derived}; set one of them",
+            )
         return derived
 
     def resolved(self) -> TrainConfig:
@@ -397,8 +458,12 @@ class TrainConfig:
         if accumulate != 1 or "accumulate_grad_batches" in trainer:
             trainer["accumulate_grad_batches"] = accumulate
         total = world_size(trainer) * self.data.batch_size * accumulate
-        return replace(self, run=replace(self.run, name=name, dir=str(run_dir), export_dir=str(export)),
-                       data=replace(self.data, global_batch_size=total), trainer=trainer)
+        return replace(
+            self,
+            run=replace(self.run, name=name, dir=str(run_dir), export_dir=str(export)),
+            data=replace(self.data, global_batch_size=total),
+            trainer=trainer,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML layout (what `load_config` reads back), plain types only."""
@@ -439,9 +504,21 @@ def backbone_kwarg_names(backbone: str) -> set[str]:
         kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         return {n for n, p in inspect.signature(fn).parameters.items() if p.kind in kinds}
 
-    adapters = named(BackboneAdapter.__init__) | (set() if backbone == "tiny" else named(EvaByteAdapter.__init__))
+    adapters = named(BackboneAdapter.__init__) | (
+        set() if backbone == "tiny" else named(EvaByteAdapter.__init__)
+    )
     loader = set() if backbone == "tiny" else named(load_backbone)
-    own = {"self", "model", "name", "tokenizer", "name_or_path", "lora_depth", "dtype", "trust_remote_code", "revision"}
+    own = {
+        "self",
+        "model",
+        "name",
+        "tokenizer",
+        "name_or_path",
+        "lora_depth",
+        "dtype",
+        "trust_remote_code",
+        "revision",
+    }
     return (adapters | loader) - own
 
 
@@ -472,10 +549,17 @@ def world_size(trainer: dict[str, Any]) -> int:
 #: (`check_value`). path -> rule(value) -> what was expected (None: the value is valid)
 VALUE_RULES: dict[str, Any] = {
     "model.lr": lambda v: None if is_number(v) and v > 0 else "expected a positive number",
-    "model.kl_beta": lambda v: None if is_number(v) and 0 <= v <= 1 else "expected a number in [0, 1] (0: cross-entropy only)",
-    "model.kl_temperature": lambda v: None if is_number(v) and 0 < v < float("inf")
-    else "expected a finite number > 0 (temperature of the teacher)",
-    "seed_everything": lambda v: None if is_integer(v) and 0 <= v < 2**32 else "expected an integer in [0, 2**32)",
+    "model.kl_beta": lambda v: (
+        None if is_number(v) and 0 <= v <= 1 else "expected a number in [0, 1] (0: cross-entropy only)"
+    ),
+    "model.kl_temperature": lambda v: (
+        None
+        if is_number(v) and 0 < v < float("inf")
+        else "expected a finite number > 0 (temperature of the teacher)"
+    ),
+    "seed_everything": lambda v: (
+        None if is_integer(v) and 0 <= v < 2**32 else "expected an integer in [0, 2**32)"
+    ),
 }
 
 
@@ -522,6 +606,7 @@ def default_run_name(cfg: TrainConfig) -> str:
 # parsing: jsonargparse reads the dataclasses (types + attribute docstrings) and Trainer's signature
 # ---------------------------------------------------------------------------------------------------
 
+
 @functools.cache
 def fit_parser(trainer_types: bool = True) -> Any:
     """The parser `load_config` uses (built once per process); `trainer_types=False` takes the trainer
@@ -537,7 +622,9 @@ def build_fit_parser(trainer_types: bool = True) -> Any:
 
     docstring_settings()
     p = ArgumentParser(exit_on_error=False, description="Train one MtPC head (docs/training.md).")
-    p.add_argument("-c", "--config", action=ActionConfigFile, help="a YAML config (experiments/configs/*.yaml)")
+    p.add_argument(
+        "-c", "--config", action=ActionConfigFile, help="a YAML config (experiments/configs/*.yaml)"
+    )
     p.add_argument("--seed_everything", type=int, default=0, help="global seed, set before the head is built")
     p.add_class_arguments(ModelConfig, "model")
     p.add_class_arguments(DataConfig, "data")
@@ -548,9 +635,18 @@ def build_fit_parser(trainer_types: bool = True) -> Any:
     else:
         p.add_argument("--trainer", type=dict[str, Any], default={}, help="lightning.Trainer arguments")
     p.add_class_arguments(RunConfig, "run")
-    p.add_argument("--ckpt_path", type=str | None, default=None, help="resume from this checkpoint; `last`: <run.dir>/checkpoints/last.ckpt")
-    p.add_argument("--mlflow_run_id", type=str | None, default=None,
-                   help="log into this existing MLflow run and leave it open (a sweep trial's parent run); rank 0 only")
+    p.add_argument(
+        "--ckpt_path",
+        type=str | None,
+        default=None,
+        help="resume from this checkpoint; `last`: <run.dir>/checkpoints/last.ckpt",
+    )
+    p.add_argument(
+        "--mlflow_run_id",
+        type=str | None,
+        default=None,
+        help="log into this existing MLflow run and leave it open (a sweep trial's parent run); rank 0 only",
+    )
     return p
 
 
@@ -560,8 +656,14 @@ def from_namespace(ns: Any, source: str, trainer_types: bool = True) -> TrainCon
     if trainer_types:
         defaults = fit_parser().get_defaults().trainer.as_dict()
         trainer = {k: v for k, v in trainer.items() if v != defaults.get(k)}
-    return TrainConfig(model=ModelConfig(**ns.model.as_dict()), data=DataConfig(**ns.data.as_dict()), trainer=dict(trainer),
-                       run=RunConfig(**ns.run.as_dict()), seed_everything=ns.seed_everything, source=source)
+    return TrainConfig(
+        model=ModelConfig(**ns.model.as_dict()),
+        data=DataConfig(**ns.data.as_dict()),
+        trainer=dict(trainer),
+        run=RunConfig(**ns.run.as_dict()),
+        seed_everything=ns.seed_everything,
+        source=source,
+    )
 
 
 def _check_trainer(fail: Fail, trainer: dict[str, Any]) -> None:
@@ -572,8 +674,12 @@ def _check_trainer(fail: Fail, trainer: dict[str, Any]) -> None:
         fail("trainer", one_line(err))
 
 
-def load_config(config: TrainConfig | dict[str, Any] | str | Path, overrides: dict[str, Any] | None = None, *,
-                trainer_types: bool = True) -> TrainConfig:
+def load_config(
+    config: TrainConfig | dict[str, Any] | str | Path,
+    overrides: dict[str, Any] | None = None,
+    *,
+    trainer_types: bool = True,
+) -> TrainConfig:
     """Parse a config (a TrainConfig, a dict, a YAML path or a shipped name like `debug`) with
     overrides on top (`apply_overrides`: {"model.rank": 8} or {"model": {"rank": 8}}). Types are
     checked here (ValueError naming the file and key); values are checked by `TrainConfig.check`.
@@ -592,10 +698,14 @@ def load_config(config: TrainConfig | dict[str, Any] | str | Path, overrides: di
             raise ValueError(f"config: no such file {str(p)!r}")
         raw = read_yaml(p)
         if raw is None:
-            raise ValueError(f"{p}: the config is empty; expected a mapping of sections (model, data, trainer, run)")
+            raise ValueError(
+                f"{p}: the config is empty; expected a mapping of sections (model, data, trainer, run)"
+            )
         source = str(p)
     if not isinstance(raw, dict):
-        raise ValueError(f"{source}: expected a mapping of sections (model, data, trainer, run), got {type(raw).__name__}")
+        raise ValueError(
+            f"{source}: expected a mapping of sections (model, data, trainer, run), got {type(raw).__name__}"
+        )
     raw = apply_overrides(raw, overrides or {})
     raw.pop("ckpt_path", None)
     raw.pop("mlflow_run_id", None)
@@ -605,5 +715,3 @@ def load_config(config: TrainConfig | dict[str, Any] | str | Path, overrides: di
     except Exception as err:  # jsonargparse's ArgumentError names the key; add the file
         raise ValueError(f"{source}: {one_line(err)}") from None
     return from_namespace(ns, source, trainer_types)
-
-

@@ -46,12 +46,18 @@ def debug_conversations(n: int = 48, seed: int = 0) -> list[dict]:
             w = rng.choice(words)
             k = rng.randint(2, 4)
             user, answer = f"Say {w} {k} times.", " ".join([w] * k) + "."
-        convs.append({"id": f"debug{i}", "messages": [{"role": "user", "content": user},
-                                                      {"role": "assistant", "content": answer}]})
+        convs.append(
+            {
+                "id": f"debug{i}",
+                "messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}],
+            }
+        )
     return convs
 
 
-def load_split(source: str, val_fraction: float, on_error: str = "raise") -> tuple[list[dict], list[dict], int]:
+def load_split(
+    source: str, val_fraction: float, on_error: str = "raise"
+) -> tuple[list[dict], list[dict], int]:
     """(train, held-out, skipped) conversations of `source` (see `DataConfig.source`).
 
     `sharegpt` uses the corpus's own chat-level split (the one the default model was pre-trained
@@ -132,7 +138,9 @@ def target_table(rows: PackedRows, window: int, chunk: int = 256) -> torch.Tenso
     out = []
     for s in range(0, len(rows), chunk):
         sl = slice(s, s + chunk)
-        _, _, scored = window_targets(rows.input_ids[sl].long(), rows.score_mask[sl], rows.doc_ids[sl].long(), window)
+        _, _, scored = window_targets(
+            rows.input_ids[sl].long(), rows.score_mask[sl], rows.doc_ids[sl].long(), window
+        )
         out.append(scored.any(dim=1))
     return torch.cat(out) if out else torch.zeros(0, window, dtype=torch.bool)
 
@@ -158,11 +166,26 @@ class ResumableLoader(DataLoader):
     from the trainer rather than counted here because Lightning prefetches a batch ahead.
     """
 
-    def __init__(self, dataset: Dataset, batch_size: int, seed: int, progress: Callable[[], int], *,
-                 rank: int = 0, world_size: int = 1, accumulate: int = 1, has_target: torch.Tensor | None = None):
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        seed: int,
+        progress: Callable[[], int],
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        accumulate: int = 1,
+        has_target: torch.Tensor | None = None,
+    ):
         super().__init__(dataset, batch_size=batch_size, sampler=EpochSampler(len(dataset), seed))
         self._progress = progress
-        self.rank, self.world_size, self.accumulate, self.has_target = rank, world_size, max(1, accumulate), has_target
+        self.rank, self.world_size, self.accumulate, self.has_target = (
+            rank,
+            world_size,
+            max(1, accumulate),
+            has_target,
+        )
 
     @property
     def rows_per_step(self) -> int:
@@ -174,8 +197,8 @@ class ResumableLoader(DataLoader):
 
     def step_rows(self, order: list[int], k: int) -> tuple[list[int], bool]:
         """(this rank's rows of step k, padded): padded means the rank had none and reads one unscored row."""
-        rows = order[k * self.rows_per_step:(k + 1) * self.rows_per_step]
-        mine = rows[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+        rows = order[k * self.rows_per_step : (k + 1) * self.rows_per_step]
+        mine = rows[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
         return (mine, False) if mine else (rows[:1], True)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
@@ -191,19 +214,27 @@ class ResumableLoader(DataLoader):
                 yield ids, mask, docs
                 continue
             g = k // self.accumulate
-            counts = self.has_target[order[g * group:(g + 1) * group]].sum(dim=0)  # (n,) whole optimizer step
+            counts = self.has_target[order[g * group : (g + 1) * group]].sum(
+                dim=0
+            )  # (n,) whole optimizer step
             yield ids, mask, docs, counts
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.sampler.epoch, "batches": int(self._progress()), "rows_per_step": self.rows_per_step}
+        return {
+            "epoch": self.sampler.epoch,
+            "batches": int(self._progress()),
+            "rows_per_step": self.rows_per_step,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         epoch, batches = int(state["epoch"]), int(state["batches"])
         saved = int(state.get("rows_per_step", self.batch_size))  # older checkpoints: one process
         if saved != self.rows_per_step and 0 < batches < len(self):
-            raise ValueError(f"the checkpoint stopped mid-epoch at {saved} rows per step (devices x num_nodes x "
-                             f"data.batch_size); this run has {self.rows_per_step}: resume with the same devices, "
-                             "nodes and batch size")
+            raise ValueError(
+                f"the checkpoint stopped mid-epoch at {saved} rows per step (devices x num_nodes x "
+                f"data.batch_size); this run has {self.rows_per_step}: resume with the same devices, "
+                "nodes and batch size"
+            )
         if batches >= len(self):  # saved at the end of an epoch: continue with the next one
             epoch, batches = epoch + 1, 0
         self.sampler.epoch = epoch
@@ -248,7 +279,9 @@ class ChatDataModule(L.LightningDataModule):
 
             train = train + load_messages(c.extra_train_source, on_error=c.on_error)
         if not train:
-            raise ValueError(f"data: no training conversations left from {c.source!r} (val_fraction={c.val_fraction})")
+            raise ValueError(
+                f"data: no training conversations left from {c.source!r} (val_fraction={c.val_fraction})"
+            )
         self.train_rows = PackedRows(pack(train, tok, c.seq_len))
         if val:
             rows = PackedRows(pack(val, tok, c.seq_len))
@@ -270,13 +303,25 @@ class ChatDataModule(L.LightningDataModule):
         window = getattr(getattr(module, "config", None), "window", None)
         table = target_table(self.train_rows, window) if window else None
         accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
-        return ResumableLoader(self.train_rows, self.config.batch_size, self.config.seed, self._consumed_batches,
-                               rank=rank, world_size=world, accumulate=accumulate, has_target=table)
+        return ResumableLoader(
+            self.train_rows,
+            self.config.batch_size,
+            self.config.seed,
+            self._consumed_batches,
+            rank=rank,
+            world_size=world,
+            accumulate=accumulate,
+            has_target=table,
+        )
 
     def val_dataloader(self) -> DataLoader | list:
         """The held-out rows, every world_size-th from this rank's (the module reduces sums and counts)."""
         if self.val_rows is None:
             return []
         rank, world = self._ranks()
-        rows = self.val_rows if world == 1 else torch.utils.data.Subset(self.val_rows, range(rank, len(self.val_rows), world))
+        rows = (
+            self.val_rows
+            if world == 1
+            else torch.utils.data.Subset(self.val_rows, range(rank, len(self.val_rows), world))
+        )
         return DataLoader(rows, batch_size=self.config.batch_size, shuffle=False)

@@ -37,7 +37,9 @@ def report_prompts(n: int = REPORT_PROMPTS) -> list[str]:
 
 
 @torch.inference_mode()
-def answers(model, tokenizer, prompts: list[str], sample: bool, new_bytes: int = NEW_BYTES, seed: int = 0) -> list[bytes]:
+def answers(
+    model, tokenizer, prompts: list[str], sample: bool, new_bytes: int = NEW_BYTES, seed: int = 0
+) -> list[bytes]:
     from tqdm import tqdm
 
     out = []
@@ -45,16 +47,25 @@ def answers(model, tokenizer, prompts: list[str], sample: bool, new_bytes: int =
         ids = torch.tensor([tokenizer.render_prompt(p)])
         torch.manual_seed(seed + i)
         gen = model.generate(
-            ids, max_new_tokens=new_bytes, min_new_tokens=new_bytes, do_sample=sample, temperature=1.0 if sample else None,
-            top_k=0 if sample else None, top_p=1.0 if sample else None, suppress_tokens=[tokenizer.eos_token_id],
-            pad_token_id=tokenizer.pad_token_id, eos_token_id=None,
+            ids,
+            max_new_tokens=new_bytes,
+            min_new_tokens=new_bytes,
+            do_sample=sample,
+            temperature=1.0 if sample else None,
+            top_k=0 if sample else None,
+            top_p=1.0 if sample else None,
+            suppress_tokens=[tokenizer.eos_token_id],
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=None,
         )
-        out.append(tokenizer.decode(gen[0, ids.shape[1]:]))
+        out.append(tokenizer.decode(gen[0, ids.shape[1] :]))
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m experiments.default_report", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.default_report", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--out", default="bench/results/default_model_report.json")
     ap.add_argument("--prompts", type=int, default=REPORT_PROMPTS)
     ap.add_argument("--threads", type=int, default=1)
@@ -73,18 +84,34 @@ def main(argv: list[str] | None = None) -> int:
     tok = ByteTokenizer()
     prompts = report_prompts(args.prompts)
     t0 = time.monotonic()
-    report = {"model": label, "prompts": len(prompts), "new_bytes": NEW_BYTES, "eos": "banned",
-              "decoder": "transformers generate (greedy; sampling T=1, top_k=0, top_p=1, seed 0 + prompt index)"}
+    report = {
+        "model": label,
+        "prompts": len(prompts),
+        "new_bytes": NEW_BYTES,
+        "eos": "banned",
+        "decoder": "transformers generate (greedy; sampling T=1, top_k=0, top_p=1, seed 0 + prompt index)",
+    }
     for mode in DECODE_MODES:
         texts = answers(model, tok, prompts, sample=mode == "sample")
-        report[mode] = {**degeneracy_metrics(texts),
-                        "first_answers": [{"prompt": p[:200], "answer": t.decode("utf-8", "replace")} for p, t in zip(prompts[:5], texts[:5], strict=True)]}
-    report.update(minutes=(time.monotonic() - t0) / 60, hardware=machine(),
-                  command="python -m experiments.default_report " + " ".join(argv if argv is not None else sys.argv[1:]))
+        report[mode] = {
+            **degeneracy_metrics(texts),
+            "first_answers": [
+                {"prompt": p[:200], "answer": t.decode("utf-8", "replace")}
+                for p, t in zip(prompts[:5], texts[:5], strict=True)
+            ],
+        }
+    report.update(
+        minutes=(time.monotonic() - t0) / 60,
+        hardware=machine(),
+        command="python -m experiments.default_report "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_json(args.out, report, indent=1)
     for mode in DECODE_MODES:
-        print(f"{mode}: " + ", ".join(f"{k}={v:.3f}" for k, v in report[mode].items() if isinstance(v, float)))
+        print(
+            f"{mode}: " + ", ".join(f"{k}={v:.3f}" for k, v in report[mode].items() if isinstance(v, float))
+        )
     print(f"wrote {args.out}")
     return 0
 

@@ -53,7 +53,9 @@ def _git(*args: str) -> str:
 
 def travel_bytes(extra: list[Path]) -> dict[str, int]:
     """Bytes that the device call sends: tracked + untracked-not-ignored files + `extra` folders."""
-    files = set(_git("ls-files", "-z").split("\0")) | set(_git("ls-files", "-z", "--others", "--exclude-standard").split("\0"))
+    files = set(_git("ls-files", "-z").split("\0")) | set(
+        _git("ls-files", "-z", "--others", "--exclude-standard").split("\0")
+    )
     sizes = {"tracked+untracked": sum((ROOT / f).stat().st_size for f in files if f and (ROOT / f).is_file())}
     for d in extra:
         if d.exists():
@@ -120,7 +122,10 @@ def copy_third_party() -> None:
             shutil.rmtree(DEVICE_DIR / "third_party", ignore_errors=True)
             shutil.copytree(cand, DEVICE_DIR / "third_party")
             return
-    print("warning: no third_party/evabyte_hf found: device.sh part 3 will fail (set MTPC_THIRD_PARTY)", file=sys.stderr)
+    print(
+        "warning: no third_party/evabyte_hf found: device.sh part 3 will fail (set MTPC_THIRD_PARTY)",
+        file=sys.stderr,
+    )
 
 
 HEAD_TRAIN = "head_train.jsonl"
@@ -149,11 +154,20 @@ def write_head_train(tiny: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m experiments.device_prep", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tiny", action="store_true", help="small streams for the CPU dry-run (implies --pretrain)")
-    ap.add_argument("--pretrain", action="store_true", help="the corpus streams: the device call trains a new default")
-    ap.add_argument("--no-heads", action="store_true",
-                    help="leave out the head-training conversations (part 1b of the device call trains the shipped head)")
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.device_prep", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument(
+        "--tiny", action="store_true", help="small streams for the CPU dry-run (implies --pretrain)"
+    )
+    ap.add_argument(
+        "--pretrain", action="store_true", help="the corpus streams: the device call trains a new default"
+    )
+    ap.add_argument(
+        "--no-heads",
+        action="store_true",
+        help="leave out the head-training conversations (part 1b of the device call trains the shipped head)",
+    )
     args = ap.parse_args(argv)
     if args.pretrain or args.tiny:
         info = build_streams(args.tiny)
@@ -174,7 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(sizes.values())
     for k, v in sizes.items():
         print(f"{k:>20}: {v / 2**20:7.1f} MiB")
-    streams = f"; ids: train {info['train']:,}, heldout {info['heldout']:,}" if info["train"] else "; no corpus streams (no pre-training)"
+    streams = (
+        f"; ids: train {info['train']:,}, heldout {info['heldout']:,}"
+        if info["train"]
+        else "; no corpus streams (no pre-training)"
+    )
     print(f"{'total':>20}: {total / 2**20:7.1f} MiB (limit {LIMIT_MIB} MiB){streams}")
     if total > LIMIT_MIB * 2**20:
         print(f"error: the device call would send {total / 2**20:.1f} MiB > {LIMIT_MIB} MiB", file=sys.stderr)

@@ -50,32 +50,78 @@ def build_parser() -> Any:
 
     docstring_settings()
     p = ArgumentParser(prog=PROG, exit_on_error=False, description=__doc__.split("\n\n")[0])
-    p.add_argument("-c", "--config", action=ActionConfigFile,
-                   help="a YAML file: an `eval:` section (EvalConfig's fields) and any flag below by its name (head, out, ...)")
+    p.add_argument(
+        "-c",
+        "--config",
+        action=ActionConfigFile,
+        help="a YAML file: an `eval:` section (EvalConfig's fields) and any flag below by its name (head, out, ...)",
+    )
     p.add_class_arguments(EvalConfig, "eval")
-    p.add_argument("--head", type=str | None, default=None,
-                   help="head export directory (save_head), or a shipped head: default, shipped:<name>; required")
-    p.add_argument("--allow-unverified-head", action="store_true",
-                   help="load head exports that carry no SHA-256s (older exports; mtpc.heads.migrate_head adds them)")
-    p.add_argument("--ff-head", type=str | None, default=None, help="an ff head export evaluated alongside (speedup_vs_ff)")
-    p.add_argument("--backbone", type=str | None, default=None, help="override the backbone recorded in the head")
-    p.add_argument("--device", type=str | None, default=None, help="cpu, cuda, cuda:<i>, mps (default: where the backbone loads)")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="let the backbone's checkpoint run its own modelling code (a hub id also needs --revision)")
-    p.add_argument("--revision", type=str | None, default=None, help="the hub commit hash of the backbone to load")
+    p.add_argument(
+        "--head",
+        type=str | None,
+        default=None,
+        help="head export directory (save_head), or a shipped head: default, shipped:<name>; required",
+    )
+    p.add_argument(
+        "--allow-unverified-head",
+        action="store_true",
+        help="load head exports that carry no SHA-256s (older exports; mtpc.heads.migrate_head adds them)",
+    )
+    p.add_argument(
+        "--ff-head",
+        type=str | None,
+        default=None,
+        help="an ff head export evaluated alongside (speedup_vs_ff)",
+    )
+    p.add_argument(
+        "--backbone", type=str | None, default=None, help="override the backbone recorded in the head"
+    )
+    p.add_argument(
+        "--device",
+        type=str | None,
+        default=None,
+        help="cpu, cuda, cuda:<i>, mps (default: where the backbone loads)",
+    )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let the backbone's checkpoint run its own modelling code (a hub id also needs --revision)",
+    )
+    p.add_argument(
+        "--revision", type=str | None, default=None, help="the hub commit hash of the backbone to load"
+    )
     p.add_argument("--out", type=str | None, default=None, help="results JSON path; required")
-    p.add_argument("--mlflow-parent-run", type=str | None, default=None,
-                   help="log one child run per (mode, temperature, eos, prompt_set) under this existing run")
-    p.add_argument("--mlflow-tracking-uri", type=str | None, default=None,
-                   help="default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db")
-    p.add_argument("--threads", type=int | None, default=None, help="torch intra-op threads, >= 1 (1 is steadier on a shared CPU)")
+    p.add_argument(
+        "--mlflow-parent-run",
+        type=str | None,
+        default=None,
+        help="log one child run per (mode, temperature, eos, prompt_set) under this existing run",
+    )
+    p.add_argument(
+        "--mlflow-tracking-uri",
+        type=str | None,
+        default=None,
+        help="default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db",
+    )
+    p.add_argument(
+        "--threads",
+        type=int | None,
+        default=None,
+        help="torch intra-op threads, >= 1 (1 is steadier on a shared CPU)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--evabyte-mtp", action="store_true",
-                   help="also run EvaByte's own multi-byte decoding (greedy, truncated to the budget) as a baseline")
+    p.add_argument(
+        "--evabyte-mtp",
+        action="store_true",
+        help="also run EvaByte's own multi-byte decoding (greedy, truncated to the budget) as a baseline",
+    )
     return p
 
 
-_LIST_FIELDS = tuple(f"--eval.{f.name}" for f in dataclasses.fields(EvalConfig) if str(f.type).startswith("tuple"))
+_LIST_FIELDS = tuple(
+    f"--eval.{f.name}" for f in dataclasses.fields(EvalConfig) if str(f.type).startswith("tuple")
+)
 
 
 def _normalize(argv: list[str]) -> list[str]:
@@ -87,8 +133,10 @@ def _normalize(argv: list[str]) -> list[str]:
         token = argv[i]
         name, eq, value = token.partition("=")
         if name in RENAMED:
-            raise ValueError(f"{name}: renamed {RENAMED[name]} (every evaluation setting is an --eval.<field> flag; "
-                             f"{PROG} --help lists them)")
+            raise ValueError(
+                f"{name}: renamed {RENAMED[name]} (every evaluation setting is an --eval.<field> flag; "
+                f"{PROG} --help lists them)"
+            )
         if name in _LIST_FIELDS:
             if not eq and i + 1 < len(argv):
                 value, i = argv[i + 1], i + 1
@@ -155,7 +203,9 @@ def check_device(device: str | None) -> None:
         if not torch.backends.mps.is_available():
             raise ValueError(f"--device {device}: MPS is not available on this machine; expected cpu")
         return
-    raise ValueError(f"--device {device}: {d.type} devices are not supported; expected cpu, cuda, cuda:<i> or mps")
+    raise ValueError(
+        f"--device {device}: {d.type} devices are not supported; expected cpu, cuda, cuda:<i> or mps"
+    )
 
 
 def check_parent_run(run_id: str, tracking_uri: str | None) -> None:
@@ -166,12 +216,15 @@ def check_parent_run(run_id: str, tracking_uri: str | None) -> None:
     resolved = tracking.resolve_uri(explicit=tracking_uri, explicit_source="--mlflow-tracking-uri")
     db = sqlite_path(resolved.uri)
     if db is not None and not db.is_file():
-        raise ValueError(f"--mlflow-parent-run {run_id}: no MLflow store at {db} (the tracking URI from {resolved.source})")
+        raise ValueError(
+            f"--mlflow-parent-run {run_id}: no MLflow store at {db} (the tracking URI from {resolved.source})"
+        )
     try:
         tracking.client(resolved.uri).get_run(run_id)
     except Exception as err:  # noqa: BLE001 (MlflowException: RESOURCE_DOES_NOT_EXIST, or a store that does not answer)
-        raise ValueError(f"--mlflow-parent-run {run_id}: no such run in {resolved.uri} "
-                         f"({tracking.short(err, 160)})") from None
+        raise ValueError(
+            f"--mlflow-parent-run {run_id}: no such run in {resolved.uri} ({tracking.short(err, 160)})"
+        ) from None
 
 
 def check_heads(ns: Any) -> None:
@@ -221,25 +274,41 @@ def main(argv: list[str] | None = None) -> int:
     return _report(results, ns)
 
 
-def _evaluate(evaluation: EvalConfig, ns: Any, prompt_sets: list[list[str]], set_names: list[str]) -> dict[str, Any]:
+def _evaluate(
+    evaluation: EvalConfig, ns: Any, prompt_sets: list[list[str]], set_names: list[str]
+) -> dict[str, Any]:
     from experiments.evaluation import evaluate_heads
     from mtpc import MtpcModel
 
     load_kw = {"device": ns.device} if ns.device else {}
     if ns.trust_remote_code or ns.revision:
         load_kw.update(trust_remote_code=ns.trust_remote_code, revision=ns.revision)
-    main_model = MtpcModel.from_pretrained(ns.head, backbone=ns.backbone, allow_unverified=ns.allow_unverified_head,
-                                           **load_kw)
+    main_model = MtpcModel.from_pretrained(
+        ns.head, backbone=ns.backbone, allow_unverified=ns.allow_unverified_head, **load_kw
+    )
     models = {"head": main_model}
     if ns.ff_head:
         ff = _load_sharing_backbone(ns.ff_head, main_model, ns.allow_unverified_head)
         if ff.head.config.kind != "ff":
             raise ValueError(f"--ff-head: {ns.ff_head} holds a {ff.head.config.kind} head, not ff")
         models["ff"] = ff
-    results = evaluate_heads(models, prompt_sets, evaluation, set_names=set_names, ff_name="ff" if ns.ff_head else None,
-                             progress=not ns.no_progress, evabyte_mtp=ns.evabyte_mtp)
-    results["config"].update({"head_dir": str(ns.head), "ff_head_dir": ns.ff_head, "prompts": evaluation.prompts,
-                              "eval": dataclasses.asdict(evaluation)})
+    results = evaluate_heads(
+        models,
+        prompt_sets,
+        evaluation,
+        set_names=set_names,
+        ff_name="ff" if ns.ff_head else None,
+        progress=not ns.no_progress,
+        evabyte_mtp=ns.evabyte_mtp,
+    )
+    results["config"].update(
+        {
+            "head_dir": str(ns.head),
+            "ff_head_dir": ns.ff_head,
+            "prompts": evaluation.prompts,
+            "eval": dataclasses.asdict(evaluation),
+        }
+    )
     return results
 
 
@@ -259,17 +328,32 @@ def _report(results: dict[str, Any], ns: Any) -> int:
         print(json.dumps(results, indent=2))
         rc = EX_IOERR
     for row in results["summary"]:
-        m = {k: f"{row[k]['mean']:.4g}±{row[k]['std']:.2g}"
-             for k in ("mu_acc", "tokens_per_cycle", "speedup_vs_stp", "derived_speedup_vs_stp", *DEGENERACY_METRICS)
-             if k in row}
-        line = (f"{row['head']:>5} {row['circuit']:>5} n={row['window']} {row['mode']}/{row['extra_token']}/eos {row['eos']} "
-                f"T={row['temperature']} ({row['acceptance_method']}): {m}")
-        print(line, file=sys.stderr if rc else sys.stdout)  # stdout holds the JSON alone when it carries the results
+        m = {
+            k: f"{row[k]['mean']:.4g}±{row[k]['std']:.2g}"
+            for k in (
+                "mu_acc",
+                "tokens_per_cycle",
+                "speedup_vs_stp",
+                "derived_speedup_vs_stp",
+                *DEGENERACY_METRICS,
+            )
+            if k in row
+        }
+        line = (
+            f"{row['head']:>5} {row['circuit']:>5} n={row['window']} {row['mode']}/{row['extra_token']}/eos {row['eos']} "
+            f"T={row['temperature']} ({row['acceptance_method']}): {m}"
+        )
+        print(
+            line, file=sys.stderr if rc else sys.stdout
+        )  # stdout holds the JSON alone when it carries the results
     for line in degeneracy_warnings(results["summary"]):
         print(line, file=sys.stderr)
     if ns.mlflow_parent_run:
         ids = log_evaluation_to_mlflow(results, ns.mlflow_parent_run, tracking_uri=ns.mlflow_tracking_uri)
-        print(f"logged {len(ids)} child runs under {ns.mlflow_parent_run}", file=sys.stderr if rc else sys.stdout)
+        print(
+            f"logged {len(ids)} child runs under {ns.mlflow_parent_run}",
+            file=sys.stderr if rc else sys.stdout,
+        )
     if not rc:
         print(f"wrote {out}")
     return rc

@@ -88,8 +88,9 @@ def _answer(model: MtpcModel, ids: torch.Tensor) -> bytes | list[int]:
     return tok.decode(ids.tolist()) if tok is not None else ids.tolist()
 
 
-def _per_prompt(prompts: list[torch.Tensor], stats_list: list[Any], answers: list[bytes | list[int]],
-                set_idx: int) -> list[dict[str, Any]]:
+def _per_prompt(
+    prompts: list[torch.Tensor], stats_list: list[Any], answers: list[bytes | list[int]], set_idx: int
+) -> list[dict[str, Any]]:
     """One record per prompt (same order in every run of a set, so runs pair up prompt by prompt);
     `prompt_sha` (of the prompt's ids) lets a reader check that two runs saw the same prompt.
     `accepted` is the accepted drafts summed over the prompt's cycles: a count online, an expectation
@@ -98,7 +99,9 @@ def _per_prompt(prompts: list[torch.Tensor], stats_list: list[Any], answers: lis
     out = []
     for i, (p, s, a) in enumerate(zip(prompts, stats_list, answers, strict=True)):
         sha = hashlib.sha1(",".join(map(str, p.tolist())).encode()).hexdigest()[:12]
-        accepted = s.accepted if hasattr(s, "accepted") else int(round(s.mu_acc * s.cycles))  # online: a count
+        accepted = (
+            s.accepted if hasattr(s, "accepted") else int(round(s.mu_acc * s.cycles))
+        )  # online: a count
         out.append({"prompt_set": set_idx, "prompt": i, "prompt_sha": sha, "cycles": s.cycles,
                     "accepted": accepted, "decode_s": getattr(s, "decode_s", None),
                     "decode_generated": s.decode_generated, "degenerate": degenerate(a)})  # fmt: skip
@@ -112,12 +115,17 @@ def _pool(stats_list: list[Any], window: int, answers: list[bytes | list[int]]) 
     tested = [sum(s.tested_at[i] for s in stats_list) for i in range(window)]
     accepted = [sum(s.accepted_at[i] for s in stats_list) for i in range(window)]
     hist_len = max((len(s.accepted_length_histogram) for s in stats_list), default=0)
-    hist = [sum(s.accepted_length_histogram[i] for s in stats_list if s.accepted_length_histogram) for i in range(hist_len)]
+    hist = [
+        sum(s.accepted_length_histogram[i] for s in stats_list if s.accepted_length_histogram)
+        for i in range(hist_len)
+    ]
     mu_lat = decode_s / cycles if cycles else float("nan")
     return {
         "mu_lat": mu_lat,
         "mu_acc": sum(s.mu_acc * s.cycles for s in stats_list) / cycles if cycles else float("nan"),
-        "tokens_per_cycle": sum(s.tokens_per_cycle * s.cycles for s in stats_list) / cycles if cycles else float("nan"),
+        "tokens_per_cycle": sum(s.tokens_per_cycle * s.cycles for s in stats_list) / cycles
+        if cycles
+        else float("nan"),
         "throughput": sum(s.decode_generated for s in stats_list) / decode_s if decode_s else float("nan"),
         "max_throughput": window / mu_lat if cycles else float("nan"),
         "peak_mem_bytes": max(s.peak_mem_bytes for s in stats_list),
@@ -152,7 +160,9 @@ class EvalJob:
     prompts: list[torch.Tensor]
 
 
-def _generate_one(model: MtpcModel, job: EvalJob, i: int, extra_token: str | None, seed: int, kw: dict[str, Any]) -> Any:
+def _generate_one(
+    model: MtpcModel, job: EvalJob, i: int, extra_token: str | None, seed: int, kw: dict[str, Any]
+) -> Any:
     """Prompt i of the job through `model` (speculative with `extra_token`; None: the plain model),
     sampled with seed + i."""
     ban = job.eos == "banned"
@@ -162,8 +172,9 @@ def _generate_one(model: MtpcModel, job: EvalJob, i: int, extra_token: str | Non
     return model.generate(p, mode=job.mode, seed=seed + i, extra_token=extra_token, ban_eos=ban, **kw)
 
 
-def _generate_interleaved(runners: list[tuple[MtpcModel, str | None]], job: EvalJob, seed: int, kw: dict[str, Any],
-                          bar: Any) -> list[tuple[list[Any], list[bytes | list[int]]]]:
+def _generate_interleaved(
+    runners: list[tuple[MtpcModel, str | None]], job: EvalJob, seed: int, kw: dict[str, Any], bar: Any
+) -> list[tuple[list[Any], list[bytes | list[int]]]]:
     """The job's prompts through every runner (model, extra_token; None: the plain model) in interleaved
     rounds — prompt i through all of them before prompt i + 1 — after one short untimed warm-up call
     each, so a drift of the machine's speed during the job falls on STP and every head alike.
@@ -213,7 +224,9 @@ def _offline(models: dict[str, MtpcModel], job: EvalJob, seed: int, kw: dict[str
     first = next(iter(models.values()))
     cfg = _decode_config(first, job, kw)
     bb = first.backbone
-    batch = batch if getattr(bb, "engine", "hf") == "compact" else 1  # batched decoding needs the compact forward
+    batch = (
+        batch if getattr(bb, "engine", "hf") == "compact" else 1
+    )  # batched decoding needs the compact forward
     seeds = [seed + i for i in range(len(job.prompts))]
     passes: dict[int, Any] = {}
     if fused_pass_applies(bb, batch):  # k = 0: decoding yields the pass too; cheaper than a cache hit's pass
@@ -308,8 +321,19 @@ def evaluate_heads(
     results: dict[str, Any] | None = None
     for temperature in e.temperatures:
         modes = tuple(m for m, t in eval_passes(e.modes, e.temperatures) if t == temperature)
-        res = _evaluate_at(models, encoded, names, e, modes, temperature, ff_name=ff_name, progress=progress,
-                           evabyte_mtp=evabyte_mtp, continuation_batch=continuation_batch, should_stop=should_stop)
+        res = _evaluate_at(
+            models,
+            encoded,
+            names,
+            e,
+            modes,
+            temperature,
+            ff_name=ff_name,
+            progress=progress,
+            evabyte_mtp=evabyte_mtp,
+            continuation_batch=continuation_batch,
+            should_stop=should_stop,
+        )
         if results is None:
             results = res
         else:  # one result for the whole evaluation: runs and STP baselines of every temperature
@@ -322,8 +346,13 @@ def evaluate_heads(
     return results
 
 
-def check_prompt_lengths(models: dict[str, MtpcModel], prompt_sets: list[list[Any]], encoded: list[list[torch.Tensor]],
-                         names: list[Any], max_new_tokens: int) -> None:
+def check_prompt_lengths(
+    models: dict[str, MtpcModel],
+    prompt_sets: list[list[Any]],
+    encoded: list[list[torch.Tensor]],
+    names: list[Any],
+    max_new_tokens: int,
+) -> None:
     """ValueError naming the first prompt (set, index, and its file:line when it is a `Prompt`) whose
     ids + max_new_tokens + the largest window exceed a backbone's context: what generation needs per
     prompt, found before anything decodes."""
@@ -334,29 +363,54 @@ def check_prompt_lengths(models: dict[str, MtpcModel], prompt_sets: list[list[An
             need = p.shape[0] + max_new_tokens + window
             if need > context:
                 where = f" ({text.where})" if getattr(text, "where", None) else ""
-                raise ValueError(f"prompt {i} of set {name}{where}: {p.shape[0]} ids (the prompt as the model reads it) "
-                                 f"+ eval.max_new_tokens {max_new_tokens} + window {window} = {need} exceeds the "
-                                 f"backbone's context of {context} positions; expected a shorter prompt or max_new_tokens")
+                raise ValueError(
+                    f"prompt {i} of set {name}{where}: {p.shape[0]} ids (the prompt as the model reads it) "
+                    f"+ eval.max_new_tokens {max_new_tokens} + window {window} = {need} exceeds the "
+                    f"backbone's context of {context} positions; expected a shorter prompt or max_new_tokens"
+                )
 
 
-def _evaluate_at(models: dict[str, MtpcModel], encoded: list[list[torch.Tensor]], names: list[Any], e: EvalConfig,
-                 modes: tuple[str, ...], temperature: float, *, ff_name: str | None, progress: bool, evabyte_mtp: bool,
-                 continuation_batch: int, should_stop: Callable[[], bool] | None) -> dict[str, Any]:
+def _evaluate_at(
+    models: dict[str, MtpcModel],
+    encoded: list[list[torch.Tensor]],
+    names: list[Any],
+    e: EvalConfig,
+    modes: tuple[str, ...],
+    temperature: float,
+    *,
+    ff_name: str | None,
+    progress: bool,
+    evabyte_mtp: bool,
+    continuation_batch: int,
+    should_stop: Callable[[], bool] | None,
+) -> dict[str, Any]:
     """`evaluate_heads` at one temperature (its modes at it): every job, timed then offline; no summary."""
     first = next(iter(models.values()))
     max_new_tokens, top_p, seed, eos = e.max_new_tokens, e.top_p, e.seed, e.eos
     extra_tokens, acceptance, latency_prompts, stp = (e.extra_token,), e.acceptance, e.latency_prompts, e.stp
     offline = acceptance == "offline"
     kw = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
-    jobs = [EvalJob(mode, eos_mode, name, ps) for mode in modes for eos_mode in eos
-            for name, ps in zip(names, encoded, strict=True)]
+    jobs = [
+        EvalJob(mode, eos_mode, name, ps)
+        for mode in modes
+        for eos_mode in eos
+        for name, ps in zip(names, encoded, strict=True)
+    ]
     # what the loop times: every prompt online; offline the first `latency_prompts` of each set
-    timed_jobs = [EvalJob(j.mode, j.eos, j.set_name, j.prompts[:latency_prompts]) if offline else j for j in jobs]
+    timed_jobs = [
+        EvalJob(j.mode, j.eos, j.set_name, j.prompts[:latency_prompts]) if offline else j for j in jobs
+    ]
     heads = [(name, model, extra) for name, model in models.items() for extra in extra_tokens]
-    timed: list[tuple[Any, list[Any]]] = []  # per job: STP (stats, answers) or None, [(stats, answers) per head]
+    timed: list[
+        tuple[Any, list[Any]]
+    ] = []  # per job: STP (stats, answers) or None, [(stats, answers) per head]
     with timing(progress):  # nothing else times on this machine meanwhile; the background pre-training paused
-        bar = tqdm(total=sum(len(j.prompts) for j in timed_jobs) * (int(stp) + len(heads)), desc="evaluate",
-                   disable=not progress, file=sys.stderr)
+        bar = tqdm(
+            total=sum(len(j.prompts) for j in timed_jobs) * (int(stp) + len(heads)),
+            desc="evaluate",
+            disable=not progress,
+            file=sys.stderr,
+        )
         for job in timed_jobs:
             _check_stop(should_stop)
             runners = ([(first, None)] if stp else []) + [(model, extra) for _name, model, extra in heads]
@@ -378,7 +432,9 @@ def _evaluate_at(models: dict[str, MtpcModel], encoded: list[list[torch.Tensor]]
         if offline:
             ys, off = untimed[j]
             texts = [_answer(first, torch.tensor(y, dtype=torch.long)) for y in ys]
-            text_stats = degeneracy_metrics(texts)  # the plain model's text: STP's and (in distribution) every head's
+            text_stats = degeneracy_metrics(
+                texts
+            )  # the plain model's text: STP's and (in distribution) every head's
         base = None
         if base_t is not None:
             stats, answers = base_t
@@ -396,14 +452,28 @@ def _evaluate_at(models: dict[str, MtpcModel], encoded: list[list[torch.Tensor]]
             if offline:
                 pooled = pool_offline(off[name])
                 run["latency_per_prompt"] = _per_prompt(tjob.prompts, stats, answers, job.set_name)
-                metrics.update({k: pooled[k] for k in ("mu_acc", "tokens_per_cycle", "cycles", "generated",
-                                                       "per_position_acceptance", "accepted_length_histogram")})
+                metrics.update(
+                    {
+                        k: pooled[k]
+                        for k in (
+                            "mu_acc",
+                            "tokens_per_cycle",
+                            "cycles",
+                            "generated",
+                            "per_position_acceptance",
+                            "accepted_length_histogram",
+                        )
+                    }
+                )
                 metrics.update(text_stats)
                 metrics.pop("backbone_calls")  # of the timed subset only: not this run's count
                 metrics["derived_throughput"] = pooled["tokens_per_cycle"] / metrics["mu_lat"]
             if base is not None:
-                metrics.update(stp_mu_lat=base["mu_lat"], stp_throughput=base["throughput"],
-                               speedup_vs_stp=metrics["throughput"] / base["throughput"])
+                metrics.update(
+                    stp_mu_lat=base["mu_lat"],
+                    stp_throughput=base["throughput"],
+                    speedup_vs_stp=metrics["throughput"] / base["throughput"],
+                )
                 if offline:
                     metrics["derived_speedup_vs_stp"] = metrics["derived_throughput"] / base["throughput"]
                 metrics.update({f"stp_{k}": base[k] for k in DEGENERACY_METRICS})
@@ -438,25 +508,40 @@ def _evaluate_at(models: dict[str, MtpcModel], encoded: list[list[torch.Tensor]]
     return results
 
 
-
-
 def summarize(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Mean ± std (over prompt sets) of each metric per (head, mode, extra_token, eos, temperature,
     acceptance_method): offline and online figures are never averaged together."""
     groups: dict[tuple, list[dict]] = {}
     for r in results["runs"]:
-        key = (r["head"], r["mode"], r["extra_token"], r.get("eos", "banned"), r.get("temperature"),
-               r.get("acceptance_method", "online"))
+        key = (
+            r["head"],
+            r["mode"],
+            r["extra_token"],
+            r.get("eos", "banned"),
+            r.get("temperature"),
+            r.get("acceptance_method", "online"),
+        )
         groups.setdefault(key, []).append(r)
     out = []
     for (_head, mode, extra, eos, temperature, method), rs in groups.items():
         row = {k: rs[0][k] for k in ("head", "backbone", "circuit", "window", "rank", "lora_depth")}
-        row.update({"mode": mode, "extra_token": extra, "eos": eos, "temperature": temperature,
-                    "acceptance_method": method, "sets": len(rs)})
+        row.update(
+            {
+                "mode": mode,
+                "extra_token": extra,
+                "eos": eos,
+                "temperature": temperature,
+                "acceptance_method": method,
+                "sets": len(rs),
+            }
+        )
         for k in EVAL_METRICS:
             vals = [r["metrics"][k] for r in rs if k in r["metrics"]]
             if vals:
-                row[k] = {"mean": statistics.fmean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0}
+                row[k] = {
+                    "mean": statistics.fmean(vals),
+                    "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
+                }
         out.append(row)
     return out
 
@@ -507,19 +592,35 @@ def log_evaluation_to_mlflow(
     for r in results["runs"]:
         if r["head"] not in heads:
             continue
-        p = {k: results["hardware"] if k == "hardware" else r.get(k, "online") if k == "acceptance_method" else r[k]
-             for k in EVAL_PARAMS}
+        p = {
+            k: results["hardware"]
+            if k == "hardware"
+            else r.get(k, "online")
+            if k == "acceptance_method"
+            else r[k]
+            for k in EVAL_PARAMS
+        }
         p["max_new_tokens"] = results["config"]["max_new_tokens"]
         if "latency_prompts" in r:
             p["latency_prompts"] = r["latency_prompts"]
         for k, v in (params or {}).items():
             p.setdefault(k, v)
         m = r["metrics"]
-        scalars = {k: v for k, v in m.items() if k not in ("per_position_acceptance", "accepted_length_histogram")}
+        scalars = {
+            k: v for k, v in m.items() if k not in ("per_position_acceptance", "accepted_length_histogram")
+        }
         records = {k: r[k] for k in ("per_prompt", "latency_per_prompt") if r.get(k)}
         extra = {PER_PROMPT_ARTIFACT: records} if records else None
-        ids.append(tracking.log_evaluation(
-            uri, parent_run_id, p, scalars, per_position_acceptance=m["per_position_acceptance"],
-            histogram=m["accepted_length_histogram"], artifacts=extra, experiment_id=exp_id,
-        ))
+        ids.append(
+            tracking.log_evaluation(
+                uri,
+                parent_run_id,
+                p,
+                scalars,
+                per_position_acceptance=m["per_position_acceptance"],
+                histogram=m["accepted_length_histogram"],
+                artifacts=extra,
+                experiment_id=exp_id,
+            )
+        )
     return ids

@@ -112,14 +112,24 @@ class HiddenCache:
             cpu = hidden.to("cpu").contiguous()
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                write_bytes(path, safetensors_bytes({"hidden": cpu}, metadata={"key": key, "sha256": _tensor_digest(cpu)}))
+                write_bytes(
+                    path,
+                    safetensors_bytes({"hidden": cpu}, metadata={"key": key, "sha256": _tensor_digest(cpu)}),
+                )
             except OSError as err:
                 self._disabled = True
-                self._warn("write", f"hidden-state cache: cannot write under {self.root} ({err}); training goes on "
-                                    "without the cache")
+                self._warn(
+                    "write",
+                    f"hidden-state cache: cannot write under {self.root} ({err}); training goes on "
+                    "without the cache",
+                )
         self.fill_s += time.perf_counter() - t0
         return hidden
 
     def stats(self) -> dict[str, float]:
-        return {"hidden_cache_hits": float(self.hits), "hidden_cache_misses": float(self.misses),
-                "hidden_cache_fill_s": self.fill_s, "hidden_cache_read_s": self.read_s}
+        return {
+            "hidden_cache_hits": float(self.hits),
+            "hidden_cache_misses": float(self.misses),
+            "hidden_cache_fill_s": self.fill_s,
+            "hidden_cache_read_s": self.read_s,
+        }

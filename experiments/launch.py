@@ -80,32 +80,59 @@ def under_slurm(env: dict[str, str] | None = None) -> bool:
     return "SLURM_JOB_ID" in env and shutil.which("srun", path=env.get("PATH")) is not None
 
 
-def command(group: ProcessGroup, config: Path, *, mlflow_run_id: str | None, resume: bool,
-            env: dict[str, str] | None = None) -> list[str]:
+def command(
+    group: ProcessGroup,
+    config: Path,
+    *,
+    mlflow_run_id: str | None,
+    resume: bool,
+    env: dict[str, str] | None = None,
+) -> list[str]:
     """The training command of one trial: srun's line under SLURM, else the plain CLI (Lightning's
     standalone launcher starts the other local ranks). ValueError for several nodes outside SLURM."""
     env = os.environ if env is None else env
     script = env.get(SCRIPT_ENV)
-    train = [sys.executable, *([script] if script else ["-m", "experiments.train"]), "fit", "--config", str(config)]
+    train = [
+        sys.executable,
+        *([script] if script else ["-m", "experiments.train"]),
+        "fit",
+        "--config",
+        str(config),
+    ]
     if mlflow_run_id:
         train += ["--mlflow_run_id", mlflow_run_id]
     if resume:
         train += ["--ckpt_path", "last"]
     if not under_slurm(env):
         if group.nodes > 1:
-            raise ValueError(f"slurm.nodes_per_trial: a trial on {group.nodes} nodes needs SLURM (srun); "
-                             "outside SLURM a trial's ranks run on this machine")
+            raise ValueError(
+                f"slurm.nodes_per_trial: a trial on {group.nodes} nodes needs SLURM (srun); "
+                "outside SLURM a trial's ranks run on this machine"
+            )
         return train
     cpus = group.cpus_per_task or int(env.get("SLURM_CPUS_PER_TASK", "1"))
-    cmd = ["srun", f"--nodes={group.nodes}", f"--ntasks={group.ranks}", f"--ntasks-per-node={group.tasks_per_node}",
-           f"--cpus-per-task={cpus}", "--kill-on-bad-exit=1", "--export=ALL"]
+    cmd = [
+        "srun",
+        f"--nodes={group.nodes}",
+        f"--ntasks={group.ranks}",
+        f"--ntasks-per-node={group.tasks_per_node}",
+        f"--cpus-per-task={cpus}",
+        "--kill-on-bad-exit=1",
+        "--export=ALL",
+    ]
     if group.gpus_per_node:
         cmd.append(f"--gpus-per-node={group.gpus_per_node}")
     return cmd + train
 
 
-def train_process_group(cfg: TrainConfig, group: ProcessGroup, *, mlflow_run_id: str | None,
-                        should_stop: Callable[[], bool], poll_s: float = 0.5) -> bool:
+def train_process_group(
+    cfg: TrainConfig,
+    group: ProcessGroup,
+    *,
+    mlflow_run_id: str | None,
+    should_stop: Callable[[], bool],
+    poll_s: float = 0.5,
+) -> bool:
     """Train `cfg` (a trial's config, devices and strategy set for `group`) in its own process group;
     returns True when it stopped on request with `last.ckpt` written (False: trained to the end).
     RuntimeError naming the exit code and the log's last lines when training failed."""
@@ -122,8 +149,13 @@ def train_process_group(cfg: TrainConfig, group: ProcessGroup, *, mlflow_run_id:
     with open(log_path, "ab") as log:
         log.write(f"\n$ {' '.join(cmd)}\n".encode())
         log.flush()
-        proc = subprocess.Popen([sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), *cmd], stdout=log,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), *cmd],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         forwarded = False
         try:
             while proc.poll() is None:
@@ -141,8 +173,10 @@ def train_process_group(cfg: TrainConfig, group: ProcessGroup, *, mlflow_run_id:
     if rc in STOPPED_CODES and (run_dir / "checkpoints" / "last.ckpt").exists():
         return True
     tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
-    raise RuntimeError(f"training ({group.ranks} ranks: {' '.join(cmd[:1])} ...) exited with code {rc}; "
-                       f"log {log_path}:\n" + "\n".join(tail))
+    raise RuntimeError(
+        f"training ({group.ranks} ranks: {' '.join(cmd[:1])} ...) exited with code {rc}; "
+        f"log {log_path}:\n" + "\n".join(tail)
+    )
 
 
 def _signal_group(proc: subprocess.Popen, signum: int) -> None:

@@ -87,8 +87,10 @@ def make_logger(cfg: TrainConfig, *, run_id: str | None, resuming: bool) -> MLFl
     exp_name = client.get_experiment(client.get_run(run_id).info.experiment_id).name
     logger = _Logger(experiment_name=exp_name, tracking_uri=uri, run_id=run_id, owns_run=owns)
     if resuming:
-        logger.logged_upto = {key: max((m.step for m in client.get_metric_history(run_id, key)), default=-1)
-                              for key in client.get_run(run_id).data.metrics}
+        logger.logged_upto = {
+            key: max((m.step for m in client.get_metric_history(run_id, key)), default=-1)
+            for key in client.get_run(run_id).data.metrics
+        }
     tracking.describe_run(uri, run_id, cfg.to_dict(), run_dir, params=cfg.params())
     return logger
 

@@ -27,8 +27,9 @@ if TYPE_CHECKING:  # the backbones load lazily, inside build_backbone
     from mtpc.backbones.common import Backbone
 
 
-def build_backbone(name: str, lora_depth: int, dtype: str | None = None, tiny_seed: int = 0,
-                   **kwargs: Any) -> Backbone:
+def build_backbone(
+    name: str, lora_depth: int, dtype: str | None = None, tiny_seed: int = 0, **kwargs: Any
+) -> Backbone:
     """`tiny` -> the seeded random Llama of TINY_BACKBONE; anything else -> `load_backbone(name, ...)`.
 
     kwargs go to `load_backbone` (trust_remote_code, revision, lora_rank, ...); `tiny` takes the LoRA ones only.
@@ -41,15 +42,17 @@ def build_backbone(name: str, lora_depth: int, dtype: str | None = None, tiny_se
         from mtpc.tokenizer import ByteTokenizer
 
         kwargs = {k: v for k, v in kwargs.items() if k not in ("trust_remote_code", "revision")}
-        cfg = LlamaConfig(**TINY_BACKBONE, tie_word_embeddings=False, bos_token_id=257, eos_token_id=258,
-                          pad_token_id=256)
+        cfg = LlamaConfig(
+            **TINY_BACKBONE, tie_word_embeddings=False, bos_token_id=257, eos_token_id=258, pad_token_id=256
+        )
         with torch.random.fork_rng():
             torch.manual_seed(tiny_seed)
             model = LlamaForCausalLM(cfg).eval()
         if torch_dtype is not None:
             model = model.to(torch_dtype)
-        return BackboneAdapter.from_hf(model, lora_depth=lora_depth, name="tiny", tokenizer=ByteTokenizer(),
-                                       **kwargs)
+        return BackboneAdapter.from_hf(
+            model, lora_depth=lora_depth, name="tiny", tokenizer=ByteTokenizer(), **kwargs
+        )
     from mtpc.backbones import load_backbone
 
     return load_backbone(name, lora_depth=lora_depth, dtype=torch_dtype, **kwargs)
@@ -88,8 +91,15 @@ class MtpcTrainModule(L.LightningModule):
         """an experiments.hidden_cache.HiddenCache (train.py sets it from `run.hidden_cache`; k = 0 only)"""
         self.save_hyperparameters(asdict(c), logger=False)  # MLflow params: the run description logs them
         self.strict_loading = False  # checkpoints carry head + LoRA only (see on_save_checkpoint)
-        self.backbone = build_backbone(c.backbone, c.lora_depth, c.backbone_dtype, c.tiny_seed,
-                                       trust_remote_code=c.trust_remote_code, revision=c.revision, **c.backbone_kwargs)
+        self.backbone = build_backbone(
+            c.backbone,
+            c.lora_depth,
+            c.backbone_dtype,
+            c.tiny_seed,
+            trust_remote_code=c.trust_remote_code,
+            revision=c.revision,
+            **c.backbone_kwargs,
+        )
         for p in self.backbone.parameters():
             p.requires_grad_(False)
         self.lora_params = list(self.backbone.lora_parameters()) if c.lora_depth > 0 else []
@@ -99,15 +109,25 @@ class MtpcTrainModule(L.LightningModule):
         # leaves it and its state alone) and DDP, told so (train.py: find_unused_parameters), skips it
         for p in self.lora_params:
             p.requires_grad_(True)
-        head = HeadConfig(kind=c.circuit, window=c.window, rank=c.rank, vocab=self.backbone.vocab_size,
-                          hidden=self.backbone.hidden_size, lora_depth=c.lora_depth, backbone=c.backbone,
-                          leaf_delta_rank=c.leaf_delta_rank, known_byte=c.known_byte)
+        head = HeadConfig(
+            kind=c.circuit,
+            window=c.window,
+            rank=c.rank,
+            vocab=self.backbone.vocab_size,
+            hidden=self.backbone.hidden_size,
+            lora_depth=c.lora_depth,
+            backbone=c.backbone,
+            leaf_delta_rank=c.leaf_delta_rank,
+            known_byte=c.known_byte,
+        )
         self.head = MtpcHead(head)
         if c.init != "random":
             W = self.backbone.mtp_unembeddings() if c.init == "mtp" else None
             if W is None:
                 W = self.backbone.lm_head_weight[None]  # (1, v, d)
-            self.head.init_from_unembeddings(W.detach().float(), noise=c.init_noise, transition_bias=c.transition_bias)
+            self.head.init_from_unembeddings(
+                W.detach().float(), noise=c.init_noise, transition_bias=c.transition_bias
+            )
         if c.known_byte:  # E from the backbone's input embedding where it has one (else reset's random E)
             E = input_embedding(self.backbone)
             if E is not None:
@@ -132,15 +152,22 @@ class MtpcTrainModule(L.LightningModule):
         return torch.optim.Adam(params, lr=c.lr, betas=tuple(c.betas), weight_decay=c.weight_decay)
 
     # -- steps ------------------------------------------------------------------------------------
-    def _loss(self, batch: tuple[torch.Tensor, ...], grad_backbone: bool, teacher: bool = False,
-              examples: torch.Tensor | None = None):
+    def _loss(
+        self,
+        batch: tuple[torch.Tensor, ...],
+        grad_backbone: bool,
+        teacher: bool = False,
+        examples: torch.Tensor | None = None,
+    ):
         """The window loss; the teacher (the backbone's STP logits of the verifier top, frozen) is
         computed when distilling or when `teacher` asks for it (validation logs the KL).
         examples (n,): the per-offset example counts L_j is normalised by (None: the batch's own)."""
         from mtpc.losses import window_loss
 
         ids, score_mask, doc_ids = batch[:3]  # (B, S) each
-        if self.hidden_cache is not None and self.config.lora_depth == 0:  # k = 0: the whole backbone is frozen
+        if (
+            self.hidden_cache is not None and self.config.lora_depth == 0
+        ):  # k = 0: the whole backbone is frozen
             from mtpc.backbones.common import SplitOutput
 
             h = self.hidden_cache.get(ids, lambda: self.backbone(ids).verify_hidden)  # (B, S, d)
@@ -154,9 +181,19 @@ class MtpcTrainModule(L.LightningModule):
         if c.kl_beta > 0 or teacher:
             with torch.no_grad():
                 logits = self.backbone.stp_logits(out.verify_hidden.detach())  # (B, S, v)
-        res = window_loss(self.head, e, ids, score_mask, doc_ids, gamma=c.gamma, chunk_size=c.chunk_size,
-                          teacher_logits=logits, kl_beta=c.kl_beta, kl_temperature=c.kl_temperature,
-                          examples=examples)
+        res = window_loss(
+            self.head,
+            e,
+            ids,
+            score_mask,
+            doc_ids,
+            gamma=c.gamma,
+            chunk_size=c.chunk_size,
+            teacher_logits=logits,
+            kl_beta=c.kl_beta,
+            kl_temperature=c.kl_temperature,
+            examples=examples,
+        )
         return res, out, logits
 
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
@@ -174,8 +211,17 @@ class MtpcTrainModule(L.LightningModule):
             scale = float(self.trainer.world_size * self.trainer.accumulate_grad_batches)
         loss = res.loss * scale
         # logged: the mean over ranks of the scaled shares (one all_reduce) = the step's loss without accumulation
-        shown = torch.stack([res.loss.detach(), res.window_nll, res.bits_per_byte,
-                             res.window_kl if res.window_kl is not None else res.window_nll]).float() * scale
+        shown = (
+            torch.stack(
+                [
+                    res.loss.detach(),
+                    res.window_nll,
+                    res.bits_per_byte,
+                    res.window_kl if res.window_kl is not None else res.window_nll,
+                ]
+            ).float()
+            * scale
+        )
         if self.trainer.world_size > 1:
             shown = self.trainer.strategy.reduce(shown, reduce_op="mean")
         bs = batch[0].shape[0]
@@ -195,11 +241,13 @@ class MtpcTrainModule(L.LightningModule):
     def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
         n = self.config.window
         ones = torch.ones(n, device=batch[0].device)
-        res, out, logits = self._loss(batch, grad_backbone=False, teacher=True, examples=ones)  # per-example sums
+        res, out, logits = self._loss(
+            batch, grad_backbone=False, teacher=True, examples=ones
+        )  # per-example sums
         sums = self._val_sums
         sums[:n] += res.per_position_nll.double()
-        sums[n:2 * n] += res.per_position_kl.double()
-        sums[2 * n:3 * n] += res.examples.double()
+        sums[n : 2 * n] += res.per_position_kl.double()
+        sums[2 * n : 3 * n] += res.examples.double()
         stp = stp_nll(logits, *batch[:3], reduce=False)
         if stp is not None:
             sums[3 * n] += stp.double().sum()
@@ -216,15 +264,19 @@ class MtpcTrainModule(L.LightningModule):
         sums = self._val_sums
         if self.trainer.world_size > 1:
             sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
-        counts = sums[2 * n:3 * n].clamp(min=1)
-        nll, kl = sums[:n] / counts, sums[n:2 * n] / counts
+        counts = sums[2 * n : 3 * n].clamp(min=1)
+        nll, kl = sums[:n] / counts, sums[n : 2 * n] / counts
         gamma = default_gamma(n) if c.gamma is None else float(c.gamma)
         discount = gamma ** torch.arange(n, dtype=torch.float64, device=sums.device)
         beta = float(c.kl_beta)
         s = 1 if c.known_byte else 0  # a known-byte head scores positions 2..n: val_nll_1 / val_kl_1 are NaN
         nll[:s], kl[:s] = float("nan"), float("nan")
-        values = {"val_loss": (discount * ((1 - beta) * nll + beta * kl))[s:].sum(), "val_window_nll": nll[s:].sum(),
-                  "val_bits_per_byte": nll[s:].sum() / (n - s) / math.log(2), "val_window_kl": kl[s:].sum()}
+        values = {
+            "val_loss": (discount * ((1 - beta) * nll + beta * kl))[s:].sum(),
+            "val_window_nll": nll[s:].sum(),
+            "val_bits_per_byte": nll[s:].sum() / (n - s) / math.log(2),
+            "val_window_kl": kl[s:].sum(),
+        }
         values.update({f"val_nll_{j}": v for j, v in enumerate(nll, start=1)})
         values.update({f"val_kl_{j}": v for j, v in enumerate(kl, start=1)})
         if sums[3 * n + 1] > 0:  # the same on every rank after the reduction: all log it or none
@@ -237,15 +289,19 @@ class MtpcTrainModule(L.LightningModule):
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if _is_trainable_key(k)}
         kind, keys, pos, has_gauss, gauss = np.random.get_state()
         checkpoint["rng_states"] = {  # plain types and tensors only: Lightning loads with weights_only
-            "torch": torch.get_rng_state(), "python": random.getstate(),
-            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)]}
+            "torch": torch.get_rng_state(),
+            "python": random.getstate(),
+            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+        }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         want = {k for k in self.state_dict() if _is_trainable_key(k)}
         missing = want - set(checkpoint["state_dict"])
         if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} trainable tensors, e.g. {sorted(missing)[:3]}: "
-                             "was it written for another circuit, window, rank or lora_depth?")
+            raise ValueError(
+                f"checkpoint lacks {len(missing)} trainable tensors, e.g. {sorted(missing)[:3]}: "
+                "was it written for another circuit, window, rank or lora_depth?"
+            )
         rng = checkpoint.get("rng_states")
         if rng:
             torch.set_rng_state(rng["torch"])
@@ -254,8 +310,13 @@ class MtpcTrainModule(L.LightningModule):
             np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
 
 
-def stp_nll(logits: torch.Tensor, ids: torch.Tensor, score_mask: torch.Tensor,
-            doc_ids: torch.Tensor, reduce: bool = True) -> torch.Tensor | None:
+def stp_nll(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    score_mask: torch.Tensor,
+    doc_ids: torch.Tensor,
+    reduce: bool = True,
+) -> torch.Tensor | None:
     """The backbone's own next-byte NLL (nats) on the scored targets, per-example mean then batch mean
     (reduce=False: the per-example means of the examples with a scored target).
 
@@ -265,11 +326,13 @@ def stp_nll(logits: torch.Tensor, ids: torch.Tensor, score_mask: torch.Tensor,
 
     flat, present = next_byte_nll(logits, ids, doc_ids)  # (P,), (B, S-1)
     valid = present & score_mask[:, 1:]  # (B, S-1)
-    nll = torch.zeros(present.shape, dtype=flat.dtype, device=flat.device).masked_scatter_(present, flat) * valid
+    nll = (
+        torch.zeros(present.shape, dtype=flat.dtype, device=flat.device).masked_scatter_(present, flat)
+        * valid
+    )
     count = valid.sum(-1)
     keep = count > 0
     if not keep.any():
         return None
     per_example = nll.sum(-1)[keep] / count[keep]
     return per_example.mean() if reduce else per_example
-

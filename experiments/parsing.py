@@ -58,14 +58,20 @@ class Fail:
         if not is_integer(v):
             self(key, f"expected an integer, got {v!r}")
         if lo is not None and v < lo or hi is not None and v > hi:
-            self(key, f"{v} out of range; expected {lo if lo is not None else '-inf'}..{hi if hi is not None else 'inf'}")
+            self(
+                key,
+                f"{v} out of range; expected {lo if lo is not None else '-inf'}..{hi if hi is not None else 'inf'}",
+            )
         return v
 
     def number(self, key: str, v: Any, lo: float | None = None, hi: float | None = None) -> float:
         if not is_number(v):
             self(key, f"expected a number, got {v!r}")
         if lo is not None and not v >= lo or hi is not None and not v <= hi:  # a NaN lies in no range
-            self(key, f"{float(v)} out of range; expected {lo if lo is not None else '-inf'}..{hi if hi is not None else 'inf'}")
+            self(
+                key,
+                f"{float(v)} out of range; expected {lo if lo is not None else '-inf'}..{hi if hi is not None else 'inf'}",
+            )
         return float(v)
 
     def choice(self, key: str, v: Any, choices: tuple) -> Any:
@@ -100,7 +106,9 @@ _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 
 
 def _allowed_class(name: Any) -> bool:
-    return isinstance(name, str) and (name in ALLOWED_CLASSES or any(c.rsplit(".", 1)[1] == name for c in ALLOWED_CLASSES))
+    return isinstance(name, str) and (
+        name in ALLOWED_CLASSES or any(c.rsplit(".", 1)[1] == name for c in ALLOWED_CLASSES)
+    )
 
 
 def check_class_paths(raw: Any, fail: Fail, key: str = "") -> None:
@@ -110,11 +118,21 @@ def check_class_paths(raw: Any, fail: Fail, key: str = "") -> None:
     if isinstance(raw, dict):
         for k, v in raw.items():
             where = f"{key}.{k}" if key else str(k)
-            named = v if k == "class_path" else (v if "trainer" in where.split(".")[:-1] and isinstance(v, str)
-                                                  and _DOTTED.match(v) else None)
+            named = (
+                v
+                if k == "class_path"
+                else (
+                    v
+                    if "trainer" in where.split(".")[:-1] and isinstance(v, str) and _DOTTED.match(v)
+                    else None
+                )
+            )
             if named is not None and not _allowed_class(named):
-                fail(where, f"{named!r} is not a class the suite loads (allowed: Lightning's {sorted(ALLOWED_CLASSES)}, "
-                     "or their class names); nothing was imported")
+                fail(
+                    where,
+                    f"{named!r} is not a class the suite loads (allowed: Lightning's {sorted(ALLOWED_CLASSES)}, "
+                    "or their class names); nothing was imported",
+                )
             check_class_paths(v, fail, where)
     elif isinstance(raw, list):
         for i, v in enumerate(raw):
@@ -242,7 +260,9 @@ def load_yaml(text: str, source: str) -> Any:
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark is not None else source
-        raise ValueError(f"{where}: not valid YAML ({getattr(err, 'problem', None) or one_line(err)})") from None
+        raise ValueError(
+            f"{where}: not valid YAML ({getattr(err, 'problem', None) or one_line(err)})"
+        ) from None
     except RecursionError:
         raise ValueError(f"{source}: YAML nested too deeply") from None
     _check_expanded_size(value, source)
@@ -270,7 +290,9 @@ def read_yaml(path: str | Path, what: str = "config") -> Any:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise ValueError(f"{p}: not valid UTF-8 ({err.reason} at byte {err.start}); a {what} file is UTF-8 YAML") from None
+        raise ValueError(
+            f"{p}: not valid UTF-8 ({err.reason} at byte {err.start}); a {what} file is UTF-8 YAML"
+        ) from None
     return load_yaml(text, str(p))
 
 
@@ -294,8 +316,10 @@ def _check_expanded_size(value: Any, source: str) -> None:
         for c in children:
             n += size(c)
             if n > MAX_YAML_NODES:
-                raise ValueError(f"{source}: more than {MAX_YAML_NODES} values once its aliases are expanded "
-                                 "(an alias bomb?); expected a plain config")
+                raise ValueError(
+                    f"{source}: more than {MAX_YAML_NODES} values once its aliases are expanded "
+                    "(an alias bomb?); expected a plain config"
+                )
         active.discard(key)
         sizes[key] = n
         return n
@@ -303,7 +327,9 @@ def _check_expanded_size(value: Any, source: str) -> None:
     size(value)
 
 
-def key_sources(argv: list[str], known: dict[str, Any], hint: str, skip: tuple[str, ...] = ()) -> dict[str, str]:
+def key_sources(
+    argv: list[str], known: dict[str, Any], hint: str, skip: tuple[str, ...] = ()
+) -> dict[str, str]:
     """Where each key of a command line was set last: `<file>` or `--key (command line)`. `known` is
     the parser's defaults as a dict (sections are dicts); `hint` ends an unknown-key message (e.g.
     "python -m experiments.train fit --help lists the options"); `skip`: tokens that are no flags
@@ -346,7 +372,7 @@ def blame(message: str, source: str, sources: dict[str, str]) -> str:
     """A check error `<source>: <key>: ...` re-addressed to where that key was set (a flag or one file)."""
     if not message.startswith(f"{source}: "):
         return message
-    rest = message[len(source) + 2:]
+    rest = message[len(source) + 2 :]
     where = source_of(rest.split(":", 1)[0], sources)
     return f"{where}: {rest}" if where else message
 

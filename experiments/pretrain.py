@@ -50,18 +50,33 @@ def background(on: bool, run_dir: str | None):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.pretrain", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="auto", help="cpu, gpu, auto (gpu if CUDA is available) or a YAML path")
+    ap.add_argument(
+        "--config", default="auto", help="cpu, gpu, auto (gpu if CUDA is available) or a YAML path"
+    )
     ap.add_argument("--out", default=None, help=f"output directory (default: {pretrained_model_dir()})")
     ap.add_argument("--force", action="store_true", help="retrain even if the output directory holds a model")
-    ap.add_argument("--ship", action="store_true",
-                    help="after training, write --out as a shipped default (bf16 shards, manifest, held-out score)")
-    ap.add_argument("--ship-rows", type=int, default=1024, help="held-out rows of 2048 bytes scored when shipping")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field (YAML value)")
-    ap.add_argument("--run-dir", default=None,
-                    help="snapshot the whole run state here and resume from it when started again (same config)")
-    ap.add_argument("--background", action="store_true",
-                    help="run at the lowest CPU priority, registered as pausable background work, so the suite's "
-                         "timers pause it (SIGSTOP/SIGCONT) while they time (experiments.background)")
+    ap.add_argument(
+        "--ship",
+        action="store_true",
+        help="after training, write --out as a shipped default (bf16 shards, manifest, held-out score)",
+    )
+    ap.add_argument(
+        "--ship-rows", type=int, default=1024, help="held-out rows of 2048 bytes scored when shipping"
+    )
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field (YAML value)"
+    )
+    ap.add_argument(
+        "--run-dir",
+        default=None,
+        help="snapshot the whole run state here and resume from it when started again (same config)",
+    )
+    ap.add_argument(
+        "--background",
+        action="store_true",
+        help="run at the lowest CPU priority, registered as pausable background work, so the suite's "
+        "timers pause it (SIGSTOP/SIGCONT) while they time (experiments.background)",
+    )
     args = ap.parse_args(argv)
     from experiments.quiet import quiet
 
@@ -99,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"experiments.pretrain: {e}", file=sys.stderr)
             return 2
         except OSError as e:  # a write failed: mtpc.atomic names the path ("no space left" for a full disk)
-            print(f"experiments.pretrain: {f'{e.filename}: ' if e.filename else ''}{e.strerror or e}", file=sys.stderr)
+            print(
+                f"experiments.pretrain: {f'{e.filename}: ' if e.filename else ''}{e.strerror or e}",
+                file=sys.stderr,
+            )
             return 74
     print(json.dumps({k: v for k, v in metrics.items() if k not in ("config", "loss_curve")}, indent=2))
     print(f"saved to {out}")

@@ -41,7 +41,9 @@ def clock(seconds: float) -> str:
 class StepProgress(ProgressBar):
     """Progress lines of one training run (see the module docstring)."""
 
-    def __init__(self, name: str, stream: IO[str] | None = None, max_silence_s: float = MAX_SILENCE_S) -> None:
+    def __init__(
+        self, name: str, stream: IO[str] | None = None, max_silence_s: float = MAX_SILENCE_S
+    ) -> None:
         super().__init__()
         self.name, self.stream, self.max_silence_s = name, stream, max_silence_s
         self._enabled = True
@@ -70,7 +72,9 @@ class StepProgress(ProgressBar):
         done = self._fraction(trainer.global_step)
         self._next = next((i for i, f in enumerate(FRACTIONS) if f > done), len(FRACTIONS))
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step, now = trainer.global_step, time.monotonic()
         crossed = False
         while self._next < len(FRACTIONS) and self._fraction(step) >= FRACTIONS[self._next]:

@@ -52,12 +52,16 @@ def read_prompt_file(path: Path) -> list[Prompt]:
         elif isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
             text = rec["prompt"]
         elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
-            users = [m.get("content") for m in rec["messages"] if isinstance(m, dict) and m.get("role") == "user"]
+            users = [
+                m.get("content") for m in rec["messages"] if isinstance(m, dict) and m.get("role") == "user"
+            ]
             if not users or not isinstance(users[0], str):
                 raise ValueError(f"{path}:{i}: messages record without a user turn")
             text = users[0]
         else:
-            raise ValueError(f"{path}:{i}: expected a JSON string, {{'prompt': str}} or {{'messages': [...]}}")
+            raise ValueError(
+                f"{path}:{i}: expected a JSON string, {{'prompt': str}} or {{'messages': [...]}}"
+            )
         prompts.append(Prompt(text, f"{path}:{i}"))
     return prompts
 
@@ -79,12 +83,16 @@ def load_prompt_sets(source: str = EvalConfig.prompts, num_prompts: int = EvalCo
         if not path.is_file():
             raise ValueError(f"eval.prompts: {source!r} is neither 'heldout' nor an existing .jsonl file")
         pool = read_prompt_file(path)
-    return draw_prompt_sets(pool, source, num_prompts, sets, seed, dev_sets=dev_sets, dev_num_prompts=dev_num_prompts)
+    return draw_prompt_sets(
+        pool, source, num_prompts, sets, seed, dev_sets=dev_sets, dev_num_prompts=dev_num_prompts
+    )
 
 
 def eval_prompt_sets(e: EvalConfig) -> tuple[list[list[Prompt]], list[str]]:
     """The prompt sets evaluation `e` draws (reported, then development) and their names."""
-    sets = load_prompt_sets(e.prompts, e.n_prompts, e.sets, e.seed, dev_sets=e.dev_sets, dev_num_prompts=e.dev_n_prompts)
+    sets = load_prompt_sets(
+        e.prompts, e.n_prompts, e.sets, e.seed, dev_sets=e.dev_sets, dev_num_prompts=e.dev_n_prompts
+    )
     return sets, prompt_set_names(e.sets, e.dev_sets)
 
 
@@ -95,7 +103,7 @@ def eval_passes(modes: tuple[str, ...], temperatures: tuple[float, ...]) -> list
 
 
 def prompt_set_names(sets: int, dev_sets: int = 0) -> list[str]:
-    """"0".."sets-1" (reported), then "dev0".. (development prompts, disjoint from the reported ones)."""
+    """ "0".."sets-1" (reported), then "dev0".. (development prompts, disjoint from the reported ones)."""
     return [str(i) for i in range(sets)] + [f"{DEV_SET_PREFIX}{i}" for i in range(dev_sets)]
 
 
@@ -133,7 +141,9 @@ def longest_prompt(e: EvalConfig) -> tuple[int, str]:
     if e.prompts == "heldout":
         built = cache_dir() / "data" / CORPUS_VERSION / "heldout_prompts.json"
         if not built.is_file():
-            return len(tok.render_prompt("x" * PROMPT_CHARS[0])), "the shortest held-out prompt (the corpus is not built yet)"
+            return len(
+                tok.render_prompt("x" * PROMPT_CHARS[0])
+            ), "the shortest held-out prompt (the corpus is not built yet)"
         pool = json.loads(built.read_text(encoding="utf-8"))
     else:
         path = Path(e.prompts)

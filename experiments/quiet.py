@@ -37,7 +37,10 @@ LOG_RECORDS: tuple[tuple[str, str], ...] = (
 )
 #: warnings ignored: (category, regular expression matched at the message's start)
 WARNINGS: tuple[tuple[type[Warning], str], ...] = (
-    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),  # inside lightning's _pytree, not ours
+    (
+        FutureWarning,
+        r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    ),  # inside lightning's _pytree, not ours
     # the frozen backbone is in eval mode on purpose (no dropout); only head + LoRA train
     (UserWarning, r"Found \d+ module\(s\) in eval mode at the start of training"),
     # the suite picks LightningEnvironment itself (one task per trial; see experiments/callbacks.py)

@@ -40,8 +40,13 @@ IDENTITY_FILE = "run.json"
 LOCK_FILE = ".lock"
 CHECKPOINT_KEY = "mtpc_run"
 #: keys a resumed run may change without becoming another run
-RESUMABLE_KEYS = ("trainer.max_steps", "trainer.max_epochs", "trainer.enable_progress_bar",
-                  "trainer.enable_model_summary", "trainer.log_every_n_steps")
+RESUMABLE_KEYS = (
+    "trainer.max_steps",
+    "trainer.max_epochs",
+    "trainer.enable_progress_bar",
+    "trainer.enable_model_summary",
+    "trainer.log_every_n_steps",
+)
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -63,18 +68,27 @@ LATER_OPTIONS = {"model.known_byte": False}
 def identity_config(config: dict[str, Any]) -> dict[str, Any]:
     """The flat resolved config that defines a run: without `run.*`, `RESUMABLE_KEYS` and the
     `LATER_OPTIONS` left at their neutral value."""
-    return {k: v for k, v in _flat(config).items() if not k.startswith("run.") and k not in RESUMABLE_KEYS
-            and not (k in LATER_OPTIONS and v == LATER_OPTIONS[k])}
+    return {
+        k: v
+        for k, v in _flat(config).items()
+        if not k.startswith("run.")
+        and k not in RESUMABLE_KEYS
+        and not (k in LATER_OPTIONS and v == LATER_OPTIONS[k])
+    }
 
 
 def config_hash(config: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(identity_config(config), sort_keys=True, default=str).encode()).hexdigest()
+    return hashlib.sha256(
+        json.dumps(identity_config(config), sort_keys=True, default=str).encode()
+    ).hexdigest()
 
 
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> str:
     a, b = identity_config(old), identity_config(new)
     keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-    return ", ".join(f"{k} {a.get(k)!r} -> {b.get(k)!r}" for k in keys[:4]) + (", ..." if len(keys) > 4 else "")
+    return ", ".join(f"{k} {a.get(k)!r} -> {b.get(k)!r}" for k in keys[:4]) + (
+        ", ..." if len(keys) > 4 else ""
+    )
 
 
 def has_checkpoints(run_dir: Path) -> bool:
@@ -88,13 +102,17 @@ def check_ckpt_path(ckpt_path: str | Path | None, run_dir: Path) -> str | None:
         return None
     text = str(ckpt_path)
     if "://" in text:
-        raise ValueError(f"--ckpt_path {text}: only local checkpoint files are accepted (a URL would be downloaded "
-                         "and unpickled); download it yourself and pass its path")
+        raise ValueError(
+            f"--ckpt_path {text}: only local checkpoint files are accepted (a URL would be downloaded "
+            "and unpickled); download it yourself and pass its path"
+        )
     if text == "last":
         last = Path(run_dir) / "checkpoints" / "last.ckpt"
         if not last.is_file():
-            raise ValueError(f"--ckpt_path last: nothing to resume, {last} does not exist "
-                             "(drop --ckpt_path to start a new run)")
+            raise ValueError(
+                f"--ckpt_path last: nothing to resume, {last} does not exist "
+                "(drop --ckpt_path to start a new run)"
+            )
         return str(last)
     path = Path(text).expanduser()
     if not path.is_file():
@@ -102,8 +120,13 @@ def check_ckpt_path(ckpt_path: str | Path | None, run_dir: Path) -> str | None:
     return str(path)
 
 
-def claim(run_dir: Path, config: dict[str, Any], ckpt_path: str | None, write: bool = True,
-          export_dir: Path | None = None) -> dict[str, str]:
+def claim(
+    run_dir: Path,
+    config: dict[str, Any],
+    ckpt_path: str | None,
+    write: bool = True,
+    export_dir: Path | None = None,
+) -> dict[str, str]:
     """Record (or confirm) this run's identity in `run_dir`; returns {"config_hash", "run_id"}.
     write=False (a rank other than 0 of a multi-process run): the same checks, nothing written.
 
@@ -118,16 +141,22 @@ def claim(run_dir: Path, config: dict[str, Any], ckpt_path: str | None, write: b
     if recorded is None:
         found = _run_contents(run_dir, export_dir)
         if found:
-            raise ValueError(f"{run_dir} holds {' and '.join(found)} but no {IDENTITY_FILE} (the record of the run they "
-                             f"belong to), so they may be another run's; use another --run.dir, or remove {run_dir} "
-                             "to start over there")
+            raise ValueError(
+                f"{run_dir} holds {' and '.join(found)} but no {IDENTITY_FILE} (the record of the run they "
+                f"belong to), so they may be another run's; use another --run.dir, or remove {run_dir} "
+                "to start over there"
+            )
     if recorded is not None and has_checkpoints(run_dir):
         if recorded.get("config_hash") != want:
-            raise ValueError(f"{run_dir} holds another run (run id {recorded.get('run_id')}; its config differs: "
-                             f"{_differences(recorded.get('config', {}), config)}); use another --run.dir")
+            raise ValueError(
+                f"{run_dir} holds another run (run id {recorded.get('run_id')}; its config differs: "
+                f"{_differences(recorded.get('config', {}), config)}); use another --run.dir"
+            )
         if ckpt_path is None:
-            raise ValueError(f"{run_dir} already holds checkpoints of this run; resume with --ckpt_path last, "
-                             "or use another --run.dir to start over")
+            raise ValueError(
+                f"{run_dir} already holds checkpoints of this run; resume with --ckpt_path last, "
+                "or use another --run.dir to start over"
+            )
     if ckpt_path is not None:
         _check_checkpoint_identity(Path(ckpt_path), want, config)
     same = recorded is not None and recorded.get("config_hash") == want and ckpt_path is not None
@@ -142,7 +171,11 @@ def claim(run_dir: Path, config: dict[str, Any], ckpt_path: str | None, write: b
 def _run_contents(run_dir: Path, export_dir: Path | None) -> list[str]:
     """What of a run `run_dir` holds: its checkpoints, its head export."""
     found = []
-    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt")) if (run_dir / "checkpoints").is_dir() else []
+    ckpts = (
+        sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt"))
+        if (run_dir / "checkpoints").is_dir()
+        else []
+    )
     if ckpts:
         found.append(f"checkpoints ({', '.join(ckpts[:3])}{', ...' if len(ckpts) > 3 else ''})")
     heads = {run_dir / "head"}
@@ -176,18 +209,24 @@ class RunLock:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             except OSError as err:
-                raise ValueError(f"{self.path}: cannot open the run directory's lock ({err.strerror})") from None
+                raise ValueError(
+                    f"{self.path}: cannot open the run directory's lock ({err.strerror})"
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
                 os.close(fd)
-                raise ValueError(f"{self.run_dir} is in use by a live run (pid {holder} holds {self.path}); wait for "
-                                 "it to end (then resume with --ckpt_path last), or use another --run.dir") from None
+                raise ValueError(
+                    f"{self.run_dir} is in use by a live run (pid {holder} holds {self.path}); wait for "
+                    "it to end (then resume with --ckpt_path last), or use another --run.dir"
+                ) from None
             except OSError as err:  # a filesystem without locks
                 os.close(fd)
-                raise ValueError(f"{self.path}: cannot lock the run directory ({err.strerror}); use a --run.dir on a "
-                                 "local filesystem") from None
+                raise ValueError(
+                    f"{self.path}: cannot lock the run directory ({err.strerror}); use a --run.dir on a "
+                    "local filesystem"
+                ) from None
             try:  # a holder that just released it unlinked the file we locked: lock the one at the path now
                 same = os.fstat(fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino
             except FileNotFoundError:
@@ -221,7 +260,9 @@ def _read_identity(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ValueError(f"{path}: not valid JSON (the run directory's identity); use another --run.dir") from None
+        raise ValueError(
+            f"{path}: not valid JSON (the run directory's identity); use another --run.dir"
+        ) from None
     return data if isinstance(data, dict) else None
 
 
@@ -229,8 +270,10 @@ def _check_checkpoint_identity(path: Path, want: str, config: dict[str, Any]) ->
     ckpt = load_checkpoint(path)
     got = ckpt.get(CHECKPOINT_KEY) if isinstance(ckpt, dict) else None
     if got is not None and got.get("config_hash") != want:
-        raise ValueError(f"{path}: a checkpoint of another run (run id {got.get('run_id')}, another config); "
-                         "resume it with its own config or start a new run")
+        raise ValueError(
+            f"{path}: a checkpoint of another run (run id {got.get('run_id')}, another config); "
+            "resume it with its own config or start a new run"
+        )
 
 
 def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> Any:
@@ -256,13 +299,17 @@ class RunIdentity(Callback):
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Checkpoints written atomically beside their final path; loaded from local files, weights only."""
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
         buf = io.BytesIO()
         torch.save(checkpoint, buf)
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         write_bytes(path, buf.getbuffer())
 
-    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Any = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         if "://" in str(path):
             raise ValueError(f"{path}: only local checkpoint files are accepted")
         return load_checkpoint(path, map_location=map_location or "cpu")

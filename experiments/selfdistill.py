@@ -32,13 +32,23 @@ from typing import Any
 SELF_DIR = "selfdistill"
 
 
-def self_data_path(backbone: str, source: str, temperature: float, max_new_tokens: int, seed: int,
-                   cache: str | Path | None = None) -> Path:
+def self_data_path(
+    backbone: str,
+    source: str,
+    temperature: float,
+    max_new_tokens: int,
+    seed: int,
+    cache: str | Path | None = None,
+) -> Path:
     """Where the answers of `backbone` for `source`'s training prompts are cached."""
     from mtpc.paths import cache_dir
 
     root = Path(cache).expanduser() if cache is not None else cache_dir()
-    slug = re.sub(r"[^A-Za-z0-9._@=-]+", "_", f"{backbone}-{Path(source).name}-T{temperature:g}-n{max_new_tokens}-s{seed}")
+    slug = re.sub(
+        r"[^A-Za-z0-9._@=-]+",
+        "_",
+        f"{backbone}-{Path(source).name}-T{temperature:g}-n{max_new_tokens}-s{seed}",
+    )
     return root / SELF_DIR / f"{slug}.jsonl"
 
 
@@ -60,8 +70,16 @@ def _done_ids(path: Path) -> set[str]:
     return {json.loads(line)["id"] for line in keep.decode("utf-8").splitlines() if line.strip()}
 
 
-def generate_self_data(model: Any, prompts: list[tuple[str, str]], path: str | Path, *, temperature: float = 1.0,
-                       max_new_tokens: int = 256, seed: int = 0, progress: bool = True) -> dict[str, int]:
+def generate_self_data(
+    model: Any,
+    prompts: list[tuple[str, str]],
+    path: str | Path,
+    *,
+    temperature: float = 1.0,
+    max_new_tokens: int = 256,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, int]:
     """Answer each (id, user text) of `prompts` with `model.generate_plain` (sampling, EOS allowed) and
     append messages records to `path`, skipping ids already there. Returns counts
     {"written", "already_done", "skipped_too_long", "truncated"}."""
@@ -78,7 +96,13 @@ def generate_self_data(model: Any, prompts: list[tuple[str, str]], path: str | P
     eos = getattr(model.backbone, "eos_token_id", None)
     limit = getattr(model.backbone, "max_context", None)
     with path.open("a", encoding="utf-8") as f:
-        bar = tqdm(total=len(prompts), desc="self-distillation data", unit="answer", disable=not progress, file=sys.stderr)
+        bar = tqdm(
+            total=len(prompts),
+            desc="self-distillation data",
+            unit="answer",
+            disable=not progress,
+            file=sys.stderr,
+        )
         for i, (conv_id, text) in enumerate(prompts):
             bar.update()
             rid = f"{conv_id}#self"
@@ -89,13 +113,23 @@ def generate_self_data(model: Any, prompts: list[tuple[str, str]], path: str | P
             if limit is not None and ids.shape[0] + max_new_tokens + 2 > limit:
                 counts["skipped_too_long"] += 1
                 continue
-            out = model.generate_plain(ids, max_new_tokens=max_new_tokens, mode="sample", temperature=temperature,
-                                       seed=seed + i, ban_eos=False)
+            out = model.generate_plain(
+                ids,
+                max_new_tokens=max_new_tokens,
+                mode="sample",
+                temperature=temperature,
+                seed=seed + i,
+                ban_eos=False,
+            )
             generated = out.ids.tolist()
             truncated = not generated or generated[-1] != eos
             answer = model.tokenizer.decode_text(generated)
-            rec = {"id": rid, "messages": [{"role": "user", "content": text}, {"role": "assistant", "content": answer}],
-                   "truncated": truncated, "seed": seed + i}
+            rec = {
+                "id": rid,
+                "messages": [{"role": "user", "content": text}, {"role": "assistant", "content": answer}],
+                "truncated": truncated,
+                "seed": seed + i,
+            }
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             f.flush()
             counts["written"] += 1
@@ -121,39 +155,78 @@ def training_prompts(source: str, conversations: int, val_fraction: float = 0.02
     return out
 
 
-def build(backbone: str, source: str, conversations: int, *, temperature: float = 1.0, max_new_tokens: int = 256,
-          seed: int = 0, out: str | Path | None = None, cache: str | Path | None = None, progress: bool = True,
-          tiny_seed: int = 0) -> tuple[Path, dict[str, int]]:
+def build(
+    backbone: str,
+    source: str,
+    conversations: int,
+    *,
+    temperature: float = 1.0,
+    max_new_tokens: int = 256,
+    seed: int = 0,
+    out: str | Path | None = None,
+    cache: str | Path | None = None,
+    progress: bool = True,
+    tiny_seed: int = 0,
+) -> tuple[Path, dict[str, int]]:
     """Load `backbone` (as training does), pick the prompts and generate (resuming) into the cache file."""
     from experiments.module import build_backbone
     from mtpc import MtpcModel
 
     adapter = build_backbone(backbone, 0, tiny_seed=tiny_seed)
-    model = MtpcModel.from_components(adapter, {"kind": "ff", "window": 2})  # plain decoding only: the head is unused
+    model = MtpcModel.from_components(
+        adapter, {"kind": "ff", "window": 2}
+    )  # plain decoding only: the head is unused
     label = getattr(adapter, "name", "") or backbone
-    path = Path(out) if out is not None else self_data_path(label, source, temperature, max_new_tokens, seed, cache)
-    settings = {"backbone": label, "source": source, "temperature": temperature, "max_new_tokens": max_new_tokens,
-                "seed": seed, "decoding": "plain (MtpcModel.generate_plain), sample, EOS allowed"}
+    path = (
+        Path(out)
+        if out is not None
+        else self_data_path(label, source, temperature, max_new_tokens, seed, cache)
+    )
+    settings = {
+        "backbone": label,
+        "source": source,
+        "temperature": temperature,
+        "max_new_tokens": max_new_tokens,
+        "seed": seed,
+        "decoding": "plain (MtpcModel.generate_plain), sample, EOS allowed",
+    }
     meta = path.with_suffix(".json")
     if meta.exists() and json.loads(meta.read_text()) != settings:
-        raise ValueError(f"{path}: written with other settings ({meta.read_text().strip()}); choose another --out")
+        raise ValueError(
+            f"{path}: written with other settings ({meta.read_text().strip()}); choose another --out"
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     meta.write_text(json.dumps(settings, indent=2) + "\n")
     prompts = training_prompts(source, conversations)
-    counts = generate_self_data(model, prompts, path, temperature=temperature, max_new_tokens=max_new_tokens,
-                                seed=seed, progress=progress)
+    counts = generate_self_data(
+        model,
+        prompts,
+        path,
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        progress=progress,
+    )
     return path, counts
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m experiments.selfdistill", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backbone", default="default", help="`default`, `tiny`, a local HF directory or a hub name")
-    ap.add_argument("--source", default="sharegpt", help="whose training prompts: `sharegpt`, `debug` or a messages file")
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.selfdistill", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument(
+        "--backbone", default="default", help="`default`, `tiny`, a local HF directory or a hub name"
+    )
+    ap.add_argument(
+        "--source", default="sharegpt", help="whose training prompts: `sharegpt`, `debug` or a messages file"
+    )
     ap.add_argument("--conversations", type=int, required=True, help="how many training prompts to answer")
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the answers")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="length cap of an answer (bytes)")
     ap.add_argument("--seed", type=int, default=0, help="prompt i is sampled with seed + i")
-    ap.add_argument("--out", default=None, help="JSONL path (default: under the mtpc cache, named by the settings)")
+    ap.add_argument(
+        "--out", default=None, help="JSONL path (default: under the mtpc cache, named by the settings)"
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -162,8 +235,16 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     try:
-        path, counts = build(args.backbone, args.source, args.conversations, temperature=args.temperature,
-                             max_new_tokens=args.max_new_tokens, seed=args.seed, out=args.out, progress=not args.no_progress)
+        path, counts = build(
+            args.backbone,
+            args.source,
+            args.conversations,
+            temperature=args.temperature,
+            max_new_tokens=args.max_new_tokens,
+            seed=args.seed,
+            out=args.out,
+            progress=not args.no_progress,
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

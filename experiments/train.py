@@ -78,7 +78,9 @@ class TrainResult:
     """the trained MtpcTrainModule (backbone + head), so a caller can evaluate without reloading"""
 
 
-def check_config(config: TrainConfig | dict[str, Any] | str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+def check_config(
+    config: TrainConfig | dict[str, Any] | str | Path, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Parse and check a config without loading weights or data; returns the resolved config dict.
 
     Raises ValueError naming the file and the key. The sweep runner checks every grid point with it.
@@ -86,10 +88,17 @@ def check_config(config: TrainConfig | dict[str, Any] | str | Path, overrides: d
     return load_config(config, overrides).check().resolved().to_dict()
 
 
-def train_head(config: TrainConfig | dict[str, Any] | str | Path, overrides: dict[str, Any] | None = None, *,
-               mlflow_run_id: str | None = None, ckpt_path: str | Path | None = None,
-               run_dir: str | Path | None = None, export_dir: str | Path | None = None,
-               callbacks: list[Callback] | None = None, should_stop: Callable[[], bool] | None = None) -> TrainResult:
+def train_head(
+    config: TrainConfig | dict[str, Any] | str | Path,
+    overrides: dict[str, Any] | None = None,
+    *,
+    mlflow_run_id: str | None = None,
+    ckpt_path: str | Path | None = None,
+    run_dir: str | Path | None = None,
+    export_dir: str | Path | None = None,
+    callbacks: list[Callback] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> TrainResult:
     """Train one head from a config (a TrainConfig, a dict, a YAML path or a shipped name) and export it.
 
     overrides: nested or dotted keys applied on top of the config ({"model.circuit": "hmm"}).
@@ -104,14 +113,23 @@ def train_head(config: TrainConfig | dict[str, Any] | str | Path, overrides: dic
     started = time.perf_counter()
     cfg = load_config(config, overrides)
     if run_dir is not None or export_dir is not None:
-        run = replace(cfg.run, dir=str(run_dir) if run_dir is not None else cfg.run.dir,
-                      export_dir=str(export_dir) if export_dir is not None else cfg.run.export_dir)
+        run = replace(
+            cfg.run,
+            dir=str(run_dir) if run_dir is not None else cfg.run.dir,
+            export_dir=str(export_dir) if export_dir is not None else cfg.run.export_dir,
+        )
         cfg = replace(cfg, run=run)
     cfg = cfg.check().resolved()
     _check_trainer(cfg)
     ckpt_path = check_ckpt_path(ckpt_path, Path(cfg.run.dir))
-    return _fit(cfg, started, mlflow_run_id=mlflow_run_id, ckpt_path=ckpt_path, callbacks=list(callbacks or []),
-                should_stop=should_stop)
+    return _fit(
+        cfg,
+        started,
+        mlflow_run_id=mlflow_run_id,
+        ckpt_path=ckpt_path,
+        callbacks=list(callbacks or []),
+        should_stop=should_stop,
+    )
 
 
 def cluster_environment() -> Any:
@@ -151,16 +169,31 @@ def _check_trainer(cfg: TrainConfig) -> None:
     from lightning.pytorch import Trainer
 
     try:
-        Trainer(**{**trainer_arguments(cfg), "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
-                   "enable_model_summary": False}, plugins=[cluster_environment()])
+        Trainer(
+            **{
+                **trainer_arguments(cfg),
+                "logger": False,
+                "enable_checkpointing": False,
+                "enable_progress_bar": False,
+                "enable_model_summary": False,
+            },
+            plugins=[cluster_environment()],
+        )
     except (MisconfigurationException, ValueError, TypeError) as err:
         named = re.search(r"`(\w+)`", str(err))
         key = f"trainer.{named.group(1)}" if named and named.group(1) in cfg.trainer else "trainer"
         raise ValueError(f"{cfg.source}: {key}: {' '.join(str(err).split())}") from None
 
 
-def _fit(cfg: TrainConfig, started: float, *, mlflow_run_id: str | None, ckpt_path: str | Path | None,
-         callbacks: list[Callback], should_stop: Callable[[], bool] | None) -> TrainResult:
+def _fit(
+    cfg: TrainConfig,
+    started: float,
+    *,
+    mlflow_run_id: str | None,
+    ckpt_path: str | Path | None,
+    callbacks: list[Callback],
+    should_stop: Callable[[], bool] | None,
+) -> TrainResult:
     import lightning as L
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -182,14 +215,23 @@ def _fit(cfg: TrainConfig, started: float, *, mlflow_run_id: str | None, ckpt_pa
     if cfg.run.cpu_threads:
         torch.set_num_threads(int(cfg.run.cpu_threads))
     stopper = StopCheckpoint(run_dir / "checkpoints" / "last.ckpt", should_stop)
-    periodic = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0,
-                               every_n_train_steps=cfg.run.checkpoint_every_n_steps or None)
+    periodic = ModelCheckpoint(
+        dirpath=run_dir / "checkpoints",
+        save_last=True,
+        save_top_k=0,
+        every_n_train_steps=cfg.run.checkpoint_every_n_steps or None,
+    )
     identity = RunIdentity({})
     # the suite's progress lines instead of Lightning's bar: given to the constructor, or Lightning adds its
     # own bar beside them; Lightning's ProgressBar.setup disables it on every rank but 0
     progress = [StepProgress(cfg.run.name)] if cfg.trainer.get("enable_progress_bar", True) else []
-    trainer = Trainer(**trainer_arguments(cfg), callbacks=[periodic, stopper, identity, YieldToTimer(stopper.stop_requested), *progress, *callbacks],
-                      plugins=[cluster_environment(), AtomicCheckpointIO()], default_root_dir=str(run_dir), logger=False)
+    trainer = Trainer(
+        **trainer_arguments(cfg),
+        callbacks=[periodic, stopper, identity, YieldToTimer(stopper.stop_requested), *progress, *callbacks],
+        plugins=[cluster_environment(), AtomicCheckpointIO()],
+        default_root_dir=str(run_dir),
+        logger=False,
+    )
     if should_stop is None:
         # the run owns its signals (StopCheckpoint): Lightning's connector would end a validation on SIGTERM
         # with SystemExit(0) (no head) and put back, after fit, the handlers of before it over ours
@@ -201,8 +243,13 @@ def _fit(cfg: TrainConfig, started: float, *, mlflow_run_id: str | None, ckpt_pa
     fresh = not (run_dir / IDENTITY_FILE).exists()
     try:
         # every rank checks the run directory; rank 0 alone records it (the others would each draw a run id)
-        identity.identity = claim(run_dir, cfg.to_dict(), None if ckpt_path is None else str(ckpt_path), write=rank_zero,
-                                  export_dir=Path(cfg.run.export_dir))
+        identity.identity = claim(
+            run_dir,
+            cfg.to_dict(),
+            None if ckpt_path is None else str(ckpt_path),
+            write=rank_zero,
+            export_dir=Path(cfg.run.export_dir),
+        )
         L.seed_everything(cfg.seed_everything, verbose=False)
         module, data = _build_module(cfg), ChatDataModule(cfg.data)
         if cfg.run.hidden_cache and cfg.model.lora_depth == 0:
@@ -246,7 +293,9 @@ def _build_module(cfg: TrainConfig) -> Any:
         raise ValueError(f"{cfg.source}: model.backbone_kwargs: {' '.join(str(err).split())}") from None
 
 
-def _finish(cfg: TrainConfig, trainer: Any, module: Any, data: Any, stopper: Any, started: float) -> TrainResult:
+def _finish(
+    cfg: TrainConfig, trainer: Any, module: Any, data: Any, stopper: Any, started: float
+) -> TrainResult:
     from lightning.pytorch.loggers import MLFlowLogger
 
     from experiments.mlflow_run import log_end
@@ -254,12 +303,22 @@ def _finish(cfg: TrainConfig, trainer: Any, module: Any, data: Any, stopper: Any
     run_dir = Path(cfg.run.dir)
     rank_zero = trainer.global_rank == 0
     logger = trainer.logger if isinstance(trainer.logger, MLFlowLogger) else None
-    common = {"checkpoint_dir": run_dir / "checkpoints", "run_dir": run_dir, "config": cfg.to_dict(), "model": module,
-              "mlflow_run_id": logger.run_id if logger else None}
+    common = {
+        "checkpoint_dir": run_dir / "checkpoints",
+        "run_dir": run_dir,
+        "config": cfg.to_dict(),
+        "model": module,
+        "mlflow_run_id": logger.run_id if logger else None,
+    }
     metrics = _final_metrics(trainer)
     if stopper.stopped:
-        return TrainResult(head_dir=Path(cfg.run.export_dir), metrics=metrics, preempted=True,
-                           stop_signal=stopper.signum, **common)
+        return TrainResult(
+            head_dir=Path(cfg.run.export_dir),
+            metrics=metrics,
+            preempted=True,
+            stop_signal=stopper.signum,
+            **common,
+        )
     if stopper.last_validation_step != trainer.global_step and trainer.limit_val_batches:
         # stopped by max_steps (or mid-epoch): score the held-out set once more on the final head
         trainer.validate(module, datamodule=data, verbose=False)
@@ -296,6 +355,7 @@ def _final_metrics(trainer: Any) -> dict[str, float]:
 # the CLI
 # ---------------------------------------------------------------------------------------------------
 
+
 def parse_cli(argv: list[str] | None) -> tuple[TrainConfig, str | None, str | None]:
     """`fit [--config FILE]... [--section.key VALUE]...` -> (config, ckpt_path, mlflow_run_id); ValueError with one line."""
     from jsonargparse import ArgumentParser
@@ -303,9 +363,14 @@ def parse_cli(argv: list[str] | None) -> tuple[TrainConfig, str | None, str | No
     from experiments.config import build_fit_parser
     from experiments.parsing import blame, check_cli_class_paths, source_of
 
-    check_cli_class_paths(list(sys.argv[1:] if argv is None else argv))  # before anything is parsed (and imported)
-    root = ArgumentParser(prog="python -m experiments.train", exit_on_error=False,
-                          description="Train one MtPC head (docs/training.md).")
+    check_cli_class_paths(
+        list(sys.argv[1:] if argv is None else argv)
+    )  # before anything is parsed (and imported)
+    root = ArgumentParser(
+        prog="python -m experiments.train",
+        exit_on_error=False,
+        description="Train one MtPC head (docs/training.md).",
+    )
     sub = root.add_subcommands(required=True, dest="subcommand")
     sub.add_subcommand("fit", build_fit_parser(), help="train one head and export it")
     sources = _key_sources(list(argv if argv is not None else sys.argv[1:]))
@@ -333,8 +398,12 @@ def _key_sources(argv: list[str]) -> dict[str, str]:
     from experiments.config import fit_parser
     from experiments.parsing import key_sources
 
-    return key_sources(argv, fit_parser().get_defaults().as_dict(), "python -m experiments.train fit --help lists the options",
-                       skip=("fit",))
+    return key_sources(
+        argv,
+        fit_parser().get_defaults().as_dict(),
+        "python -m experiments.train fit --help lists the options",
+        skip=("fit",),
+    )
 
 
 #: exit code of a run stopped by a signal (after its checkpoint): SIGUSR1 3, else 128 + the signal number
@@ -355,8 +424,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err.strerror or err}", file=sys.stderr)
         return 74
     except KeyboardInterrupt:  # Ctrl-C twice, or once after the last step and again during the export
-        print("error: interrupted; no head exported (checkpoints/last.ckpt holds the last saved step: resume "
-              "with --ckpt_path last)", file=sys.stderr)
+        print(
+            "error: interrupted; no head exported (checkpoints/last.ckpt holds the last saved step: resume "
+            "with --ckpt_path last)",
+            file=sys.stderr,
+        )
         return 130
     if result.preempted:
         name = signal.Signals(result.stop_signal).name if result.stop_signal else "request"
@@ -368,8 +440,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"head exported to {result.head_dir}")
     if result.late_signal is not None:
-        print(f"{signal.Signals(result.late_signal).name} arrived after the last training step: the run finished "
-              "its final validation and export instead of stopping")
+        print(
+            f"{signal.Signals(result.late_signal).name} arrived after the last training step: the run finished "
+            "its final validation and export instead of stopping"
+        )
     print(json.dumps({k: round(v, 5) for k, v in result.metrics.items()}, indent=1))
     return 0
 

@@ -34,18 +34,28 @@ from mtpc.atomic import write_json
 from tracking import axes
 
 
-def trial_config(base: TrainConfig, point: dict[str, Any], *, tracking_uri: str | None = None,
-                 experiment: str | None = None, run_dir: str | Path | None = None) -> TrainConfig:
+def trial_config(
+    base: TrainConfig,
+    point: dict[str, Any],
+    *,
+    tracking_uri: str | None = None,
+    experiment: str | None = None,
+    run_dir: str | Path | None = None,
+) -> TrainConfig:
     """The trial's `TrainConfig`: `base` with the grid point set (`apply_point`), tracking into
     `tracking_uri` / `experiment`, the run in `run_dir` (head in `<run_dir>/head`)."""
     cfg = apply_point(base, point)
-    run = replace(cfg.run, tracking=True, tracking_uri=tracking_uri, experiment=experiment or cfg.run.experiment)
+    run = replace(
+        cfg.run, tracking=True, tracking_uri=tracking_uri, experiment=experiment or cfg.run.experiment
+    )
     if run_dir is not None:
         run = replace(run, dir=str(run_dir), export_dir=str(Path(run_dir) / "head"))
     return replace(cfg, run=run)
 
 
-def check_eval_lengths(cfg: TrainConfig, evaluation: EvalConfig, longest: tuple[int, str] | None = None) -> None:
+def check_eval_lengths(
+    cfg: TrainConfig, evaluation: EvalConfig, longest: tuple[int, str] | None = None
+) -> None:
     """ValueError `eval.max_new_tokens: ...` when the evaluation cannot fit the backbone's context
     (the check generation makes per prompt: prompt + max_new_tokens + window <= max_context), found
     before anything trains; `experiments.prompts.longest_prompt` says which prompt length counts
@@ -55,7 +65,11 @@ def check_eval_lengths(cfg: TrainConfig, evaluation: EvalConfig, longest: tuple[
     from mtpc.backbones.facts import backbone_max_context
 
     m = cfg.model
-    context = TINY_BACKBONE["max_position_embeddings"] if m.backbone == "tiny" else backbone_max_context(m.backbone, m.revision)
+    context = (
+        TINY_BACKBONE["max_position_embeddings"]
+        if m.backbone == "tiny"
+        else backbone_max_context(m.backbone, m.revision)
+    )
     if context is None:
         return
     if longest is None:
@@ -65,8 +79,10 @@ def check_eval_lengths(cfg: TrainConfig, evaluation: EvalConfig, longest: tuple[
     prompt, what = longest
     need = prompt + evaluation.max_new_tokens + m.window
     if need > context:
-        raise ValueError(f"eval.max_new_tokens: {what} ({prompt} ids) + max_new_tokens ({evaluation.max_new_tokens}) + "
-                         f"window ({m.window}) = {need} exceeds the context of backbone {m.backbone!r} ({context})")
+        raise ValueError(
+            f"eval.max_new_tokens: {what} ({prompt} ids) + max_new_tokens ({evaluation.max_new_tokens}) + "
+            f"window ({m.window}) = {need} exceeds the context of backbone {m.backbone!r} ({context})"
+        )
 
 
 def load_for_eval(head_dir: Path, model: Any):
@@ -80,15 +96,20 @@ def load_for_eval(head_dir: Path, model: Any):
 
         tiny = build_backbone("tiny", model.lora_depth, model.backbone_dtype, model.tiny_seed)
         return MtpcModel.from_pretrained(head_dir, backbone=tiny)
-    return MtpcModel.from_pretrained(head_dir, trust_remote_code=model.trust_remote_code, revision=model.revision)
+    return MtpcModel.from_pretrained(
+        head_dir, trust_remote_code=model.trust_remote_code, revision=model.revision
+    )
 
 
 CONVERGENCE_FRACTION = 0.2  # the last fifth of training
 CONVERGENCE_TOLERANCE = 0.01  # < 1 % relative change of the held-out window NLL over it
 
 
-def convergence(history: list[tuple[int, float]], fraction: float = CONVERGENCE_FRACTION,
-                tolerance: float = CONVERGENCE_TOLERANCE) -> dict[str, float]:
+def convergence(
+    history: list[tuple[int, float]],
+    fraction: float = CONVERGENCE_FRACTION,
+    tolerance: float = CONVERGENCE_TOLERANCE,
+) -> dict[str, float]:
     """The stopping rule of docs/fidelity.md on a (step, val_window_nll) history.
 
     With L the last validated step, v_L its value and v_ref the value at the last validation at or
@@ -115,9 +136,17 @@ def training_axes(cfg: Any) -> dict[str, Any]:
     return {name: point[name] for name in axes.names(axes.TRAINING)}
 
 
-def evaluate_head(head_dir: Path, cfg: TrainConfig, evaluation: EvalConfig, *, parent_run_id: str,
-                  tracking_uri: str, out: Path, extra_params: dict[str, Any] | None = None,
-                  should_stop: Callable[[], bool] | None = None) -> list[str]:
+def evaluate_head(
+    head_dir: Path,
+    cfg: TrainConfig,
+    evaluation: EvalConfig,
+    *,
+    parent_run_id: str,
+    tracking_uri: str,
+    out: Path,
+    extra_params: dict[str, Any] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> list[str]:
     """The decoding modes on the same prompt sets (experiments.evaluation): sampling at every
     temperature of `evaluation.temperatures`, greedy once, each EOS treatment of `evaluation.eos`;
     JSON to `out`, one child run per (mode, temperature, eos, prompt_set) under the parent, carrying
@@ -127,9 +156,14 @@ def evaluate_head(head_dir: Path, cfg: TrainConfig, evaluation: EvalConfig, *, p
 
     model = load_for_eval(head_dir, cfg.model)
     sets, names = eval_prompt_sets(evaluation)  # disjoint draws: dev prompts never overlap reported ones
-    results = evaluate_heads({"head": model}, sets, evaluation, set_names=names,
-                             progress=False,  # a sweep trial: the worker prints one line per trial, not tqdm bars
-                             should_stop=should_stop)  # raises EvaluationStopped between prompt sets
+    results = evaluate_heads(
+        {"head": model},
+        sets,
+        evaluation,
+        set_names=names,
+        progress=False,  # a sweep trial: the worker prints one line per trial, not tqdm bars
+        should_stop=should_stop,
+    )  # raises EvaluationStopped between prompt sets
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, results, indent=2)
     params = {**training_axes(cfg), **(extra_params or {})}
@@ -158,7 +192,9 @@ def run_trial(
     quiet()  # a sweep worker is a command line too: only the suite's own messages
 
     if parent_run_id is None:
-        parent_run_id = tracking.start_parent_run(mlflow_tracking_uri, mlflow_experiment_id, parent_run_name, params={}, tags={})
+        parent_run_id = tracking.start_parent_run(
+            mlflow_tracking_uri, mlflow_experiment_id, parent_run_name, params={}, tags={}
+        )
     run_dir = Path(checkpoint_dir or Path("runs") / parent_run_name)
     # train and evaluate read MLFLOW_TRACKING_URI when given no URI: make them agree with the
     # sweep for the duration of the trial, then put the caller's environment back
@@ -166,10 +202,20 @@ def run_trial(
     os.environ["MLFLOW_TRACKING_URI"] = mlflow_tracking_uri
     try:
         exp_name = tracking.client(mlflow_tracking_uri).get_experiment(mlflow_experiment_id).name
-        cfg = trial_config(train, point, tracking_uri=mlflow_tracking_uri, experiment=exp_name, run_dir=run_dir)
-        _train_and_evaluate(cfg, evaluation, uri=mlflow_tracking_uri, exp_id=mlflow_experiment_id, parent_run_id=parent_run_id,
-                            run_dir=run_dir, should_stop=should_stop or (lambda: False), preempted_exc=preempted_exc,
-                            group=group)
+        cfg = trial_config(
+            train, point, tracking_uri=mlflow_tracking_uri, experiment=exp_name, run_dir=run_dir
+        )
+        _train_and_evaluate(
+            cfg,
+            evaluation,
+            uri=mlflow_tracking_uri,
+            exp_id=mlflow_experiment_id,
+            parent_run_id=parent_run_id,
+            run_dir=run_dir,
+            should_stop=should_stop or (lambda: False),
+            preempted_exc=preempted_exc,
+            group=group,
+        )
     finally:
         if previous is None:
             os.environ.pop("MLFLOW_TRACKING_URI", None)
@@ -178,8 +224,16 @@ def run_trial(
 
 
 def _train_and_evaluate(
-    cfg: TrainConfig, evaluation: EvalConfig, *, uri: str, exp_id: str, parent_run_id: str, run_dir: Path,
-    should_stop: Callable[[], bool], preempted_exc: type[Exception], group: Any = None,
+    cfg: TrainConfig,
+    evaluation: EvalConfig,
+    *,
+    uri: str,
+    exp_id: str,
+    parent_run_id: str,
+    run_dir: Path,
+    should_stop: Callable[[], bool],
+    preempted_exc: type[Exception],
+    group: Any = None,
 ) -> None:
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     if group is not None and group.ranks > 1:
@@ -190,14 +244,20 @@ def _train_and_evaluate(
     else:
         from experiments.train import train_head
 
-        result = train_head(cfg, mlflow_run_id=parent_run_id, ckpt_path="last" if ckpt.exists() else None,
-                            should_stop=should_stop)
+        result = train_head(
+            cfg,
+            mlflow_run_id=parent_run_id,
+            ckpt_path="last" if ckpt.exists() else None,
+            should_stop=should_stop,
+        )
         preempted, head_dir = result.preempted, result.head_dir
     if preempted or should_stop():
         raise preempted_exc(f"training stopped on request; checkpoint {ckpt}")
     # children of an interrupted earlier attempt would be counted twice: drop them first
     tracking.discard_children(uri, exp_id, parent_run_id)
-    history = [(m.step, m.value) for m in tracking.client(uri).get_metric_history(parent_run_id, "val_window_nll")]
+    history = [
+        (m.step, m.value) for m in tracking.client(uri).get_metric_history(parent_run_id, "val_window_nll")
+    ]
     conv = convergence(history)  # the stopping rule: an undertrained head is reported as such
     tracking.log_metrics(uri, parent_run_id, {k: v for k, v in conv.items() if v == v})
     # evaluation runs here, in the one process (the worker's) on the trial's first device, after the
@@ -205,8 +265,17 @@ def _train_and_evaluate(
     from experiments.evaluation import EvaluationStopped
 
     try:
-        evaluate_head(head_dir, cfg, evaluation, parent_run_id=parent_run_id, tracking_uri=uri,
-                      out=run_dir / "evaluation.json", extra_params={"converged": int(conv["converged"])},
-                      should_stop=should_stop)
-    except EvaluationStopped:  # the re-run resumes from the last checkpoint (the whole training when it ended on one)
+        evaluate_head(
+            head_dir,
+            cfg,
+            evaluation,
+            parent_run_id=parent_run_id,
+            tracking_uri=uri,
+            out=run_dir / "evaluation.json",
+            extra_params={"converged": int(conv["converged"])},
+            should_stop=should_stop,
+        )
+    except (
+        EvaluationStopped
+    ):  # the re-run resumes from the last checkpoint (the whole training when it ended on one)
         raise preempted_exc(f"evaluation stopped on request; checkpoint {ckpt}") from None

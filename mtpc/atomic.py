@@ -25,8 +25,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_open", "check_writable", "commit_dir", "disk_error", "fsync_dir", "remove_stale_temps", "sha256_file", "temp_name",
-           "write_bytes", "write_json", "write_text"]
+__all__ = [
+    "atomic_open",
+    "check_writable",
+    "commit_dir",
+    "disk_error",
+    "fsync_dir",
+    "remove_stale_temps",
+    "sha256_file",
+    "temp_name",
+    "write_bytes",
+    "write_json",
+    "write_text",
+]
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -40,8 +51,11 @@ def temp_name(path: str | os.PathLike) -> Path:
 def disk_error(err: OSError, path: str | os.PathLike) -> OSError:
     """`err` as an OSError naming `path`; a full disk (ENOSPC, EDQUOT) says "no space left"."""
     if err.errno in _FULL:
-        return OSError(err.errno, f"{path}: no space left on device; free space and retry "
-                                  f"(the previous {Path(path).name}, if any, is unchanged)")
+        return OSError(
+            err.errno,
+            f"{path}: no space left on device; free space and retry "
+            f"(the previous {Path(path).name}, if any, is unchanged)",
+        )
     return OSError(err.errno, f"{path}: {err.strerror or err}")
 
 

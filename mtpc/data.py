@@ -84,7 +84,9 @@ def _normalize_record(rec: Any, where: str, default_id: str) -> dict:
             raise RecordError(f"{where}: messages[{j}] needs '{role_key}' and '{text_key}', got {m!r:.80}")
         role = roles.get(m[role_key])
         if role is None:
-            raise RecordError(f"{where}: messages[{j}] has role {m[role_key]!r}; expected one of {sorted(roles)}")
+            raise RecordError(
+                f"{where}: messages[{j}] has role {m[role_key]!r}; expected one of {sorted(roles)}"
+            )
         content = m[text_key]
         if not isinstance(content, str) or not content.strip():
             raise RecordError(f"{where}: messages[{j}] ({role}) has empty or non-string content")
@@ -104,7 +106,7 @@ def _iter_json_list(text: str, name: str) -> Iterator[tuple[int, int, Any | Exce
     while i < n and text[i].isspace():
         i += 1
     if i >= n or text[i] != "[":
-        raise RecordError(f"{name}:1: expected a JSON list of records ('['), got {text[i:i + 20]!r}")
+        raise RecordError(f"{name}:1: expected a JSON list of records ('['), got {text[i : i + 20]!r}")
     i += 1
     line = 1 + text.count("\n", 0, i)
     while True:
@@ -145,14 +147,21 @@ def _iter_file(path: Path) -> Iterator[tuple[int, Any | Exception]]:
     else:
         text = path.read_bytes().decode("utf-8", errors="surrogateescape")
         for line, _, rec in _iter_json_list(text, str(path)):
-            bad = None if isinstance(rec, Exception) else _NOT_UTF8.search(json.dumps(rec, ensure_ascii=False))
-            yield line, (UnicodeDecodeError("utf-8", b"", 0, 1, "invalid bytes in the record") if bad else rec)
+            bad = (
+                None if isinstance(rec, Exception) else _NOT_UTF8.search(json.dumps(rec, ensure_ascii=False))
+            )
+            yield (
+                line,
+                (UnicodeDecodeError("utf-8", b"", 0, 1, "invalid bytes in the record") if bad else rec),
+            )
 
 
 _NOT_UTF8 = re.compile("[\udc80-\udcff]")  # bytes surrogateescape kept (UTF-8 never decodes to these)
 
 
-def load_messages(source: str | os.PathLike, *, on_error: str = "raise", split: str = "train", **dataset_kw) -> list[dict]:
+def load_messages(
+    source: str | os.PathLike, *, on_error: str = "raise", split: str = "train", **dataset_kw
+) -> list[dict]:
     """Load a messages-format dataset (see the module docstring).
 
     on_error: "raise" (default) stops at the first malformed record with file and line;
@@ -173,7 +182,9 @@ def load_messages(source: str | os.PathLike, *, on_error: str = "raise", split: 
         try:
             if isinstance(rec, UnicodeDecodeError):
                 at = f" at byte {rec.start} of the line" if rec.object else ""
-                raise RecordError(f"{where}: not valid UTF-8 ({rec.reason}{at}); a messages file is UTF-8 JSON")
+                raise RecordError(
+                    f"{where}: not valid UTF-8 ({rec.reason}{at}); a messages file is UTF-8 JSON"
+                )
             if isinstance(rec, Exception):
                 raise RecordError(f"{where}: invalid JSON ({rec})")
             out.append(_normalize_record(rec, where, default_id))
@@ -194,11 +205,15 @@ def _iter_hf(name: str, split: str, kw: dict) -> Iterator[tuple[str, str, Any]]:
     try:
         import datasets
     except ImportError as e:  # pragma: no cover - datasets is a dependency of the suite
-        raise ValueError(f"source {name!r}: not a local file, and the `datasets` package is not installed") from e
+        raise ValueError(
+            f"source {name!r}: not a local file, and the `datasets` package is not installed"
+        ) from e
     try:
         ds = datasets.load_dataset(name, split=split, **kw)
     except Exception as e:
-        raise ValueError(f"source {name!r}: not a local .json/.jsonl file and not loadable by datasets ({e})") from e
+        raise ValueError(
+            f"source {name!r}: not a local .json/.jsonl file and not loadable by datasets ({e})"
+        ) from e
     for idx, row in enumerate(ds):
         yield f"{name}[{split}] row {idx}", f"{name}:{idx}", row
 
@@ -210,8 +225,12 @@ def _iter_hf(name: str, split: str, kw: dict) -> Iterator[tuple[str, str, Any]]:
 class ChatCorpus:
     train: list[dict]  # {"id", "messages"}
     heldout_prompts: list[str]
-    heldout: list[dict] = field(default_factory=list)  # held-out chats (the default model's held-out bits/byte)
-    stats: dict[str, int] = field(default_factory=dict)  # build counts (records, truncated_tail, malformed, ...)
+    heldout: list[dict] = field(
+        default_factory=list
+    )  # held-out chats (the default model's held-out bits/byte)
+    stats: dict[str, int] = field(
+        default_factory=dict
+    )  # build counts (records, truncated_tail, malformed, ...)
 
 
 def sharegpt_file() -> Path:
@@ -253,7 +272,9 @@ def heldout_split(
             raise ValueError(f"heldout_split: a source by name must be 'sharegpt', got {source!r}")
         corpus = sharegpt_corpus()
         return list(corpus.train), list(corpus.heldout)
-    return [c for c in source if not is_heldout(c["id"], fraction)], [c for c in source if is_heldout(c["id"], fraction)]
+    return [c for c in source if not is_heldout(c["id"], fraction)], [
+        c for c in source if is_heldout(c["id"], fraction)
+    ]
 
 
 def ascii_fraction(messages: Sequence[dict]) -> float:
@@ -268,7 +289,9 @@ def build_sharegpt(source: Path, progress: bool = True) -> ChatCorpus:
     text = source.read_text(encoding="utf-8")
     stats = {"records": 0, "truncated_tail": 0, "malformed": 0, "non_english": 0}
     train, heldout = [], []
-    bar = tqdm(total=len(text), unit="char", unit_scale=True, desc="sharegpt (first build)", disable=not progress)
+    bar = tqdm(
+        total=len(text), unit="char", unit_scale=True, desc="sharegpt (first build)", disable=not progress
+    )
     for line, end, rec in _iter_json_list(text, str(source)):
         bar.update(end - bar.n)
         if isinstance(rec, Exception):  # the file's last record is cut off
@@ -331,9 +354,13 @@ def sharegpt_corpus(cache_dir: str | os.PathLike | None = None, progress: bool =
             try:
                 _write_jsonl(tmp / "train.jsonl", corpus.train)
                 _write_jsonl(tmp / "heldout.jsonl", corpus.heldout)
-                (tmp / "heldout_prompts.json").write_text(json.dumps(corpus.heldout_prompts, ensure_ascii=False, indent=0))
+                (tmp / "heldout_prompts.json").write_text(
+                    json.dumps(corpus.heldout_prompts, ensure_ascii=False, indent=0)
+                )
                 files = {name: sha256_file(tmp / name) for name in CORPUS_FILES}
-                (tmp / "stats.json").write_text(json.dumps({**corpus.stats, "sha256": files}, indent=2) + "\n")
+                (tmp / "stats.json").write_text(
+                    json.dumps({**corpus.stats, "sha256": files}, indent=2) + "\n"
+                )
                 shutil.rmtree(target, ignore_errors=True)
                 commit_dir(tmp, target)
             except OSError as err:
@@ -364,8 +391,10 @@ def _check_corpus(target: Path, stats: dict) -> None:
             with open(path, "rb") as f:
                 rows = sum(1 for line in f if line.strip())
             if rows != stats[count_key]:
-                raise ValueError(f"{path}: {rows} rows, but {target / 'stats.json'} says {stats[count_key]} "
-                                 f"(cut or edited); {repair}")
+                raise ValueError(
+                    f"{path}: {rows} rows, but {target / 'stats.json'} says {stats[count_key]} "
+                    f"(cut or edited); {repair}"
+                )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -418,10 +447,19 @@ def pack(
             break
     if not ids_parts:
         raise ValueError("pack: no conversations given")
-    return _rows(np.concatenate(ids_parts), np.concatenate(mask_parts), np.concatenate(doc_parts), seq_len, max_rows, pad)
+    return _rows(
+        np.concatenate(ids_parts),
+        np.concatenate(mask_parts),
+        np.concatenate(doc_parts),
+        seq_len,
+        max_rows,
+        pad,
+    )
 
 
-def _rows(ids: np.ndarray, mask: np.ndarray, doc: np.ndarray, seq_len: int, max_rows: int | None, pad: int) -> PackedData:
+def _rows(
+    ids: np.ndarray, mask: np.ndarray, doc: np.ndarray, seq_len: int, max_rows: int | None, pad: int
+) -> PackedData:
     """Cut a concatenated (ids, mask, doc) stream into rows; documents renumbered per row."""
     rows = -(-len(ids) // seq_len)
     if max_rows is not None:
@@ -455,7 +493,9 @@ STREAM_SPECIAL_BASE = 0xF8
 STREAM_SUFFIX = ".u8.xz"
 
 
-def write_stream(conversations: Sequence[dict], path: str | os.PathLike, tokenizer: Any = None, preset: int = 6) -> int:
+def write_stream(
+    conversations: Sequence[dict], path: str | os.PathLike, tokenizer: Any = None, preset: int = 6
+) -> int:
     """Chat-template `conversations` with the ByteTokenizer into one xz-compressed byte stream
     (read back by `read_stream`, packed by `pack_stream` into exactly what `pack` makes).
     Returns the number of ids. Raises if a content byte collides with the special range."""
@@ -468,8 +508,10 @@ def write_stream(conversations: Sequence[dict], path: str | os.PathLike, tokeniz
     ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     raw = (ids < 256) & (ids >= STREAM_SPECIAL_BASE)
     if raw.any():
-        raise ValueError(f"{path}: content byte 0x{int(ids[raw][0]):02X} is in the special range "
-                         f"0x{STREAM_SPECIAL_BASE:02X}..0xFF (not UTF-8 text); this corpus cannot be streamed")
+        raise ValueError(
+            f"{path}: content byte 0x{int(ids[raw][0]):02X} is in the special range "
+            f"0x{STREAM_SPECIAL_BASE:02X}..0xFF (not UTF-8 text); this corpus cannot be streamed"
+        )
     u8 = np.where(ids >= 256, ids - 256 + STREAM_SPECIAL_BASE, ids).astype(np.uint8)
     with lzma.open(path, "wb", preset=preset) as f:
         f.write(u8.tobytes())

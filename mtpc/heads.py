@@ -118,7 +118,9 @@ class HeadConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"{where}: unknown head config keys {unknown}; expected a subset of {sorted(known)}")
+            raise ValueError(
+                f"{where}: unknown head config keys {unknown}; expected a subset of {sorted(known)}"
+            )
         missing = [k for k in ("kind", "window", "rank", "vocab", "hidden") if k not in d]
         if missing:
             raise ValueError(f"{where}: missing head config keys {missing}")
@@ -135,7 +137,9 @@ class MtpcHead(nn.Module):
         self.circuit = build_circuit(config.kind, window=n, rank=r, vocab=v)
         shapes = {name: tuple(s) for name, s in self.circuit.param_shapes.items()}
         if shapes.get("leaves") != (n, r, v):
-            raise ValueError(f"circuit {config.kind}: expected leaves of shape {(n, r, v)}, got {shapes.get('leaves')}")
+            raise ValueError(
+                f"circuit {config.kind}: expected leaves of shape {(n, r, v)}, got {shapes.get('leaves')}"
+            )
         fk = {"device": device, "dtype": dtype}
         if k == 0:
             self.leaf_weight = nn.Parameter(torch.empty(n, r, v, d, **fk))  # W
@@ -234,7 +238,9 @@ class MtpcHead(nn.Module):
                 self.leaf_delta_out.zero_()
                 if noise > 0 and r > 1:
                     std = base.float().flatten(1).std(dim=1).view(n, 1, 1, 1).to(base.dtype)
-                    noisy = noise * std * torch.randn(self.leaf_delta_out.shape, generator=generator, dtype=dtype)
+                    noisy = (
+                        noise * std * torch.randn(self.leaf_delta_out.shape, generator=generator, dtype=dtype)
+                    )
                     self.leaf_delta_out.copy_(noisy.to(device))
             for name in self.sum_names:
                 self.sum_weight[name].zero_()
@@ -262,7 +268,9 @@ class MtpcHead(nn.Module):
         flat = e.reshape(-1, d)  # (N, d)
         base = F.linear(flat, self.leaf_base.view(n * v, d)).view(-1, n, 1, v)  # (N, n, 1, v)
         h = F.linear(flat, self.leaf_delta_in.view(n * r * k, d)).view(-1, n * r, k)  # (N, n r, k)
-        delta = torch.bmm(h.transpose(0, 1), self.leaf_delta_out.view(n * r, v, k).transpose(1, 2))  # (n r, N, v)
+        delta = torch.bmm(
+            h.transpose(0, 1), self.leaf_delta_out.view(n * r, v, k).transpose(1, 2)
+        )  # (n r, N, v)
         delta = delta.transpose(0, 1).reshape(-1, n, r, v)  # (N, n, r, v)
         return (base + delta).view(*lead, n, r, v)
 
@@ -282,8 +290,10 @@ class MtpcHead(nn.Module):
             return e
         if c is None or tuple(c.shape) != tuple(e.shape[:-1]) or c.dtype.is_floating_point:
             got = "none" if c is None else f"{c.dtype} {tuple(c.shape)}"
-            raise ValueError(f"c: a known-byte head needs the known byte of each context, an integer tensor "
-                             f"of shape {tuple(e.shape[:-1])}; got {got}")
+            raise ValueError(
+                f"c: a known-byte head needs the known byte of each context, an integer tensor "
+                f"of shape {tuple(e.shape[:-1])}; got {got}"
+            )
         return e + F.embedding(c, self.known_embedding)  # (..., d)
 
     def logits(self, u: Tensor) -> dict[str, Tensor]:
@@ -311,7 +321,8 @@ class MtpcHead(nn.Module):
         onednn: multiply by oneDNN (mtpc.kernels; None: where it runs, CPU float32 / bf16; False
         under torch.compile, which does not lower its blocked weights)."""
         stamp = tuple(
-            (p.device, p.dtype, p.data_ptr(), -1 if p.is_inference() else p._version) for p in self.parameters()
+            (p.device, p.dtype, p.data_ptr(), -1 if p.is_inference() else p._version)
+            for p in self.parameters()
         )
         if self._decoder is None or self._decoder[0] != (stamp, onednn):
             self._decoder = ((stamp, onednn), HeadDecoder(self, onednn=onednn))
@@ -353,7 +364,9 @@ class HeadDecoder:
         shapes = head.circuit.param_shapes
         self.sum_names = head.sum_names
         if any(shapes[name][-1] != r for name in self.sum_names):
-            raise ValueError(f"circuit {cfg.kind}: HeadDecoder expects every sum unit to have r = {r} children")
+            raise ValueError(
+                f"circuit {cfg.kind}: HeadDecoder expects every sum unit to have r = {r} children"
+            )
         with torch.no_grad():
             if k == 0:
                 blocks, self.delta_out = [head.leaf_weight.view(n * r * v, d)], None
@@ -369,7 +382,9 @@ class HeadDecoder:
             if self.onednn:
                 try:
                     self.weight = onednn_pack(stacked)
-                except RuntimeError as err:  # a oneDNN build that cannot reorder here: addmm, unless asked for
+                except (
+                    RuntimeError
+                ) as err:  # a oneDNN build that cannot reorder here: addmm, unless asked for
                     if onednn:
                         raise
                     self.onednn = False
@@ -377,7 +392,9 @@ class HeadDecoder:
             if not self.onednn:
                 self.weight = stacked.t().contiguous()
             del stacked
-            self.bias = torch.zeros(1, width, dtype=self.dtype, device=device)  # (1, N): 0 for the leaves, b for the sums
+            self.bias = torch.zeros(
+                1, width, dtype=self.dtype, device=device
+            )  # (1, N): 0 for the leaves, b for the sums
             if sums:
                 tail = torch.cat([head.sum_bias[name].detach().reshape(-1) for name in self.sum_names])
                 self.bias[0, width - tail.shape[0] :] = tail
@@ -385,20 +402,26 @@ class HeadDecoder:
             self.known = head.known_embedding.detach().clone() if cfg.known_byte else None  # E (v, d)
         self.hidden = d
         self.leaf_shape = (n, r, v)
-        self.split = [n * r * v] if k == 0 else [n * v, n * r * k]  # leaf blocks of the product, then the sums
+        self.split = (
+            [n * r * v] if k == 0 else [n * v, n * r * k]
+        )  # leaf blocks of the product, then the sums
         self.split.append(width - sum(self.split))
         self.h_shape, self.base_shape = (n * r, 1, k), (n, 1, v)
         self.sum_split = [math.prod(shapes[name]) for name in self.sum_names]
         self.sum_shapes = [shapes[name] for name in self.sum_names]
         self.rank = r
         dtype = self.dtype
-        self.out_dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32  # as Circuit.normalize
+        self.out_dtype = (
+            dtype if dtype in (torch.float32, torch.float64) else torch.float32
+        )  # as Circuit.normalize
 
     def params(self, e: Tensor, c: Tensor | None = None) -> dict[str, Tensor]:
         """e (d,), c (1,) or () int the known byte (ignored unless the head has known_byte) ->
         {name: normalised log-parameters (*param_shapes[name])} (= normalize(head(e, c)))."""
         if e.shape != (self.hidden,):
-            raise ValueError(f"e: the decoder takes one context of shape ({self.hidden},), got {tuple(e.shape)}")
+            raise ValueError(
+                f"e: the decoder takes one context of shape ({self.hidden},), got {tuple(e.shape)}"
+            )
         if e.dtype != self.dtype:
             e = e.to(self.dtype)
         if self.known is not None:
@@ -407,7 +430,9 @@ class HeadDecoder:
                 raise ValueError(f"c: a known-byte head needs the known byte, one integer id; got {got}")
             e = e + self.known.index_select(0, c.reshape(1)).view(-1)  # u = e + E[c]
         if self.onednn:
-            y = onednn_linear(e.unsqueeze(0), self.weight, self.bias_vec).view(-1)  # (N,) every e-dependent logit
+            y = onednn_linear(e.unsqueeze(0), self.weight, self.bias_vec).view(
+                -1
+            )  # (N,) every e-dependent logit
         else:
             y = torch.addmm(self.bias, e.unsqueeze(0), self.weight).view(-1)
         if self.delta_out is None:
@@ -496,15 +521,22 @@ def save_head(directory: str | Path, head: MtpcHead, lora_state: dict[str, Tenso
     directory = Path(directory).expanduser()
     directory.mkdir(parents=True, exist_ok=True)
     state = {name: t.detach().contiguous().cpu() for name, t in head.state_dict().items()}
-    write_bytes(directory / HEAD_FILE, safetensors_bytes(state, metadata={"format_version": str(FORMAT_VERSION)}))
+    write_bytes(
+        directory / HEAD_FILE, safetensors_bytes(state, metadata={"format_version": str(FORMAT_VERSION)})
+    )
     lora_path = directory / LORA_FILE
     if lora_state:
-        write_bytes(lora_path, safetensors_bytes({k: t.detach().contiguous().cpu() for k, t in lora_state.items()}))
+        write_bytes(
+            lora_path, safetensors_bytes({k: t.detach().contiguous().cpu() for k, t in lora_state.items()})
+        )
     elif lora_path.exists():
         lora_path.unlink()  # a stale adapter from an earlier save must not be picked up
     files = [HEAD_FILE] + ([LORA_FILE] if lora_state else [])
-    config = {"format_version": FORMAT_VERSION, **head.config.to_dict(),
-              SHA256_KEY: {name: sha256_file(directory / name) for name in files}}
+    config = {
+        "format_version": FORMAT_VERSION,
+        **head.config.to_dict(),
+        SHA256_KEY: {name: sha256_file(directory / name) for name in files},
+    }
     write_json(directory / CONFIG_FILE, config, indent=2, sort_keys=True)
     return directory
 
@@ -525,8 +557,10 @@ def load_head(
     directory = Path(directory).expanduser()
     if not directory.is_dir():
         what = "is a file, not a directory" if directory.exists() else "does not exist"
-        raise FileNotFoundError(f"head directory {directory} {what} (a head export is a directory holding "
-                                f"{CONFIG_FILE} and {HEAD_FILE}, written by save_head or a training run)")
+        raise FileNotFoundError(
+            f"head directory {directory} {what} (a head export is a directory holding "
+            f"{CONFIG_FILE} and {HEAD_FILE}, written by save_head or a training run)"
+        )
     config_path, head_path = directory / CONFIG_FILE, directory / HEAD_FILE
     for p in (config_path, head_path):
         if not p.is_file():
@@ -539,7 +573,9 @@ def load_head(
         raise ValueError(f"{config_path}: expected a JSON object")
     version = raw.pop("format_version", None)
     if version not in FORMAT_VERSIONS or isinstance(version, bool):
-        raise ValueError(f"{config_path}: format_version {version!r} is not supported; expected one of {FORMAT_VERSIONS}")
+        raise ValueError(
+            f"{config_path}: format_version {version!r} is not supported; expected one of {FORMAT_VERSIONS}"
+        )
     if version == 1 and "known_byte" in raw:  # version 1 predates the option: its heads read e_t alone
         raise ValueError(f"{config_path}: format_version 1 has no known_byte key; expected format_version 2")
     _check_sha256(directory, raw.pop(SHA256_KEY, None), config_path, allow_unverified)
@@ -583,7 +619,9 @@ def migrate_head(directory: str | Path) -> Path:
     return save_head(directory, head, lora_state)
 
 
-def _check_sha256(directory: Path, digests: object, config_path: Path, allow_unverified: bool = False) -> None:
+def _check_sha256(
+    directory: Path, digests: object, config_path: Path, allow_unverified: bool = False
+) -> None:
     """The tensor files against the SHA-256s config.json records. None (an export from before
     2026-12-02, or one whose key was stripped to pass replaced tensors off as older) is refused
     unless the caller opts in."""
@@ -601,22 +639,28 @@ def _check_sha256(directory: Path, digests: object, config_path: Path, allow_unv
     present = {HEAD_FILE, LORA_FILE} & {p.name for p in directory.iterdir()}
     unlisted = sorted(present - set(digests))
     if unlisted:
-        raise ValueError(f"{directory / unlisted[0]}: not listed in {config_path.name}'s {SHA256_KEY} (not written "
-                         "by this export); re-export the head")
+        raise ValueError(
+            f"{directory / unlisted[0]}: not listed in {config_path.name}'s {SHA256_KEY} (not written "
+            "by this export); re-export the head"
+        )
     for name, digest in sorted(digests.items()):
         path = directory / str(name)
         if not path.is_file():
             raise ValueError(f"{path}: listed in {config_path.name} but missing; re-export the head")
         if sha256_file(path) != digest:
-            raise ValueError(f"{path}: SHA-256 differs from the one in {config_path.name} (corrupt or changed "
-                             "file); re-export the head")
+            raise ValueError(
+                f"{path}: SHA-256 differs from the one in {config_path.name} (corrupt or changed "
+                "file); re-export the head"
+            )
 
 
 def _check_finite(state: dict[str, Tensor], path: Path) -> None:
     for name, t in state.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{path}: tensor {name!r} holds non-finite values (NaN or inf); "
-                             "the head diverged or the file was damaged: retrain or re-export it")
+            raise ValueError(
+                f"{path}: tensor {name!r} holds non-finite values (NaN or inf); "
+                "the head diverged or the file was damaged: retrain or re-export it"
+            )
 
 
 def _read_tensors(path: Path, device=None) -> dict[str, Tensor]:

@@ -38,8 +38,10 @@ def onednn_unsupported(device: torch.device | str, dtype: torch.dtype) -> str | 
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return "weights='onednn': this torch build has no oneDNN (mkldnn) linear"
     if dtype == torch.bfloat16 and not _bf16_supported():
-        return (f"weights='onednn' in bfloat16 needs a CPU with avx512bw/vl/dq or avx_ne_convert "
-                f"(this one: {torch.backends.cpu.get_cpu_capability()})")
+        return (
+            f"weights='onednn' in bfloat16 needs a CPU with avx512bw/vl/dq or avx_ne_convert "
+            f"(this one: {torch.backends.cpu.get_cpu_capability()})"
+        )
     return None
 
 

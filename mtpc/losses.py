@@ -81,7 +81,9 @@ class WindowLossOutput:
     """scalar sum_j of per_position_kl (detached); None without a teacher"""
 
 
-def window_targets(input_ids: Tensor, score_mask: Tensor, doc_ids: Tensor, window: int) -> tuple[Tensor, Tensor, Tensor]:
+def window_targets(
+    input_ids: Tensor, score_mask: Tensor, doc_ids: Tensor, window: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """Targets of every window and which of them are present / scored.
 
     Returns x (B, S, n) long (absent targets filled with 0, never read), present (B, S, n) bool
@@ -111,12 +113,15 @@ def next_byte_nll(logits: Tensor, input_ids: Tensor, doc_ids: Tensor) -> tuple[T
     and where they are: logits (B, S, v) -> nll (P,), present (B, S-1) bool with P True entries.
     What pre-training trains and scores and what head training reports as the STP floor."""
     present = present_targets(doc_ids)
-    nll = torch.nn.functional.cross_entropy(logits[:, :-1].float()[present], input_ids[:, 1:][present], reduction="none")
+    nll = torch.nn.functional.cross_entropy(
+        logits[:, :-1].float()[present], input_ids[:, 1:][present], reduction="none"
+    )
     return nll, present
 
 
-def loss_weights(scored: Tensor, gamma: float, dtype: torch.dtype = torch.float32,
-                 examples: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def loss_weights(
+    scored: Tensor, gamma: float, dtype: torch.dtype = torch.float32, examples: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """Per-target weights such that L_j = sum_{b,t} stat[b,t,j] nll[b,t,j] and
     loss = sum_{b,t,j} loss_w[b,t,j] nll[b,t,j]; computed on the whole batch before chunking.
 
@@ -199,8 +204,9 @@ def _mixture_rows(log_pi: Tensor, phi: Tensor, log_p: Tensor) -> tuple[Tensor, T
 
 
 @torch.no_grad()
-def _observed_leaf_scores(head: MtpcHead, e: Tensor, x: Tensor, dtype: torch.dtype,
-                          L: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _observed_leaf_scores(
+    head: MtpcHead, e: Tensor, x: Tensor, dtype: torch.dtype, L: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Leaf log-probabilities of the observed tokens, keeping one (c, n, r, v) buffer.
 
     e (c, d), x (c, n) -> scores (c, n, r) = log_softmax(W e)[x], E (c, n, r, v) = exp(W e - max)
@@ -268,9 +274,13 @@ class _ChunkedWindowLoss(torch.autograd.Function):
         W = getattr(head, "leaf_weight", None)
         delta = cfg.leaf_delta_rank > 0  # App. G leaves: their logits' backward through autograd, from g_L
         score_circuit = _observed_circuit(cfg.kind, cfg.window, cfg.rank)
-        W_index = next((i for i, p in enumerate(params) if p is W), None) if W is not None else None  # None: W frozen
+        W_index = (
+            next((i for i, p in enumerate(params) if p is W), None) if W is not None else None
+        )  # None: W frozen
         leaf_ids = {id(head.leaf_base), id(head.leaf_delta_in), id(head.leaf_delta_out)} if delta else set()
-        leaf_index = [i for i, (p, need) in enumerate(zip(params, need_p, strict=True)) if need and id(p) in leaf_ids]
+        leaf_index = [
+            i for i, (p, need) in enumerate(zip(params, need_p, strict=True)) if need and id(p) in leaf_ids
+        ]
         auto = [i for i, need in enumerate(need_p) if need and i != W_index and i not in leaf_index]
         beta = 0.0 if teacher is None else teacher.beta
         loss = torch.zeros((), dtype=loss_w.dtype, device=e.device)
@@ -288,7 +298,9 @@ class _ChunkedWindowLoss(torch.autograd.Function):
             if delta:
                 with torch.set_grad_enabled(need_e or bool(leaf_index)):
                     leaf_graph = head.leaf_logits(e_chunk)  # (c, n, r, v)
-            scores, E, Z, idx = _observed_leaf_scores(head, e_chunk, x_chunk, compute, leaf_graph)  # (c,n,r), (c,n,r,v)
+            scores, E, Z, idx = _observed_leaf_scores(
+                head, e_chunk, x_chunk, compute, leaf_graph
+            )  # (c,n,r), (c,n,r,v)
             phi = None if teacher is None else E.div_(Z)  # in place: the leaf probabilities
             kl = None
             with torch.set_grad_enabled(track):
@@ -299,7 +311,9 @@ class _ChunkedWindowLoss(torch.autograd.Function):
                 if teacher is None:
                     nll = _conditional_nll(score_circuit._prefix_log_marginals(q, zeros))
                 else:
-                    w, _, s = score_circuit._leaf_context(q, zeros)  # (c, n, r) log q(s_j, x_<j) up to a constant
+                    w, _, s = score_circuit._leaf_context(
+                        q, zeros
+                    )  # (c, n, r) log q(s_j, x_<j) up to a constant
                     log_pi = w.log_softmax(-1)  # (c, n, r)  log q(s_j | x_<j)
                     nll = -torch.logsumexp(log_pi + s, dim=-1)  # -log sum_a pi_a phi_a(x_j)
                 chunk_loss = (nll * lw).sum() if teacher is None else (nll * lw).sum() * (1.0 - beta)
@@ -312,7 +326,9 @@ class _ChunkedWindowLoss(torch.autograd.Function):
                     if log_pi.requires_grad:
                         objective = objective - (log_pi * (w_kl.unsqueeze(-1) * S)).sum()
             leaf_grad = scores.requires_grad
-            inputs = ([scores] if leaf_grad else []) + ([e_chunk] if need_e else []) + [params[i] for i in auto]
+            inputs = (
+                ([scores] if leaf_grad else []) + ([e_chunk] if need_e else []) + [params[i] for i in auto]
+            )
             if inputs:
                 got = list(torch.autograd.grad(objective, inputs, allow_unused=True))
                 g_scores = got.pop(0) if leaf_grad else None  # (c, n, r)
@@ -330,7 +346,11 @@ class _ChunkedWindowLoss(torch.autograd.Function):
                         C = w_kl.unsqueeze(-1) * pi  # (c, n, r)
                         A = w_kl.unsqueeze(-1) * S - g_scores  # (c, n, r)
                         for j in range(cfg.window):  # one (c, r, v) scratch row at a time
-                            phi[:, j].mul_(torch.addcmul(A[:, j, :, None], C[:, j, :, None], ratio[:, j, None, :], value=-1.0))
+                            phi[:, j].mul_(
+                                torch.addcmul(
+                                    A[:, j, :, None], C[:, j, :, None], ratio[:, j, None, :], value=-1.0
+                                )
+                            )
                         g_L = phi.scatter_add_(-1, idx, g_scores.unsqueeze(-1))
                     g_L = g_L.view(g_L.shape[0], -1).to(head._param_dtype)  # (c, n r v)
                     if W_index is not None:
@@ -338,9 +358,13 @@ class _ChunkedWindowLoss(torch.autograd.Function):
                     if need_e and W is not None:
                         W_flat = W.detach().view(-1, cfg.hidden)
                         g_e = g_L @ W_flat if g_e is None else g_e.addmm_(g_L, W_flat)  # (c, d)
-                    if leaf_graph is not None and leaf_graph.requires_grad:  # App. G: g_L through U, A, B (and e)
+                    if (
+                        leaf_graph is not None and leaf_graph.requires_grad
+                    ):  # App. G: g_L through U, A, B (and e)
                         targets = [params[i] for i in leaf_index] + ([e_chunk] if need_e else [])
-                        back = list(torch.autograd.grad(leaf_graph, targets, grad_outputs=g_L.view_as(leaf_graph)))
+                        back = list(
+                            torch.autograd.grad(leaf_graph, targets, grad_outputs=g_L.view_as(leaf_graph))
+                        )
                         for i in leaf_index:
                             grads[i] += back.pop(0)
                         if need_e:
@@ -370,38 +394,73 @@ class _ChunkedWindowLoss(torch.autograd.Function):
         return (None, None, None, scale(grad_e), None, None, None, *[scale(g) for g in grads])
 
 
-def _validate(head: MtpcHead, e: Tensor, input_ids: Tensor, score_mask: Tensor, doc_ids: Tensor, gamma, chunk_size,
-              teacher_logits, kl_beta, kl_temperature):
+def _validate(
+    head: MtpcHead,
+    e: Tensor,
+    input_ids: Tensor,
+    score_mask: Tensor,
+    doc_ids: Tensor,
+    gamma,
+    chunk_size,
+    teacher_logits,
+    kl_beta,
+    kl_temperature,
+):
     if not isinstance(head, MtpcHead):
         raise ValueError(f"head: expected an MtpcHead, got {type(head).__name__}")
     cfg = head.config
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"input_ids: expected an integer tensor (B, S), got {input_ids.dtype} {tuple(input_ids.shape)}")
+        raise ValueError(
+            f"input_ids: expected an integer tensor (B, S), got {input_ids.dtype} {tuple(input_ids.shape)}"
+        )
     B, S = input_ids.shape
     if tuple(e.shape) != (B, S, cfg.hidden):
         raise ValueError(f"e: expected shape (B, S, d) = {(B, S, cfg.hidden)}, got {tuple(e.shape)}")
     if tuple(score_mask.shape) != (B, S) or score_mask.dtype != torch.bool:
-        raise ValueError(f"score_mask: expected a bool tensor {(B, S)}, got {score_mask.dtype} {tuple(score_mask.shape)}")
+        raise ValueError(
+            f"score_mask: expected a bool tensor {(B, S)}, got {score_mask.dtype} {tuple(score_mask.shape)}"
+        )
     if tuple(doc_ids.shape) != (B, S) or doc_ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"doc_ids: expected an integer tensor {(B, S)}, got {doc_ids.dtype} {tuple(doc_ids.shape)}")
+        raise ValueError(
+            f"doc_ids: expected an integer tensor {(B, S)}, got {doc_ids.dtype} {tuple(doc_ids.shape)}"
+        )
     if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab):
-        raise ValueError(f"input_ids: expected ids in [0, {cfg.vocab}), got [{int(input_ids.min())}, {int(input_ids.max())}]")
+        raise ValueError(
+            f"input_ids: expected ids in [0, {cfg.vocab}), got [{int(input_ids.min())}, {int(input_ids.max())}]"
+        )
     if not (0.0 < gamma <= 1.0):
         raise ValueError(f"gamma: expected a value in (0, 1], got {gamma}")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
         raise ValueError(f"chunk_size: expected a positive int or None (naive), got {chunk_size!r}")
     if isinstance(kl_beta, bool) or not isinstance(kl_beta, (int, float)) or not 0.0 <= kl_beta <= 1.0:
         raise ValueError(f"kl_beta: expected a number in [0, 1] (weight of the KL term), got {kl_beta!r}")
-    if (isinstance(kl_temperature, bool) or not isinstance(kl_temperature, (int, float))
-            or not math.isfinite(kl_temperature) or kl_temperature <= 0):
+    if (
+        isinstance(kl_temperature, bool)
+        or not isinstance(kl_temperature, (int, float))
+        or not math.isfinite(kl_temperature)
+        or kl_temperature <= 0
+    ):
         raise ValueError(f"kl_temperature: expected a finite number > 0, got {kl_temperature!r}")
     if teacher_logits is None:
         if kl_beta > 0:
-            raise ValueError(f"teacher_logits: kl_beta = {kl_beta} > 0 needs the backbone's STP logits (B, S, v)")
-    elif (not isinstance(teacher_logits, Tensor) or not teacher_logits.is_floating_point()
-          or tuple(teacher_logits.shape) != (B, S, cfg.vocab)):
-        got = f"{teacher_logits.dtype} {tuple(teacher_logits.shape)}" if isinstance(teacher_logits, Tensor) else type(teacher_logits).__name__
-        raise ValueError(f"teacher_logits: expected a floating tensor (B, S, v) = {(B, S, cfg.vocab)}, got {got}")
+            raise ValueError(
+                f"teacher_logits: kl_beta = {kl_beta} > 0 needs the backbone's STP logits (B, S, v)"
+            )
+    elif (
+        not isinstance(teacher_logits, Tensor)
+        or not teacher_logits.is_floating_point()
+        or tuple(teacher_logits.shape) != (B, S, cfg.vocab)
+    ):
+        got = (
+            f"{teacher_logits.dtype} {tuple(teacher_logits.shape)}"
+            if isinstance(teacher_logits, Tensor)
+            else type(teacher_logits).__name__
+        )
+        raise ValueError(
+            f"teacher_logits: expected a floating tensor (B, S, v) = {(B, S, cfg.vocab)}, got {got}"
+        )
 
 
 def window_loss(
@@ -429,7 +488,9 @@ def window_loss(
     """
     n, first = head.config.window, head.config.first_scored
     gamma = default_gamma(n) if gamma is None else float(gamma)
-    _validate(head, e, input_ids, score_mask, doc_ids, gamma, chunk_size, teacher_logits, kl_beta, kl_temperature)
+    _validate(
+        head, e, input_ids, score_mask, doc_ids, gamma, chunk_size, teacher_logits, kl_beta, kl_temperature
+    )
     x, _, scored = window_targets(input_ids.long(), score_mask, doc_ids.long(), n)
     if first > 1:  # a known-byte head: x_{t+1} is its input c, conditioned on but never scored
         scored = scored.clone()
@@ -439,27 +500,39 @@ def window_loss(
     B, S, d = e.shape
     active = scored.any(dim=-1).flatten().nonzero().squeeze(-1)  # (N,) rows with something to score
     x_rows, loss_rows, stat_rows = (t.reshape(-1, n)[active] for t in (x, loss_w, stat_w))  # (N, n)
-    u_rows = e.reshape(-1, d)[active]  # (N, d) the head's input: e_t, or for a known-byte head e_t + E[x_{t+1}]
+    u_rows = e.reshape(-1, d)[
+        active
+    ]  # (N, d) the head's input: e_t, or for a known-byte head e_t + E[x_{t+1}]
     if head.config.known_byte:
         u_rows = head.head_input(u_rows, x_rows[:, 0])
     teacher = None
     if teacher_logits is not None:
-        teacher = _Teacher(teacher_logits.detach().reshape(B * S, -1), teacher_index(active, S, n),
-                           float(kl_beta), float(kl_temperature))
+        teacher = _Teacher(
+            teacher_logits.detach().reshape(B * S, -1),
+            teacher_index(active, S, n),
+            float(kl_beta),
+            float(kl_temperature),
+        )
     per_kl = None
     if chunk_size is None:
         q = head.circuit.normalize(head.logits(u_rows))
         nll = _conditional_nll(head.circuit._prefix_log_marginals(q, x_rows))  # (N, n)
         term = nll
         if teacher is not None:
-            kl = _kl_rows(teacher.log_probs(slice(None), dtype), head.circuit._conditionals(q, x_rows))  # (N, n)
+            kl = _kl_rows(
+                teacher.log_probs(slice(None), dtype), head.circuit._conditionals(q, x_rows)
+            )  # (N, n)
             term = (1.0 - teacher.beta) * nll + teacher.beta * kl
             per_kl = (kl.detach() * stat_rows).sum(dim=0)
         loss = (term * loss_rows).sum()
         per_position = (nll.detach() * stat_rows).sum(dim=0)
     else:
         known = getattr(head, "known_embedding", None)  # E reaches the chunks through u_rows only
-        params = [p for p in head.parameters() if p.requires_grad and p is not known] if torch.is_grad_enabled() else []
+        params = (
+            [p for p in head.parameters() if p.requires_grad and p is not known]
+            if torch.is_grad_enabled()
+            else []
+        )
         if torch.is_grad_enabled() and (u_rows.requires_grad or params):
             loss, per_position, per_kl = _ChunkedWindowLoss.apply(
                 head, chunk_size, teacher, u_rows, x_rows, loss_rows, stat_rows, *params

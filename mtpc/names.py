@@ -73,7 +73,9 @@ def check_axis(name: str, value: Any, *, decoding: bool = False, where: str = ""
     (the ff rank rule needs the circuit too). ValueError for another name."""
     if name == "circuit":
         if value not in CIRCUIT_KINDS:
-            raise ArchitectureError(where, name, f"unknown circuit kind {value!r}; expected one of {list(CIRCUIT_KINDS)}")
+            raise ArchitectureError(
+                where, name, f"unknown circuit kind {value!r}; expected one of {list(CIRCUIT_KINDS)}"
+            )
         return
     bounds = {
         "window": (MIN_DECODE_WINDOW if decoding else MIN_HEAD_WINDOW, MAX_WINDOW),
@@ -81,7 +83,9 @@ def check_axis(name: str, value: Any, *, decoding: bool = False, where: str = ""
         "lora_depth": (0, MAX_LORA_DEPTH),
     }
     if name not in bounds:
-        raise ValueError(f"check_axis: {name!r} is not an architecture axis; expected circuit, {', '.join(bounds)}")
+        raise ValueError(
+            f"check_axis: {name!r} is not an architecture axis; expected circuit, {', '.join(bounds)}"
+        )
     low, high = bounds[name]
     if isinstance(value, bool) or not isinstance(value, int):
         raise ArchitectureError(where, name, f"expected an integer in [{low}, {high}], got {value!r}")

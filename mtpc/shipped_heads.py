@@ -54,14 +54,26 @@ def read_index(heads_dir: Path | None = None) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path}: not valid JSON ({err})") from None
     heads = index.get("heads") if isinstance(index, dict) else None
-    if not isinstance(heads, dict) or not isinstance(index.get("backbone"), str) or not isinstance(index.get(DEFAULT), str):
-        raise ValueError(f"{path}: expected an object with 'backbone' (a label), 'default' (a head name) and 'heads' "
-                         "({name: {'files': {file: sha256}}})")
+    if (
+        not isinstance(heads, dict)
+        or not isinstance(index.get("backbone"), str)
+        or not isinstance(index.get(DEFAULT), str)
+    ):
+        raise ValueError(
+            f"{path}: expected an object with 'backbone' (a label), 'default' (a head name) and 'heads' "
+            "({name: {'files': {file: sha256}}})"
+        )
     for name, entry in heads.items():
         files = entry.get("files") if isinstance(entry, dict) else None
-        if not NAME.match(str(name)) or not isinstance(files, dict) or not files \
-                or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
-            raise ValueError(f"{path}: heads.{name}: expected a lower-case name and {{'files': {{file: sha256}}}}")
+        if (
+            not NAME.match(str(name))
+            or not isinstance(files, dict)
+            or not files
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())
+        ):
+            raise ValueError(
+                f"{path}: heads.{name}: expected a lower-case name and {{'files': {{file: sha256}}}}"
+            )
     if index[DEFAULT] not in heads:
         raise ValueError(f"{path}: default head {index[DEFAULT]!r} is not one of {sorted(heads)}")
     return index
@@ -82,12 +94,14 @@ def resolve_head(name_or_path: str | Path, heads_dir: Path | None = None) -> Pat
         return Path(name_or_path).expanduser()
     heads_dir = heads_dir or HEADS_DIR
     index = read_index(heads_dir)
-    name = index[DEFAULT] if name_or_path == DEFAULT else str(name_or_path)[len(PREFIX):]
+    name = index[DEFAULT] if name_or_path == DEFAULT else str(name_or_path)[len(PREFIX) :]
     if name == DEFAULT:
         name = index[DEFAULT]
     if name not in index["heads"]:
-        raise ValueError(f"head {name_or_path!r}: no shipped head of that name; shipped: {sorted(index['heads'])} "
-                         f"(a local folder is given as a path, e.g. ./{name})")
+        raise ValueError(
+            f"head {name_or_path!r}: no shipped head of that name; shipped: {sorted(index['heads'])} "
+            f"(a local folder is given as a path, e.g. ./{name})"
+        )
     verify_head(name, index, heads_dir)
     return heads_dir / name
 
@@ -103,13 +117,19 @@ def verify_head(name: str, index: dict[str, Any], heads_dir: Path | None = None)
     present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
     extra, missing = sorted(set(present) - set(listed)), sorted(set(listed) - set(present))
     if extra or missing:
-        raise ValueError(f"{folder}: shipped head files differ from {heads_dir / INDEX_FILE} "
-                         f"(not listed: {extra}, missing: {missing})")
+        raise ValueError(
+            f"{folder}: shipped head files differ from {heads_dir / INDEX_FILE} "
+            f"(not listed: {extra}, missing: {missing})"
+        )
     for file, digest in sorted(listed.items()):
         if sha256_file(folder / file) != digest:
-            raise ValueError(f"{folder / file}: SHA-256 differs from {heads_dir / INDEX_FILE}; the shipped head "
-                             "was modified (restore it from the repository)")
+            raise ValueError(
+                f"{folder / file}: SHA-256 differs from {heads_dir / INDEX_FILE}; the shipped head "
+                "was modified (restore it from the repository)"
+            )
     label = verify_shipped(SHIPPED_DIR)
     if index["backbone"] != label:
-        raise ValueError(f"{heads_dir / INDEX_FILE}: the shipped heads were trained on {index['backbone']}, "
-                         f"but the shipped backbone is {label}; retrain and re-ship them")
+        raise ValueError(
+            f"{heads_dir / INDEX_FILE}: the shipped heads were trained on {index['backbone']}, "
+            f"but the shipped backbone is {label}; retrain and re-ship them"
+        )

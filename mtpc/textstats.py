@@ -38,12 +38,17 @@ def _symbols(answer: bytes | bytearray | Sequence[int]) -> Sequence[int]:
     return answer
 
 
-def degenerate(answer: bytes | bytearray | Sequence[int], window: int = DEGENERATE_WINDOW,
-               max_period: int = DEGENERATE_MAX_PERIOD) -> bool:
+def degenerate(
+    answer: bytes | bytearray | Sequence[int],
+    window: int = DEGENERATE_WINDOW,
+    max_period: int = DEGENERATE_MAX_PERIOD,
+) -> bool:
     """True iff the last `window` symbols (all of a shorter answer) repeat with a period p <=
     min(max_period, len // (window // max_period)) (see the module docstring)."""
     if window < 1 or max_period < 1 or max_period > window:
-        raise ValueError(f"window, max_period: expected 1 <= max_period <= window, got {window}, {max_period}")
+        raise ValueError(
+            f"window, max_period: expected 1 <= max_period <= window, got {window}, {max_period}"
+        )
     s = list(_symbols(answer)[-window:])
     longest = min(max_period, len(s) // max(window // max_period, 1))
     return any(s[p:] == s[: len(s) - p] for p in range(1, longest + 1))

@@ -54,14 +54,18 @@ TOKENIZER_CLASS = "mtpc.ByteTokenizer"
 
 def _check_messages(messages: Sequence[dict]) -> None:
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
-        raise ValueError(f"messages: expected a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
+        raise ValueError(
+            f"messages: expected a list of {{'role', 'content'}} dicts, got {type(messages).__name__}"
+        )
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"messages[{i}]: expected a dict with 'role' and 'content', got {m!r:.80}")
         if m["role"] not in ROLE_IDS:
             raise ValueError(f"messages[{i}]['role'] = {m['role']!r}: expected one of {sorted(ROLE_IDS)}")
         if not isinstance(m["content"], (str, bytes)):
-            raise ValueError(f"messages[{i}]['content']: expected str or bytes, got {type(m['content']).__name__}")
+            raise ValueError(
+                f"messages[{i}]['content']: expected str or bytes, got {type(m['content']).__name__}"
+            )
 
 
 class ByteTokenizer:
@@ -83,7 +87,7 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int], keep_special: bool = False) -> bytes:
         """Bytes of the byte ids; special ids are dropped (or rendered as `<|name|>` with keep_special)."""
         out = bytearray()
-        for i in (ids.tolist() if hasattr(ids, "tolist") else ids):
+        for i in ids.tolist() if hasattr(ids, "tolist") else ids:
             i = int(i)
             if 0 <= i < 256:
                 out.append(i)
@@ -158,10 +162,14 @@ class ByteTokenizer:
     def from_pretrained(cls, directory: str | Path) -> ByteTokenizer:
         path = Path(directory) / CONFIG_FILE
         if not cls.is_saved_in(directory):
-            raise ValueError(f"{path}: not an mtpc byte tokenizer (expected tokenizer_class {TOKENIZER_CLASS!r})")
+            raise ValueError(
+                f"{path}: not an mtpc byte tokenizer (expected tokenizer_class {TOKENIZER_CLASS!r})"
+            )
         cfg = json.loads(path.read_text())
         if cfg.get("vocab_size") != VOCAB_SIZE or cfg.get("eos_token_id") != EOS_ID:
-            raise ValueError(f"{path}: vocab_size/eos_token_id differ from this mtpc version's byte tokenizer")
+            raise ValueError(
+                f"{path}: vocab_size/eos_token_id differ from this mtpc version's byte tokenizer"
+            )
         return cls()
 
 
@@ -221,10 +229,14 @@ class HFChatTokenizer:
 
             self._specials = dict(hf_tokenizer.get_added_vocab())
             names = sorted(self._specials, key=len, reverse=True)
-            self._special_re = re.compile("(" + "|".join(re.escape(n) for n in names) + ")") if names else None
+            self._special_re = (
+                re.compile("(" + "|".join(re.escape(n) for n in names) + ")") if names else None
+            )
 
     def encode(self, text: str | bytes) -> list[int]:
-        if self.byte_ids is not None:  # raw bytes one to one (str: UTF-8, surrogate escapes back to their bytes)
+        if (
+            self.byte_ids is not None
+        ):  # raw bytes one to one (str: UTF-8, surrogate escapes back to their bytes)
             data = text if isinstance(text, (bytes, bytearray)) else text.encode("utf-8", "surrogateescape")
             return [self.byte_ids[b] for b in data]
         if isinstance(text, bytes):
@@ -259,13 +271,17 @@ class HFChatTokenizer:
                 if isinstance(m["content"], (bytes, bytearray)) else m
                 for m in messages
             ]  # fmt: skip
-            text = self.hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = self.hf.apply_chat_template(
+                msgs, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
             pieces = self._special_re.split(text) if self._special_re is not None else [text]
             ids: list[int] = []
             for j, piece in enumerate(pieces):
                 ids += [self._specials[piece]] if j % 2 else self.encode(piece)
             return ids
-        out = self.hf.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=add_generation_prompt)
+        out = self.hf.apply_chat_template(
+            list(messages), tokenize=True, add_generation_prompt=add_generation_prompt
+        )
         if isinstance(out, dict) or hasattr(out, "keys"):
             out = out["input_ids"]
         return list(out)

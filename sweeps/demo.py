@@ -50,8 +50,13 @@ DEMO_TRAIN = {"config": "default", "model": {"lora_start_epoch": 0}}
 # held-out prompts x 64 bytes; latency timed on the first 8 of them beside STP, one timer at a time.
 # The objective is the derived throughput (offline bytes per cycle / timed latency per cycle): the
 # acceptance of all 32 prompts, not of the 8 timed ones.
-DEMO_EVAL = {"eval.n_prompts": 32, "eval.max_new_tokens": 64, "eval.acceptance": "offline", "eval.latency_prompts": 8,
-             "objectives": [{"metric": "derived_throughput", "direction": "maximize"}]}
+DEMO_EVAL = {
+    "eval.n_prompts": 32,
+    "eval.max_new_tokens": 64,
+    "eval.acceptance": "offline",
+    "eval.latency_prompts": 8,
+    "objectives": [{"metric": "derived_throughput", "direction": "maximize"}],
+}
 
 
 class Phases:
@@ -86,7 +91,10 @@ def example_head(spec) -> Path:
     return spec.trial_dir(grid_key(point)) / "head"
 
 
-SHIPPED_LINE_PROMPTS, SHIPPED_LINE_BYTES = 4, 64  # the demo's first line: a few held-out prompts, short answers
+SHIPPED_LINE_PROMPTS, SHIPPED_LINE_BYTES = (
+    4,
+    64,
+)  # the demo's first line: a few held-out prompts, short answers
 
 
 def shipped_head_line(prompts: int = SHIPPED_LINE_PROMPTS, new_bytes: int = SHIPPED_LINE_BYTES) -> str:
@@ -116,11 +124,13 @@ def shipped_head_line(prompts: int = SHIPPED_LINE_PROMPTS, new_bytes: int = SHIP
     finally:
         torch.set_num_threads(threads)
     c = model.head.config
-    return (f"shipped head {read_index()['default']} ({c.kind}, n={c.window}, r={c.rank}; "
-            f'MtpcModel.from_pretrained("default")): {r["greedy"]["speedup_median"]:.2f}x plain decoding greedy '
-            f"(output identical on {r['greedy']['identical']}), {r['sample']['speedup_median']:.2f}x sampled, "
-            f"{r['greedy']['bytes_per_cycle']:.2f} / {r['sample']['bytes_per_cycle']:.2f} bytes per cycle, on "
-            f"{prompts} held-out prompts x {new_bytes} bytes, one thread of this machine")
+    return (
+        f"shipped head {read_index()['default']} ({c.kind}, n={c.window}, r={c.rank}; "
+        f'MtpcModel.from_pretrained("default")): {r["greedy"]["speedup_median"]:.2f}x plain decoding greedy '
+        f"(output identical on {r['greedy']['identical']}), {r['sample']['speedup_median']:.2f}x sampled, "
+        f"{r['greedy']['bytes_per_cycle']:.2f} / {r['sample']['bytes_per_cycle']:.2f} bytes per cycle, on "
+        f"{prompts} held-out prompts x {new_bytes} bytes, one thread of this machine"
+    )
 
 
 def _shown(path: Path) -> str:
@@ -143,23 +153,41 @@ def demo_overrides(out: Path, objective: str) -> dict:
 
 def status_command(out: Path) -> str:
     """The `--status` command of the demo's study in `out` (smoke.yaml with the demo's study and folder)."""
-    return (f"python -m sweeps.run {SMOKE.relative_to(REPO)} --set study=mtpc-demo "
-            f"--set output_dir={shlex.quote(str(out))} --status")
+    return (
+        f"python -m sweeps.run {SMOKE.relative_to(REPO)} --set study=mtpc-demo "
+        f"--set output_dir={shlex.quote(str(out))} --status"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sweeps.demo", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="runs/demo", help="results directory (journal, MLflow store, checkpoints, figures)")
-    ap.add_argument("--workers", type=int, default=2, help="local worker processes (default 2: one per core; training uses 1 thread)")
-    ap.add_argument("--objective", choices=("trial", "fixture"), default="trial", help="fixture: skip training (plumbing check)")
+    ap.add_argument(
+        "--out", default="runs/demo", help="results directory (journal, MLflow store, checkpoints, figures)"
+    )
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="local worker processes (default 2: one per core; training uses 1 thread)",
+    )
+    ap.add_argument(
+        "--objective",
+        choices=("trial", "fixture"),
+        default="trial",
+        help="fixture: skip training (plumbing check)",
+    )
     a = ap.parse_args(argv)
     phases = Phases()
     out = Path(a.out).resolve()
-    problem = (f"--workers {a.workers}: expected at least 1 worker process" if a.workers < 1 else
-               f"--out {a.out}: {out} exists and is not a directory; give a folder for the demo's results"
-               if out.exists() and not out.is_dir() else
-               f"--out {a.out}: {out.parent} is not a directory" if not out.exists() and not _dir_or_absent(out.parent)
-               else None)
+    problem = (
+        f"--workers {a.workers}: expected at least 1 worker process"
+        if a.workers < 1
+        else f"--out {a.out}: {out} exists and is not a directory; give a folder for the demo's results"
+        if out.exists() and not out.is_dir()
+        else f"--out {a.out}: {out.parent} is not a directory"
+        if not out.exists() and not _dir_or_absent(out.parent)
+        else None
+    )
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -174,8 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        print(f"error: {out} is in use by another demo (lock {out / '.demo.lock'}); wait for it to finish "
-              "or pass another --out", file=sys.stderr)
+        print(
+            f"error: {out} is in use by another demo (lock {out / '.demo.lock'}); wait for it to finish "
+            "or pass another --out",
+            file=sys.stderr,
+        )
         return 2
     try:
         return _demo(a, out, phases)
@@ -212,17 +243,25 @@ def _demo(a: argparse.Namespace, out: Path, phases: Phases) -> int:
         from mtpc.data import sharegpt_corpus
 
         corpus = sharegpt_corpus()
-        print(f"corpus: {len(corpus.train)} training conversations, {len(corpus.heldout_prompts)} held-out prompts")
+        print(
+            f"corpus: {len(corpus.train)} training conversations, {len(corpus.heldout_prompts)} held-out prompts"
+        )
         print(f"model: {verify_shipped()} ({SHIPPED_DIR})")
         print(shipped_head_line())
-    phases.step(f"2/4 sweep {SMOKE.relative_to(REPO)} on the default model: {spec.n_trials} grid points, {a.workers} worker(s)"
-                + " (training side by side, timing one at a time)")
+    phases.step(
+        f"2/4 sweep {SMOKE.relative_to(REPO)} on the default model: {spec.n_trials} grid points, {a.workers} worker(s)"
+        + " (training side by side, timing one at a time)"
+    )
     try:
         exp_id = run.init(spec)["experiment_id"]
         if a.workers == 1:
             rc = run.worker(spec)
         else:
-            sets = [x for k, v in demo_overrides(out, a.objective).items() for x in ("--set", f"{k}={json.dumps(v)}")]
+            sets = [
+                x
+                for k, v in demo_overrides(out, a.objective).items()
+                for x in ("--set", f"{k}={json.dumps(v)}")
+            ]
             rc = run.local_workers(spec, a.workers, sets)
     except (SpecError, StorageError, tracking.TrackingError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -231,8 +270,15 @@ def _demo(a: argparse.Namespace, out: Path, phases: Phases) -> int:
     print(f"trials: {st['states']}")
     fig_dir = out / "analysis"
     phases.step("3/4 python -m analysis: Pareto fronts, figures and tables")
-    cmd, env = run.python_module("analysis", "--tracking-uri", spec.tracking_uri, "--experiment", spec.experiment,
-                                 "--out", str(fig_dir))
+    cmd, env = run.python_module(
+        "analysis",
+        "--tracking-uri",
+        spec.tracking_uri,
+        "--experiment",
+        spec.experiment,
+        "--out",
+        str(fig_dir),
+    )
     r = subprocess.run(cmd, cwd=REPO, env=env)
     if r.returncode != 0:
         print(f"python -m analysis exited with {r.returncode}", file=sys.stderr)
@@ -243,10 +289,12 @@ def _demo(a: argparse.Namespace, out: Path, phases: Phases) -> int:
     print(f"checkpoints/heads: {out / 'checkpoints' / spec.study}/<grid key>/head")
     head = example_head(spec)
     if (head / "config.json").is_file():
-        print(f"load a head      : MtpcModel.from_pretrained(\"{_shown(head)}\")")
+        print(f'load a head      : MtpcModel.from_pretrained("{_shown(head)}")')
     print(f"figures, tables  : {fig_dir}")
     print(f"trial states     : {status_command(out)}")
-    print(f"open the UI      : mlflow ui --backend-store-uri {spec.tracking_uri} --host 127.0.0.1 --port 5000")
+    print(
+        f"open the UI      : mlflow ui --backend-store-uri {spec.tracking_uri} --host 127.0.0.1 --port 5000"
+    )
     print(f"                   then browse {tracking.runs_url('http://127.0.0.1:5000', exp_id)}")
     print(f"demo took {time.time() - phases.t0:.0f} s ({phases.summary()}); exit code {rc}")
     # grid points whose every trial failed; a pre-empted trial that a re-run resumed is not one

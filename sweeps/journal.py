@@ -37,7 +37,7 @@ def _operation(text: bytes) -> bool:
 def _repair_line(line: bytes) -> tuple[bytes, int] | None:
     """(the whole operation at the end of a torn line, bytes dropped) or None."""
     for i in range(1, len(line)):
-        if line[i:i + 1] == b"{" and _operation(line[i:]):
+        if line[i : i + 1] == b"{" and _operation(line[i:]):
             return line[i:], i
     return None
 
@@ -67,13 +67,18 @@ def repair(path: str | os.PathLike) -> list[str]:
             if fixed is None:
                 raise JournalError(
                     f"{path}:{number}: not an Optuna journal operation; after a backup, drop that line with "
-                    f"`sed -i '{number}d' {path}` (the trials it touched rerun on --resume)")
+                    f"`sed -i '{number}d' {path}` (the trials it touched rerun on --resume)"
+                )
             out.append(fixed[0])
-            notes.append(f"{path}:{number}: dropped a torn write of {fixed[1]} bytes (an operation cut short "
-                         "by a crash or a full disk); the operation after it is kept")
+            notes.append(
+                f"{path}:{number}: dropped a torn write of {fixed[1]} bytes (an operation cut short "
+                "by a crash or a full disk); the operation after it is kept"
+            )
         if tail:
-            notes.append(f"{path}:{len(lines) + 1}: dropped a torn last line of {len(tail)} bytes (an operation "
-                         "cut short by a crash or a full disk)")
+            notes.append(
+                f"{path}:{len(lines) + 1}: dropped a torn last line of {len(tail)} bytes (an operation "
+                "cut short by a crash or a full disk)"
+            )
         if notes:
             write_bytes(path, b"".join(line + b"\n" for line in out))
         return notes

@@ -27,8 +27,20 @@ from sweeps.study import PREEMPTED_ATTR, enqueue_retry, log
 
 TRANSITIONAL_SLURM_STATES = {"COMPLETING", "SIGNALING", "STAGE_OUT"}  # ending: requeued or gone, wait
 ALIVE_SLURM_STATES = {
-    "PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "CONFIGURING",
-    "COMPLETING", "RESIZING", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "STOPPED", "PREEMPTED",
+    "PENDING",
+    "RUNNING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "SUSPENDED",
+    "CONFIGURING",
+    "COMPLETING",
+    "RESIZING",
+    "SIGNALING",
+    "STAGE_OUT",
+    "RESV_DEL_HOLD",
+    "STOPPED",
+    "PREEMPTED",
 }
 
 
@@ -63,7 +75,11 @@ class Owner:
             return None
 
     def describe(self) -> str:
-        return f"SLURM task {self.slurm_job_id}" if self.slurm_job_id else f"worker pid {self.pid} on {self.host}"
+        return (
+            f"SLURM task {self.slurm_job_id}"
+            if self.slurm_job_id
+            else f"worker pid {self.pid} on {self.host}"
+        )
 
 
 def slurm_task_id() -> str | None:
@@ -91,7 +107,9 @@ def slurm_job_state(job_id: str) -> str | None:
     """`JobState` from scontrol; 'NOTFOUND' when SLURM no longer knows the job; None when SLURM
     cannot be asked (no scontrol, controller down)."""
     try:
-        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=20)
+        out = subprocess.run(
+            ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=20
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     if out.returncode != 0:
@@ -102,7 +120,9 @@ def slurm_job_state(job_id: str) -> str | None:
     return None
 
 
-def owner_is_dead(owner: Owner | None, me: Owner, heartbeat: float | None, stale_after_s: float) -> tuple[bool, str]:
+def owner_is_dead(
+    owner: Owner | None, me: Owner, heartbeat: float | None, stale_after_s: float
+) -> tuple[bool, str]:
     """Whether the worker that holds a RUNNING trial is gone (and why). `heartbeat`: the last sign
     of life (heartbeat attr, else the trial's start: a just-popped trial has no owner yet)."""
     stale = heartbeat is None or time.time() - heartbeat > stale_after_s
@@ -111,11 +131,16 @@ def owner_is_dead(owner: Owner | None, me: Owner, heartbeat: float | None, stale
     if owner.slurm_job_id:
         if owner.slurm_job_id == me.slurm_job_id:
             if owner.slurm_restart < me.slurm_restart:
-                return True, f"left by an earlier run (restart {owner.slurm_restart}) of this job {me.slurm_job_id}"
+                return (
+                    True,
+                    f"left by an earlier run (restart {owner.slurm_restart}) of this job {me.slurm_job_id}",
+                )
             return False, "a sibling worker in this job"
         state = slurm_job_state(owner.slurm_job_id)
         if state is None:
-            return stale, f"SLURM cannot be asked about job {owner.slurm_job_id}" + ("; heartbeat stale" if stale else "")
+            return stale, f"SLURM cannot be asked about job {owner.slurm_job_id}" + (
+                "; heartbeat stale" if stale else ""
+            )
         if state == "NOTFOUND" or state not in ALIVE_SLURM_STATES:
             return True, f"SLURM job {owner.slurm_job_id} is {state}"
         return False, f"SLURM job {owner.slurm_job_id} is {state}"
@@ -169,7 +194,9 @@ def reap(spec: SweepSpec, study, me: Owner) -> ReapResult:
         log(f"reaper: trial {t.number} ({t.user_attrs.get('grid_key')}) marked FAIL: {err}")
         _kill_mlflow_runs(spec, t, err)
         attempt = int(t.user_attrs.get("attempt", 0))
-        if spec.grid is not None and preempted:  # stopped on request after a checkpoint: not a failure of the point
+        if (
+            spec.grid is not None and preempted
+        ):  # stopped on request after a checkpoint: not a failure of the point
             enqueue_retry(spec, study, t, attempt=attempt)
         elif spec.grid is not None and attempt < spec.max_retries:
             enqueue_retry(spec, study, t, attempt=attempt + 1)
@@ -183,11 +210,20 @@ def _kill_mlflow_runs(spec: SweepSpec, t, err: str) -> None:
         return
     try:
         exp_id = t.user_attrs.get("mlflow_experiment_id")
-        runs = [parent] + ([r.info.run_id for r in tracking.child_runs(spec.tracking_uri, exp_id, parent, finished_only=False)] if exp_id else [])
+        runs = [parent] + (
+            [
+                r.info.run_id
+                for r in tracking.child_runs(spec.tracking_uri, exp_id, parent, finished_only=False)
+            ]
+            if exp_id
+            else []
+        )
         tracking.terminate(spec.tracking_uri, runs, "KILLED")
         tracking.set_tags(spec.tracking_uri, parent, {tracking.ERROR_TAG: err})
     except Exception as e:  # noqa: BLE001 (the Optuna state is what counts; close_stale_runs retries later)
-        log(f"reaper: could not mark the MLflow runs of trial {t.number} KILLED ({tracking.short(e)}); a later reap ends them")
+        log(
+            f"reaper: could not mark the MLflow runs of trial {t.number} KILLED ({tracking.short(e)}); a later reap ends them"
+        )
 
 
 def close_stale_runs(spec: SweepSpec, study) -> int:
@@ -198,15 +234,20 @@ def close_stale_runs(spec: SweepSpec, study) -> int:
     best effort (a store that is still down is logged and tried again at the next reap)."""
     from optuna.trial import TrialState
 
-    exp_id = study.user_attrs.get("mlflow_experiment_id") or tracking.experiment_id(spec.tracking_uri, spec.experiment)
+    exp_id = study.user_attrs.get("mlflow_experiment_id") or tracking.experiment_id(
+        spec.tracking_uri, spec.experiment
+    )
     if exp_id is None:
         return 0
     try:
         with tracking.quick_failures():
-            open_runs = list(tracking.iter_runs(
-                tracking.client(spec.tracking_uri), [exp_id],
-                f"tags.`optuna.study` = '{spec.study}' and attributes.status = 'RUNNING'",
-            ))
+            open_runs = list(
+                tracking.iter_runs(
+                    tracking.client(spec.tracking_uri),
+                    [exp_id],
+                    f"tags.`optuna.study` = '{spec.study}' and attributes.status = 'RUNNING'",
+                )
+            )
         if not open_runs:
             return 0
         trials = {str(t.number): t for t in study.get_trials(deepcopy=False)}
@@ -223,7 +264,9 @@ def close_stale_runs(spec: SweepSpec, study) -> int:
             log(f"closed MLflow run {run.info.run_id} of finished trial {t.number} ({status}): {err[:200]}")
         return closed
     except Exception as e:  # noqa: BLE001
-        log(f"could not close stale MLflow runs at {spec.tracking_uri}: {tracking.short(e)}; tried again at the next reap")
+        log(
+            f"could not close stale MLflow runs at {spec.tracking_uri}: {tracking.short(e)}; tried again at the next reap"
+        )
         return 0
 
 

@@ -45,7 +45,9 @@ def _pass_of(mode: str, temperature: Any) -> tuple[str, float | None]:
     return (mode, None) if mode == "greedy" else (mode, float(temperature))
 
 
-def plan(spec, uri: str, keys: set[str] | None = None, *, delete_partial: bool = True) -> tuple[list[Job], list[str]]:
+def plan(
+    spec, uri: str, keys: set[str] | None = None, *, delete_partial: bool = True
+) -> tuple[list[Job], list[str]]:
     """The jobs (trials with missing passes) and the grid keys that have no finished trial head.
     Deletes the child runs of partial passes (an interrupted earlier run of this command) unless
     `delete_partial` is false (a dry run changes nothing)."""
@@ -74,8 +76,11 @@ def plan(spec, uri: str, keys: set[str] | None = None, *, delete_partial: bool =
         todo = []
         for mode, temperature in wanted:
             want = _pass_of(mode, temperature)
-            runs = [r for r in children
-                    if _pass_of(r.data.params.get("mode", ""), r.data.params.get("temperature", "nan")) == want]
+            runs = [
+                r
+                for r in children
+                if _pass_of(r.data.params.get("mode", ""), r.data.params.get("temperature", "nan")) == want
+            ]
             done = {r.data.params.get("prompt_set") for r in runs if r.info.status == "FINISHED"}
             if names <= done:
                 continue
@@ -96,7 +101,9 @@ def run_job(spec_path: str, overrides: dict[str, Any], job: Job, uri: str) -> st
 
     quiet()
     spec = load_spec(spec_path, overrides=overrides)
-    cfg = trial_config(spec.train, job.point, tracking_uri=uri, experiment=spec.experiment, run_dir=job.run_dir)
+    cfg = trial_config(
+        spec.train, job.point, tracking_uri=uri, experiment=spec.experiment, run_dir=job.run_dir
+    )
     torch.set_num_threads(int(cfg.run.cpu_threads or 1))
     converged = tracking.client(uri).get_run(job.parent).data.metrics.get("converged")
     extra = {"converged": int(converged)} if converged is not None else {}
@@ -104,8 +111,15 @@ def run_job(spec_path: str, overrides: dict[str, Any], job: Job, uri: str) -> st
         temps = tuple(t for m, t in job.passes if m == mode)
         ev = replace(spec.eval, modes=(mode,), temperatures=temps)
         tag = mode if mode == "greedy" else f"{mode}_T" + "_".join(f"{t:g}" for t in temps)
-        evaluate_head(job.run_dir / "head", cfg, ev, parent_run_id=job.parent, tracking_uri=uri,
-                      out=job.run_dir / f"evaluation_{tag}.json", extra_params=extra)
+        evaluate_head(
+            job.run_dir / "head",
+            cfg,
+            ev,
+            parent_run_id=job.parent,
+            tracking_uri=uri,
+            out=job.run_dir / f"evaluation_{tag}.json",
+            extra_params=extra,
+        )
     exp_id = tracking.client(uri).get_run(job.parent).info.experiment_id
     tracking.log_trial_summary(uri, exp_id, job.parent)  # the trial's row in the UI gains the new passes
     return job.key
@@ -114,8 +128,14 @@ def run_job(spec_path: str, overrides: dict[str, Any], job: Job, uri: str) -> st
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sweeps.reevaluate", description=__doc__.split("\n\n")[0])
     ap.add_argument("spec")
-    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="eval.KEY=VALUE",
-                    help="override the spec's evaluation (eval.* keys only); repeatable")
+    ap.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="eval.KEY=VALUE",
+        help="override the spec's evaluation (eval.* keys only); repeatable",
+    )
     ap.add_argument("--keys", default=None, help="comma-separated grid keys (default: every finished trial)")
     ap.add_argument("--workers", type=int, default=1, help="processes, one trial head each at a time")
     ap.add_argument("--dry-run", action="store_true", help="list what would be evaluated and stop")
@@ -124,8 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         overrides = parse_sets(args.sets)
         bad = sorted(k for k in overrides if not k.startswith("eval."))
         if bad:
-            raise SpecError(f"--set {', '.join(bad)}: only eval.* keys can change after training "
-                            "(the heads were trained with the spec's other settings)")
+            raise SpecError(
+                f"--set {', '.join(bad)}: only eval.* keys can change after training "
+                "(the heads were trained with the spec's other settings)"
+            )
         # the objectives play no part here (nothing is optimised); a neutral one keeps a spec whose
         # objective reads a mode this evaluation leaves out valid
         overrides["objectives"] = [{"metric": "mu_acc", "direction": "maximize"}]
@@ -133,14 +155,19 @@ def main(argv: list[str] | None = None) -> int:
         if spec.grid is None:
             raise SpecError(f"{args.spec}: space.kind must be grid (trials are found by grid key)")
         uri = spec.tracking_uri
-        jobs, missing = plan(spec, uri, set(args.keys.split(",")) if args.keys else None, delete_partial=not args.dry_run)
+        jobs, missing = plan(
+            spec, uri, set(args.keys.split(",")) if args.keys else None, delete_partial=not args.dry_run
+        )
     except (SpecError, tracking.TrackingError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     passes = sorted({p for j in jobs for p in j.passes})
-    print(f"reevaluate: {len(jobs)} trial head(s) to evaluate for {passes}; "
-          f"{len(missing)} grid point(s) without a finished trial" + (f": {', '.join(missing)}" if missing else ""),
-          flush=True)
+    print(
+        f"reevaluate: {len(jobs)} trial head(s) to evaluate for {passes}; "
+        f"{len(missing)} grid point(s) without a finished trial"
+        + (f": {', '.join(missing)}" if missing else ""),
+        flush=True,
+    )
     if args.dry_run or not jobs:
         return 0
     failed = 0
@@ -152,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"reevaluate: {f.result()} done", flush=True)
             except Exception as e:  # one head's failure must not lose the others' results
                 failed += 1
-                print(f"reevaluate: {futures[f]} FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                print(
+                    f"reevaluate: {futures[f]} FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True
+                )
     return 1 if failed else 0
 
 

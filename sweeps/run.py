@@ -141,8 +141,10 @@ def local_workers(spec: SweepSpec, n: int, extra: list[str]) -> int:
                     log(f"worker pid {pid} {how}: its trial is reaped and retried by a replacement worker")
                 else:
                     codes.append(EXIT_WORKER_DIED)
-                    log(f"error: worker pid {pid} {how} and the replacement budget is spent; "
-                        "its trial stays RUNNING until `--resume` reaps it")
+                    log(
+                        f"error: worker pid {pid} {how} and the replacement budget is spent; "
+                        "its trial stays RUNNING until `--resume` reaps it"
+                    )
             time.sleep(POLL_S)
     finally:
         for sig, handler in previous.items():
@@ -154,8 +156,10 @@ def local_workers(spec: SweepSpec, n: int, extra: list[str]) -> int:
 
 def no_study(spec: SweepSpec) -> str:
     """The line `--status` prints before any run: no study yet, and where it looked."""
-    return (f"no study {spec.study!r} yet in {spec.storage}: nothing has run with this spec there; "
-            f"start it with `python -m sweeps.run {spec.path} --workers N` (or --init)")
+    return (
+        f"no study {spec.study!r} yet in {spec.storage}: nothing has run with this spec there; "
+        f"start it with `python -m sweeps.run {spec.path} --workers N` (or --init)"
+    )
 
 
 def status(spec: SweepSpec) -> dict[str, Any]:
@@ -164,7 +168,7 @@ def status(spec: SweepSpec) -> dict[str, Any]:
     Before any run (no journal file, or no such study in it): {"exists": False, "storage": ...}."""
     from optuna.trial import TrialState
 
-    path = spec.storage[len("journal:"):] if spec.storage.startswith("journal:") else None
+    path = spec.storage[len("journal:") :] if spec.storage.startswith("journal:") else None
     if path is not None and not Path(path).is_file():  # Optuna would create it (and fail in a missing folder)
         return {"study": spec.study, "exists": False, "storage": spec.storage}
     storage = open_storage(spec.storage)
@@ -217,8 +221,10 @@ def finished(spec: SweepSpec, rc: int) -> int:
     for p in failed:
         log(f"error: grid point {p['grid_key']} failed (trial(s) {p['trials']}): {p['error']}")
     if failed:
-        log(f"{len(failed)} of {spec.n_trials} grid point(s) failed; `--status` lists them, "
-            "`--resume --retry-failed` runs them again")
+        log(
+            f"{len(failed)} of {spec.n_trials} grid point(s) failed; `--status` lists them, "
+            "`--resume --retry-failed` runs them again"
+        )
         return EXIT_POINTS_FAILED
     return 0
 
@@ -230,8 +236,10 @@ def submit(spec: SweepSpec, script: Path, extra: list[str] = (), dry_run: bool =
     check_storage(spec.storage)  # the stores first: an unreachable one is named before SLURM is
     tracking.check_tracking(spec.tracking_uri)
     if not dry_run and shutil.which("sbatch") is None:
-        raise SubmitError("sbatch not found on PATH: --submit needs a SLURM client and controller "
-                          "(run locally with `--workers N`, or `slurm/local_cluster.sh start DIR`)")
+        raise SubmitError(
+            "sbatch not found on PATH: --submit needs a SLURM client and controller "
+            "(run locally with `--workers N`, or `slurm/local_cluster.sh start DIR`)"
+        )
     init(spec)
     cmd = ["sbatch", *sbatch_resources(spec), f"--job-name={spec.study}", str(script), str(spec.path), *extra]
     log("submitting: " + " ".join(cmd))
@@ -242,8 +250,10 @@ def submit(spec: SweepSpec, script: Path, extra: list[str] = (), dry_run: bool =
             raise SubmitError(f"sbatch could not be run: {e}") from None
         if r.returncode != 0:
             said = " ".join((r.stderr or r.stdout).split())[-500:] or "no message"
-            raise SubmitError(f"sbatch failed (exit code {r.returncode}): {said}; nothing was submitted "
-                              "(the study is initialised; submit again once SLURM answers)")
+            raise SubmitError(
+                f"sbatch failed (exit code {r.returncode}): {said}; nothing was submitted "
+                "(the study is initialised; submit again once SLURM answers)"
+            )
         print(r.stdout, end="", flush=True)  # "Submitted batch job <id>"
     return cmd
 
@@ -258,7 +268,11 @@ def sbatch_resources(spec: SweepSpec) -> list[str]:
     s = spec.slurm
     cmd = [f"--array=0-{s.tasks - 1}"]
     if s.ranks > 1 or s.nodes_per_trial > 1:
-        cmd += [f"--nodes={s.nodes_per_trial}", f"--ntasks={s.ranks}", f"--ntasks-per-node={s.tasks_per_node}"]
+        cmd += [
+            f"--nodes={s.nodes_per_trial}",
+            f"--ntasks={s.ranks}",
+            f"--ntasks-per-node={s.tasks_per_node}",
+        ]
     else:
         cmd.append("--ntasks=1")
     cmd += [f"--cpus-per-task={s.cpus_per_task}", f"--mem={s.mem}", f"--time={s.time}"]
@@ -280,12 +294,17 @@ def check_allocation(spec: SweepSpec, env: dict[str, str] | None = None) -> None
     s = spec.slurm
     if "SLURM_JOB_ID" not in env or (s.ranks == 1 and s.nodes_per_trial == 1) or spec.trial_kind != "trial":
         return
-    tasks, nodes = int(env.get("SLURM_NTASKS", "1")), int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1")))
+    tasks, nodes = (
+        int(env.get("SLURM_NTASKS", "1")),
+        int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1"))),
+    )
     if tasks < s.ranks or nodes < s.nodes_per_trial:
         need = " ".join(sbatch_resources(spec)[1:4])
-        raise SpecError(f"{spec.path}: key 'slurm.tasks_per_trial': a trial takes {s.ranks} task(s) on "
-                        f"{s.nodes_per_trial} node(s) but SLURM job {env['SLURM_JOB_ID']} has {tasks} task(s) on {nodes} "
-                        f"node(s): submit with `python -m sweeps.run SPEC --submit`, or `sbatch {need} ... slurm/sweep.sh SPEC`")
+        raise SpecError(
+            f"{spec.path}: key 'slurm.tasks_per_trial': a trial takes {s.ranks} task(s) on "
+            f"{s.nodes_per_trial} node(s) but SLURM job {env['SLURM_JOB_ID']} has {tasks} task(s) on {nodes} "
+            f"node(s): submit with `python -m sweeps.run SPEC --submit`, or `sbatch {need} ... slurm/sweep.sh SPEC`"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,18 +314,42 @@ def main(argv: list[str] | None = None) -> int:
                                         "(details: the module docstring, docs/sweeps.md).")  # fmt: skip
     ap.add_argument("spec", help="sweep YAML (sweeps/*.yaml)")
     g = ap.add_mutually_exclusive_group(required=True)
-    g.add_argument("--check", action="store_true", help="validate the spec and check the stores can be reached")
+    g.add_argument(
+        "--check", action="store_true", help="validate the spec and check the stores can be reached"
+    )
     g.add_argument("--init", action="store_true", help="create study + experiment, enqueue the grid")
     g.add_argument("--worker", action="store_true", help="run trials until none are waiting")
-    g.add_argument("--task", action="store_true", help="--init then --worker in one process (what slurm/sweep.sh runs)")
+    g.add_argument(
+        "--task", action="store_true", help="--init then --worker in one process (what slurm/sweep.sh runs)"
+    )
     g.add_argument("--workers", type=int, metavar="N", help="init, then N supervised local worker processes")
-    g.add_argument("--resume", action="store_true", help="init, reap dead trials, then workers (--n-workers N, default 1)")
-    g.add_argument("--submit", action="store_true", help="init, then sbatch slurm/sweep.sh with the spec's resources")
-    g.add_argument("--status", action="store_true", help="print trial counts, trials whose worker is gone, failures (JSON)")
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="init, reap dead trials, then workers (--n-workers N, default 1)",
+    )
+    g.add_argument(
+        "--submit", action="store_true", help="init, then sbatch slurm/sweep.sh with the spec's resources"
+    )
+    g.add_argument(
+        "--status",
+        action="store_true",
+        help="print trial counts, trials whose worker is gone, failures (JSON)",
+    )
     ap.add_argument("-n", "--n-workers", type=int, default=1, help="workers for --resume")
-    ap.add_argument("--retry-failed", action="store_true", help="with --init/--resume: re-enqueue points whose trials all failed")
+    ap.add_argument(
+        "--retry-failed",
+        action="store_true",
+        help="with --init/--resume: re-enqueue points whose trials all failed",
+    )
     ap.add_argument("--max-trials", type=int, default=None, help="a worker stops after this many trials")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec key (YAML value), e.g. train.backbone=default")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a spec key (YAML value), e.g. train.backbone=default",
+    )
     a = ap.parse_args(argv)
     from experiments.quiet import quiet
 
@@ -321,7 +364,16 @@ def main(argv: list[str] | None = None) -> int:
             check_storage(spec.storage)
             tracking.check_tracking(spec.tracking_uri)
             validate_trial_configs(spec)
-            print(json.dumps({"study": spec.study, "points": spec.n_trials, "storage": spec.storage, "tracking_uri": spec.tracking_uri}))
+            print(
+                json.dumps(
+                    {
+                        "study": spec.study,
+                        "points": spec.n_trials,
+                        "storage": spec.storage,
+                        "tracking_uri": spec.tracking_uri,
+                    }
+                )
+            )
             return 0
         if a.init:
             init(spec, retry_failed=a.retry_failed)

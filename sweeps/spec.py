@@ -182,21 +182,36 @@ class SlurmSettings:
         if self.tasks_per_trial is not None:
             fail.integer("slurm.tasks_per_trial", self.tasks_per_trial, 1, 100000)
             if self.gpus_per_trial and self.tasks_per_trial != self.gpus_per_trial:
-                fail("slurm.tasks_per_trial", f"{self.tasks_per_trial} != slurm.gpus_per_trial {self.gpus_per_trial}: "
-                     "a GPU trial runs one rank per GPU (give one of them)")
+                fail(
+                    "slurm.tasks_per_trial",
+                    f"{self.tasks_per_trial} != slurm.gpus_per_trial {self.gpus_per_trial}: "
+                    "a GPU trial runs one rank per GPU (give one of them)",
+                )
         if self.gpus and self.gpus_per_trial:
-            fail("slurm.gpus", f"{self.gpus} GPUs per task beside slurm.gpus_per_trial {self.gpus_per_trial}: give "
-                 "gpus_per_trial alone")
+            fail(
+                "slurm.gpus",
+                f"{self.gpus} GPUs per task beside slurm.gpus_per_trial {self.gpus_per_trial}: give "
+                "gpus_per_trial alone",
+            )
         if self.ranks % self.nodes_per_trial:
-            fail("slurm.nodes_per_trial", f"{self.ranks} ranks per trial do not split evenly over {self.nodes_per_trial} nodes")
+            fail(
+                "slurm.nodes_per_trial",
+                f"{self.ranks} ranks per trial do not split evenly over {self.nodes_per_trial} nodes",
+            )
         if self.gpus_per_node is not None:
             fail.integer("slurm.gpus_per_node", self.gpus_per_node, 0, 4096)
             if self.nodes_per_trial == 1 and self.gpus_per_trial > self.gpus_per_node:
-                fail("slurm.gpus_per_trial", f"{self.gpus_per_trial} GPUs on a one-node trial (slurm.nodes_per_trial: 1) "
-                     f"but a node has slurm.gpus_per_node = {self.gpus_per_node}: raise nodes_per_trial or lower gpus_per_trial")
+                fail(
+                    "slurm.gpus_per_trial",
+                    f"{self.gpus_per_trial} GPUs on a one-node trial (slurm.nodes_per_trial: 1) "
+                    f"but a node has slurm.gpus_per_node = {self.gpus_per_node}: raise nodes_per_trial or lower gpus_per_trial",
+                )
             if self.trial_gpus_per_node > self.gpus_per_node:
-                fail("slurm.gpus_per_trial", f"{self.gpus_per_trial} GPUs over {self.nodes_per_trial} nodes is "
-                     f"{self.trial_gpus_per_node} per node, more than slurm.gpus_per_node = {self.gpus_per_node}")
+                fail(
+                    "slurm.gpus_per_trial",
+                    f"{self.gpus_per_trial} GPUs over {self.nodes_per_trial} nodes is "
+                    f"{self.trial_gpus_per_node} per node, more than slurm.gpus_per_node = {self.gpus_per_node}",
+                )
         return self
 
 
@@ -211,7 +226,9 @@ class _TrainFail(Fail):
         self.spec_fail(f"train.{key}", f"{msg} ({self.why})")
 
 
-def trial_resources(train: TrainConfig, slurm: SlurmSettings, fail: _SpecFail, own: dict[str, Any] | None = None) -> TrainConfig:
+def trial_resources(
+    train: TrainConfig, slurm: SlurmSettings, fail: _SpecFail, own: dict[str, Any] | None = None
+) -> TrainConfig:
     """The spec's training config with one trial's devices set from `slurm` (tasks per node as
     `trainer.devices`, nodes as `num_nodes`, `ddp` unless a DDP variant is named, the accelerator
     by GPUs or not), refusing a trainer section that disagrees with them, a strategy a trial cannot
@@ -225,30 +242,59 @@ def trial_resources(train: TrainConfig, slurm: SlurmSettings, fail: _SpecFail, o
     where = f"slurm: {ranks} rank(s) per trial on {nodes} node(s)"
     if ranks == 1:
         if not isinstance(strategy, str) or strategy not in SINGLE_STRATEGIES:
-            fail("train.trainer.strategy", f"{strategy!r}: a one-rank trial trains inside the sweep worker; expected one "
-                 f"of {list(SINGLE_STRATEGIES)} (several devices: slurm.tasks_per_trial or slurm.gpus_per_trial)")
-        if "devices" in own and t.get("devices", "auto") not in ("auto", None) and config.world_size({**t, "num_nodes": 1}) > 1:
-            fail("train.trainer.devices", f"{t['devices']!r} devices in a one-rank trial: Lightning would start the other "
-                 "ranks by running the sweep worker again; set slurm.tasks_per_trial (or gpus_per_trial) instead")
+            fail(
+                "train.trainer.strategy",
+                f"{strategy!r}: a one-rank trial trains inside the sweep worker; expected one "
+                f"of {list(SINGLE_STRATEGIES)} (several devices: slurm.tasks_per_trial or slurm.gpus_per_trial)",
+            )
+        if (
+            "devices" in own
+            and t.get("devices", "auto") not in ("auto", None)
+            and config.world_size({**t, "num_nodes": 1}) > 1
+        ):
+            fail(
+                "train.trainer.devices",
+                f"{t['devices']!r} devices in a one-rank trial: Lightning would start the other "
+                "ranks by running the sweep worker again; set slurm.tasks_per_trial (or gpus_per_trial) instead",
+            )
         if "num_nodes" in own and (t.get("num_nodes") or 1) != 1:
-            fail("train.trainer.num_nodes", f"{t['num_nodes']!r} in a one-rank trial; set slurm.nodes_per_trial instead")
+            fail(
+                "train.trainer.num_nodes",
+                f"{t['num_nodes']!r} in a one-rank trial; set slurm.nodes_per_trial instead",
+            )
     else:
         if strategy == "auto":
             strategy = "ddp"
         if not isinstance(strategy, str) or strategy not in DDP_STRATEGIES:
-            fail("train.trainer.strategy", f"{strategy!r}: a trial's ranks are started one process per device (srun, or "
-                 f"Lightning's standalone launcher); expected one of {list(DDP_STRATEGIES)}")
-        if "devices" in own and t["devices"] not in ("auto", None) and config.world_size({**t, "num_nodes": 1}) != per_node:
-            fail("train.trainer.devices", f"{t['devices']!r} disagrees with the trial's {per_node} rank(s) per node ({where}); "
-                 "leave it out, the spec's slurm section sets it")
+            fail(
+                "train.trainer.strategy",
+                f"{strategy!r}: a trial's ranks are started one process per device (srun, or "
+                f"Lightning's standalone launcher); expected one of {list(DDP_STRATEGIES)}",
+            )
+        if (
+            "devices" in own
+            and t["devices"] not in ("auto", None)
+            and config.world_size({**t, "num_nodes": 1}) != per_node
+        ):
+            fail(
+                "train.trainer.devices",
+                f"{t['devices']!r} disagrees with the trial's {per_node} rank(s) per node ({where}); "
+                "leave it out, the spec's slurm section sets it",
+            )
         if "num_nodes" in own and t.get("num_nodes") not in (None, nodes):
-            fail("train.trainer.num_nodes", f"{t['num_nodes']!r} disagrees with slurm.nodes_per_trial {nodes}; leave it out")
+            fail(
+                "train.trainer.num_nodes",
+                f"{t['num_nodes']!r} disagrees with slurm.nodes_per_trial {nodes}; leave it out",
+            )
         accelerator = t.get("accelerator", "auto")
         want = "gpu" if slurm.gpus_per_trial else "cpu"
         if accelerator in ("auto", None):
             accelerator = want
         elif (accelerator == "cpu") != (want == "cpu"):
-            fail("train.trainer.accelerator", f"{accelerator!r} on a trial with slurm.gpus_per_trial = {slurm.gpus_per_trial}")
+            fail(
+                "train.trainer.accelerator",
+                f"{accelerator!r} on a trial with slurm.gpus_per_trial = {slurm.gpus_per_trial}",
+            )
         t.update(devices=per_node, num_nodes=nodes, strategy=strategy, accelerator=accelerator)
     out = replace(train, trainer=t)
     # the global batch against the trial's ranks (a one-rank trial is one device whatever `devices` says)
@@ -364,9 +410,14 @@ def _axis_value(fail: _SpecFail, name: str, v: Any, key: str) -> Any:
         except ArchitectureError as e:
             fail(key, e.detail)
         return v
-    ok = {int: parsing.is_integer, float: parsing.is_number, str: lambda x: isinstance(x, str)}.get(a.type, lambda x: True)
+    ok = {int: parsing.is_integer, float: parsing.is_number, str: lambda x: isinstance(x, str)}.get(
+        a.type, lambda x: True
+    )
     if not ok(v):
-        fail(key, f"expected {a.type.__name__ if a.type is not float else 'a number'} (the type of {a.path}), got {v!r}")
+        fail(
+            key,
+            f"expected {a.type.__name__ if a.type is not float else 'a number'} (the type of {a.path}), got {v!r}",
+        )
     config.check_value(a.path, v, _AxisFail(fail, key))
     return v
 
@@ -397,12 +448,17 @@ def _point(p: dict[str, Any], grid_axes: tuple[str, ...]) -> dict[str, Any]:
     return p
 
 
-def _expand_grid(fail: _SpecFail, space: dict) -> tuple[tuple[dict[str, Any], ...], dict[str, tuple[str, ...]]]:
+def _expand_grid(
+    fail: _SpecFail, space: dict
+) -> tuple[tuple[dict[str, Any], ...], dict[str, tuple[str, ...]]]:
     _mapping(fail, space, "space", {"kind", "slices", "full_product"}, {"slices"})
     slices = space["slices"]
     if not isinstance(slices, dict) or not slices:
-        fail("space.slices", f"expected a non-empty mapping slice_name -> {{{', '.join(axes.names(axes.ARCHITECTURE))}"
-             f"[, {', '.join(axes.names(axes.TRAINING))}]}}")
+        fail(
+            "space.slices",
+            f"expected a non-empty mapping slice_name -> {{{', '.join(axes.names(axes.ARCHITECTURE))}"
+            f"[, {', '.join(axes.names(axes.TRAINING))}]}}",
+        )
     full = space.get("full_product", False)
     if not isinstance(full, bool):
         fail("space.full_product", f"expected true/false, got {full!r}")
@@ -412,7 +468,8 @@ def _expand_grid(fail: _SpecFail, space: dict) -> tuple[tuple[dict[str, Any], ..
         key = f"space.slices.{name}"
         sl = _mapping(fail, sl, key, set(axes.names()), set(axes.names(axes.ARCHITECTURE)))
         per_slice[str(name)] = {  # an axis the slice leaves out: its default (a training axis)
-            p: [_axis_value(fail, p, v, f"{key}.{p}") for v in _values(fail, sl[p], f"{key}.{p}")] if p in sl
+            p: [_axis_value(fail, p, v, f"{key}.{p}") for v in _values(fail, sl[p], f"{key}.{p}")]
+            if p in sl
             else [axes.axis(p).default]
             for p in grid_axes
         }
@@ -434,7 +491,9 @@ def _expand_grid(fail: _SpecFail, space: dict) -> tuple[tuple[dict[str, Any], ..
 def _sampler_space(fail: _SpecFail, space: dict) -> SamplerSpace:
     _mapping(fail, space, "space", {"kind", "params", "seed"}, {"kind", "params"})
     kind = fail.choice("space.kind", space["kind"], ("grid",) + SAMPLERS)
-    arch = set(axes.names(axes.ARCHITECTURE))  # a sampler searches the architecture; training axes stay at their defaults
+    arch = set(
+        axes.names(axes.ARCHITECTURE)
+    )  # a sampler searches the architecture; training axes stay at their defaults
     params = _mapping(fail, space["params"], "space.params", arch, arch)
     out: dict[str, dict[str, Any]] = {}
     for name, d in params.items():
@@ -443,7 +502,12 @@ def _sampler_space(fail: _SpecFail, space: dict) -> SamplerSpace:
         if "choices" in d:
             if len(d) != 1:
                 fail(key, "give either `choices` or `low`/`high` (+ `log`), not both")
-            out[name] = {"choices": [_axis_value(fail, name, v, f"{key}.choices") for v in _values(fail, d["choices"], f"{key}.choices")]}
+            out[name] = {
+                "choices": [
+                    _axis_value(fail, name, v, f"{key}.choices")
+                    for v in _values(fail, d["choices"], f"{key}.choices")
+                ]
+            }
         else:
             if name == "circuit":
                 fail(key, "circuit is categorical: give `choices`")
@@ -466,14 +530,16 @@ def storage_url(raw: str, base: Path) -> str:
     path (`journal:` prefix optional), made absolute against `base`."""
     if "://" in raw:
         return raw
-    p = raw[len("journal:"):] if raw.startswith("journal:") else raw
+    p = raw[len("journal:") :] if raw.startswith("journal:") else raw
     path = Path(p).expanduser()
     if not path.is_absolute():
         path = base / path
     return f"journal:{path.resolve()}"
 
 
-def load_spec(path: str | Path, *, env: dict[str, str] | None = None, overrides: dict[str, Any] | None = None) -> SweepSpec:
+def load_spec(
+    path: str | Path, *, env: dict[str, str] | None = None, overrides: dict[str, Any] | None = None
+) -> SweepSpec:
     """Read and validate a sweep spec. `overrides` (dotted keys -> values, `experiments.parsing.apply_overrides`)
     apply before validation; `env` defaults to os.environ (MLFLOW_TRACKING_URI / MTPC_OPTUNA_STORAGE override the file)."""
     path = Path(path)
@@ -485,11 +551,15 @@ def load_spec(path: str | Path, *, env: dict[str, str] | None = None, overrides:
     except ValueError as e:
         raise SpecError(str(e)) from None
     if raw is None:  # an empty file, or comments only
-        raise SpecError(f"{path}: the sweep spec is empty; expected a YAML mapping with at least `study`, `space` "
-                        "and `objectives` (docs/sweeps.md)")
+        raise SpecError(
+            f"{path}: the sweep spec is empty; expected a YAML mapping with at least `study`, `space` "
+            "and `objectives` (docs/sweeps.md)"
+        )
     if not isinstance(raw, dict):
-        raise SpecError(f"{path}: expected a YAML mapping of spec keys (study, space, objectives, ...), "
-                        f"got a {type(raw).__name__}")
+        raise SpecError(
+            f"{path}: expected a YAML mapping of spec keys (study, space, objectives, ...), "
+            f"got a {type(raw).__name__}"
+        )
     if overrides:
         raw = apply_overrides(raw, overrides, merge=False)
     return parse_spec(raw, path, env=env)
@@ -510,7 +580,9 @@ def train_config(train: Any, path: Path) -> TrainConfig:
     if train is None:
         train = {}
     if not isinstance(train, dict):
-        raise SpecError(f"{path}: key 'train': expected a mapping (the base training config), got {type(train).__name__}")
+        raise SpecError(
+            f"{path}: key 'train': expected a mapping (the base training config), got {type(train).__name__}"
+        )
     overrides = dict(train)
     base = overrides.pop("config", "debug")
     try:
@@ -523,7 +595,9 @@ def parse_spec(raw: Any, path: Path, *, env: dict[str, str]) -> SweepSpec:
     fail = _SpecFail(str(path))
     if raw is None:
         raw = {}
-    check_class_paths(raw, fail)  # before any section is parsed: a class outside the allow-list is never imported
+    check_class_paths(
+        raw, fail
+    )  # before any section is parsed: a class outside the allow-list is never imported
     top = parse_section(SpecFile, raw, "", fail)
     study = fail.text("study", top.study)
     if not _NAME_RE.match(study):
@@ -554,28 +628,38 @@ def parse_spec(raw: Any, path: Path, *, env: dict[str, str]) -> SweepSpec:
         if top.n_trials is not None:
             n = fail.integer("n_trials", top.n_trials, 1)
             if n != len(grid):
-                fail("n_trials", f"{n} != {len(grid)} grid points; a grid runs every point once (omit n_trials)")
+                fail(
+                    "n_trials",
+                    f"{n} != {len(grid)} grid points; a grid runs every point once (omit n_trials)",
+                )
     else:
         sampler = _sampler_space(fail, space)
         if top.n_trials is None:
             fail("n_trials", "missing (required with a sampler space)")
         n_trials = fail.integer("n_trials", top.n_trials, 1, 100000)
 
-    objectives = tuple(parse_section(Objective, o, f"objectives[{i}]", fail).check(fail, f"objectives[{i}]")
-                       for i, o in enumerate(_values(fail, top.objectives, "objectives")))
+    objectives = tuple(
+        parse_section(Objective, o, f"objectives[{i}]", fail).check(fail, f"objectives[{i}]")
+        for i, o in enumerate(_values(fail, top.objectives, "objectives"))
+    )
     if len({o.label for o in objectives}) != len(objectives):
         fail("objectives", "the same metric/mode appears twice")
 
     evs = parse_section(EvalConfig, top.eval, "eval", fail).check(fail)
     slurm = parse_section(SlurmSettings, top.slurm, "slurm", fail).check(fail)
     own = (top.train or {}).get("trainer") if isinstance(top.train, dict) else None
-    train = trial_resources(train_config(top.train, path), slurm, fail, own if isinstance(own, dict) else None)
+    train = trial_resources(
+        train_config(top.train, path), slurm, fail, own if isinstance(own, dict) else None
+    )
     for o in objectives:
         if o.mode is not None and o.mode not in evs.modes:
             fail("objectives", f"objective mode {o.mode!r} is not evaluated (eval.modes = {list(evs.modes)})")
     if evs.extra_token == "drop" and train.model.known_byte:
-        fail("eval.extra_token", "'drop' cannot decode with train.model.known_byte: true (the head needs the kept "
-             "byte c); expected keep")
+        fail(
+            "eval.extra_token",
+            "'drop' cannot decode with train.model.known_byte: true (the head needs the kept "
+            "byte c); expected keep",
+        )
     return SweepSpec(
         path=path.resolve(),
         study=study,

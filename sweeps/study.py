@@ -37,13 +37,15 @@ def log(msg: str) -> None:
 def check_storage(url: str) -> None:
     """Fail early, with the URL in the message, when the Optuna storage cannot be used."""
     if url.startswith("journal:"):
-        path = Path(url[len("journal:"):])
+        path = Path(url[len("journal:") :])
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "a"):
                 pass
         except OSError as e:
-            raise StorageError(f"Optuna journal file {path} is not writable ({e}); fix `storage` or {STORAGE_ENV}") from e
+            raise StorageError(
+                f"Optuna journal file {path} is not writable ({e}); fix `storage` or {STORAGE_ENV}"
+            ) from e
         return
     try:
         import sqlalchemy
@@ -66,11 +68,11 @@ def open_storage(url: str):
         from sweeps.journal import JournalError, repair
 
         try:
-            for note in repair(url[len("journal:"):]):  # a torn line from an older crash or full disk
+            for note in repair(url[len("journal:") :]):  # a torn line from an older crash or full disk
                 log(f"warning: {note}")
         except (JournalError, OSError) as e:
             raise StorageError(str(e)) from None
-        return JournalStorage(JournalFileBackend(url[len("journal:"):]))
+        return JournalStorage(JournalFileBackend(url[len("journal:") :]))
     return optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True})
 
 
@@ -113,8 +115,10 @@ def validate_trial_configs(spec: SweepSpec) -> int:
     from experiments.train import check_config
     from experiments.trial import check_eval_lengths, trial_config
 
-    configs = {grid_key(p): trial_config(spec.train, p, tracking_uri=spec.tracking_uri, experiment=spec.experiment)
-               for p in spec.grid}
+    configs = {
+        grid_key(p): trial_config(spec.train, p, tracking_uri=spec.tracking_uri, experiment=spec.experiment)
+        for p in spec.grid
+    }
     for key, cfg in configs.items():
         try:
             check_config(cfg)
@@ -149,14 +153,18 @@ def init(spec: SweepSpec, *, retry_failed: bool = False) -> dict[str, Any]:
         study = load_study(spec, storage)
         if study is None:
             check_no_finished_runs(spec, exp_id)
-            study = optuna.create_study(study_name=spec.study, storage=storage, directions=spec.directions, sampler=sampler(spec))
+            study = optuna.create_study(
+                study_name=spec.study, storage=storage, directions=spec.directions, sampler=sampler(spec)
+            )
             study.set_user_attr("space_signature", spec.space_signature())
             study.set_user_attr("objectives", [o.label for o in spec.objectives])
             study.set_user_attr("n_points", spec.n_trials)
             log(f"created study {spec.study!r} in {spec.storage}")
         check_signature(spec, study)
         if [d.name.lower() for d in study.directions] != spec.directions:
-            raise SpecError(f"{spec.path}: study {spec.study!r} exists with directions {study.directions}, spec asks {spec.directions}")
+            raise SpecError(
+                f"{spec.path}: study {spec.study!r} exists with directions {study.directions}, spec asks {spec.directions}"
+            )
         study.set_user_attr("mlflow_experiment_id", exp_id)
         save_view(spec, exp_id)
         enqueued = 0
@@ -171,7 +179,12 @@ def init(spec: SweepSpec, *, retry_failed: bool = False) -> dict[str, Any]:
                 if not trials or (retry_failed and all_failed):
                     study.enqueue_trial(point, user_attrs=grid_attrs(spec, point, attempt=len(trials)))
                     enqueued += 1
-        summary = {"study": spec.study, "experiment_id": exp_id, "enqueued": enqueued, "points": spec.n_trials}
+        summary = {
+            "study": spec.study,
+            "experiment_id": exp_id,
+            "enqueued": enqueued,
+            "points": spec.n_trials,
+        }
         log(f"init: {summary}")
         return summary
 
@@ -183,8 +196,11 @@ def check_no_finished_runs(spec: SweepSpec, exp_id: str) -> None:
     trial runs per point. Refused rather than adopted: the Optuna side of those trials (values,
     attempts, errors) is gone, and a sweep that resumes must not guess it."""
     flt = f"tags.`optuna.study` = '{spec.study}' and attributes.status = 'FINISHED'"
-    done = [r for r in tracking.iter_runs(tracking.client(spec.tracking_uri), [exp_id], flt)
-            if tracking.PARENT_TAG not in r.data.tags]
+    done = [
+        r
+        for r in tracking.iter_runs(tracking.client(spec.tracking_uri), [exp_id], flt)
+        if tracking.PARENT_TAG not in r.data.tags
+    ]
     if done:
         keys = sorted({r.data.tags.get("mtpc.grid_key", "?") for r in done})
         raise SpecError(
@@ -192,7 +208,8 @@ def check_no_finished_runs(spec: SweepSpec, exp_id: str) -> None:
             f"but MLflow experiment {spec.experiment!r} at {spec.tracking_uri} already holds {len(done)} finished "
             f"trial run(s) of it ({len(keys)} grid point(s): {', '.join(keys[:5])}{', ...' if len(keys) > 5 else ''}); "
             "a new study would run every point again: restore the journal, or give the spec a new `study` name, "
-            "or delete those runs in MLflow first")
+            "or delete those runs in MLflow first"
+        )
 
 
 def view_labels(spec: SweepSpec) -> list[str]:
@@ -200,8 +217,11 @@ def view_labels(spec: SweepSpec) -> list[str]:
     from experiments.prompts import eval_passes  # light: no torch
 
     e = spec.eval
-    return [tracking.evaluation_label({"mode": m, "temperature": t, "eos": eos, "extra_token": e.extra_token})
-            for m, t in eval_passes(e.modes, e.temperatures) for eos in e.eos]
+    return [
+        tracking.evaluation_label({"mode": m, "temperature": t, "eos": eos, "extra_token": e.extra_token})
+        for m, t in eval_passes(e.modes, e.temperatures)
+        for eos in e.eos
+    ]
 
 
 def save_view(spec: SweepSpec, exp_id: str) -> None:
@@ -227,16 +247,22 @@ def requeue_lost_runs(spec: SweepSpec) -> list[int]:
         lost: list[int] = []
         for key, ts in sorted(by_key.items()):
             complete = [t for t in ts if t.state == TrialState.COMPLETE]
-            if not complete or any(_run_exists(client, t.user_attrs.get("mlflow_parent_run_id")) for t in complete):
+            if not complete or any(
+                _run_exists(client, t.user_attrs.get("mlflow_parent_run_id")) for t in complete
+            ):
                 continue
             for t in complete:
-                log(f"warning: trial {t.number} ({key}) is COMPLETE in Optuna, but its MLflow run "
-                    f"{t.user_attrs.get('mlflow_parent_run_id')} is missing from {spec.tracking_uri}: re-running the point")
+                log(
+                    f"warning: trial {t.number} ({key}) is COMPLETE in Optuna, but its MLflow run "
+                    f"{t.user_attrs.get('mlflow_parent_run_id')} is missing from {spec.tracking_uri}: re-running the point"
+                )
             lost += [t.number for t in complete]
             if not any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in ts):
                 point = trial_point(complete[-1])
-                attrs = {**grid_attrs(spec, point, len(ts), retry_of=complete[-1].number),
-                         "replaces_lost": [t.number for t in complete]}
+                attrs = {
+                    **grid_attrs(spec, point, len(ts), retry_of=complete[-1].number),
+                    "replaces_lost": [t.number for t in complete],
+                }
                 study.enqueue_trial(point, user_attrs=attrs)
         return lost
 
@@ -258,10 +284,16 @@ point again without spending a retry, and the new attempt resumes from the check
 directory is the point's)."""
 
 
-def grid_attrs(spec: SweepSpec, point: dict[str, Any], attempt: int, retry_of: int | None = None) -> dict[str, Any]:
+def grid_attrs(
+    spec: SweepSpec, point: dict[str, Any], attempt: int, retry_of: int | None = None
+) -> dict[str, Any]:
     """User attrs of an enqueued grid trial: its key, the slices it belongs to, which attempt."""
     key = grid_key(point)
-    attrs: dict[str, Any] = {"grid_key": key, "slices": list(spec.grid_slices.get(key, ())), "attempt": attempt}
+    attrs: dict[str, Any] = {
+        "grid_key": key,
+        "slices": list(spec.grid_slices.get(key, ())),
+        "attempt": attempt,
+    }
     if retry_of is not None:
         attrs["retry_of"] = retry_of
     return attrs
@@ -279,8 +311,11 @@ def trial_point(t) -> dict[str, Any]:
     `always` training axis, `tracking.axes`) its default; another axis the trial does not hold stays out."""
     fixed = t.system_attrs.get("fixed_params", {})
     held = {**fixed, **t.params}
-    return {a.name: held.get(a.name, a.default) for a in axes.axes()
-            if a.name in held or a.role == axes.ARCHITECTURE or a.always}
+    return {
+        a.name: held.get(a.name, a.default)
+        for a in axes.axes()
+        if a.name in held or a.role == axes.ARCHITECTURE or a.always
+    }
 
 
 def experiment_id(spec: SweepSpec, study=None) -> str:
@@ -289,13 +324,17 @@ def experiment_id(spec: SweepSpec, study=None) -> str:
     --init) is refused."""
     exp_id = tracking.experiment_id(spec.tracking_uri, spec.experiment)
     if exp_id is None:
-        raise SpecError(f"{spec.path}: MLflow experiment {spec.experiment!r} not found at {spec.tracking_uri}; "
-                        f"run `python -m sweeps.run {spec.path} --init` first")
+        raise SpecError(
+            f"{spec.path}: MLflow experiment {spec.experiment!r} not found at {spec.tracking_uri}; "
+            f"run `python -m sweeps.run {spec.path} --init` first"
+        )
     recorded = study.user_attrs.get("mlflow_experiment_id") if study is not None else None
     if recorded is not None and recorded != exp_id:
-        raise SpecError(f"{spec.path}: study {spec.study!r} logs to MLflow experiment id {recorded}, but {spec.experiment!r} "
-                        f"at {spec.tracking_uri} has id {exp_id}: the tracking URI changed since --init "
-                        "(MLFLOW_TRACKING_URI?); use the URI the sweep was initialised with")
+        raise SpecError(
+            f"{spec.path}: study {spec.study!r} logs to MLflow experiment id {recorded}, but {spec.experiment!r} "
+            f"at {spec.tracking_uri} has id {exp_id}: the tracking URI changed since --init "
+            "(MLFLOW_TRACKING_URI?); use the URI the sweep was initialised with"
+        )
     return exp_id
 
 
@@ -309,7 +348,9 @@ def pop_waiting(study, spec: SweepSpec | None = None) -> int | None:
     waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
     if spec is not None and spec.grid is not None:
         order = {grid_key(p): i for i, p in enumerate(spec.grid)}
-        waiting = sorted(waiting, key=lambda t: (order.get(t.user_attrs.get("grid_key"), len(order)), t.number))
+        waiting = sorted(
+            waiting, key=lambda t: (order.get(t.user_attrs.get("grid_key"), len(order)), t.number)
+        )
     for t in waiting:
         try:
             if storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):

@@ -85,7 +85,9 @@ def fixture_metrics(point: dict[str, Any], mode: str, extra_token: str = "keep")
     """Plausible-looking, deterministic stand-in metrics under the evaluator's names (EVAL_METRICS,
     acceptance_pos_<i>); tokens_per_cycle = mu_acc + 1, as extra_token=keep guarantees."""
     n, r, k, c = point["window"], point["rank"], point["lora_depth"], point["circuit"]
-    rate = min(0.95, _BASE_RATE.get(c, DEFAULT_BASE_RATE) + 0.03 * math.log2(r) + 0.04 * k) * (0.9 if mode == "sample" else 1.0)
+    rate = min(0.95, _BASE_RATE.get(c, DEFAULT_BASE_RATE) + 0.03 * math.log2(r) + 0.04 * k) * (
+        0.9 if mode == "sample" else 1.0
+    )
     per_pos = [rate**i for i in range(1, n)]  # P(position i+1 accepted)
     mu_acc = sum(per_pos)
     mu_lat = 1e-3 * (1.0 + 0.002 * n * r + 0.15 * k + (0.05 if c in ("hmm", "btree") else 0.0))
@@ -142,7 +144,9 @@ def fixture_trial(ctx: TrialContext) -> None:
         tracking.log_metrics(uri, parent, {"train_loss": 1.0 / (step + 1)}, step=step)
     for partial in fx.fail:
         if _matches(point, partial):
-            raise RuntimeError(f"fixture: forced failure for grid point {point} (fixture.fail entry {partial})")
+            raise RuntimeError(
+                f"fixture: forced failure for grid point {point} (fixture.fail entry {partial})"
+            )
     tracking.log_metrics(uri, parent, {"resumed_from_step": start, "window_nll": 1.0 / point["rank"]})
     tracking.discard_children(uri, ctx.experiment_id, parent)
     e = spec.eval
@@ -150,15 +154,35 @@ def fixture_trial(ctx: TrialContext) -> None:
         for eos in e.eos:
             for ps in prompt_set_names(e.sets, e.dev_sets):  # named as experiments.trial names them
                 params = {
-                    "backbone": "fixture", **point, "mode": mode,
-                    "extra_token": e.extra_token, "eos": eos, "temperature": temperature, "prompt_set": ps,
-                    "seed": e.seed, "hardware": "fixture", "top_p": e.top_p, "acceptance_method": e.acceptance,
+                    "backbone": "fixture",
+                    **point,
+                    "mode": mode,
+                    "extra_token": e.extra_token,
+                    "eos": eos,
+                    "temperature": temperature,
+                    "prompt_set": ps,
+                    "seed": e.seed,
+                    "hardware": "fixture",
+                    "top_p": e.top_p,
+                    "acceptance_method": e.acceptance,
                 }
                 metrics = fixture_metrics(point, mode, e.extra_token)
-                if e.acceptance == "offline":  # as evaluate names them: derived from offline acceptance and timed latency
-                    metrics.update(derived_throughput=metrics["throughput"], derived_speedup_vs_stp=metrics["speedup_vs_stp"])
-                per_pos = [None] + [metrics.pop(f"{ACCEPTANCE_PREFIX}{i}") for i in range(2, point["window"] + 1)]
+                if (
+                    e.acceptance == "offline"
+                ):  # as evaluate names them: derived from offline acceptance and timed latency
+                    metrics.update(
+                        derived_throughput=metrics["throughput"],
+                        derived_speedup_vs_stp=metrics["speedup_vs_stp"],
+                    )
+                per_pos = [None] + [
+                    metrics.pop(f"{ACCEPTANCE_PREFIX}{i}") for i in range(2, point["window"] + 1)
+                ]
                 tracking.log_evaluation(
-                    uri, parent, params, metrics, per_position_acceptance=per_pos,
-                    histogram=fixture_histogram(point, mode), experiment_id=ctx.experiment_id,
+                    uri,
+                    parent,
+                    params,
+                    metrics,
+                    per_position_acceptance=per_pos,
+                    histogram=fixture_histogram(point, mode),
+                    experiment_id=ctx.experiment_id,
                 )

@@ -74,7 +74,9 @@ class StopFlag:
 
     def _handle(self, signum, _frame) -> None:
         self.signal = signum
-        log(f"received {signal.Signals(signum).name}: finishing the current step, checkpointing, then stopping")
+        log(
+            f"received {signal.Signals(signum).name}: finishing the current step, checkpointing, then stopping"
+        )
 
     def __call__(self) -> bool:
         return self.signal is not None
@@ -105,7 +107,9 @@ def worker(spec: SweepSpec, *, max_trials: int | None = None, stop: StopFlag | N
     me = Owner.current()
     study = load_study(spec, storage)
     if study is None:
-        raise SpecError(f"{spec.path}: study {spec.study!r} does not exist in {spec.storage}; run --init first")
+        raise SpecError(
+            f"{spec.path}: study {spec.study!r} does not exist in {spec.storage}; run --init first"
+        )
     check_signature(spec, study)
     if spec.sampler is not None:
         study.sampler = sampler(spec, salt=os.getpid())
@@ -126,7 +130,9 @@ def worker(spec: SweepSpec, *, max_trials: int | None = None, stop: StopFlag | N
             adopt.extend(r.adopt)
             trial_id = _take(adopt, study, spec, storage)
             if trial_id is None and r.ending and time.time() < ending_deadline:
-                log(f"{r.ending} RUNNING trial(s) belong to SLURM jobs that are ending; checking again shortly")
+                log(
+                    f"{r.ending} RUNNING trial(s) belong to SLURM jobs that are ending; checking again shortly"
+                )
                 time.sleep(3.0)
                 continue
         if trial_id is None:
@@ -135,7 +141,9 @@ def worker(spec: SweepSpec, *, max_trials: int | None = None, stop: StopFlag | N
             run_one(spec, study, trial_id, exp_id, me, stop)
         except Preempted as e:
             log(f"trial id {trial_id} pre-empted ({e}); it stays RUNNING and resumes from its checkpoint")
-            with contextlib.suppress(Exception):  # the reaper re-enqueues a pre-empted trial without spending a retry
+            with contextlib.suppress(
+                Exception
+            ):  # the reaper re-enqueues a pre-empted trial without spending a retry
                 storage.set_trial_user_attr(trial_id, PREEMPTED_ATTR, 1)
             return EXIT_PREEMPTED
         except TrackingLost as e:
@@ -149,9 +157,11 @@ def worker(spec: SweepSpec, *, max_trials: int | None = None, stop: StopFlag | N
 
 
 def _stopped_by_tracking(problem: str, adopt: list[int]) -> None:
-    log(f"error: {problem}; this worker stopped taking trials (the waiting ones stay WAITING"
+    log(
+        f"error: {problem}; this worker stopped taking trials (the waiting ones stay WAITING"
         + (f", {len(adopt)} adopted trial(s) stay RUNNING" if adopt else "")
-        + "); once the store answers again, run `python -m sweeps.run SPEC --resume`")
+        + "); once the store answers again, run `python -m sweeps.run SPEC --resume`"
+    )
 
 
 def run_one(spec: SweepSpec, study, trial_id: int, exp_id: str, me: Owner, stop: StopFlag) -> None:
@@ -178,7 +188,9 @@ def run_one(spec: SweepSpec, study, trial_id: int, exp_id: str, me: Owner, stop:
     lost = tuple(frozen.user_attrs.get("replaces_lost", ()))  # re-run of trials whose MLflow runs are gone
     dup = _completed_twin(study, key, lost)
     if spec.grid is not None and dup is not None:
-        storage.set_trial_user_attr(trial_id, "error", f"duplicate: grid point {key} already COMPLETE in trial {dup}")
+        storage.set_trial_user_attr(
+            trial_id, "error", f"duplicate: grid point {key} already COMPLETE in trial {dup}"
+        )
         study.tell(trial, state=TrialState.FAIL)
         log(f"trial {number}: {key} already complete (trial {dup}); marked FAIL as duplicate")
         return
@@ -191,30 +203,49 @@ def run_one(spec: SweepSpec, study, trial_id: int, exp_id: str, me: Owner, stop:
     uri = spec.tracking_uri
     try:
         tags = {
-            "optuna.study": spec.study, "optuna.trial": str(number), "mtpc.grid_key": key,
+            "optuna.study": spec.study,
+            "optuna.trial": str(number),
+            "mtpc.grid_key": key,
             "mtpc.slices": ",".join(frozen.user_attrs.get("slices", [])),
             tracking.GIT_TAGS[0]: tracking.git_sha(),
-            "mtpc.spec": str(spec.path), "mtpc.objective": spec.trial_kind,
-            "slurm.job_id": me.slurm_job_id or "", "slurm.restart": str(me.slurm_restart),
+            "mtpc.spec": str(spec.path),
+            "mtpc.objective": spec.trial_kind,
+            "slurm.job_id": me.slurm_job_id or "",
+            "slurm.restart": str(me.slurm_restart),
             "host": me.host,
         }
         # the run's id goes to Optuna before anything else is logged into it, so a later reap can
         # always find (and end) a run this attempt leaves open
-        parent = tracking.start_parent_run(uri, exp_id, run_name, params={}, tags=tags, resume_run_id=resume_parent)
+        parent = tracking.start_parent_run(
+            uri, exp_id, run_name, params={}, tags=tags, resume_run_id=resume_parent
+        )
         storage.set_trial_user_attr(trial_id, "mlflow_parent_run_id", parent)
         tracking.log_params(uri, parent, {"study": spec.study, "trial": number})
         ctx = TrialContext(
-            spec=spec, point=point, trial_number=number, tracking_uri=uri, experiment_id=exp_id,
-            parent_run_id=parent, parent_run_name=run_name,
+            spec=spec,
+            point=point,
+            trial_number=number,
+            tracking_uri=uri,
+            experiment_id=exp_id,
+            parent_run_id=parent,
+            parent_run_name=run_name,
             checkpoint_dir=spec.trial_dir(key),
-            should_stop=stop, set_attr=lambda k, v: storage.set_trial_user_attr(trial_id, k, v),
+            should_stop=stop,
+            set_attr=lambda k, v: storage.set_trial_user_attr(trial_id, k, v),
         )
         run_trial(ctx)
         values, child_ids = read_back(spec, exp_id, parent)
         storage.set_trial_user_attr(trial_id, "mlflow_child_run_ids", child_ids)
         for o, v in zip(spec.objectives, values, strict=True):
             storage.set_trial_user_attr(trial_id, f"value:{o.label}", v)
-        tracking.log_metrics(uri, parent, {f"objective.{o.label}".replace("/", "."): v for o, v in zip(spec.objectives, values, strict=True)})
+        tracking.log_metrics(
+            uri,
+            parent,
+            {
+                f"objective.{o.label}".replace("/", "."): v
+                for o, v in zip(spec.objectives, values, strict=True)
+            },
+        )
         tracking.log_trial_summary(uri, exp_id, parent)  # one row per trial in the UI's runs table
         dup = _completed_twin(study, key, lost)
         if spec.grid is not None and dup is not None:
@@ -222,7 +253,10 @@ def run_one(spec: SweepSpec, study, trial_id: int, exp_id: str, me: Owner, stop:
         tracking.terminate(uri, [parent], "FINISHED")
         hb.halt.set()
         study.tell(trial, values)
-        log(f"trial {number}: {key} COMPLETE, " + ", ".join(f"{o.label} {v:.4g}" for o, v in zip(spec.objectives, values, strict=True)))
+        log(
+            f"trial {number}: {key} COMPLETE, "
+            + ", ".join(f"{o.label} {v:.4g}" for o, v in zip(spec.objectives, values, strict=True))
+        )
     except Preempted:
         hb.halt.set()
         raise
@@ -252,7 +286,9 @@ def run_one(spec: SweepSpec, study, trial_id: int, exp_id: str, me: Owner, stop:
         if problem is not None:
             if spec.grid is not None:
                 # the store failed, not the point: run it again, without spending a retry
-                enqueue_retry(spec, study, storage.get_trial(trial_id), attempt=int(frozen.user_attrs.get("attempt", 0)))
+                enqueue_retry(
+                    spec, study, storage.get_trial(trial_id), attempt=int(frozen.user_attrs.get("attempt", 0))
+                )
             raise TrackingLost(problem) from e
 
 
@@ -287,20 +323,27 @@ def read_back(spec: SweepSpec, exp_id: str, parent: str) -> tuple[list[float], l
             raise IncompleteResults(
                 f"the trial stored no {m} evaluation for {e.sets - len(sets)} of {e.sets} prompt set(s) (parent run "
                 f"{parent}): its evaluation ran no such pass; "
-                + (f"eval.temperatures holds {odd}: a temperature must be a finite number" if odd else
-                   f"eval.modes {list(e.modes)}, eval.temperatures {list(e.temperatures)}")
+                + (
+                    f"eval.temperatures holds {odd}: a temperature must be a finite number"
+                    if odd
+                    else f"eval.modes {list(e.modes)}, eval.temperatures {list(e.temperatures)}"
+                )
             )
     values = []
     for o in spec.objectives:
         rows = [r for r in children if o.mode is None or r.data.params.get("mode") == o.mode]
         vals = [r.data.metrics.get(o.metric) for r in rows]
         if not vals or any(v is None for v in vals):
-            raise IncompleteResults(f"metric {o.metric!r} missing from a stored evaluation run of parent {parent}: the "
-                                    "evaluation did not produce it (a NaN or infinite value is not stored)")
+            raise IncompleteResults(
+                f"metric {o.metric!r} missing from a stored evaluation run of parent {parent}: the "
+                "evaluation did not produce it (a NaN or infinite value is not stored)"
+            )
         values.append(sum(vals) / len(vals))
     for r in children:
         missing = [m for m in tracking.STORED_METRICS if m not in r.data.metrics]
         if missing:
-            raise IncompleteResults(f"evaluation run {r.info.run_id} lacks metrics {missing}: the evaluation did not "
-                                    "produce them (a NaN or infinite value is not stored)")
+            raise IncompleteResults(
+                f"evaluation run {r.info.run_id} lacks metrics {missing}: the evaluation did not "
+                "produce them (a NaN or infinite value is not stored)"
+            )
     return values, [r.info.run_id for r in children]

@@ -124,16 +124,28 @@ def log_sweep(uri: str, experiment: str, evaluations: list[Evaluation]) -> dict[
     for i, ev in enumerate(evaluations):
         if ev.trial not in parents:
             keys = ("backbone", "circuit", "window", "rank", "lora_depth")
-            pid = tracking.start_parent_run(uri, exp_id, ev.trial, tags={},
-                                            params={k: ev.params[k] for k in keys if k in ev.params})
+            pid = tracking.start_parent_run(
+                uri, exp_id, ev.trial, tags={}, params={k: ev.params[k] for k in keys if k in ev.params}
+            )
             tracking.log_metrics(uri, pid, {"val_loss": 1.0})
             tracking.terminate(uri, [pid], "FINISHED")
             parents[ev.trial] = pid
-        acc = {int(k[len(ACCEPTANCE_PREFIX):]): v for k, v in ev.metrics.items() if k.startswith(ACCEPTANCE_PREFIX)}
+        acc = {
+            int(k[len(ACCEPTANCE_PREFIX) :]): v
+            for k, v in ev.metrics.items()
+            if k.startswith(ACCEPTANCE_PREFIX)
+        }
         per_pos = [acc.get(j) for j in range(1, max(acc) + 1)] if acc else None
         scalars = {k: v for k, v in ev.metrics.items() if not k.startswith(ACCEPTANCE_PREFIX)}
-        rid = tracking.log_evaluation(uri, parents[ev.trial], ev.params, scalars, per_position_acceptance=per_pos,
-                                      histogram=ev.hist, experiment_id=exp_id)
+        rid = tracking.log_evaluation(
+            uri,
+            parents[ev.trial],
+            ev.params,
+            scalars,
+            per_position_acceptance=per_pos,
+            histogram=ev.hist,
+            experiment_id=exp_id,
+        )
         tracking.set_tags(uri, rid, {"idx": i, **ev.extra_tags})
         if ev.status == "RUNNING":
             client.update_run(rid, status="RUNNING")

@@ -52,7 +52,9 @@ def set_rope(cfg: LlamaConfig, rope: dict) -> None:
     else:
         cfg.rope_theta = rope["rope_theta"]
         scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        cfg.rope_scaling = None if scaling.get("rope_type", "default") == "default" and len(scaling) <= 1 else scaling
+        cfg.rope_scaling = (
+            None if scaling.get("rope_type", "default") == "default" and len(scaling) <= 1 else scaling
+        )
 
 
 def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float64, **cfg_kw) -> LlamaForCausalLM:
@@ -113,7 +115,9 @@ def export_tiny_cp_head(root) -> None:
     from mtpc.heads import save_head
     from mtpc.tokenizer import ByteTokenizer
 
-    model = tiny_llama(vocab=320, hidden=16, layers=2, heads=2, kv_heads=1, dtype=torch.float32, max_context=512)
+    model = tiny_llama(
+        vocab=320, hidden=16, layers=2, heads=2, kv_heads=1, dtype=torch.float32, max_context=512
+    )
     model.save_pretrained(root / "bb")
     ByteTokenizer().save_pretrained(root / "bb")
     m = MtpcModel.from_components(model, {"kind": "cp", "window": 4, "rank": 2})

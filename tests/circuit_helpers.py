@@ -61,5 +61,3 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
         return 1.0
     stat = float(((counts - expected) ** 2 / expected).sum())
     return float(stats.chi2.sf(stat, counts.numel() - 1))
-
-

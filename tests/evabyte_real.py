@@ -99,7 +99,9 @@ def eva_prep_kv_port(k, v, param_mu, param_phi, mask, softmax_scale, chunksize):
     return rfa_k, rfa_v
 
 
-def eva_agg_port(q, k, v, rfa_k, rfa_v, window_mask, chunk_mask, softmax_scale, window_size, chunks_per_window):
+def eva_agg_port(
+    q, k, v, rfa_k, rfa_v, window_mask, chunk_mask, softmax_scale, window_size, chunks_per_window
+):
     """`_fwd_eva_agg_kernel`: query i attends the keys of its own window (positions from
     `window_size * (i // window_size)`; causal, or `window_mask` True = masked, indexed within the
     window) and the chunk summaries of the windows before its own (`chunk_mask` True = masked)."""
@@ -115,7 +117,9 @@ def eva_agg_port(q, k, v, rfa_k, rfa_v, window_mask, chunk_mask, softmax_scale, 
         allowed = (in_window & (kj <= qi))[None, None]
     else:
         rel = (kj - start).clamp(0, window_size - 1).expand(sq, sk)
-        masked = torch.gather(window_mask.expand(b, 1, sq, window_size), -1, rel[None, None].expand(b, 1, sq, sk))
+        masked = torch.gather(
+            window_mask.expand(b, 1, sq, window_size), -1, rel[None, None].expand(b, 1, sq, sk)
+        )
         allowed = in_window[None, None] & ~masked
     s = s.masked_fill(~allowed, float("-inf"))
     if rfa_k is not None:
@@ -138,7 +142,9 @@ def eva_agg_port(q, k, v, rfa_k, rfa_v, window_mask, chunk_mask, softmax_scale, 
 
 def _agg_func_port(q, k, v, rfa_k, rfa_v, window_mask, chunk_mask, softmax_scale=None, window_size=None,
                    chunks_per_window=None):  # fmt: skip
-    return eva_agg_port(q, k, v, rfa_k, rfa_v, window_mask, chunk_mask, softmax_scale, window_size, chunks_per_window)[0]
+    return eva_agg_port(
+        q, k, v, rfa_k, rfa_v, window_mask, chunk_mask, softmax_scale, window_size, chunks_per_window
+    )[0]
 
 
 def _prep_kv_func_port(k, v, param_mu, param_phi, mask, softmax_scale=None, chunksize=None):
@@ -230,9 +236,18 @@ def write_tiny_evabyte(
     out.mkdir(parents=True, exist_ok=True)
     for f in CODE_FILES:
         shutil.copy(src / f, out / f)
-    cfg = {**TINY, **overrides, "model_type": "evabyte", "architectures": ["EvaByteForCausalLM"], "auto_map": AUTO_MAP}
+    cfg = {
+        **TINY,
+        **overrides,
+        "model_type": "evabyte",
+        "architectures": ["EvaByteForCausalLM"],
+        "auto_map": AUTO_MAP,
+    }
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
-    tok = {"auto_map": {"AutoTokenizer": ["tokenization_evabyte.EvaByteTokenizer", None]}, "tokenizer_class": "EvaByteTokenizer"}
+    tok = {
+        "auto_map": {"AutoTokenizer": ["tokenization_evabyte.EvaByteTokenizer", None]},
+        "tokenizer_class": "EvaByteTokenizer",
+    }
     if tokenizer:
         (out / "tokenizer_config.json").write_text(json.dumps(tok, indent=1))
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -250,7 +265,11 @@ def write_tiny_evabyte(
             t.add_(0.2 * torch.randn(t.shape, generator=g))
     from safetensors.torch import save_file
 
-    save_file({n: t.contiguous() for n, t in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {n: t.contiguous() for n, t in state.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     return out
 
 
@@ -284,5 +303,10 @@ def real_greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
             got.append(nxt)
             cache = out[1] if isinstance(out, tuple) else out.past_key_values
             p = len(prompt) + t
-            out = model(torch.tensor([[nxt]], device=prompt.device), position_ids=pos[:, p : p + 1], past_key_values=cache, use_cache=True)
+            out = model(
+                torch.tensor([[nxt]], device=prompt.device),
+                position_ids=pos[:, p : p + 1],
+                past_key_values=cache,
+                use_cache=True,
+            )
     return got

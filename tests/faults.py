@@ -45,7 +45,9 @@ def small_tmpfs(size: str = "2m"):
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root (the injected-ENOSPC tests cover the same writes)")
     d = Path(tempfile.mkdtemp(prefix="mtpc-tmpfs-"))
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True, text=True
+    )
     if r.returncode != 0:
         d.rmdir()
         pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()})")

@@ -46,7 +46,12 @@ def cases(doc: Path = DOC) -> list[tuple[str, list[str]]]:
         if line.startswith("## "):
             section = line if line in TABLES else None
             continue
-        if section is None or not line.startswith("| ") or line.startswith("| case") or line.startswith("|---"):
+        if (
+            section is None
+            or not line.startswith("| ")
+            or line.startswith("| case")
+            or line.startswith("|---")
+        ):
             continue
         cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
         case, cell = cells[0], cells[-1]
@@ -54,7 +59,11 @@ def cases(doc: Path = DOC) -> list[tuple[str, list[str]]]:
         current: str | None = None
         for token in re.findall(r"`([^`]+)`", cell):
             if "::" not in token:
-                if token.startswith("tests/") and token.endswith(".py") and Path(token).name.startswith("test_"):
+                if (
+                    token.startswith("tests/")
+                    and token.endswith(".py")
+                    and Path(token).name.startswith("test_")
+                ):
                     nodes.append(token)  # a whole test file
                 continue
             path, _, name = token.partition("::")
@@ -93,7 +102,9 @@ def _results(junit: Path) -> dict[str, tuple[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tests.reliability_campaign", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m tests.reliability_campaign", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--fast", action="store_true", help="leave out the tests marked slow")
     ap.add_argument("--list", action="store_true", help="print the cases and their tests, run nothing")
     a = ap.parse_args(argv)
@@ -106,8 +117,20 @@ def main(argv: list[str] | None = None) -> int:
     nodes = sorted({n for _, ns in rows for n in ns})
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
-               f"--junitxml={junit}", "-m", "not slow" if a.fast else "", *nodes]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "junit_family=xunit1",
+            f"--junitxml={junit}",
+            "-m",
+            "not slow" if a.fast else "",
+            *nodes,
+        ]
         subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         results = _results(junit) if junit.is_file() else {}
     failed = 0

@@ -148,5 +148,3 @@ def markov_sequence_distribution(transition: Tensor, first: int, length: int) ->
             prev = t
         out[seq] = p
     return out
-
-

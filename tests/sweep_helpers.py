@@ -47,7 +47,10 @@ def fixture_spec(tmp: Path, study: str, *, tracking_uri: str | None = None, **ov
         "objective": "fixture",
         "output_dir": str(tmp / "out"),
         "mlflow": {"experiment": study, **({"tracking_uri": tracking_uri} if tracking_uri else {})},
-        "space": {"kind": "grid", "slices": {"a": {"circuit": ["cp", "hmm"], "rank": [2, 4], "window": [4], "lora_depth": [0]}}},
+        "space": {
+            "kind": "grid",
+            "slices": {"a": {"circuit": ["cp", "hmm"], "rank": [2, 4], "window": [4], "lora_depth": [0]}},
+        },
         "objectives": [{"metric": "throughput", "direction": "maximize"}],
         "eval": {"modes": ["greedy", "sample"], "sets": 1},
         "fixture": {"steps": 1},
@@ -58,11 +61,20 @@ def fixture_spec(tmp: Path, study: str, *, tracking_uri: str | None = None, **ov
     return path
 
 
-def run_cli(args: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess:
     e = dict(os.environ)
     e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "sweeps.run", *args], capture_output=True, text=True, env=e, cwd=cwd or REPO, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "sweeps.run", *args],
+        capture_output=True,
+        text=True,
+        env=e,
+        cwd=cwd or REPO,
+        timeout=timeout,
+    )
 
 
 def trials(storage: str, study: str) -> list:
@@ -90,7 +102,9 @@ def runs(tracking_uri: str, experiment: str) -> list:
     return list(c.search_runs([exp.experiment_id], max_results=1000))
 
 
-def check_complete_results(storage: str, study: str, tracking_uri: str, experiment: str, n_modes: int = 2) -> list:
+def check_complete_results(
+    storage: str, study: str, tracking_uri: str, experiment: str, n_modes: int = 2
+) -> list:
     """Every COMPLETE trial: parent run FINISHED, named `<study>/<grid key>`, with the per-mode
     summary metrics; its stored children FINISHED with the metrics; no grid point has two COMPLETE
     trials. Returns the COMPLETE trials."""
@@ -114,8 +128,20 @@ def check_complete_results(storage: str, study: str, tracking_uri: str, experime
             assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
             for m in ("mu_lat", "mu_acc", "tokens_per_cycle", "throughput", "max_throughput"):
                 assert m in child.data.metrics, (k, m)
-            for p in ("backbone", "circuit", "window", "rank", "lora_depth", "mode", "extra_token",
-                      "temperature", "prompt_set", "seed", "hardware", "top_p"):
+            for p in (
+                "backbone",
+                "circuit",
+                "window",
+                "rank",
+                "lora_depth",
+                "mode",
+                "extra_token",
+                "temperature",
+                "prompt_set",
+                "seed",
+                "hardware",
+                "top_p",
+            ):
                 assert p in child.data.params, (k, p)
             assert child.data.params["circuit"] == t.params["circuit"]
     return complete
@@ -132,7 +158,9 @@ def http_get(url: str, timeout: float = 2.0) -> bytes:
         return r.read()
 
 
-def start_server(tmp: Path, port: int | None = None, backend: str | None = None) -> tuple[subprocess.Popen, str]:
+def start_server(
+    tmp: Path, port: int | None = None, backend: str | None = None
+) -> tuple[subprocess.Popen, str]:
     """What docs/sweeps.md documents: an `mlflow server` on 127.0.0.1 with a sqlite backend in
     `tmp` (or the `backend` store URL, e.g. PostgreSQL) and artifacts served from a local directory,
     in its own session (pid = group id). A second start on the same `tmp` and `port` serves the same
@@ -145,10 +173,26 @@ def start_server(tmp: Path, port: int | None = None, backend: str | None = None)
     env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
     log = open(tmp / "server.log", "a")  # noqa: SIM115 (closed with the process)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", backend or f"sqlite:///{tmp / 'mlflow.db'}", "--artifacts-destination", str(tmp / "artifacts"),
-         "--workers", "1"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            backend or f"sqlite:///{tmp / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(tmp / "artifacts"),
+            "--workers",
+            "1",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
     )
     deadline = time.time() + 180
     while time.time() < deadline:

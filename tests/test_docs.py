@@ -44,12 +44,20 @@ def session_notes(paths: list[Path]) -> list[str]:
 
 def test_docs_carry_no_session_notes():
     found = session_notes(_doc_files())
-    assert not found, "session-style notes in the docs (describe the product, not its history):\n" + "\n".join(found)
+    assert not found, (
+        "session-style notes in the docs (describe the product, not its history):\n" + "\n".join(found)
+    )
 
 
 def test_session_note_check_catches_each_phrase(tmp_path):
-    lines = ["No GPU was lent this session.", "see issue 13", "run at 01:41 UTC", "as the last session found",
-             "the issue's targets", "a product sentence"]
+    lines = [
+        "No GPU was lent this session.",
+        "see issue 13",
+        "run at 01:41 UTC",
+        "as the last session found",
+        "the issue's targets",
+        "a product sentence",
+    ]
     doc = tmp_path / "notes.md"
     doc.write_text("\n".join(lines) + "\n")
     found = session_notes([doc])
@@ -68,7 +76,9 @@ def use_it_snippets(readme: str) -> list[str]:
     """The fenced ```python blocks of the README's "## Use it" section."""
     m = re.search(r"^## Use it\s*$(.*?)(?=^## )", readme, re.MULTILINE | re.DOTALL)
     assert m, 'README.md has no "## Use it" section'
-    return [textwrap.dedent(b) for b in re.findall(r"^```python\n(.*?)^```", m.group(1), re.MULTILINE | re.DOTALL)]
+    return [
+        textwrap.dedent(b) for b in re.findall(r"^```python\n(.*?)^```", m.group(1), re.MULTILINE | re.DOTALL)
+    ]
 
 
 def _demo_spec(out: Path):
@@ -109,8 +119,17 @@ def test_readme_use_it_snippets_run_after_the_demo(tmp_path, monkeypatch):
     assert rel in snippets[0], f"the first snippet should load the demo's head {rel!r}"
     point = next(p for p in spec.grid if spec.trial_dir(grid_key(p)) == head_dir.parent)
     cfg = trial_config(spec.train, point, run_dir=head_dir.parent)
-    train_head(cfg, {"run.tracking": False, "trainer.max_steps": 2, "trainer.enable_progress_bar": False,
-                     "data.source": "debug", "data.seq_len": 64, "trainer.limit_val_batches": 1})
+    train_head(
+        cfg,
+        {
+            "run.tracking": False,
+            "trainer.max_steps": 2,
+            "trainer.enable_progress_bar": False,
+            "data.source": "debug",
+            "data.seq_len": 64,
+            "trainer.limit_val_batches": 1,
+        },
+    )
     assert (head_dir / "config.json").is_file()
     # each block in its own namespace, in one interpreter (one import of torch for all)
     runner = "import sys\nfor path in sys.argv[1:]:\n    exec(compile(open(path).read(), path, 'exec'), {'__name__': '__main__'})\n"
@@ -120,6 +139,12 @@ def test_readme_use_it_snippets_run_after_the_demo(tmp_path, monkeypatch):
         p.write_text(code)
         paths.append(str(p))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-c", runner, *paths], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", runner, *paths],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, f"a README snippet failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"

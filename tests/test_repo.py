@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FORBIDDEN_IN_LIBRARY = {"lightning", "pytorch_lightning", "optuna", "mlflow", "cirkit", "pandas", "matplotlib"}
+FORBIDDEN_IN_LIBRARY = {
+    "lightning",
+    "pytorch_lightning",
+    "optuna",
+    "mlflow",
+    "cirkit",
+    "pandas",
+    "matplotlib",
+}
 MAPPED_DIRS = ("mtpc", "tracking", "experiments", "sweeps", "slurm", "analysis", "bench", "tests")
 
 
@@ -51,7 +59,9 @@ def test_imports_run_down_the_layers():
             hit = _imported_top_modules(path) & above
             if hit:
                 bad[str(path.relative_to(ROOT))] = sorted(hit)
-    assert not bad, f"imports that run up the layers (tracking < experiments < sweeps; analysis reads tracking): {bad}"
+    assert not bad, (
+        f"imports that run up the layers (tracking < experiments < sweeps; analysis reads tracking): {bad}"
+    )
 
 
 #: the project's packages whose modules may not import each other in a loop
@@ -68,7 +78,11 @@ def _runtime_imports(tree: ast.AST):
     under `if TYPE_CHECKING:` (never executed)."""
     for node in ast.iter_child_nodes(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            yield from (n for branch in node.orelse for n in _runtime_imports(ast.Module(body=[branch], type_ignores=[])))
+            yield from (
+                n
+                for branch in node.orelse
+                for n in _runtime_imports(ast.Module(body=[branch], type_ignores=[]))
+            )
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
@@ -152,7 +166,9 @@ def test_no_import_circles_among_the_project_modules():
 
 def test_the_circle_finder_finds_a_function_level_circle():
     assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import x\ndef f():\n    import y\n")
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import x\ndef f():\n    import y\n"
+    )
     assert [a.name for n in _runtime_imports(tree) if isinstance(n, ast.Import) for a in n.names] == ["y"]
 
 
@@ -209,7 +225,11 @@ def test_every_reliability_case_names_tests_that_exist():
                 missing.append(f"{case}: {path} does not exist")
                 continue
             if name:
-                defined = {n.name for n in ast.walk(ast.parse((ROOT / path).read_text())) if isinstance(n, ast.FunctionDef)}
+                defined = {
+                    n.name
+                    for n in ast.walk(ast.parse((ROOT / path).read_text()))
+                    if isinstance(n, ast.FunctionDef)
+                }
                 if name not in defined:
                     missing.append(f"{case}: {node} is not a test there")
     assert not missing, "\n".join(missing)

@@ -21,8 +21,10 @@ def third_party(part: str, required: tuple[str, ...] = ()) -> Path:
     """The folder `$MTPC_THIRD_PARTY/<part>`, checked to hold `required` files; skips when the variable is unset."""
     root = os.environ.get(ENV_VAR)
     if not root:
-        pytest.skip(f"{ENV_VAR} is not set: the real-model conformance tests need the target models' code "
-                    f"(CI sets it to ../shared/third_party)")
+        pytest.skip(
+            f"{ENV_VAR} is not set: the real-model conformance tests need the target models' code "
+            f"(CI sets it to ../shared/third_party)"
+        )
     folder = Path(root).expanduser().resolve() / part
     if not folder.is_dir():
         pytest.fail(f"{ENV_VAR}={root}: no folder {part}/ there (expected the unchanged third-party code)")

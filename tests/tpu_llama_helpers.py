@@ -106,7 +106,9 @@ def write_tpu_llama(
         w["lm_head.weight"] = rnd(vocab, hidden) * lm_scale
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in w.items()}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in w.items()}, str(d / "model.safetensors"), metadata={"format": "pt"}
+    )
     if code is not None:
         for f in CODE_FILES:
             shutil.copy(code / f, d / f)

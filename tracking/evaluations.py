@@ -80,7 +80,10 @@ def log_trial_summary(uri: str, experiment_id: str, parent_run_id: str) -> dict[
     """Log `summary_metrics` of a trial's stored evaluation runs on its parent run, rounded to
     SUMMARY_DIGITS significant digits (a row to read: the evaluation runs keep full precision), so
     the runs table compares trials on one row each (the saved view of tracking/views.py)."""
-    out = {k: float(f"{v:.{SUMMARY_DIGITS}g}") for k, v in summary_metrics(child_runs(uri, experiment_id, parent_run_id)).items()}
+    out = {
+        k: float(f"{v:.{SUMMARY_DIGITS}g}")
+        for k, v in summary_metrics(child_runs(uri, experiment_id, parent_run_id)).items()
+    }
     log_metrics(uri, parent_run_id, out)
     return out
 
@@ -104,13 +107,20 @@ def log_evaluation(
 
     missing = [k for k in NAME_PARAMS if k not in params]
     if missing:
-        raise ValueError(f"evaluation params lack {missing}; an evaluation run carries {list(NAME_PARAMS)} at least")
+        raise ValueError(
+            f"evaluation params lack {missing}; an evaluation run carries {list(NAME_PARAMS)} at least"
+        )
     c = client(uri)
     exp = experiment_id or c.get_run(parent_run_id).info.experiment_id
-    run_id = c.create_run(exp, run_name=evaluation_run_name(params), tags={PARENT_TAG: parent_run_id}).info.run_id
+    run_id = c.create_run(
+        exp, run_name=evaluation_run_name(params), tags={PARENT_TAG: parent_run_id}
+    ).info.run_id
     try:
-        scalars = {k: float(v) for k, v in metrics.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        scalars = {
+            k: float(v)
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        }
         for i, a in enumerate(per_position_acceptance or [], 1):
             if a is not None:
                 scalars[f"{ACCEPTANCE_PREFIX}{i}"] = float(a)

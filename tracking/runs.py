@@ -25,7 +25,18 @@ PARENT_TAG = "mlflow.parentRunId"
 GIT_TAGS = ("mlflow.source.git.commit", "git_sha")
 ERROR_TAG = "mtpc.error"
 #: packages whose versions describe a run
-PACKAGES = ("torch", "lightning", "transformers", "peft", "mlflow", "optuna", "jsonargparse", "safetensors", "numpy", "mtpc")
+PACKAGES = (
+    "torch",
+    "lightning",
+    "transformers",
+    "peft",
+    "mlflow",
+    "optuna",
+    "jsonargparse",
+    "safetensors",
+    "numpy",
+    "mtpc",
+)
 MAX_PARAM_CHARS = 6000
 MAX_TAG_CHARS = 5000
 
@@ -61,12 +72,20 @@ def machine(device: Any = None) -> dict[str, Any]:
         info["transformers"] = transformers.__version__
     except ImportError:
         pass
-    info.update(cpu=cpu_model() or platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
-                threads=torch.get_num_threads())
+    info.update(
+        cpu=cpu_model() or platform.processor() or platform.machine(),
+        cpu_count=os.cpu_count(),
+        threads=torch.get_num_threads(),
+    )
     cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
     if cuda:
         p = torch.cuda.get_device_properties(device if device is not None else 0)
-        info.update(gpu=p.name, cuda=torch.version.cuda, sms=p.multi_processor_count, memory_gib=p.total_memory / 2**30)
+        info.update(
+            gpu=p.name,
+            cuda=torch.version.cuda,
+            sms=p.multi_processor_count,
+            memory_gib=p.total_memory / 2**30,
+        )
     return info
 
 
@@ -80,11 +99,18 @@ def git_sha(root: Path = REPO) -> str:
     """The checkout's commit, `-dirty` when tracked files changed; else `.device/GIT_SHA` (the
     device machine's copy has no .git; experiments.device_prep writes it); else "unknown"."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        )
         sha = out.stdout.strip()
         if out.returncode == 0 and sha:
-            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            dirty = subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=root,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
             return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
@@ -102,7 +128,9 @@ def package_versions(packages: tuple[str, ...] = PACKAGES) -> dict[str, str]:
     return out
 
 
-def describe_run(uri: str, run_id: str, config: dict[str, Any], run_dir: Path, params: dict[str, Any] | None = None) -> None:
+def describe_run(
+    uri: str, run_id: str, config: dict[str, Any], run_dir: Path, params: dict[str, Any] | None = None
+) -> None:
     """What a run was: `params` (those not logged yet), the git SHA as tags, and under the artifact
     path `run/` the resolved config (`config.yaml`), `git_sha.txt` and `package_versions.json`
     (also written to `<run_dir>/description/`)."""
@@ -122,8 +150,15 @@ def describe_run(uri: str, run_id: str, config: dict[str, Any], run_dir: Path, p
 # ------------------------------------------------------------------------------- writing runs
 
 
-def start_parent_run(uri: str, experiment_id: str, run_name: str, *, params: dict[str, Any], tags: dict[str, str],
-                     resume_run_id: str | None = None) -> str:
+def start_parent_run(
+    uri: str,
+    experiment_id: str,
+    run_name: str,
+    *,
+    params: dict[str, Any],
+    tags: dict[str, str],
+    resume_run_id: str | None = None,
+) -> str:
     """Create (or reopen, when a trial resumes) the parent run of a trial; log params and tags."""
     c = client(uri)
     if resume_run_id:
@@ -206,7 +241,9 @@ def discard_children(uri: str, experiment_id: str, parent_run_id: str) -> int:
     return len(runs)
 
 
-def close_if_running(uri: str, experiment_id: str | None, parent_run_id: str, status: str, error: str) -> bool:
+def close_if_running(
+    uri: str, experiment_id: str | None, parent_run_id: str, status: str, error: str
+) -> bool:
     """End a parent run (and its children) still RUNNING after its attempt ended elsewhere (a dead
     worker, a store that was down when the attempt failed): `status` and the `mtpc.error` tag.
     Returns whether anything was RUNNING."""

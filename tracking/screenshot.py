@@ -42,7 +42,9 @@ def free_port() -> int:
 
 def start_server(uri: str, port: int, log: Path, timeout_s: float = 180.0) -> subprocess.Popen:
     """`mlflow server` for `uri` on 127.0.0.1:`port`, in its own session; returns once /health answers."""
-    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false", PYTHONSAFEPATH="1")  # no import from the cwd
+    env = dict(
+        os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false", PYTHONSAFEPATH="1"
+    )  # no import from the cwd
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
@@ -91,12 +93,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tracking-uri", required=True, help="the store, e.g. sqlite:///runs/demo/mlflow.db")
     ap.add_argument("--experiment", default="mtpc-demo", help="experiment name (default mtpc-demo)")
     ap.add_argument("--out", default="mlflow_runs.png", help="PNG to write (default mlflow_runs.png)")
-    ap.add_argument("--size", default="2900x520", help="browser window WIDTHxHEIGHT in px (default 2900x520: the 12 columns beside the assistant panel that MLflow opens on a first visit)")
-    ap.add_argument("--wait-ms", type=int, default=20000, help="virtual time the page gets to load (default 20000)")
+    ap.add_argument(
+        "--size",
+        default="2900x520",
+        help="browser window WIDTHxHEIGHT in px (default 2900x520: the 12 columns beside the assistant panel that MLflow opens on a first visit)",
+    )
+    ap.add_argument(
+        "--wait-ms", type=int, default=20000, help="virtual time the page gets to load (default 20000)"
+    )
     a = ap.parse_args(argv)
     browser = next((b for b in map(shutil.which, BROWSERS) if b), None)
     if browser is None:
-        print(f"error: no Chromium found (looked for {', '.join(BROWSERS)}); on Debian: apt-get install chromium", file=sys.stderr)
+        print(
+            f"error: no Chromium found (looked for {', '.join(BROWSERS)}); on Debian: apt-get install chromium",
+            file=sys.stderr,
+        )
         return 2
     try:
         width, height = (int(v) for v in a.size.lower().split("x"))

@@ -67,13 +67,15 @@ def resolve_uri(
         return TrackingURI(absolute_uri(env[TRACKING_ENV], cwd), TRACKING_ENV)
     if configured:
         return TrackingURI(absolute_uri(configured, cwd), configured_source)
-    return TrackingURI(f"sqlite:///{(cwd / DEFAULT_DB).resolve()}", f"the default (sqlite:///<cwd>/{DEFAULT_DB})")
+    return TrackingURI(
+        f"sqlite:///{(cwd / DEFAULT_DB).resolve()}", f"the default (sqlite:///<cwd>/{DEFAULT_DB})"
+    )
 
 
 def absolute_uri(uri: str, cwd: Path) -> str:
     """`uri` with a relative sqlite path or plain path made absolute against `cwd`."""
     if uri.startswith("sqlite:///"):
-        rest = uri[len("sqlite:///"):]
+        rest = uri[len("sqlite:///") :]
         path, q, query = rest.partition("?")
         if path and path != ":memory:" and not Path(path).is_absolute():
             return f"sqlite:///{(cwd / path).resolve()}" + (q + query)
@@ -88,7 +90,7 @@ def sqlite_path(uri: str) -> Path | None:
     """The database file of a `sqlite:///path` URI (None for in-memory stores or other schemes)."""
     if not uri.startswith("sqlite:///"):
         return None
-    path = uri[len("sqlite:///"):].split("?", 1)[0]
+    path = uri[len("sqlite:///") :].split("?", 1)[0]
     return None if path in ("", ":memory:") else Path(path)
 
 
@@ -143,8 +145,10 @@ def check_tracking(uri: str, timeout: float = 5.0) -> None:
         if path is None:
             raise TrackingError(f"MLflow URI {uri}: expected sqlite:///<path>")
         if path.is_dir():
-            raise TrackingError(f"MLflow store {uri}: {path} is a directory, not a database file; "
-                                f"name a file, e.g. sqlite:///{path / DEFAULT_DB}")
+            raise TrackingError(
+                f"MLflow store {uri}: {path} is a directory, not a database file; "
+                f"name a file, e.g. sqlite:///{path / DEFAULT_DB}"
+            )
         if path.exists() and not path.is_file():
             raise TrackingError(f"MLflow store {uri}: {path} is not a regular file")
         _writable_dir(path.parent, f"MLflow store {uri}")
@@ -209,7 +213,9 @@ def open_for_reading(uri: str, source: str = "--tracking-uri"):
         with quick_failures():
             c.search_experiments(max_results=1)
     except Exception as exc:  # noqa: BLE001 - any failure here means "cannot read the store"
-        raise TrackingError(f"cannot reach the MLflow tracking store {uri!r} (from {source}): {short(exc)}") from None
+        raise TrackingError(
+            f"cannot reach the MLflow tracking store {uri!r} (from {source}): {short(exc)}"
+        ) from None
     return c
 
 
@@ -233,7 +239,9 @@ def ensure_experiment(uri: str, name: str) -> str:
             if exp is None:
                 raise
     if exp.lifecycle_stage == "deleted":
-        raise TrackingError(f"MLflow experiment {name!r} at {uri} exists but is deleted; restore it or pick another name")
+        raise TrackingError(
+            f"MLflow experiment {name!r} at {uri} exists but is deleted; restore it or pick another name"
+        )
     if KIND_TAG not in exp.tags:
         c.set_experiment_tag(exp.experiment_id, KIND_TAG, CLASSIC_KIND)
     return exp.experiment_id

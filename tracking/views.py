@@ -57,7 +57,9 @@ def save_runs_view(uri: str, experiment_id: str, labels: Sequence[str]) -> str:
     keeps the UI's default order (newest first): sorting by a metric would un-nest the evaluation
     runs from their trial (a click on a column header sorts)."""
     cols = view_columns(labels)
-    widths = {RUN_NAME_COLUMN: RUN_NAME_PX} | {c: PARAM_PX if c.startswith("params.") else METRIC_PX for c in cols}
+    widths = {RUN_NAME_COLUMN: RUN_NAME_PX} | {
+        c: PARAM_PX if c.startswith("params.") else METRIC_PX for c in cols
+    }
     state = {"selectedColumns": cols, "columnOrder": [RUN_NAME_COLUMN, *cols], "columnWidths": widths}
     now = int(time.time() * 1000)
     envelope = {"name": VIEW_NAME, "createdAt": now, "updatedAt": now, "state": json.dumps(state)}

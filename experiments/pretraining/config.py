@@ -17,8 +17,19 @@ from experiments.parsing import Fail, apply_overrides, parse_section, read_yaml
 from mtpc.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 CONFIGS = {"cpu": CONFIG_DIR / "pretrain_cpu.yaml", "gpu": CONFIG_DIR / "pretrain_gpu.yaml"}
-POSITIVE_INTS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "max_context",
-                 "seq_len", "batch_size", "max_steps", "heldout_rows", "log_every")
+POSITIVE_INTS = (
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "intermediate_size",
+    "max_context",
+    "seq_len",
+    "batch_size",
+    "max_steps",
+    "heldout_rows",
+    "log_every",
+)
 
 
 @dataclass
@@ -108,10 +119,16 @@ def check(c: PretrainConfig, fail: Fail) -> None:
     for key in POSITIVE_INTS:
         fail.integer(key, getattr(c, key), lo=1)
     if c.hidden_size % c.num_heads or (c.hidden_size // c.num_heads) % 2:
-        fail("hidden_size", f"{c.hidden_size} does not split into num_heads={c.num_heads} heads of even size; "
-                            f"expected a multiple of 2 * num_heads (rotary)")
+        fail(
+            "hidden_size",
+            f"{c.hidden_size} does not split into num_heads={c.num_heads} heads of even size; "
+            f"expected a multiple of 2 * num_heads (rotary)",
+        )
     if c.num_heads % c.num_kv_heads:
-        fail("num_kv_heads", f"{c.num_kv_heads} does not divide num_heads={c.num_heads}; expected a divisor of it")
+        fail(
+            "num_kv_heads",
+            f"{c.num_kv_heads} does not divide num_heads={c.num_heads}; expected a divisor of it",
+        )
     if c.seq_len > c.max_context:
         fail("seq_len", f"{c.seq_len} exceeds max_context={c.max_context}; expected <= max_context")
     fail.number("lr", c.lr)
@@ -136,8 +153,11 @@ def check(c: PretrainConfig, fail: Fail) -> None:
     fail.number("eval_minutes", c.eval_minutes, lo=0)
     fail.number("stop_gain_per_hour", c.stop_gain_per_hour, lo=0)
     if c.stop_gain_per_hour and not c.eval_minutes:
-        fail("stop_gain_per_hour", f"{c.stop_gain_per_hour} needs held-out evaluations; expected eval_minutes > 0 "
-                                   f"(the gain is measured on them)")
+        fail(
+            "stop_gain_per_hour",
+            f"{c.stop_gain_per_hour} needs held-out evaluations; expected eval_minutes > 0 "
+            f"(the gain is measured on them)",
+        )
 
 
 def load_config(path: str | Path, **overrides) -> PretrainConfig:
@@ -145,7 +165,9 @@ def load_config(path: str | Path, **overrides) -> PretrainConfig:
     (`experiments.parsing`: bounded YAML, the override rule, the typed section parser); errors name the file."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{path}: no such file; expected a pre-training config path or one of {sorted(CONFIGS)}")
+        raise ValueError(
+            f"{path}: no such file; expected a pre-training config path or one of {sorted(CONFIGS)}"
+        )
     raw = read_yaml(path, what="pretrain config") or {}
     fail = Fail(str(path))
     if not isinstance(raw, dict):

@@ -35,11 +35,13 @@ def split_conversations(train_data: str, heldout_data: str | None) -> tuple[list
         return [], [] if heldout_data.endswith(STREAM_SUFFIX) else load_messages(heldout_data)
     train, heldout = heldout_split("sharegpt" if train_data == "sharegpt" else load_messages(train_data))
     if train_data != "sharegpt" and not heldout:
-        heldout = train[-max(1, len(train) // 20):]
+        heldout = train[-max(1, len(train) // 20) :]
     if heldout_data is not None:
         heldout = [] if heldout_data.endswith(STREAM_SUFFIX) else load_messages(heldout_data)
     if not train or not (heldout or str(heldout_data).endswith(STREAM_SUFFIX)):
-        raise ValueError(f"train_data: {train_data!r} gave no training or no held-out conversations; expected both")
+        raise ValueError(
+            f"train_data: {train_data!r} gave no training or no held-out conversations; expected both"
+        )
     return train, heldout
 
 
@@ -52,8 +54,14 @@ def packed(source: str | None, convs: list[dict] | None, seq_len: int, max_rows:
     return pack(convs, ByteTokenizer(), seq_len, max_rows=max_rows)
 
 
-def heldout_rows(rows: int, seq_len: int = 2048, *, train_data: str = "sharegpt", heldout_data: str | None = None,
-                 conversations: list[dict] | None = None):
+def heldout_rows(
+    rows: int,
+    seq_len: int = 2048,
+    *,
+    train_data: str = "sharegpt",
+    heldout_data: str | None = None,
+    conversations: list[dict] | None = None,
+):
     """The fixed held-out slice: the held-out conversations in corpus order, packed at `seq_len`
     (`heldout_data`'s stream or conversations, else `train_data`'s held-out split)."""
     if heldout_data is not None and heldout_data.endswith(STREAM_SUFFIX):
@@ -80,20 +88,26 @@ class TrainRows:
         self.batch_size, self.seed, self.cut_documents = batch_size, seed, rows.cut_documents
         self.per_epoch = len(rows) // batch_size
         if self.per_epoch == 0:
-            raise ValueError(f"batch_size: {batch_size} exceeds the {len(rows)} training rows of "
-                             f"{rows.input_ids.shape[1]} bytes; expected fewer rows per batch or more data")
+            raise ValueError(
+                f"batch_size: {batch_size} exceeds the {len(rows)} training rows of "
+                f"{rows.input_ids.shape[1]} bytes; expected fewer rows per batch or more data"
+            )
         self._epoch, self._perm = -1, None
 
     def batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         epoch, b = divmod(i, self.per_epoch)
         if epoch != self._epoch:
             self._epoch = epoch
-            self._perm = torch.randperm(len(self.input_ids), generator=torch.Generator().manual_seed(self.seed + 1009 * epoch))
+            self._perm = torch.randperm(
+                len(self.input_ids), generator=torch.Generator().manual_seed(self.seed + 1009 * epoch)
+            )
         idx = self._perm[b * self.batch_size : (b + 1) * self.batch_size]
         return self.input_ids[idx].long(), self.doc_ids[idx].long()
 
 
-def summed_nll(model: LlamaForCausalLM, input_ids: torch.Tensor, doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+def summed_nll(
+    model: LlamaForCausalLM, input_ids: torch.Tensor, doc_ids: torch.Tensor
+) -> tuple[torch.Tensor, int]:
     """Summed next-byte NLL (nats) over present targets (`mtpc.losses.next_byte_nll`) and their count."""
     nll, present = next_byte_nll(model(input_ids=input_ids).logits, input_ids, doc_ids)
     return nll.sum(), int(present.sum())

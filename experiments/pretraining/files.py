@@ -30,7 +30,15 @@ SNAPSHOT_KEYS = ("model", "optimizer", "state", "config_key", "num_threads")
 
 def config_key(cfg: PretrainConfig) -> dict:
     """The fields a resumed run must share with its snapshot (the budget and the cadences may change)."""
-    free = {"max_steps", "max_minutes", "snapshot_minutes", "log_every", "eval_minutes", "stop_gain_per_hour", "heldout_data"}
+    free = {
+        "max_steps",
+        "max_minutes",
+        "snapshot_minutes",
+        "log_every",
+        "eval_minutes",
+        "stop_gain_per_hour",
+        "heldout_data",
+    }
     return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in free}
 
 
@@ -50,17 +58,23 @@ def load_snapshot(run_dir: Path, cfg: PretrainConfig, device: torch.device) -> d
         snap = torch.load(path, map_location=device, weights_only=True)
     except Exception as err:  # a cut zip, a pickle error, an EOF: all mean the file is not a whole snapshot
         why = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ValueError(f"{path}: not a readable pre-training snapshot ({why}); expected a whole state.pt: "
-                         f"remove it to start the run afresh, or restore it") from None
+        raise ValueError(
+            f"{path}: not a readable pre-training snapshot ({why}); expected a whole state.pt: "
+            f"remove it to start the run afresh, or restore it"
+        ) from None
     if not isinstance(snap, dict) or any(k not in snap for k in SNAPSHOT_KEYS):
         raise ValueError(f"{path}: not a pre-training snapshot; expected the keys {list(SNAPSHOT_KEYS)}")
     want = config_key(cfg)
     if snap["config_key"] != want:
         diff = sorted(k for k in want if snap["config_key"].get(k) != want[k])
-        raise ValueError(f"{path}: a snapshot of another run (differs in {diff}); use another run directory or the same config")
+        raise ValueError(
+            f"{path}: a snapshot of another run (differs in {diff}); use another run directory or the same config"
+        )
     if snap["num_threads"] != torch.get_num_threads():
-        raise ValueError(f"{path}: written with {snap['num_threads']} torch threads, now {torch.get_num_threads()}; "
-                         f"resume with the same num_threads")
+        raise ValueError(
+            f"{path}: written with {snap['num_threads']} torch threads, now {torch.get_num_threads()}; "
+            f"resume with the same num_threads"
+        )
     return snap
 
 

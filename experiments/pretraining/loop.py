@@ -80,22 +80,42 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, run_dir: str | Path | Non
     if cfg.final_seq_len:
         phases.append((cfg.final_seq_len, cfg.final_batch_size or cfg.batch_size))
     budget_bytes = cfg.max_steps * max(b * s for s, b in phases)
-    rows = [TrainRows(packed(cfg.train_data, train, s, -(-budget_bytes // s), None), b, cfg.seed + 7919 * p)
-            for p, (s, b) in enumerate(phases)]
+    rows = [
+        TrainRows(packed(cfg.train_data, train, s, -(-budget_bytes // s), None), b, cfg.seed + 7919 * p)
+        for p, (s, b) in enumerate(phases)
+    ]
     # the reported slice at the final length; the same held-out bytes at each phase's row length for the
     # evaluations along the way (a model trained on 512-byte rows has not seen positions past 512: scored
     # at 2048 during the main phase it would look flat whatever it learns, and end the run early)
     final_len = cfg.final_seq_len or cfg.seq_len
-    held = {s: heldout_rows(cfg.heldout_rows * final_len // s, s, train_data=cfg.train_data, heldout_data=cfg.heldout_data,
-                            conversations=heldout) for s, _ in phases}
+    held = {
+        s: heldout_rows(
+            cfg.heldout_rows * final_len // s,
+            s,
+            train_data=cfg.train_data,
+            heldout_data=cfg.heldout_data,
+            conversations=heldout,
+        )
+        for s, _ in phases
+    }
 
     model = LlamaForCausalLM(cfg.llama_config()).to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}],
-                            lr=cfg.lr, betas=(0.9, 0.95))
-    state = {"step": 0, "phase": 0, "phase_start": 0, "active_seconds": 0.0, "budget_minutes": cfg.max_minutes,
-             "curve": [], "evals": []}
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
+    state = {
+        "step": 0,
+        "phase": 0,
+        "phase_start": 0,
+        "active_seconds": 0.0,
+        "budget_minutes": cfg.max_minutes,
+        "curve": [],
+        "evals": [],
+    }
     run_dir = Path(run_dir) if run_dir is not None else None
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -104,7 +124,10 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, run_dir: str | Path | Non
             model.load_state_dict(snap["model"])
             opt.load_state_dict(snap["optimizer"])
             state = snap["state"]
-            print(f"resumed {run_dir} at step {state['step']} ({state['active_seconds'] / 60:.1f} active minutes)", flush=True)
+            print(
+                f"resumed {run_dir} at step {state['step']} ({state['active_seconds'] / 60:.1f} active minutes)",
+                flush=True,
+            )
     compiled = torch.compile(model) if cfg.compile else model
     clock = Clock(state["active_seconds"])
     autocast = cfg.precision == "bf16-mixed"
@@ -115,19 +138,37 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, run_dir: str | Path | Non
     def snapshot() -> None:
         if run_dir is not None:
             state["active_seconds"] = clock.seconds
-            save_snapshot(run_dir, {"model": model.state_dict(), "optimizer": opt.state_dict(), "state": state,
-                                  "config_key": config_key(cfg), "num_threads": torch.get_num_threads()})
+            save_snapshot(
+                run_dir,
+                {
+                    "model": model.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "state": state,
+                    "config_key": config_key(cfg),
+                    "num_threads": torch.get_num_threads(),
+                },
+            )
 
     def evaluate() -> None:
         t = time.monotonic()
         seq = phases[state["phase"]][0]
         res = heldout_bits_per_byte(model, held[seq])
         model.train()
-        state["evals"].append({"step": state["step"], "active_minutes": clock.seconds / 60,
-                               "train_bytes": state.get("bytes", 0), "seq_len": seq, **res})
-        print(f"step {state['step']}: held-out bits/byte {res['heldout_bits_per_byte']:.3f} "
-              f"(assistant {res['heldout_bits_per_assistant_byte']:.3f}) at {seq}-byte rows, "
-              f"{time.monotonic() - t:.0f} s", flush=True)
+        state["evals"].append(
+            {
+                "step": state["step"],
+                "active_minutes": clock.seconds / 60,
+                "train_bytes": state.get("bytes", 0),
+                "seq_len": seq,
+                **res,
+            }
+        )
+        print(
+            f"step {state['step']}: held-out bits/byte {res['heldout_bits_per_byte']:.3f} "
+            f"(assistant {res['heldout_bits_per_assistant_byte']:.3f}) at {seq}-byte rows, "
+            f"{time.monotonic() - t:.0f} s",
+            flush=True,
+        )
 
     def plateaued() -> bool:
         """Held-out assistant bits/byte gained < stop_gain_per_hour over the last active hour."""
@@ -144,14 +185,23 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, run_dir: str | Path | Non
     model.train()
     next_snapshot = clock.seconds + cfg.snapshot_minutes * 60 if cfg.snapshot_minutes else math.inf
     next_eval = (len(state["evals"]) + 1) * cfg.eval_minutes * 60 if cfg.eval_minutes else math.inf
-    losses = state.setdefault("losses", [])  # train bits/byte since the last curve point (kept across resumes)
+    losses = state.setdefault(
+        "losses", []
+    )  # train bits/byte since the last curve point (kept across resumes)
     stop_signal: list[int] = []
-    old = {s: signal.signal(s, lambda n, f: stop_signal.append(n)) for s in (signal.SIGTERM, signal.SIGINT)
-           if threading.current_thread() is threading.main_thread()}
+    old = {
+        s: signal.signal(s, lambda n, f: stop_signal.append(n))
+        for s in (signal.SIGTERM, signal.SIGINT)
+        if threading.current_thread() is threading.main_thread()
+    }
     try:
         while progress(state["step"]) < 1.0 and not stop_signal:
             t0 = time.monotonic()
-            if len(phases) > 1 and state["phase"] == 0 and progress(state["step"]) >= 1.0 - cfg.final_fraction:
+            if (
+                len(phases) > 1
+                and state["phase"] == 0
+                and progress(state["step"]) >= 1.0 - cfg.final_fraction
+            ):
                 state["phase"], state["phase_start"] = 1, state["step"]
                 print(f"step {state['step']}: final phase, {phases[1][1]} x {phases[1][0]} bytes", flush=True)
             seq, bsz = phases[state["phase"]]
@@ -172,21 +222,32 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, run_dir: str | Path | Non
             clock.add(time.monotonic() - t0)
             step = state["step"]
             if step % cfg.log_every == 0 or progress(step) >= 1.0:
-                point = {"step": step, "train_bytes": state["bytes"], "seq_len": seq,
-                         "train_bits_per_byte": sum(losses) / len(losses), "lr": opt.param_groups[0]["lr"],
-                         "active_minutes": clock.seconds / 60}
+                point = {
+                    "step": step,
+                    "train_bytes": state["bytes"],
+                    "seq_len": seq,
+                    "train_bits_per_byte": sum(losses) / len(losses),
+                    "lr": opt.param_groups[0]["lr"],
+                    "active_minutes": clock.seconds / 60,
+                }
                 losses.clear()
                 state["curve"].append(point)
-                print(f"step {step}: train bits/byte {point['train_bits_per_byte']:.3f}, "
-                      f"{state['bytes'] / max(clock.seconds, 1e-9):,.0f} bytes/s, {progress(step):.0%} of budget", flush=True)
+                print(
+                    f"step {step}: train bits/byte {point['train_bits_per_byte']:.3f}, "
+                    f"{state['bytes'] / max(clock.seconds, 1e-9):,.0f} bytes/s, {progress(step):.0%} of budget",
+                    flush=True,
+                )
             if clock.seconds >= next_eval:
                 next_eval += cfg.eval_minutes * 60
                 evaluate()
                 if state["phase"] == 0 and plateaued() and len(phases) > 1:
                     # enter the final phase now: the remaining budget is final_fraction of the whole
                     state["budget_minutes"] = clock.seconds / 60 / (1.0 - cfg.final_fraction)
-                    print(f"step {step}: held-out gain < {cfg.stop_gain_per_hour} bits/byte per hour; "
-                          f"finishing in {state['budget_minutes'] * cfg.final_fraction:.0f} active minutes", flush=True)
+                    print(
+                        f"step {step}: held-out gain < {cfg.stop_gain_per_hour} bits/byte per hour; "
+                        f"finishing in {state['budget_minutes'] * cfg.final_fraction:.0f} active minutes",
+                        flush=True,
+                    )
             if clock.seconds >= next_snapshot:
                 next_snapshot += cfg.snapshot_minutes * 60
                 snapshot()
@@ -214,7 +275,7 @@ def pretrain(cfg: PretrainConfig, out_dir: str | Path, run_dir: str | Path | Non
         train_flops_per_second=flops * bytes_per_second,
         mfu=None if peak is None else flops * bytes_per_second / peak,
         mfu_formula="MFU = (6 N + 12 L d S) * bytes/s / peak; N = parameters without the input embedding, "
-                    "L layers, d width, S seq_len (PaLM, App. B); peak = bf16 dense of the GPU (H100/H200: 989 TFLOP/s)",
+        "L layers, d width, S seq_len (PaLM, App. B); peak = bf16 dense of the GPU (H100/H200: 989 TFLOP/s)",
         total_minutes=(time.monotonic() - wall0) / 60,
         parameters=sum(p.numel() for p in model.parameters()),
         torch_threads=torch.get_num_threads(),
@@ -233,7 +294,11 @@ class Interrupted(RuntimeError):
     """SIGTERM / SIGINT stopped the run after its snapshot was written (exit code 128 + signal)."""
 
     def __init__(self, signum: int, step: int, run_dir: Path | None):
-        where = f"; resume by running the same command (snapshot in {run_dir})" if run_dir else " (no run directory: nothing kept)"
+        where = (
+            f"; resume by running the same command (snapshot in {run_dir})"
+            if run_dir
+            else " (no run directory: nothing kept)"
+        )
         super().__init__(f"stopped by signal {signum} at step {step}{where}")
         self.signum = signum
 

@@ -123,7 +123,10 @@ COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
 
 
 def check_remote_code(
-    name_or_path: str, trust_remote_code: bool, revision: str | None = None, config: dict[str, Any] | None = None
+    name_or_path: str,
+    trust_remote_code: bool,
+    revision: str | None = None,
+    config: dict[str, Any] | None = None,
 ) -> None:
     """Raise ValueError (saying how to allow it) unless loading `name_or_path` runs no code without consent.
 
@@ -158,7 +161,9 @@ def _load_tokenizer(source: str, trust_remote_code: bool, revision: str | None, 
         if native:
             return HFChatTokenizer(PreTrainedTokenizerFast.from_pretrained(source, revision=revision))
 
-        return HFChatTokenizer(AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, revision=revision))
+        return HFChatTokenizer(
+            AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, revision=revision)
+        )
     except Exception:  # no tokenizer files: tiny test checkpoints; callers pass ids themselves
         return None
 
@@ -232,8 +237,10 @@ def load_backbone(
     except OSError as e:
         raise ValueError(f"backbone {label!r}: cannot load weights from {source!r} ({e})") from e
     except pickle.UnpicklingError:  # torch.load(weights_only=True) met a pickled object that is not a tensor
-        raise ValueError(f"backbone {label!r}: the pickled weights in {source!r} hold objects other than tensors; "
-                         "refused unread (convert them to safetensors from a trusted copy)") from None
+        raise ValueError(
+            f"backbone {label!r}: the pickled weights in {source!r} hold objects other than tensors; "
+            "refused unread (convert them to safetensors from a trusted copy)"
+        ) from None
     except ImportError as e:
         raise ValueError(f"backbone {label!r}: its own code does not import here ({e})") from e
     if hasattr(family, "repair_loaded"):
@@ -243,7 +250,9 @@ def load_backbone(
         model.to(device)
     tokenizer = _load_tokenizer(source, trust_remote_code, revision, native=native)
     try:
-        backbone = family.from_hf(model, lora_depth=lora_depth, name=label, tokenizer=tokenizer, engine=engine, **lora_kw)
+        backbone = family.from_hf(
+            model, lora_depth=lora_depth, name=label, tokenizer=tokenizer, engine=engine, **lora_kw
+        )
     except ValueError as e:
         raise ValueError(f"backbone {label!r}: {e}") from e
     if hasattr(backbone, "check_finite"):

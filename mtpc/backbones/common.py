@@ -183,7 +183,9 @@ class _DraftTop(nn.Module):
         self.layers = nn.ModuleDict({str(i): layer for i, layer in layers.items()})
 
 
-def build_lora_top(clones: dict[int, nn.Module], rank: int, alpha: float | None, dropout: float, targets) -> _DraftTop:
+def build_lora_top(
+    clones: dict[int, nn.Module], rank: int, alpha: float | None, dropout: float, targets
+) -> _DraftTop:
     """peft LoRA on the clones of the top layers (named `layers.<i>` by their model indices)."""
     from peft import LoraConfig, inject_adapter_in_model
 
@@ -191,7 +193,9 @@ def build_lora_top(clones: dict[int, nn.Module], rank: int, alpha: float | None,
     present = {n.rsplit(".", 1)[-1] for n, m in draft.named_modules() if isinstance(m, nn.Linear)}
     chosen = [t for t in targets if t in present]
     if not chosen:
-        raise ValueError(f"lora_targets: none of {list(targets)} is a Linear in the decoder layers ({sorted(present)})")
+        raise ValueError(
+            f"lora_targets: none of {list(targets)} is a Linear in the decoder layers ({sorted(present)})"
+        )
     # every Linear of the clones is in the top, so no layers_to_transform: peft < 0.15 matches its
     # layers_pattern only below a parent module ("x.layers.3."), never at the root of `draft`
     config = LoraConfig(
@@ -204,7 +208,9 @@ def build_lora_top(clones: dict[int, nn.Module], rank: int, alpha: float | None,
     for n, p in draft.named_parameters():
         p.requires_grad_("lora_" in n)
         if "lora_" in n and p.dtype in (torch.float16, torch.bfloat16):
-            p.data = p.data.float()  # trainable adapters in float32 under a half-precision backbone (as peft's get_peft_model)
+            p.data = (
+                p.data.float()
+            )  # trainable adapters in float32 under a half-precision backbone (as peft's get_peft_model)
     return draft
 
 
@@ -229,5 +235,7 @@ def load_lora_state_dict(draft_top: nn.Module | None, state_dict: dict[str, torc
     with torch.no_grad():
         for n, p in own.items():
             if state_dict[n].shape != p.shape:
-                raise ValueError(f"load_lora_state_dict: {n} has shape {tuple(state_dict[n].shape)}, expected {tuple(p.shape)}")
+                raise ValueError(
+                    f"load_lora_state_dict: {n} has shape {tuple(state_dict[n].shape)}, expected {tuple(p.shape)}"
+                )
             p.copy_(state_dict[n])

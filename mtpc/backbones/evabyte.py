@@ -94,7 +94,9 @@ def prepare_config(config: Any) -> Any:
     elif kind in ("linear", "dynamic") and "factor" in rope:
         fixed = {**rope, "type": kind}
     else:
-        raise ValueError(f"EvaByte config: rope_scaling={rope!r}; its code implements none, 'linear' or 'dynamic'")
+        raise ValueError(
+            f"EvaByte config: rope_scaling={rope!r}; its code implements none, 'linear' or 'dynamic'"
+        )
     if "rope_parameters" in type(config).__dict__ or hasattr(type(config), "rope_parameters"):
         config.rope_parameters = fixed  # transformers 5: rope_scaling reads rope_parameters
     else:
@@ -110,22 +112,29 @@ def repair_loaded(model: nn.Module) -> list[str]:
     where transformers reads the {target: source} dict form (`save_pretrained` failed)."""
     repaired = []
     for name, rot in model.named_modules():
-        if not (hasattr(rot, "inv_freq") and hasattr(rot, "_set_cos_sin_cache") and hasattr(rot, "cos_cached")):
+        if not (
+            hasattr(rot, "inv_freq") and hasattr(rot, "_set_cos_sin_cache") and hasattr(rot, "cos_cached")
+        ):
             continue
         kw = {"scaling_factor": rot.scaling_factor} if hasattr(rot, "scaling_factor") else {}
         fresh = type(rot)(rot.dim, rot.max_position_embeddings, rot.base, device="cpu", **kw)
-        if all(
-            torch.equal(getattr(rot, b).cpu(), getattr(fresh, b).to(getattr(rot, b).dtype))
-            for b in ("inv_freq", "cos_cached", "sin_cached")
-            if getattr(rot, b).shape == getattr(fresh, b).shape
-        ) and rot.cos_cached.shape == fresh.cos_cached.shape:
+        if (
+            all(
+                torch.equal(getattr(rot, b).cpu(), getattr(fresh, b).to(getattr(rot, b).dtype))
+                for b in ("inv_freq", "cos_cached", "sin_cached")
+                if getattr(rot, b).shape == getattr(fresh, b).shape
+            )
+            and rot.cos_cached.shape == fresh.cos_cached.shape
+        ):
             continue
         for b in ("inv_freq", "cos_cached", "sin_cached"):
             old = getattr(rot, b)
             rot.register_buffer(b, getattr(fresh, b).to(device=old.device, dtype=old.dtype), persistent=False)
         rot.max_seq_len_cached = fresh.max_seq_len_cached
         repaired.append(f"{name}: rotary tables")
-    if getattr(model, "generation_config", None) is None:  # transformers 5: only GenerationMixin models get one
+    if (
+        getattr(model, "generation_config", None) is None
+    ):  # transformers 5: only GenerationMixin models get one
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_model_config(model.config)
@@ -134,7 +143,9 @@ def repair_loaded(model: nn.Module) -> list[str]:
     if isinstance(tied, list) and not getattr(model.config, "tie_word_embeddings", False):
         from transformers import PreTrainedModel
 
-        if hasattr(PreTrainedModel, "get_expanded_tied_weights_keys"):  # the {target: source} dict form is read
+        if hasattr(
+            PreTrainedModel, "get_expanded_tied_weights_keys"
+        ):  # the {target: source} dict form is read
             model._tied_weights_keys = {}
             repaired.append("_tied_weights_keys")
     return repaired
@@ -188,7 +199,9 @@ class EvaByteAdapter(ConfigFacts, nn.Module):
             a for a in ("num_pred_heads", "vocab_size", "window_size", "chunk_size") if not hasattr(cfg, a)
         ]
         if need or not hasattr(model, "lm_head"):
-            raise ValueError(f"EvaByteAdapter: {type(model).__name__} lacks {need or ['lm_head']}; expected EvaByte's layout")
+            raise ValueError(
+                f"EvaByteAdapter: {type(model).__name__} lacks {need or ['lm_head']}; expected EvaByte's layout"
+            )
         module = modelling_module(model)
         self.triton = uses_triton(model)
         self._cache_cls = getattr(module, "EvaStaticCacheForTriton" if self.triton else "EvaCache", None)
@@ -231,7 +244,9 @@ class EvaByteAdapter(ConfigFacts, nn.Module):
         self.__dict__["_segments"] = {tag: self._segment(ls) for tag, ls in layers.items()}
 
     @classmethod
-    def from_hf(cls, model: nn.Module, lora_depth: int = 0, name: str | None = None, tokenizer: Any = None, **kw):
+    def from_hf(
+        cls, model: nn.Module, lora_depth: int = 0, name: str | None = None, tokenizer: Any = None, **kw
+    ):
         return cls(model, lora_depth=lora_depth, name=name, tokenizer=tokenizer, **kw)
 
     prepare_config = staticmethod(prepare_config)
@@ -286,7 +301,9 @@ class EvaByteAdapter(ConfigFacts, nn.Module):
 
     def stp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         bias = self.model.lm_head.bias
-        return nn.functional.linear(hidden, self.lm_head_weight, None if bias is None else bias[: self.vocab_size])
+        return nn.functional.linear(
+            hidden, self.lm_head_weight, None if bias is None else bias[: self.vocab_size]
+        )
 
     # -- compute --------------------------------------------------------------------------------
     def new_cache(self) -> EvaByteCache:
@@ -299,7 +316,9 @@ class EvaByteAdapter(ConfigFacts, nn.Module):
         head_dim = cfg.hidden_size // cfg.num_attention_heads
         size = cfg.window_size + self.extra_window
         return {
-            tag: self._cache_cls(batch, cfg.num_attention_heads, size, head_dim, len(ls), self.dtype, self.device)
+            tag: self._cache_cls(
+                batch, cfg.num_attention_heads, size, head_dim, len(ls), self.dtype, self.device
+            )
             for tag, ls in self._layers.items()
         }
 
@@ -307,7 +326,11 @@ class EvaByteAdapter(ConfigFacts, nn.Module):
         """One segment's layers on `h`, as EvaByteModel.forward runs them on a cache."""
         inner, store = self.model.model, stores[tag]
         if not multibyte:  # the mask tuple EvaByteModel.forward builds for this cache state
-            prep = inner._prepare_eva_generation_attn_mask_triton if self.triton else inner._prepare_eva_generation_attn_mask
+            prep = (
+                inner._prepare_eva_generation_attn_mask_triton
+                if self.triton
+                else inner._prepare_eva_generation_attn_mask
+            )
             mask = prep(None, ids, True, store)
         cos, sin = inner.rotary_emb(h, seq_len=int(pos.max()) + 1)
         cos, sin = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
@@ -355,15 +378,23 @@ class EvaByteAdapter(ConfigFacts, nn.Module):
         allow = torch.ones(T, n_chunks + w + T, dtype=torch.bool, device=ids.device)
         allow[:, n_chunks + w :] = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
         pos = torch.arange(P, P + T, device=ids.device)[None]
-        out = self._run(ids, allow[None, None].expand(ids.shape[0], 1, -1, -1), pos, cache.stores, multibyte=True)
+        out = self._run(
+            ids, allow[None, None].expand(ids.shape[0], 1, -1, -1), pos, cache.stores, multibyte=True
+        )
         cache.pending = (P, T)
         cache.length = P + T
         cache.history = torch.cat([cache.history, ids], 1)
         return out
 
     def forward(self, input_ids: torch.Tensor, cache: EvaByteCache | None = None) -> SplitOutput:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
-            raise ValueError(f"input_ids: expected an integer tensor (B, T), got {getattr(input_ids, 'shape', type(input_ids))}")
+        if (
+            not isinstance(input_ids, torch.Tensor)
+            or input_ids.dim() != 2
+            or input_ids.dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"input_ids: expected an integer tensor (B, T), got {getattr(input_ids, 'shape', type(input_ids))}"
+            )
         past = cache.length if cache is not None else 0
         if past + input_ids.shape[1] > self.max_context:
             raise ValueError(
@@ -419,4 +450,6 @@ class EvaByteAdapter(ConfigFacts, nn.Module):
         return {n: p.detach().clone() for n, p in lora_named_parameters(self.draft_top).items()}
 
     def load_lora_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        load_lora_state_dict(self.draft_top, state_dict, f"lora_depth={self.lora_depth}, rank={self.lora_rank}")
+        load_lora_state_dict(
+            self.draft_top, state_dict, f"lora_depth={self.lora_depth}, rank={self.lora_rank}"
+        )

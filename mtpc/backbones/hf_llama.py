@@ -83,7 +83,9 @@ class SplitCache:
         self.verify = KVStore()
         self.draft = KVStore()
         self.length = 0  # positions fed so far (same for every segment)
-        self.expand: list[Any] | None = None  # per row: the ids fed so far (tokenkit's expanded ids, tpu_llama.py)
+        self.expand: list[Any] | None = (
+            None  # per row: the ids fed so far (tokenkit's expanded ids, tpu_llama.py)
+        )
 
     def crop(self, length: int) -> None:
         """Forget every position >= `length` (roll back rejected drafts) in all three caches."""
@@ -96,14 +98,15 @@ class SplitCache:
         self.length = length
 
 
-
 def _cache_kwarg(layer: nn.Module) -> str:
     """Name under which this transformers version's decoder layer takes its cache."""
     params = inspect.signature(layer.forward).parameters
     for name in ("cache", "past_key_values", "past_key_value"):
         if name in params:
             return name
-    raise ValueError(f"{type(layer).__name__}.forward takes no cache argument (cache/past_key_values/past_key_value)")
+    raise ValueError(
+        f"{type(layer).__name__}.forward takes no cache argument (cache/past_key_values/past_key_value)"
+    )
 
 
 class BackboneAdapter(ConfigFacts, nn.Module):
@@ -130,7 +133,11 @@ class BackboneAdapter(ConfigFacts, nn.Module):
                 "Llama-architecture causal LM (model.model.layers, model.model.norm, model.model.rotary_emb, lm_head)"
             )
         num_layers = len(inner.layers)
-        if not isinstance(lora_depth, int) or isinstance(lora_depth, bool) or not 0 <= lora_depth <= num_layers:
+        if (
+            not isinstance(lora_depth, int)
+            or isinstance(lora_depth, bool)
+            or not 0 <= lora_depth <= num_layers
+        ):
             raise ValueError(f"lora_depth={lora_depth!r}: must be an int in [0, num_layers={num_layers}]")
         if lora_depth > 0 and lora_rank < 1:
             raise ValueError(f"lora_rank={lora_rank}: must be >= 1")
@@ -157,7 +164,9 @@ class BackboneAdapter(ConfigFacts, nn.Module):
             self.draft_top = self._build_draft_top(lora_rank, lora_alpha, lora_dropout, lora_targets)
 
     @classmethod
-    def from_hf(cls, model: nn.Module, lora_depth: int = 0, name: str | None = None, tokenizer: Any = None, **lora_kw):
+    def from_hf(
+        cls, model: nn.Module, lora_depth: int = 0, name: str | None = None, tokenizer: Any = None, **lora_kw
+    ):
         """Wrap any transformers Llama-architecture causal LM (tiny test models included)."""
         return cls(model, lora_depth=lora_depth, name=name, tokenizer=tokenizer, **lora_kw)
 
@@ -169,7 +178,9 @@ class BackboneAdapter(ConfigFacts, nn.Module):
 
     def _build_draft_top(self, rank, alpha, dropout, targets) -> _DraftTop:
         layers = self.model.model.layers
-        clones = {i: _shared_clone(layers[i], keep=[self.model.config]) for i in range(self._split, self.num_layers)}
+        clones = {
+            i: _shared_clone(layers[i], keep=[self.model.config]) for i in range(self._split, self.num_layers)
+        }
         return build_lora_top(clones, rank, alpha, dropout, targets)
 
     # -- facts ----------------------------------------------------------------------------------
@@ -210,7 +221,11 @@ class BackboneAdapter(ConfigFacts, nn.Module):
         return self.model.get_output_embeddings()(hidden)
 
     def _check_input(self, input_ids: torch.Tensor, cache: SplitCache | None) -> int:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+        if (
+            not isinstance(input_ids, torch.Tensor)
+            or input_ids.dim() != 2
+            or input_ids.dtype.is_floating_point
+        ):
             raise ValueError(
                 f"input_ids: expected an integer tensor (B, T), got "
                 f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} of shape {tuple(getattr(input_ids, 'shape', ()))}"
@@ -273,4 +288,6 @@ class BackboneAdapter(ConfigFacts, nn.Module):
         return {n: p.detach().clone() for n, p in lora_named_parameters(self.draft_top).items()}
 
     def load_lora_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        load_lora_state_dict(self.draft_top, state_dict, f"lora_depth={self.lora_depth}, rank={self.lora_rank}")
+        load_lora_state_dict(
+            self.draft_top, state_dict, f"lora_depth={self.lora_depth}, rank={self.lora_rank}"
+        )

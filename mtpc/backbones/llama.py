@@ -259,7 +259,12 @@ class _Layer:
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 # the packed layout's groups: members side by side along the output axis (one product each)
-_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gu": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+_GROUPS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gu": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
 
 
 def _peft_lora(module: Any) -> _Lora | None:
@@ -408,7 +413,9 @@ class LlamaEngine:
         auto = weights is None
         if weights == "onednn" or auto:  # auto: oneDNN's products where they run, else the HF views
             if compile and weights:
-                raise ValueError("compact Llama forward: weights='onednn' does not combine with compile=True (use views or packed)")
+                raise ValueError(
+                    "compact Llama forward: weights='onednn' does not combine with compile=True (use views or packed)"
+                )
             wanted = use_onednn(True if weights else None, self.device, self.dtype, "compact Llama forward")
             weights = "onednn" if wanted and not compile else "views"
         self.layout = weights
@@ -520,10 +527,14 @@ class LlamaEngine:
             )
         eids = None
         if self.expand is not None:  # O(maxlen) per new id; the history before `start` is kept
-            eids = torch.tensor(self._expand_state.feed(ids.tolist(), start), dtype=torch.long, device=ids.device)
+            eids = torch.tensor(
+                self._expand_state.feed(ids.tolist(), start), dtype=torch.long, device=ids.device
+            )
         if self.cuda_graphs and start > 0 and T <= 64:  # decoding calls; the prefill runs eagerly
             out = self._graphed(ids, start, eids)
-        elif self._compiled is not None and start > 0 and T <= 64:  # start=0: unused with pos, so no int guard
+        elif (
+            self._compiled is not None and start > 0 and T <= 64
+        ):  # start=0: unused with pos, so no int guard
             out = self._compiled(ids, self.positions[start : start + T].clone(), 0, eids)
         elif self.static:
             out = self._forward(ids, self.positions[start : start + T], start, eids)
@@ -547,7 +558,9 @@ class LlamaEngine:
         if pos is None:
             cos, sin = self.cos[start : start + T], self.sin[start : start + T]
             rows = self.positions[start : start + T, None]
-            mask = self.positions[None, : start + T] <= rows if T > 1 and not causal else None  # (T, S) causal
+            mask = (
+                self.positions[None, : start + T] <= rows if T > 1 and not causal else None
+            )  # (T, S) causal
         else:
             cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)
             mask = self.positions[None, :] <= pos[:, None]  # (T, C) causal over the whole capacity
@@ -588,7 +601,9 @@ class LlamaEngine:
         if not layer.merged:
             y = self._mm(x, layer.packed[group])  # (rows, T, out): one product, column slices below
         elif self.layout == "onednn":  # one product per top row, each with its own weights
-            y = torch.stack([onednn_linear(x[0], layer.merged[group][0]), onednn_linear(x[1], layer.merged[group][1])])
+            y = torch.stack(
+                [onednn_linear(x[0], layer.merged[group][0]), onednn_linear(x[1], layer.merged[group][1])]
+            )
         else:
             y = torch.matmul(x, layer.merged[group])  # (2, T, in) @ (2, in, out): one batched product
         parts = y.split(layer.widths[group], dim=-1)  # column views, one per member
@@ -630,7 +645,9 @@ class LlamaEngine:
             k, v = (t.view(B, a.n_kv_heads, 1, a.head_dim) for t in (k, v))
         else:
             q = q.reshape(B, T, a.n_heads, a.head_dim).transpose(1, 2)  # (B, h, T, hd)
-            k, v = (t.reshape(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2) for t in (k, v))  # (B, h_kv, T, hd)
+            k, v = (
+                t.reshape(B, T, a.n_kv_heads, a.head_dim).transpose(1, 2) for t in (k, v)
+            )  # (B, h_kv, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kc, vc = kv
         if pos is None:
@@ -642,8 +659,12 @@ class LlamaEngine:
             kc.index_copy_(2, pos, k)
             vc.index_copy_(2, pos, v)
         if T == 1:
-            y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scale)  # (B, h_kv, n_rep, hd)
-            y = y.reshape(B, 1, a.n_heads * a.head_dim)  # a view where SDPA's output is contiguous (CPU); CUDA's need not be
+            y = F.scaled_dot_product_attention(
+                q, kc, vc, attn_mask=mask, scale=self.scale
+            )  # (B, h_kv, n_rep, hd)
+            y = y.reshape(
+                B, 1, a.n_heads * a.head_dim
+            )  # a view where SDPA's output is contiguous (CPU); CUDA's need not be
         else:
             y = self._attend(q, kc, vc, mask, causal).transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim)
         (o,) = self._group(y, layer, "o")
@@ -655,7 +676,9 @@ class LlamaEngine:
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool = False) -> Tensor:
         if causal:  # queries and keys both start at slot 0 (a prefill): no mask tensor
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.n_rep > 1)
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.n_rep > 1
+            )
         if self.n_rep == 1:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         # grouped queries: the n_rep query heads of a group attend to its one key head as n_rep * T rows

@@ -79,7 +79,9 @@ class LlamaBatchEngine:
         a = self.args
         longest = max(p.shape[0] for p in prompts)
         if longest + new_tokens > a.max_context:
-            raise ValueError(f"prompt ({longest}) + new_tokens ({new_tokens}) exceeds max_context={a.max_context}")
+            raise ValueError(
+                f"prompt ({longest}) + new_tokens ({new_tokens}) exceeds max_context={a.max_context}"
+            )
         kw = {"device": self.device, "dtype": self.dtype}
         self.rows = len(prompts)
         self.groups, lo = [], 0
@@ -96,7 +98,9 @@ class LlamaBatchEngine:
             lo += size
         self.cos, sin = rope_table(a, longest + new_tokens, self.device, self.dtype)  # (C, hd)
         self.sin = signed_sin(sin)
-        self._pos = torch.tensor([p.shape[0] for p in prompts], device=self.device)  # each row's next RoPE position
+        self._pos = torch.tensor(
+            [p.shape[0] for p in prompts], device=self.device
+        )  # each row's next RoPE position
         # Each prompt runs alone through the batch-1 forward (causal, its own length: no padded
         # queries, no (B, T, S) mask) and its keys and values land in its row at slots [pad_b, P_g).
         logits, hidden = [], []
@@ -112,7 +116,9 @@ class LlamaBatchEngine:
                 hidden.append(out.draft_hidden[-1])
                 if self._expand is not None:
                     self._expand.append(self.eng._expand_state)  # reset makes a fresh one per prompt
-        self.hidden = torch.stack(hidden)[:, None]  # (B, 1, d): each row's final state at its last prompt byte
+        self.hidden = torch.stack(hidden)[
+            :, None
+        ]  # (B, 1, d): each row's final state at its last prompt byte
         return torch.stack(logits)
 
     @torch.inference_mode()
@@ -141,7 +147,9 @@ class LlamaBatchEngine:
                 end = g.length + 1
                 kc[:, :, g.length : end] = k[g.lo : g.hi]
                 vc[:, :, g.length : end] = v[g.lo : g.hi]
-                mask = g.key_add[:, None, None, :end] if g.padded else None  # (B_g, 1, 1, S): over the n_rep queries
+                mask = (
+                    g.key_add[:, None, None, :end] if g.padded else None
+                )  # (B_g, 1, 1, S): over the n_rep queries
                 ys.append(F.scaled_dot_product_attention(q[g.lo : g.hi], kc[:, :, :end], vc[:, :, :end], attn_mask=mask,
                                                          scale=e.scale))  # fmt: skip
             y = ys[0] if len(ys) == 1 else torch.cat(ys)

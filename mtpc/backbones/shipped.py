@@ -27,7 +27,9 @@ DEFAULT = "default"
 def write_manifest(directory: str | Path) -> str:
     """Hash every file of `directory` (but the manifest) into MANIFEST.json; returns the label."""
     directory = Path(directory)
-    files = {p.name: sha256_file(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
+    files = {
+        p.name: sha256_file(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST
+    }
     (directory / MANIFEST).write_text(json.dumps({"files": files}, indent=1, sort_keys=True) + "\n")
     return default_label(directory)
 
@@ -53,13 +55,21 @@ def verify_shipped(directory: str | Path = SHIPPED_DIR) -> str:
         files = json.loads((directory / MANIFEST).read_text())["files"]
     except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise ValueError(f"default backbone: {directory / MANIFEST} is not a manifest ({e})") from None
-    if not (isinstance(files, dict) and all(isinstance(n, str) and isinstance(d, str) for n, d in files.items())):
-        raise ValueError(f"default backbone: {directory / MANIFEST}: \"files\" must map file names to SHA-256 "
-                         f"digests, got {type(files).__name__}; restore it with git checkout")
-    extra = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != MANIFEST and p.name not in files)
+    if not (
+        isinstance(files, dict) and all(isinstance(n, str) and isinstance(d, str) for n, d in files.items())
+    ):
+        raise ValueError(
+            f'default backbone: {directory / MANIFEST}: "files" must map file names to SHA-256 '
+            f"digests, got {type(files).__name__}; restore it with git checkout"
+        )
+    extra = sorted(
+        p.name for p in directory.iterdir() if p.is_file() and p.name != MANIFEST and p.name not in files
+    )
     if extra:
-        raise ValueError(f"default backbone: {directory / extra[0]} is not listed in {MANIFEST} "
-                         f"(the folder must hold exactly the manifest's files; remove {', '.join(extra)})")
+        raise ValueError(
+            f"default backbone: {directory / extra[0]} is not listed in {MANIFEST} "
+            f"(the folder must hold exactly the manifest's files; remove {', '.join(extra)})"
+        )
     for name, digest in files.items():
         path = directory / name
         if not path.is_file():

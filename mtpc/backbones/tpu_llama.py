@@ -58,7 +58,12 @@ _BOOKKEEPING = {
     "sep_token_id", "decoder_start_token_id", "task_specific_params", "finetuning_task", "torchscript",
     "pruned_heads", "cross_attention_hidden_size", "tf_legacy_loss", "use_bfloat16", "_commit_hash",
 }  # fmt: skip
-_EXPAND_FIELDS = ("expand_input_ids", "expand_input_ids_maxlen", "expand_input_ids_vocab_size", "expand_input_ids_dict")
+_EXPAND_FIELDS = (
+    "expand_input_ids",
+    "expand_input_ids_maxlen",
+    "expand_input_ids_vocab_size",
+    "expand_input_ids_dict",
+)
 
 
 def _transformers_major() -> int:
@@ -86,7 +91,9 @@ class ExpandTable:
         if not (isinstance(raw, (list, tuple)) and len(raw) == 2 and isinstance(raw[0], dict)):
             raise ValueError(f"{where}: expected [{{'a,b,...': id}}, [ids]], got {type(raw).__name__}")
         if not (isinstance(maxlen, int) and maxlen >= 1) or not (isinstance(size, int) and size >= 1):
-            raise ValueError(f"{where}: expand_input_ids_maxlen={maxlen!r} and _vocab_size={size!r} must be ints >= 1")
+            raise ValueError(
+                f"{where}: expand_input_ids_maxlen={maxlen!r} and _vocab_size={size!r} must be ints >= 1"
+            )
         self.maxlen, self.size = maxlen, size
         self._child: dict[tuple[int, int], int] = {}  # (node, id + 1) -> node
         self._value: list[int] = [0]  # node -> stored value (0: no key ends here; root = the empty key)
@@ -94,7 +101,9 @@ class ExpandTable:
         for key, value in raw[0].items():
             syms = tuple(int(n) for n in key.split(",")) if key else ()
             if not (isinstance(value, int) and 1 <= value <= size):
-                raise ValueError(f"{where}: key {key!r} maps to {value!r}; expected an int in [1, {size}] (id + 1)")
+                raise ValueError(
+                    f"{where}: key {key!r} maps to {value!r}; expected an int in [1, {size}] (id + 1)"
+                )
             if not syms:
                 continue  # tokenkit never looks the empty key up
             node = 0
@@ -160,7 +169,9 @@ class ExpandEmbedding(nn.Module):
     def __init__(self, weight: Tensor, table: ExpandTable):
         super().__init__()
         if weight.shape[0] != table.size:
-            raise ValueError(f"{EXPAND_WEIGHT}: {weight.shape[0]} rows, config says expand_input_ids_vocab_size={table.size}")
+            raise ValueError(
+                f"{EXPAND_WEIGHT}: {weight.shape[0]} rows, config says expand_input_ids_vocab_size={table.size}"
+            )
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.table = table
 
@@ -196,7 +207,9 @@ class ExpandedLlamaForCausalLM(LlamaForCausalLM):
             T = input_ids.shape[1]
             past = kw.get("past_key_values")
             if past_input_ids is None and past is not None and past.get_seq_length() > 0:
-                raise ValueError("ExpandedLlamaForCausalLM: a call with a cache needs past_input_ids (the whole history)")
+                raise ValueError(
+                    "ExpandedLlamaForCausalLM: a call with a cache needs past_input_ids (the whole history)"
+                )
             hist = past_input_ids if past_input_ids is not None else input_ids
             eids = expand.rows(hist)[:, -T:]
             inputs_embeds = self.model.embed_tokens(input_ids) + expand(eids)
@@ -207,7 +220,9 @@ class ExpandedLlamaForCausalLM(LlamaForCausalLM):
 # ------------------------------------------------------------------------------------ loading
 
 
-def tpu_llama_config(raw: dict[str, Any], where: str = "tpu_llama") -> tuple[LlamaConfig, dict[str, Any] | None]:
+def tpu_llama_config(
+    raw: dict[str, Any], where: str = "tpu_llama"
+) -> tuple[LlamaConfig, dict[str, Any] | None]:
     """(LlamaConfig, expand fields or None) for a TPULlamaConfig dict; ValueError names a field it cannot run."""
     if not is_tpu_llama(raw):
         raise ValueError(f"{where}: model_type={raw.get('model_type')!r}, expected {MODEL_TYPE!r}")
@@ -219,16 +234,22 @@ def tpu_llama_config(raw: dict[str, Any], where: str = "tpu_llama") -> tuple[Lla
         raise ValueError(f"{where}: config field(s) {extra} are not implemented (unknown to TPULlamaConfig)")
     for key in ("add_qk_norm", "skip_out_norm"):  # declared by TPULlamaConfig, ignored by its modelling code
         if raw.get(key, False):
-            raise ValueError(f"{where}: config field {key}={raw[key]!r} is not implemented (tokenkit's modelling code ignores it)")
+            raise ValueError(
+                f"{where}: config field {key}={raw[key]!r} is not implemented (tokenkit's modelling code ignores it)"
+            )
     if raw.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{where}: config field hidden_act={raw['hidden_act']!r} is not implemented (expected 'silu')")
+        raise ValueError(
+            f"{where}: config field hidden_act={raw['hidden_act']!r} is not implemented (expected 'silu')"
+        )
     tp = raw.get("pretraining_tp", 1)
     if not (isinstance(tp, int) and tp >= 1):  # tp > 1 only splits tokenkit's products: the same sums
         raise ValueError(f"{where}: config field pretraining_tp={tp!r}; expected an int >= 1")
     rope = dict(raw.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:
-        raise ValueError(f"{where}: config field rope_scaling.rope_type={rope_type!r} is not implemented (expected one of {ROPE_TYPES})")
+        raise ValueError(
+            f"{where}: config field rope_scaling.rope_type={rope_type!r} is not implemented (expected one of {ROPE_TYPES})"
+        )
     kw = {k: raw[k] for k in _LLAMA_FIELDS if k in raw}
     theta = float(raw.get("rope_theta", 10000.0))
     rope = {k: v for k, v in rope.items() if k != "type"} | {"rope_type": rope_type}
@@ -253,7 +274,9 @@ def _safetensors_files(source: str, revision: str | None) -> list[str]:
         return [cached_file(source, s, revision=revision) for s in shards]
     single = cached_file(source, "model.safetensors", **kw)
     if not single:
-        raise ValueError(f"tpu_llama {source!r}: no model.safetensors (or index) found; expected tokenkit's safetensors export")
+        raise ValueError(
+            f"tpu_llama {source!r}: no model.safetensors (or index) found; expected tokenkit's safetensors export"
+        )
     return [single]
 
 
@@ -280,7 +303,9 @@ def load_tpu_llama(
                 if EXPAND_WEIGHT in st.keys():
                     weight = st.get_tensor(EXPAND_WEIGHT)
         if weight is None:
-            raise ValueError(f"tpu_llama {source!r}: expand_input_ids=true but the safetensors lack {EXPAND_WEIGHT}")
+            raise ValueError(
+                f"tpu_llama {source!r}: expand_input_ids=true but the safetensors lack {EXPAND_WEIGHT}"
+            )
         emb = model.model.embed_tokens.weight
         model.model.expand_embed_tokens = ExpandEmbedding(weight.to(emb.dtype), table).to(emb.device)
     return model

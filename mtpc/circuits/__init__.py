@@ -22,7 +22,9 @@ from .ff import FFCircuit
 from .hmm import HMMCircuit
 
 #: circuit kind -> its class, in `CIRCUIT_KINDS` order
-CIRCUIT_CLASSES: dict[str, type[Circuit]] = {cls.kind: cls for cls in (FFCircuit, CPCircuit, HMMCircuit, BTreeCircuit)}
+CIRCUIT_CLASSES: dict[str, type[Circuit]] = {
+    cls.kind: cls for cls in (FFCircuit, CPCircuit, HMMCircuit, BTreeCircuit)
+}
 
 
 def check_registry() -> None:
@@ -30,10 +32,14 @@ def check_registry() -> None:
     each under its class's own `kind`."""
     for kind, cls in CIRCUIT_CLASSES.items():
         if getattr(cls, "kind", None) != kind:
-            raise ImportError(f"mtpc.circuits.CIRCUIT_CLASSES[{kind!r}] is {cls.__name__}, whose kind is {getattr(cls, 'kind', None)!r}")
+            raise ImportError(
+                f"mtpc.circuits.CIRCUIT_CLASSES[{kind!r}] is {cls.__name__}, whose kind is {getattr(cls, 'kind', None)!r}"
+            )
     if tuple(CIRCUIT_CLASSES) != tuple(names.CIRCUIT_KINDS):
-        raise ImportError(f"circuit kinds disagree: mtpc.names.CIRCUIT_KINDS = {list(names.CIRCUIT_KINDS)}, "
-                          f"mtpc.circuits.CIRCUIT_CLASSES = {list(CIRCUIT_CLASSES)}; expected the same names in the same order")
+        raise ImportError(
+            f"circuit kinds disagree: mtpc.names.CIRCUIT_KINDS = {list(names.CIRCUIT_KINDS)}, "
+            f"mtpc.circuits.CIRCUIT_CLASSES = {list(CIRCUIT_CLASSES)}; expected the same names in the same order"
+        )
 
 
 check_registry()
@@ -63,4 +69,12 @@ def build_circuit(kind: str, window: int, rank: int, vocab: int) -> Circuit:
     return CIRCUIT_CLASSES[kind](window, rank, vocab)
 
 
-__all__ = ["CIRCUIT_CLASSES", "CIRCUIT_KINDS", "BtreeNode", "Circuit", "Params", "build_circuit", "check_registry"]
+__all__ = [
+    "CIRCUIT_CLASSES",
+    "CIRCUIT_KINDS",
+    "BtreeNode",
+    "Circuit",
+    "Params",
+    "build_circuit",
+    "check_registry",
+]

@@ -197,7 +197,11 @@ class Circuit:
             raise ValueError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
         out = {}
         for name, shape in self.param_shapes.items():
-            logits = torch.randn(batch_shape + shape, generator=generator, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+            logits = torch.randn(
+                batch_shape + shape,
+                generator=generator,
+                dtype=torch.float64 if dtype == torch.float64 else torch.float32,
+            )
             out[name] = (scale * logits).log_softmax(-1).to(dtype)
         return out
 
@@ -247,7 +251,9 @@ class Circuit:
         w, leaves, _ = self._leaf_context(q, x)
         return mix_leaves(w.log_softmax(-1), leaves)
 
-    def _sample(self, q: Params, generator: torch.Generator | None = None, prefix: Tensor | None = None) -> Tensor:
+    def _sample(
+        self, q: Params, generator: torch.Generator | None = None, prefix: Tensor | None = None
+    ) -> Tensor:
         raise NotImplementedError
 
     def _greedy(self, q: Params, prefix: Tensor | None = None) -> Tensor:
@@ -276,7 +282,9 @@ class Circuit:
 
     def _check_params(self, p: object) -> torch.Size:
         if not isinstance(p, Mapping):
-            raise ValueError(f"params: expected a dict of tensors {sorted(self.param_shapes)}, got {type(p).__name__}")
+            raise ValueError(
+                f"params: expected a dict of tensors {sorted(self.param_shapes)}, got {type(p).__name__}"
+            )
         shapes = self.param_shapes
         missing = sorted(set(shapes) - set(p))
         extra = sorted(set(p) - set(shapes))

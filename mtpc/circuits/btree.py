@@ -84,7 +84,9 @@ class _Schedule:
         m = len(nodes) - 1  # non-root internal nodes
         height = [0] * len(nodes)
         for nd in reversed(nodes):  # children come after parents in BFS order
-            height[nd.node] = 1 + max((height[c[1]] for c in (nd.left, nd.right) if c and c[0] == "node"), default=0)
+            height[nd.node] = 1 + max(
+                (height[c[1]] for c in (nd.left, nd.right) if c and c[0] == "node"), default=0
+            )
         up_order = sorted(range(1, len(nodes)), key=lambda k: (height[k], k))
         # message buffer: 0 = zero message, 1..n = leaves, then non-root nodes in up_order
         buf_index = {("leaf", i): 1 + i for i in range(n)}
@@ -102,7 +104,9 @@ class _Schedule:
             b = a
             while b < m and height[up_order[b]] == height[up_order[a]]:
                 b += 1
-            self.up_levels.append((a, b, t([kid(c) for k in up_order[a:b] for c in (nodes[k].left, nodes[k].right)])))
+            self.up_levels.append(
+                (a, b, t([kid(c) for k in up_order[a:b] for c in (nodes[k].left, nodes[k].right)]))
+            )
             a = b
         self.perm_height = t([k - 1 for k in up_order])  # internal rows in up_order
         # when the tree is perfect (n a power of 2) height order is reverse breadth-first order, level
@@ -112,7 +116,8 @@ class _Schedule:
         self.up_sizes = [b - a for a, b, _ in self.up_levels]  # split sizes of the height-ordered table
         self.up_slices = None  # else: (split sizes of the breadth-first table, which chunk each level uses)
         if self.up_levels and all(
-            sorted(up_order[a:b]) == list(range(up_order[a], up_order[a] + b - a)) for a, b, _ in self.up_levels
+            sorted(up_order[a:b]) == list(range(up_order[a], up_order[a] + b - a))
+            for a, b, _ in self.up_levels
         ):
             starts = sorted(up_order[a] - 1 for a, _, _ in self.up_levels)
             sizes = [b - a for a, b in zip(starts, starts[1:] + [m], strict=True)]
@@ -129,7 +134,9 @@ class _Schedule:
                 par = nodes[nodes[k].parent]
                 sibs.append(kid(par.left) if par.right == ("node", k) else 0)
             self.down_levels.append((ids[0] - 1, ids[-1], t([nodes[k].parent for k in ids]), t(sibs)))
-        self.down_sizes = [hi - lo for lo, hi, _, _ in self.down_levels]  # split sizes of the breadth-first table
+        self.down_sizes = [
+            hi - lo for lo, hi, _, _ in self.down_levels
+        ]  # split sizes of the breadth-first table
         leaf_parent, leaf_sib = [0] * n, [0] * n
         for nd in nodes:
             for c in (nd.left, nd.right):
@@ -137,7 +144,9 @@ class _Schedule:
                     leaf_parent[c[1]] = nd.node
                     leaf_sib[c[1]] = kid(nd.left) if c == nd.right else 0
         self.leaf_parent, self.leaf_sib = t(leaf_parent), t(leaf_sib)
-        self._down_rows = [t(list(range(lo, hi))) for lo, hi, _, _ in self.down_levels]  # internal rows per level
+        self._down_rows = [
+            t(list(range(lo, hi))) for lo, hi, _, _ in self.down_levels
+        ]  # internal rows per level
         # the spine: the non-root nodes above position 0 (internal rows, bottom-up); with evidence at
         # position 0 only, every other node's upward message is exactly 0
         spine, node = [], nodes[0]
@@ -206,7 +215,13 @@ class BTreeCircuit(Circuit):
         return list(torch.split(table, s.down_sizes, dim=-3)) if s.down_sizes else []
 
     def _upward(
-        self, s: _Schedule, chunks: list[Tensor], leaf_msg: Tensor, use_max: bool, keep_u: bool = True, exact: bool = True
+        self,
+        s: _Schedule,
+        chunks: list[Tensor],
+        leaf_msg: Tensor,
+        use_max: bool,
+        keep_u: bool = True,
+        exact: bool = True,
     ):
         """Upward pass. chunks: `_up_tables` of the internal tables, logs T[a, b] for max-product or
         transposed probabilities [b, a] for sum-product; leaf_msg (..., n, r) (leaf scores, or 0 /
@@ -231,7 +246,11 @@ class BTreeCircuit(Circuit):
         u_root = buf.index_select(-3, s.root_children).sum(-3).squeeze(-2)  # (..., r)
         if not keep_u:
             return buf, None, u_root
-        u_all = torch.cat(us, dim=-3).squeeze(-2) if us else leaf_msg.new_zeros(*leaf_msg.shape[:-2], 0, self.rank)
+        u_all = (
+            torch.cat(us, dim=-3).squeeze(-2)
+            if us
+            else leaf_msg.new_zeros(*leaf_msg.shape[:-2], 0, self.rank)
+        )
         return buf, u_all, u_root
 
     def _log_prob(self, q: Params, x: Tensor) -> Tensor:
@@ -242,23 +261,37 @@ class BTreeCircuit(Circuit):
         return torch.logsumexp(root + u_root, dim=-1)
 
     def _context(
-        self, s: _Schedule, root: Tensor, up: list[Tensor], down: list[Tensor], scores: Tensor, exact: bool = True
+        self,
+        s: _Schedule,
+        root: Tensor,
+        up: list[Tensor],
+        down: list[Tensor],
+        scores: Tensor,
+        exact: bool = True,
     ) -> Tensor:
         """w (..., n, r): log q(state a of the node above leaf i, x_<i), from full leaf scores (..., n, r);
         up / down: `_up_tables` of the transposed and `_down_tables` of the plain probabilities.
         exact=False: each row w_i up to an additive constant (enough for softmax(w_i))."""
         buf, _, _ = self._upward(s, up, scores, False, keep_u=False, exact=exact)
-        a = root.unsqueeze(-2).unsqueeze(-2)  # (..., 1, 1, r)  A(root) = log prior; A buffer indexed by node id
+        a = root.unsqueeze(-2).unsqueeze(
+            -2
+        )  # (..., 1, 1, r)  A(root) = log prior; A buffer indexed by node id
         for tl, (_, _, parents, sibs) in zip(down, s.down_levels, strict=True):
-            v = a.index_select(-3, parents) + buf.index_select(-3, sibs)  # (..., S, 1, r) parent state & x left of it
+            v = a.index_select(-3, parents) + buf.index_select(
+                -3, sibs
+            )  # (..., S, 1, r) parent state & x left of it
             a = torch.cat([a, log_rowvec(v, tl, exact)], dim=-3)
-        return (a.index_select(-3, s.leaf_parent) + buf.index_select(-3, s.leaf_sib)).squeeze(-2)  # (..., n, r)
+        return (a.index_select(-3, s.leaf_parent) + buf.index_select(-3, s.leaf_sib)).squeeze(
+            -2
+        )  # (..., n, r)
 
     def _leaf_context(self, q: Params, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         root, internal, leaves, x, scores = self._parts(q, x)
         s = self._sched(x.device)
         probs = internal.exp()
-        w = self._context(s, root, self._up_tables(s, probs.transpose(-1, -2)), self._down_tables(s, probs), scores)
+        w = self._context(
+            s, root, self._up_tables(s, probs.transpose(-1, -2)), self._down_tables(s, probs), scores
+        )
         return w, leaves, scores
 
     def _topdown(self, s, root, internal, u_bfs, u_root, noise: Tensor | None) -> Tensor:
@@ -275,7 +308,9 @@ class BTreeCircuit(Circuit):
         if noise is not None:
             logits = logits + noise[..., 1:, :].unsqueeze(-2)
             top = top + noise[..., 0, :]
-        choice = logits.argmax(-1).flatten(-2)  # (..., m r): [k r + a] = state of node k + 1 given parent state a
+        choice = logits.argmax(-1).flatten(
+            -2
+        )  # (..., m r): [k r + a] = state of node k + 1 given parent state a
         z = top.argmax(-1, keepdim=True)  # (..., 1) states by node id
         for (_, _, parents, _), offset in zip(s.down_levels, s.down_offsets(self.rank), strict=True):
             z = torch.cat([z, choice.gather(-1, z.index_select(-1, parents) + offset)], dim=-1)
@@ -291,7 +326,9 @@ class BTreeCircuit(Circuit):
         k = scores.shape[-2]
         return torch.cat([scores, scores.new_zeros(*scores.shape[:-2], self.window - k, self.rank)], dim=-2)
 
-    def _sample(self, q: Params, generator: torch.Generator | None = None, prefix: Tensor | None = None) -> Tensor:
+    def _sample(
+        self, q: Params, generator: torch.Generator | None = None, prefix: Tensor | None = None
+    ) -> Tensor:
         root, internal, leaves, prefix, scores = self._parts(q, prefix)
         s = self._sched(root.device)
         up = self._up_tables(s, internal.exp().transpose(-1, -2))
@@ -302,7 +339,9 @@ class BTreeCircuit(Circuit):
 
     def _greedy(self, q: Params, prefix: Tensor | None = None) -> Tensor:
         root, internal, leaves, prefix, scores = self._parts(q, prefix)
-        return with_prefix(prefix, self._greedy_window(self._sched(root.device), root, internal, leaves, scores))
+        return with_prefix(
+            prefix, self._greedy_window(self._sched(root.device), root, internal, leaves, scores)
+        )
 
     def _greedy_window(self, s: _Schedule, root, internal, leaves, scores) -> Tensor:
         """Max-product: upward with the prefix scores and the best free token per state, top-down argmax."""
@@ -340,7 +379,10 @@ class BTreeCircuit(Circuit):
         else:
             k = scores.shape[-2]
             if k == 0:  # no evidence: every upward message is log sum_b T[a, b] = 0
-                u_bfs, u_root = root.new_zeros(*root.shape[:-1], internal.shape[-3], self.rank), torch.zeros_like(root)
+                u_bfs, u_root = (
+                    root.new_zeros(*root.shape[:-1], internal.shape[-3], self.rank),
+                    torch.zeros_like(root),
+                )
             elif k == 1:  # the keep cycle's prefix [c]: only the nodes above position 0
                 u_bfs, u_root = self._spine_upward(s, probs.transpose(-1, -2), scores[..., 0, :])
             else:
@@ -352,5 +394,7 @@ class BTreeCircuit(Circuit):
         x = with_prefix(prefix, x)
         if not conditionals:
             return x, None
-        w = self._context(s, root, up, self._down_tables(s, probs), gather_leaf_scores(leaves, x), exact=False)
+        w = self._context(
+            s, root, up, self._down_tables(s, probs), gather_leaf_scores(leaves, x), exact=False
+        )
         return x, mix_probs(w, p_leaves)

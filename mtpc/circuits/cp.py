@@ -62,7 +62,9 @@ class CPCircuit(Circuit):
         mixture, leaves, _, scores = self._scores(q, prefix)
         return mixture + scores.sum(-2), leaves
 
-    def _sample(self, q: Params, generator: torch.Generator | None = None, prefix: Tensor | None = None) -> Tensor:
+    def _sample(
+        self, q: Params, generator: torch.Generator | None = None, prefix: Tensor | None = None
+    ) -> Tensor:
         post, leaves = self._posterior(q, prefix)
         z = gumbel_argmax(post, generator)  # (...)
         rows = gather_rows(leaves, z.unsqueeze(-1).expand(*z.shape, self.window))  # (..., n, v)

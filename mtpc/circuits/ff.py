@@ -42,7 +42,9 @@ class FFCircuit(Circuit):
     def _conditionals(self, q: Params, x: Tensor) -> Tensor:
         return self._leaves(q, x.shape[:-1])  # independent of x (an expanded view)
 
-    def _sample(self, q: Params, generator: torch.Generator | None = None, prefix: Tensor | None = None) -> Tensor:
+    def _sample(
+        self, q: Params, generator: torch.Generator | None = None, prefix: Tensor | None = None
+    ) -> Tensor:
         leaves = self._leaves(q, *(() if prefix is None else (prefix.shape[:-1],)))
         return with_prefix(prefix, sample_rows(leaves, generator, normalised=True))
 

@@ -49,7 +49,9 @@ class HMMCircuit(Circuit):
         pred = [initial.unsqueeze(-2)]  # rows, so that each step is one row-vector product
         steps = min(scores.shape[-2], self.window - 1)
         # unbind once: indexing step by step would zero-fill a full-size gradient per step in backward
-        for score, table in zip(scores.unsqueeze(-2).unbind(-3)[:steps], probs.unbind(-3)[:steps], strict=True):
+        for score, table in zip(
+            scores.unsqueeze(-2).unbind(-3)[:steps], probs.unbind(-3)[:steps], strict=True
+        ):
             pred.append(log_rowvec(pred[-1] + score, table, exact))
         return pred
 
@@ -62,7 +64,9 @@ class HMMCircuit(Circuit):
         initial, trans, leaves, x, scores = self._parts(q, x)
         return torch.cat(self._filter(initial, trans.exp(), scores), dim=-2), leaves, scores  # (..., n, r)
 
-    def _states(self, initial: Tensor, trans: Tensor, scores: Tensor, generator: torch.Generator | None) -> Tensor:
+    def _states(
+        self, initial: Tensor, trans: Tensor, scores: Tensor, generator: torch.Generator | None
+    ) -> Tensor:
         """Sample the states z_start..z_n given the k prefix scores (start = max(k - 1, 0)) -> (..., n - start).
 
         The last prefix state is drawn from the filter q(z_k | x_1..x_k), then the chain runs forward.
@@ -71,26 +75,37 @@ class HMMCircuit(Circuit):
         by pointer doubling in log2(n) gathers instead of n sequential steps (the same states)."""
         n, r = self.window, self.rank
         k = scores.shape[-2]
-        noise = gumbel(torch.rand((*initial.shape[:-1], n, r), generator=generator, dtype=initial.dtype,
-                                  device=initial.device))  # (..., n, r)
+        noise = gumbel(
+            torch.rand(
+                (*initial.shape[:-1], n, r), generator=generator, dtype=initial.dtype, device=initial.device
+            )
+        )  # (..., n, r)
         if k == 0:
             start, logits = 0, initial
         else:  # the last prefix state from the filter q(z_k | x_1..x_k)
             start = k - 1
-            filt = self._filter(initial, trans[..., : k - 1, :, :].exp(), scores[..., : k - 1, :], exact=False)
+            filt = self._filter(
+                initial, trans[..., : k - 1, :, :].exp(), scores[..., : k - 1, :], exact=False
+            )
             logits = filt[-1].squeeze(-2) + scores[..., k - 1, :]  # up to a constant: only its argmax is used
         z0 = (logits + noise[..., start, :]).argmax(-1, keepdim=True)  # (..., 1)
         if start == n - 1:
             return z0
-        choice = (trans[..., start:, :, :] + noise[..., start + 1 :, :].unsqueeze(-2)).argmax(-1)  # (..., n-1-start, r)
+        choice = (trans[..., start:, :, :] + noise[..., start + 1 :, :].unsqueeze(-2)).argmax(
+            -1
+        )  # (..., n-1-start, r)
         later = compose_prefix(choice).gather(-1, z0.unsqueeze(-1).expand(*choice.shape[:-1], 1)).squeeze(-1)
         return torch.cat([z0, later], dim=-1)
 
-    def _sample(self, q: Params, generator: torch.Generator | None = None, prefix: Tensor | None = None) -> Tensor:
+    def _sample(
+        self, q: Params, generator: torch.Generator | None = None, prefix: Tensor | None = None
+    ) -> Tensor:
         initial, trans, leaves, prefix, scores = self._parts(q, prefix)
         states = self._states(initial, trans, scores, generator)  # (..., n - start)
         start = self.window - states.shape[-1]
-        x = sample_rows(gather_rows(leaves[..., start:, :, :], states), generator, normalised=True)  # (..., n - start)
+        x = sample_rows(
+            gather_rows(leaves[..., start:, :, :], states), generator, normalised=True
+        )  # (..., n - start)
         return with_prefix(prefix, _pad_front(x, start))
 
     def _greedy(self, q: Params, prefix: Tensor | None = None) -> Tensor:
@@ -112,7 +127,9 @@ class HMMCircuit(Circuit):
         last = delta.squeeze(-1).argmax(-1, keepdim=True)  # (..., 1)  z_n
         if back:  # z_{i-1} = back_i[z_i]: compose the back-pointers from the end
             ptr = torch.cat(back[::-1], dim=-2)  # (..., n - 1, r)  row j: z_{n-2-j} given z_{n-1-j} (0-based)
-            earlier = compose_prefix(ptr).gather(-1, last.unsqueeze(-1).expand(*ptr.shape[:-1], 1)).squeeze(-1)
+            earlier = (
+                compose_prefix(ptr).gather(-1, last.unsqueeze(-1).expand(*ptr.shape[:-1], 1)).squeeze(-1)
+            )
             states = torch.cat([earlier.flip(-1), last], dim=-1)  # (..., n)
         else:
             states = last

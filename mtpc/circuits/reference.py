@@ -52,7 +52,9 @@ Latents = tuple[list[tuple[str, int, int]], list[int]]
 
 def _btree_latents(n: int) -> Latents:
     node_parent, leaf_parent = btree_structure(n)
-    return [("root", -1, -1)] + [("internal", k - 1, node_parent[k]) for k in range(1, len(node_parent))], leaf_parent
+    return [("root", -1, -1)] + [
+        ("internal", k - 1, node_parent[k]) for k in range(1, len(node_parent))
+    ], leaf_parent
 
 
 #: each kind's latent structure for window n, rebuilt from its definition (docs/circuits.md):
@@ -61,14 +63,19 @@ def _btree_latents(n: int) -> Latents:
 LATENT_STRUCTURES: dict[str, Callable[[int], Latents]] = {
     "ff": lambda n: ([], [-1] * n),
     "cp": lambda n: ([("mixture", -1, -1)], [0] * n),
-    "hmm": lambda n: ([("initial", -1, -1)] + [("transitions", i - 1, i - 1) for i in range(1, n)], list(range(n))),
+    "hmm": lambda n: (
+        [("initial", -1, -1)] + [("transitions", i - 1, i - 1) for i in range(1, n)],
+        list(range(n)),
+    ),
     "btree": _btree_latents,
 }
 
 
 def _latents(kind: str, n: int) -> Latents:
     if kind not in LATENT_STRUCTURES:
-        raise ValueError(f"kind: no latent structure for circuit kind {kind!r}; expected one of {list(LATENT_STRUCTURES)}")
+        raise ValueError(
+            f"kind: no latent structure for circuit kind {kind!r}; expected one of {list(LATENT_STRUCTURES)}"
+        )
     return LATENT_STRUCTURES[kind](n)
 
 

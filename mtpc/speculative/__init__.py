@@ -11,4 +11,11 @@ from mtpc.speculative.loop import DecodeConfig, plain_decode, speculative_decode
 from mtpc.speculative.model import MtpcModel
 from mtpc.speculative.stats import GenerationOutput, GenerationStats
 
-__all__ = ["DecodeConfig", "GenerationOutput", "GenerationStats", "MtpcModel", "plain_decode", "speculative_decode"]
+__all__ = [
+    "DecodeConfig",
+    "GenerationOutput",
+    "GenerationStats",
+    "MtpcModel",
+    "plain_decode",
+    "speculative_decode",
+]

@@ -131,7 +131,9 @@ def stop_hits(ids: Tensor, stop_ids: Sequence[int]) -> Tensor:  # (...) -> (...)
     return hit
 
 
-def testable_drafts(draft: Tensor, budget: int, stop_ids: Sequence[int]) -> Tensor:  # (..., m) -> (..., m) bool
+def testable_drafts(
+    draft: Tensor, budget: int, stop_ids: Sequence[int]
+) -> Tensor:  # (..., m) -> (..., m) bool
     """The drafted positions a cycle may test: the first `budget` (what the remaining byte budget
     lets the cycle emit), up to and including the first stop id (nothing after it is emitted).
 
@@ -181,6 +183,8 @@ def sample_verify(
     a = torch.where(tested, a, torch.zeros_like(a))
     s = choose(acceptance_length_distribution(a))
     at = as_index(s, p.device)
-    q_rows = torch.cat([q * tested.unsqueeze(-1).to(q.dtype), q.new_zeros(1, q.shape[-1])])  # zero past the window
+    q_rows = torch.cat(
+        [q * tested.unsqueeze(-1).to(q.dtype), q.new_zeros(1, q.shape[-1])]
+    )  # zero past the window
     q_s = q_rows.index_select(0, at)  # (1, v)
     return s, choose(residual_distribution(p.index_select(0, at), q_s)[0])

@@ -124,7 +124,9 @@ def weights_fingerprint(backbone: Backbone | torch.nn.Module) -> str:
 
 
 def _effective_batch(backbone: Backbone, batch_size: int) -> int:
-    return batch_size if getattr(backbone, "engine", "hf") == "compact" else 1  # as offline.continuations decodes
+    return (
+        batch_size if getattr(backbone, "engine", "hf") == "compact" else 1
+    )  # as offline.continuations decodes
 
 
 def continuation_key(backbone: Backbone, prompts: list[Tensor], cfg: Any, seeds: list[int] | None = None,
@@ -263,11 +265,19 @@ def cached_continuations(backbone: Backbone, prompts: list[Tensor], cfg: Any, se
             ys = fresh
         ys = compute() if ys is None else ys
         remove_stale_temps(root, path.name)
-        entry = {"format": FORMAT, "key": key, "parts": parts, "continuations": ys, "sha256": _checksum(key, ys)}
+        entry = {
+            "format": FORMAT,
+            "key": key,
+            "parts": parts,
+            "continuations": ys,
+            "sha256": _checksum(key, ys),
+        }
         try:
             write_json(path, entry, separators=(",", ":"))
         except OSError as e:
-            warnings.warn(f"continuation cache: could not store {path} ({e}); continuing without it", stacklevel=2)
+            warnings.warn(
+                f"continuation cache: could not store {path} ({e}); continuing without it", stacklevel=2
+            )
         return ys
     finally:
         lock.release()

@@ -91,7 +91,9 @@ class DecodeConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     extra_token: str = "keep"  # keep | drop (speculative only)
-    eos_id: int | tuple[int, ...] | None = None  # stop after emitting it, or any of several (None: never early)
+    eos_id: int | tuple[int, ...] | None = (
+        None  # stop after emitting it, or any of several (None: never early)
+    )
     ban_eos: bool = False  # give EOS (every one of them) probability 0 instead
 
     def __post_init__(self):
@@ -107,7 +109,13 @@ class DecodeConfig:
     @property
     def eos_ids(self) -> list[int]:
         """The stop ids: a backbone can have several (eos and a chat turn's end, e.g. <|eot_id|>)."""
-        return [] if self.eos_id is None else [self.eos_id] if isinstance(self.eos_id, int) else list(self.eos_id)
+        return (
+            []
+            if self.eos_id is None
+            else [self.eos_id]
+            if isinstance(self.eos_id, int)
+            else list(self.eos_id)
+        )
 
     @property
     def banned(self) -> int | list[int] | None:
@@ -226,7 +234,9 @@ def plain_decode_batch(
             picked = greedy_target(logits, cfg.banned)  # (B,)
         else:
             probs = target_probs(logits, cfg.temperature, cfg.top_p, cfg.banned)
-            picked = torch.cat([as_index(choose(probs[b]), logits.device) for b, choose in enumerate(choosers)])
+            picked = torch.cat(
+                [as_index(choose(probs[b]), logits.device) for b, choose in enumerate(choosers)]
+            )
         if observe is not None:
             observe(logits, picked)
         for b, t in enumerate(picked.tolist()):  # the step's one host read

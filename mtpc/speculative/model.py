@@ -112,7 +112,9 @@ class MtpcModel:
     ):  # fmt: skip
         cfg = head.config
         if cfg.window < MIN_DECODE_WINDOW:
-            raise ValueError(f"head: speculative decoding needs window >= {MIN_DECODE_WINDOW}, got {cfg.window}")
+            raise ValueError(
+                f"head: speculative decoding needs window >= {MIN_DECODE_WINDOW}, got {cfg.window}"
+            )
         head.check_compatible(backbone.hidden_size, backbone.vocab_size)
         from mtpc.backbones.shipped import check_backbone_label
 
@@ -127,8 +129,12 @@ class MtpcModel:
         self.cuda_graphs = compact_cuda if cuda_graphs is None else bool(cuda_graphs and compact_cuda)
         compact = getattr(backbone, "engine", "hf") == "compact"
         if weights is not None and not compact:
-            raise ValueError(f"weights={weights!r}: only the compact engine has a weight layout (this backbone's is 'hf')")
-        self._engine_kw = ({"compile": True} if compile and compact else {}) | ({"weights": weights} if weights else {})
+            raise ValueError(
+                f"weights={weights!r}: only the compact engine has a weight layout (this backbone's is 'hf')"
+            )
+        self._engine_kw = ({"compile": True} if compile and compact else {}) | (
+            {"weights": weights} if weights else {}
+        )
         self._engines: dict[bool, Any] = {}  # draft top or not -> engine (caches kept between calls)
         self._head_onednn = False if compile else None  # inductor does not lower oneDNN's blocked weights
         self._gen = torch.Generator(device=backbone.device)  # re-seeded per call; captured graphs advance it
@@ -295,7 +301,9 @@ class MtpcModel:
         (greedy: identical) for extra_token="keep"; "drop" is the paper's Algorithm 2 (biased when
         sampling; refused for a known-byte head, which needs the window's first byte)."""
         if extra_token == "drop" and self.head.config.known_byte:
-            raise ValueError('extra_token="drop": this head has known_byte=True (it needs the kept byte c); use "keep"')
+            raise ValueError(
+                'extra_token="drop": this head has known_byte=True (it needs the kept byte c); use "keep"'
+            )
         ids = self.encode_prompt(prompt)
         cfg = self._config(
             ids,
@@ -310,7 +318,10 @@ class MtpcModel:
         gen = self._generator(seed)
         reset_peak_memory(self.device)
         engine = self.engine(True, ids.shape[0] + cfg.max_new_tokens + self.window)
-        head_fn, drafter = self.head.decoder(self._head_onednn).params, CircuitDrafter(self.circuit, gen)  # checked once per call
+        head_fn, drafter = (
+            self.head.decoder(self._head_onednn).params,
+            CircuitDrafter(self.circuit, gen),
+        )  # checked once per call
         if self._graphed_draft is not None:
             head_fn, drafter = self._graphed_draft.head, self._graphed_draft
         elif self._compiled_draft is not None:  # it holds self._gen, the generator `gen` is

@@ -240,7 +240,9 @@ def _length_batches(prompts: list[Tensor], batch_size: int, new_tokens: int = 0,
             batch, group = batches[-1], batches[-1][-1]
             joins = width <= spread * (prompts[group[0]].shape[0] + new_tokens)
             grown = slots - len(group) * (prompts[group[-1]].shape[0] + new_tokens) + (len(group) + 1) * width
-            fits = sum(map(len, batch)) < batch_size and (slot_budget is None or (grown if joins else slots + width) <= slot_budget)
+            fits = sum(map(len, batch)) < batch_size and (
+                slot_budget is None or (grown if joins else slots + width) <= slot_budget
+            )
             if fits:
                 if joins:
                     group.append(i)
@@ -257,7 +259,9 @@ def _length_batches(prompts: list[Tensor], batch_size: int, new_tokens: int = 0,
 def _engine_plan(engine: Any, prompts: list[Tensor], batch_size: int, new_tokens: int,
                  slot_budget: int | None) -> list[list[list[int]]]:  # fmt: skip
     """`_length_batches` with this engine's defaults: its KV budget in slots and its device's group spread."""
-    return _length_batches(prompts, batch_size, new_tokens, _slot_budget(engine, slot_budget), _spread(engine))
+    return _length_batches(
+        prompts, batch_size, new_tokens, _slot_budget(engine, slot_budget), _spread(engine)
+    )
 
 
 def fused_pass_applies(backbone: Backbone, batch_size: int) -> bool:
@@ -305,7 +309,9 @@ def decode_and_force(
         states: list[Tensor] = []  # per step (B, d): the state before the byte chosen at that step
         marks: list[Tensor] = []  # per step (B,)
 
-        def observe(logits: Tensor, picked: Tensor, states: list[Tensor] = states, marks: list[Tensor] = marks) -> None:
+        def observe(
+            logits: Tensor, picked: Tensor, states: list[Tensor] = states, marks: list[Tensor] = marks
+        ) -> None:
             states.append(engine.hidden[:, -1].clone())
             if greedy:
                 marks.append(greedy_target(logits, cfg.banned) == picked)
@@ -434,7 +440,9 @@ def _forced_inputs(prompts: list[Tensor], continuations: list[list[int]], dev: A
             for p, y in zip(prompts, continuations, strict=True)]  # fmt: skip
 
 
-def _contradicted(logits: Tensor, ys: list[int], cfg: DecodeConfig, seeds: list[int] | None, b: int) -> str | None:
+def _contradicted(
+    logits: Tensor, ys: list[int], cfg: DecodeConfig, seeds: list[int] | None, b: int
+) -> str | None:
     """The first byte of prompt b's continuation `ys` that its verifier rows `logits` (T, v) contradict
     (`contradiction`), or None."""
     sample = cfg.mode == "sample"
@@ -492,7 +500,9 @@ def teacher_force(
     log_p: list[Tensor | None] = [None] * n_prompts
     agrees: list[Tensor | None] = [None] * n_prompts
     found: dict[int, str] = {}  # prompt -> its first contradicted byte (check)
-    for b, all_logits, draft_hidden in _passes(backbone, _forced_inputs(prompts, continuations, dev), batch_size):
+    for b, all_logits, draft_hidden in _passes(
+        backbone, _forced_inputs(prompts, continuations, dev), batch_size
+    ):
         L, T = prompts[b].shape[0], len(continuations[b])
         hidden[b] = draft_hidden[L - 1 : L + T - 2].clone()  # (T-1, d)
         logits = all_logits[L - 1 : L + T - 1]  # (T, v): the rows for y_0..y_{T-1}
@@ -643,7 +653,9 @@ def offline_acceptance(tf: TeacherForced, head: Any, chunk: int = 2048) -> list[
         raise ValueError(f"head: lora_depth={cfg_h.lora_depth}, but the pass ran with lora_depth={tf.lora_depth} "
                          "(one pass per LoRA top)")  # fmt: skip
     if cfg_h.window < MIN_DECODE_WINDOW:
-        raise ValueError(f"head: speculative decoding needs window >= {MIN_DECODE_WINDOW}, got {cfg_h.window}")
+        raise ValueError(
+            f"head: speculative decoding needs window >= {MIN_DECODE_WINDOW}, got {cfg_h.window}"
+        )
     if tf.hidden and tf.hidden[0].shape[-1] != cfg_h.hidden:
         raise ValueError(f"head: hidden={cfg_h.hidden}, but the pass's states have {tf.hidden[0].shape[-1]}")
     if chunk < 1:

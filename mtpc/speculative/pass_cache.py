@@ -31,10 +31,14 @@ def memo_limit_bytes() -> int:
     try:
         return int(float(os.environ.get(PASS_MEMO_ENV, "2048")) * 2**20)
     except ValueError:
-        raise ValueError(f"${PASS_MEMO_ENV}={os.environ[PASS_MEMO_ENV]!r}: expected megabytes, e.g. 2048 (0: off)") from None
+        raise ValueError(
+            f"${PASS_MEMO_ENV}={os.environ[PASS_MEMO_ENV]!r}: expected megabytes, e.g. 2048 (0: off)"
+        ) from None
 
 
-def fused_pass(bb: Backbone, prompts: list[torch.Tensor], cfg: Any, seeds: list[int], batch: int, cache: bool) -> Any:
+def fused_pass(
+    bb: Backbone, prompts: list[torch.Tensor], cfg: Any, seeds: list[int], batch: int, cache: bool
+) -> Any:
     """`decode_and_force(bb, prompts, cfg, seeds, batch)`, kept in this process under the continuation
     cache's key; `cache` False (the continuation cache off: weights the key may not tell apart)
     computes afresh and keeps nothing."""

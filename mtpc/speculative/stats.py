@@ -103,7 +103,9 @@ def reset_peak_memory(device: torch.device) -> None:
 def peak_memory_bytes(device: torch.device | None = None) -> int:
     """Peak device memory allocated on CUDA; elsewhere the process's peak resident set (never reset).
     device None: CUDA's current device when CUDA is in use in this process, else the CPU."""
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized() if device is None else device.type == "cuda"
+    cuda = (
+        torch.cuda.is_available() and torch.cuda.is_initialized() if device is None else device.type == "cuda"
+    )
     if cuda:
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

@@ -126,7 +126,9 @@ def test_experiment_resolution_and_store_errors(store, tmp_path, monkeypatch):
     assert not (tmp_path / "missing.db").exists()  # not created as a side effect
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store["uri"])
     assert tracking.resolve_uri(explicit=None) == tracking.TrackingURI(store["uri"], "MLFLOW_TRACKING_URI")
-    assert tracking.resolve_uri(explicit="sqlite:///x.db").source == "--tracking-uri"  # the flag beats the env
+    assert (
+        tracking.resolve_uri(explicit="sqlite:///x.db").source == "--tracking-uri"
+    )  # the flag beats the env
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     monkeypatch.chdir(tmp_path)
     assert tracking.resolve_uri().uri == f"sqlite:///{tmp_path}/mlflow.db"
@@ -191,7 +193,9 @@ def test_cli_writes_figures_tables_and_logs_summary(store, tmp_path, capsys):
     result, client, _ = load(store["uri"], "sweep")
     assert len(result.runs) == 12
     exp = client.get_experiment_by_name("sweep")
-    (summary,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`{tracking.SUMMARY_TAG}` = 'summary'")
+    (summary,) = client.search_runs(
+        [exp.experiment_id], filter_string=f"tags.`{tracking.SUMMARY_TAG}` = 'summary'"
+    )
     assert summary.info.status == "FINISHED" and summary.data.params["n_evaluation_runs"] == "10"
     assert summary.data.params["filter_backbone"] == "tiny"
     figs = {Path(f.path).name for f in client.list_artifacts(summary.info.run_id, "figures")}
@@ -201,8 +205,12 @@ def test_cli_writes_figures_tables_and_logs_summary(store, tmp_path, capsys):
     saved = json.loads(json.dumps(summary.data.params))
     assert saved["n_skipped_runs"] == "1"
     # a later analysis replaces the summary run (the earlier one goes to MLflow's trash)
-    again = cli.log_summary(client, result, [out / "summary.csv"], cli.build_parser().parse_args(args), Filters())
-    (active,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`{tracking.SUMMARY_TAG}` = 'summary'")
+    again = cli.log_summary(
+        client, result, [out / "summary.csv"], cli.build_parser().parse_args(args), Filters()
+    )
+    (active,) = client.search_runs(
+        [exp.experiment_id], filter_string=f"tags.`{tracking.SUMMARY_TAG}` = 'summary'"
+    )
     assert active.info.run_id == again != summary.info.run_id
     assert client.get_run(summary.info.run_id).info.lifecycle_stage == "deleted"
 
@@ -282,13 +290,34 @@ def test_the_documented_script_runs_the_same_cli_without_shadowing_pypi_modules(
     """`python analysis/pareto.py` (the product's command) is `python -m analysis`: same parser, and
     run as a script its directory does not shadow installed modules."""
     repo = Path(__file__).resolve().parents[2]
-    r = subprocess.run([sys.executable, "analysis/pareto.py", "--help"], cwd=repo, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "analysis/pareto.py", "--help"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "usage: python -m analysis" in r.stdout and "--tracking-uri" in r.stdout
-    r = subprocess.run([sys.executable, "analysis/pareto.py", "--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}",
-                        "--experiment", "nothing", "--out", str(tmp_path / "o")],
-                       cwd=repo, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and r.stderr.strip().startswith("error:") and "Traceback" not in r.stderr, r.stderr[-2000:]
+    r = subprocess.run(
+        [
+            sys.executable,
+            "analysis/pareto.py",
+            "--tracking-uri",
+            f"sqlite:///{tmp_path / 'none.db'}",
+            "--experiment",
+            "nothing",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1 and r.stderr.strip().startswith("error:") and "Traceback" not in r.stderr, (
+        r.stderr[-2000:]
+    )
 
 
 def test_the_analysis_warns_when_the_store_holds_fewer_points_than_the_sweep(tmp_path, capsys):
@@ -299,13 +328,18 @@ def test_the_analysis_warns_when_the_store_holds_fewer_points_than_the_sweep(tmp
     from tracking.schema import POINTS_TAG
 
     uri = fresh_tracking_uri(tmp_path / "mlflow")
-    log_sweep(uri, "partial", synthetic_evaluations(circuits=("ff", "cp"), windows=(8,), prompt_sets=("chat",)))
+    log_sweep(
+        uri, "partial", synthetic_evaluations(circuits=("ff", "cp"), windows=(8,), prompt_sets=("chat",))
+    )
     client = MlflowClient(uri)
     exp_id = client.get_experiment_by_name("partial").experiment_id
     client.set_experiment_tag(exp_id, POINTS_TAG, "3")
     args = ["--tracking-uri", uri, "--experiment", "partial", "--out", str(tmp_path / "out")]
     assert cli.main(args) == 0
-    assert "experiment 'partial' holds evaluation runs of 2 of the sweep's 3 grid points" in capsys.readouterr().err
+    assert (
+        "experiment 'partial' holds evaluation runs of 2 of the sweep's 3 grid points"
+        in capsys.readouterr().err
+    )
     client.set_experiment_tag(exp_id, POINTS_TAG, "2")
     assert cli.main(args) == 0
     assert "grid points" not in capsys.readouterr().err
@@ -316,12 +350,22 @@ def test_no_analysis_file_is_named_like_an_installed_module():
     module (as tables.py once was, PyTables' `tables`, which pandas imports) would shadow it."""
     here = Path(__file__).resolve().parents[2] / "analysis"
     stems = sorted(p.stem for p in here.glob("*.py") if not p.stem.startswith("_"))
-    code = ("import importlib.util, json, sys; "
-            f"print(json.dumps([s for s in {stems!r} if importlib.util.find_spec(s) is not None]))")
-    r = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=120,
-                       env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    code = (
+        "import importlib.util, json, sys; "
+        f"print(json.dumps([s for s in {stems!r} if importlib.util.find_spec(s) is not None]))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == [] and not {"tables"} & set(stems), r.stdout  # tables: named even where not installed
+    assert json.loads(r.stdout) == [] and not {"tables"} & set(stems), (
+        r.stdout
+    )  # tables: named even where not installed
 
 
 class _OwnMtpBackbone:
@@ -374,16 +418,46 @@ def test_evabyte_mtp_runs_are_rows_of_the_analysis_and_a_design_of_their_own(tmp
     own = evabyte_mtp_runs(_OwnMtpModel(), prompts, 12, set_names=["chat", "code"], eos=("banned",))
     assert len(own) == 2 and {r["circuit"] for r in own} == {METHOD}
     m = own[0]["metrics"]
-    assert m["tokens_per_cycle"] == 2 * 12 / 8 and m["mu_acc"] == m["tokens_per_cycle"] - 1  # 3 bytes a step: 1 verified + 2
+    assert (
+        m["tokens_per_cycle"] == 2 * 12 / 8 and m["mu_acc"] == m["tokens_per_cycle"] - 1
+    )  # 3 bytes a step: 1 verified + 2
     heads = []
     for ev in synthetic_evaluations(circuits=("cp",), windows=(8,), prompt_sets=("chat", "code")):
         p = ev.params
-        heads.append({**{k: p[k] for k in ("backbone", "circuit", "window", "rank", "lora_depth", "mode", "prompt_set", "seed")},
-                      "head": "head", "backbone": "evabyte-tiny", "extra_token": "keep", "eos": "banned",
-                      "temperature": None, "top_p": None,
-                      "metrics": {**{k: v for k, v in ev.metrics.items() if not k.startswith("acceptance_pos_")},
-                                  "per_position_acceptance": [None], "accepted_length_histogram": ev.hist}})
-    results = {"hardware": "test", "config": {"ff_head": None, "max_new_tokens": 12}, "stp": {}, "runs": heads + own}
+        heads.append(
+            {
+                **{
+                    k: p[k]
+                    for k in (
+                        "backbone",
+                        "circuit",
+                        "window",
+                        "rank",
+                        "lora_depth",
+                        "mode",
+                        "prompt_set",
+                        "seed",
+                    )
+                },
+                "head": "head",
+                "backbone": "evabyte-tiny",
+                "extra_token": "keep",
+                "eos": "banned",
+                "temperature": None,
+                "top_p": None,
+                "metrics": {
+                    **{k: v for k, v in ev.metrics.items() if not k.startswith("acceptance_pos_")},
+                    "per_position_acceptance": [None],
+                    "accepted_length_histogram": ev.hist,
+                },
+            }
+        )
+    results = {
+        "hardware": "test",
+        "config": {"ff_head": None, "max_new_tokens": 12},
+        "stp": {},
+        "runs": heads + own,
+    }
     results["summary"] = summarize(results)
     uri = fresh_tracking_uri(tmp_path / "mlflow")
     exp = tracking.ensure_experiment(uri, "evabyte")
@@ -396,7 +470,9 @@ def test_evabyte_mtp_runs_are_rows_of_the_analysis_and_a_design_of_their_own(tmp
     assert sorted(df["circuit"]) == ["cp", "cp", METHOD, METHOD]
     assert df.loc[df.circuit == METHOD, "rank"].isna().all()
     names = {r.info.run_name for r in tracking.evaluation_runs(tracking.client(uri), [exp])}
-    assert {n.split("/")[0] for n in names} == {"cp-r32-n8-k0", f"{METHOD}-n8-k0"}, names  # no rank named for it
+    assert {n.split("/")[0] for n in names} == {"cp-r32-n8-k0", f"{METHOD}-n8-k0"}, (
+        names
+    )  # no rank named for it
     ((_, part),) = split_settings(aggregate(df))
     assert sorted(part["circuit"]) == ["cp", METHOD]
     row = part[part.circuit == METHOD].iloc[0]
@@ -407,7 +483,10 @@ def test_evabyte_mtp_runs_are_rows_of_the_analysis_and_a_design_of_their_own(tmp
     assert "8/–/0" in [t.get_text() for t in ax.texts if t.get_gid() == "point-label"]
 
     out = tmp_path / "out"
-    assert cli.main(["--tracking-uri", uri, "--experiment", "evabyte", "--out", str(out), "--no-log-to-mlflow"]) == 0
+    assert (
+        cli.main(["--tracking-uri", uri, "--experiment", "evabyte", "--out", str(out), "--no-log-to-mlflow"])
+        == 0
+    )
     assert "skipped" not in capsys.readouterr().err
     summary = pd.read_csv(out / "summary.csv")
     assert sorted(summary["circuit"]) == ["cp", METHOD]

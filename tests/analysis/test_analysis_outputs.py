@@ -56,7 +56,9 @@ def test_aggregate_is_mean_and_sample_std_of_logged_values(evals, setting_part):
     # the logged throughput is used, not tokens_per_cycle / mu_lat (3 % apart in the synthetic data)
     recomputed = np.mean([e.metrics["tokens_per_cycle"] / e.metrics["mu_lat"] for e in sel])
     assert abs(row["throughput_mean"] - recomputed) > 0.02 * recomputed
-    assert row["acceptance_pos_16_mean"] == pytest.approx(np.mean([e.metrics["acceptance_pos_16"] for e in sel]))
+    assert row["acceptance_pos_16_mean"] == pytest.approx(
+        np.mean([e.metrics["acceptance_pos_16"] for e in sel])
+    )
     assert sorted(row["run_ids"]) == sorted(f"run{evals.index(e)}" for e in sel)
     # sorted by n, r, circuit (ff, cp, hmm, btree), k
     first = part.iloc[:6][["window", "rank", "circuit", "lora_depth"]].values.tolist()
@@ -116,7 +118,9 @@ def test_offline_and_online_runs_never_share_a_setting(evals):
     parts = split_settings(aggregate(runs))
     assert len(parts) == 2
     by = {s.acceptance_method: (s, p) for s, p in parts}
-    assert set(by["offline"][1]["circuit"]) == {"cp"} and set(by["online"][1]["circuit"]) == set(CIRCUIT_KINDS)
+    assert set(by["offline"][1]["circuit"]) == {"cp"} and set(by["online"][1]["circuit"]) == set(
+        CIRCUIT_KINDS
+    )
     assert "offline acceptance" in by["offline"][0].title() and "offline" not in by["online"][0].title()
     assert short_slugs([by["online"][0], by["offline"][0]]) == ["greedy_online", "greedy_offline"]
     table = tables.to_markdown(tables.build_table(*by["offline"]))
@@ -126,7 +130,10 @@ def test_offline_and_online_runs_never_share_a_setting(evals):
     assert np.allclose(off["throughput_mean"], off["derived_throughput_mean"])
     assert np.allclose(off["throughput_mean"], 1.5 * off["measured_throughput_mean"])
     assert np.allclose(off["speedup_vs_stp_mean"], off["derived_speedup_vs_stp_mean"])
-    assert "derived_throughput_mean" not in by["online"][1] or by["online"][1]["derived_throughput_mean"].isna().all()
+    assert (
+        "derived_throughput_mean" not in by["online"][1]
+        or by["online"][1]["derived_throughput_mean"].isna().all()
+    )
 
 
 def test_table_values_bold_and_stp_row(evals, setting_part):
@@ -167,7 +174,7 @@ def test_table_values_bold_and_stp_row(evals, setting_part):
 
 
 def test_best_configuration_ranks_by_own_stp_ratio_and_does_not_rank_within_the_tie_band(setting_part):
-    """"Best" ranks by the ratio to each evaluation's own STP (it cancels the machine's drift between
+    """ "Best" ranks by the ratio to each evaluation's own STP (it cancels the machine's drift between
     trials), the throughput only when no STP was logged; heads within the tie band of the best are
     named beside it, unranked; one just outside is not."""
     setting, part = setting_part
@@ -187,7 +194,9 @@ def test_best_configuration_ranks_by_own_stp_ratio_and_does_not_rank_within_the_
     assert "not ranked" not in tables.best_configuration(setting, part, tie_band=0.01)
     no_stp = part.drop(columns=["speedup_vs_stp_mean"])
     assert tables.ranking_column(no_stp) == "throughput_mean"
-    assert tables.config_label(part.loc[order[-1]]) in tables.best_configuration(setting, no_stp).split(" — ")[0]
+    assert (
+        tables.config_label(part.loc[order[-1]]) in tables.best_configuration(setting, no_stp).split(" — ")[0]
+    )
 
 
 def test_table_stp_row_and_its_x_stp_column_agree(evals):
@@ -199,7 +208,9 @@ def test_table_stp_row_and_its_x_stp_column_agree(evals):
     trials = sorted({e.trial for e in evals})
     for e in evals:  # the STP of each trial scaled by a trial-dependent factor (0.5x .. 2x)
         f = 0.5 + 1.5 * trials.index(e.trial) / (len(trials) - 1)
-        m = dict(e.metrics, stp_mu_lat=e.metrics["stp_mu_lat"] * f, stp_throughput=e.metrics["stp_throughput"] / f)
+        m = dict(
+            e.metrics, stp_mu_lat=e.metrics["stp_mu_lat"] * f, stp_throughput=e.metrics["stp_throughput"] / f
+        )
         m["speedup_vs_stp"] = m["throughput"] / m["stp_throughput"]
         drifting.append(type(e)(e.params, m, e.hist, trial=e.trial))
     setting, part = split_settings(aggregate(frame_from_evaluations(drifting)))[0]
@@ -209,7 +220,10 @@ def test_table_stp_row_and_its_x_stp_column_agree(evals):
     np.testing.assert_allclose(rows[tables.STP_ROW_RATIO], rows["throughput"] / stp["throughput"], rtol=1e-12)
     # the other column is each trial's own ratio, as logged, and here it differs from the row ratio
     np.testing.assert_allclose(rows["speedup_vs_stp"], part["speedup_vs_stp_mean"], rtol=1e-12)
-    assert np.abs(rows["speedup_vs_stp"].to_numpy(float) / rows[tables.STP_ROW_RATIO].to_numpy(float) - 1).max() > 0.1
+    assert (
+        np.abs(rows["speedup_vs_stp"].to_numpy(float) / rows[tables.STP_ROW_RATIO].to_numpy(float) - 1).max()
+        > 0.1
+    )
     md = tables.to_markdown(table)
     header = next(ln for ln in md.splitlines() if ln.startswith("| n "))
     assert "× own STP" in header and "× STP row" in header and "× own STP: each evaluation's throughput" in md
@@ -236,7 +250,9 @@ def test_pareto_figure_points_errorbars_front_stp(setting_part):
         sub = part[part.circuit == c]
         (sc,) = [col for col in ax.collections if col.get_gid() == f"circuit-{c}"]
         # accepted bytes as returned: each point lies on the iso-line of its logged throughput
-        expected = np.column_stack([sub["throughput_mean"] * sub["mu_lat_mean"] - 1, sub["mu_lat_mean"] * 1000])
+        expected = np.column_stack(
+            [sub["throughput_mean"] * sub["mu_lat_mean"] - 1, sub["mu_lat_mean"] * 1000]
+        )
         np.testing.assert_allclose(sc.get_offsets(), expected)
         xy = sc.get_offsets()
         np.testing.assert_allclose(1000 * (xy[:, 0] + 1) / xy[:, 1], sub["throughput_mean"], rtol=1e-9)
@@ -369,7 +385,9 @@ def test_acceptance_and_accepted_length_figures(evals, runs, setting_part):
     np.testing.assert_allclose(counts.get_xdata(), np.arange(2, n + 1))
     np.testing.assert_allclose(counts.get_ydata(), tested)
     (band,) = [b for b in ax.collections if b.get_gid() == "band-btree"]
-    lo, hi = plots.wilson_interval(np.array([best_bt[f"acceptance_pos_{i}_mean"] for i in range(2, n + 1)]), tested)
+    lo, hi = plots.wilson_interval(
+        np.array([best_bt[f"acceptance_pos_{i}_mean"] for i in range(2, n + 1)]), tested
+    )
     ys = band.get_paths()[0].vertices[:, 1]
     assert ys.min() == pytest.approx(lo.min()) and ys.max() == pytest.approx(hi.max())
     assert "95 % Wilson" in ax.get_title()
@@ -458,14 +476,23 @@ def test_drafts_tested_follows_the_decoding_loops_bookkeeping():
 def test_short_file_names_and_png_width(setting_part, tmp_path):
     from analysis.aggregate import Setting, short_slugs
 
-    g, s1 = Setting("default", "greedy", "keep", 1.0, 1.0, "cpu"), Setting("default", "sample", "keep", 1.0, 1.0, "cpu")
+    g, s1 = (
+        Setting("default", "greedy", "keep", 1.0, 1.0, "cpu"),
+        Setting("default", "sample", "keep", 1.0, 1.0, "cpu"),
+    )
     assert short_slugs([g, s1]) == ["greedy", "sample"]
-    assert short_slugs([g, s1, Setting("default", "sample", "keep", 0.7, 1.0, "cpu")]) == ["greedy", "sample_T1", "sample_T0.7"]
-    assert short_slugs([g, Setting("tiny", "greedy", "drop", 1.0, 1.0, "cpu")]) == ["greedy_keep_default", "greedy_drop_tiny"]
+    assert short_slugs([g, s1, Setting("default", "sample", "keep", 0.7, 1.0, "cpu")]) == [
+        "greedy",
+        "sample_T1",
+        "sample_T0.7",
+    ]
+    assert short_slugs([g, Setting("tiny", "greedy", "drop", 1.0, 1.0, "cpu")]) == [
+        "greedy_keep_default",
+        "greedy_drop_tiny",
+    ]
     setting, part = setting_part
     fig = pareto_plot.pareto_figure(setting, part, width=8.0)  # 8 in at 300 dpi would be 2400 px
     (png, _) = style.save(fig, tmp_path, "pareto_greedy")
     from PIL import Image
 
     assert Image.open(png).size[0] <= style.MAX_PNG_PX
-

@@ -42,7 +42,9 @@ def test_a_point_with_two_finished_trial_runs_is_taken_from_the_newest_never_ave
     again = _rerun([ev for ev in first if ev.params["circuit"] == "cp"], 2.0)  # cp ran a second time
     log_sweep(uri, "dup", again)
     out = tmp_path / "out"
-    assert cli.main(["--tracking-uri", uri, "--experiment", "dup", "--out", str(out), "--no-log-to-mlflow"]) == 0
+    assert (
+        cli.main(["--tracking-uri", uri, "--experiment", "dup", "--out", str(out), "--no-log-to-mlflow"]) == 0
+    )
     err = capsys.readouterr().err
     key = grid_key(again[0].params)
     assert f"warning: grid point {key} " in err and "kept the newest" in err, err
@@ -65,7 +67,9 @@ def test_the_evaluations_of_a_deleted_trial_run_are_left_out(tmp_path, capsys):
     again = _rerun([ev for ev in first if ev.params["circuit"] == "cp"], 3.0)
     log_sweep(uri, "del", again)  # the point re-run (--resume re-runs a point whose trial run is deleted)
     out = tmp_path / "out"
-    assert cli.main(["--tracking-uri", uri, "--experiment", "del", "--out", str(out), "--no-log-to-mlflow"]) == 0
+    assert (
+        cli.main(["--tracking-uri", uri, "--experiment", "del", "--out", str(out), "--no-log-to-mlflow"]) == 0
+    )
     err = capsys.readouterr().err
     assert "1 evaluation run(s) of deleted trial runs left out" in err and "grid point" not in err, err
     cp = pd.read_csv(out / "summary.csv").query("circuit == 'cp'").iloc[0]
@@ -82,7 +86,9 @@ def test_a_full_disk_while_writing_the_outputs_keeps_the_previous_set(tmp_path, 
     assert cli.main(args) == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     assert len(before) >= 10
-    log_sweep(uri, "full", synthetic_evaluations(circuits=("btree",), windows=(8, 16), prompt_sets=("chat", "code")))
+    log_sweep(
+        uri, "full", synthetic_evaluations(circuits=("btree",), windows=(8, 16), prompt_sets=("chat", "code"))
+    )
     capsys.readouterr()
     full_disk(monkeypatch, tmp_path, after=60_000)  # room for a few files, not for the set
     assert cli.main(args) == 1
@@ -101,17 +107,23 @@ def test_a_full_disk_while_writing_the_outputs_keeps_the_previous_set(tmp_path, 
 def test_on_a_real_full_tmpfs_the_previous_set_stays(tmp_path, capsys):
     """The same on a real filesystem that fills up (matplotlib, the folder, every write as it is)."""
     uri = fresh_tracking_uri(tmp_path / "mlflow")
-    log_sweep(uri, "tmpfs", synthetic_evaluations(circuits=("cp", "ff"), windows=(8, 16), prompt_sets=("chat",)))
+    log_sweep(
+        uri, "tmpfs", synthetic_evaluations(circuits=("cp", "ff"), windows=(8, 16), prompt_sets=("chat",))
+    )
     with small_tmpfs("8m") as d:
         out = d / "analysis"
         args = ["--tracking-uri", uri, "--experiment", "tmpfs", "--out", str(out), "--no-log-to-mlflow"]
         assert cli.main(args) == 0
         before = {p.name: p.read_bytes() for p in out.iterdir()}
-        log_sweep(uri, "tmpfs", synthetic_evaluations(circuits=("btree",), windows=(8, 16), prompt_sets=("chat",)))
+        log_sweep(
+            uri, "tmpfs", synthetic_evaluations(circuits=("btree",), windows=(8, 16), prompt_sets=("chat",))
+        )
         fill(d, leave=0)
         capsys.readouterr()
         assert cli.main(args) == 1
         err = capsys.readouterr().err.strip()
         assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the previous set, untouched
-        assert len(err.splitlines()) == 1 and "no space left" in err and str(out) in err and ".tmp" not in err, err
+        assert (
+            len(err.splitlines()) == 1 and "no space left" in err and str(out) in err and ".tmp" not in err
+        ), err
         assert sorted(p.name for p in d.iterdir()) == ["analysis", "filler"]

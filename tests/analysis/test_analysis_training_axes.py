@@ -40,9 +40,15 @@ def test_ce_and_kl_runs_and_seeds_are_never_averaged_and_eos_splits_settings():
     assert "EOS banned" in setting.title() and "eos-banned" in setting.slug()
     assert len(part) == 2 * 2 * 2  # circuits x kl_beta x train_seed
     row = part[(part.circuit == "cp") & (part.kl_beta == 0.5) & (part.train_seed == 1)].iloc[0]
-    sel = [e for e in evals if (e.params["circuit"], e.params["kl_beta"], e.params["train_seed"], e.params["eos"])
-           == ("cp", 0.5, 1, "banned")]
-    assert row["n_evals"] == 3 and row["mu_acc_mean"] == pytest.approx(sum(e.metrics["mu_acc"] for e in sel) / 3)
+    sel = [
+        e
+        for e in evals
+        if (e.params["circuit"], e.params["kl_beta"], e.params["train_seed"], e.params["eos"])
+        == ("cp", 0.5, 1, "banned")
+    ]
+    assert row["n_evals"] == 3 and row["mu_acc_mean"] == pytest.approx(
+        sum(e.metrics["mu_acc"] for e in sel) / 3
+    )
     table = tables.build_table(setting, part)
     assert table.keys == ["n", "r", "circuit", "β", "seed"]
     md = tables.to_markdown(table)
@@ -55,8 +61,11 @@ def test_ce_and_kl_runs_and_seeds_are_never_averaged_and_eos_splits_settings():
 
 
 def test_one_training_variant_shows_no_extra_key_columns():
-    evals = [e for e in variants() if e.params["kl_beta"] == 0.0 and e.params["train_seed"] == 0
-             and e.params["eos"] == "banned"]
+    evals = [
+        e
+        for e in variants()
+        if e.params["kl_beta"] == 0.0 and e.params["train_seed"] == 0 and e.params["eos"] == "banned"
+    ]
     setting, part = split_settings(aggregate(frame_from_evaluations(evals)))[0]
     assert tables.build_table(setting, part).keys == ["n", "r", "circuit"]
 

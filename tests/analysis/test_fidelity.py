@@ -28,21 +28,56 @@ def make(rates, dev_rates=None, lat=None, converged=None, seeds=(0, 1)):
                 cycles = np.full(P, 100)
                 acc = np.round(use * difficulty[s] * 100 * rng.normal(1.0, 0.02, P))
                 secs = cycles * (lat or {}).get(c, 0.01) * rng.normal(1.0, 0.01, P)
-                pp[rid] = [{"prompt_set": s, "prompt": i, "prompt_sha": f"{s}-{i}", "cycles": int(cycles[i]),
-                            "accepted": float(acc[i]), "decode_s": float(secs[i]), "decode_generated": float(acc[i] + 100)}
-                           for i in range(P)]
-                rows.append({"run_id": rid, "circuit": c, "window": n, "rank": r, "lora_depth": k, "kl_beta": beta,
-                             "train_seed": seed, "mode": "sample", "temperature": 1.0, "eos": "banned", "prompt_set": s,
-                             "converged": (converged or {}).get(cfg, 1)})
+                pp[rid] = [
+                    {
+                        "prompt_set": s,
+                        "prompt": i,
+                        "prompt_sha": f"{s}-{i}",
+                        "cycles": int(cycles[i]),
+                        "accepted": float(acc[i]),
+                        "decode_s": float(secs[i]),
+                        "decode_generated": float(acc[i] + 100),
+                    }
+                    for i in range(P)
+                ]
+                rows.append(
+                    {
+                        "run_id": rid,
+                        "circuit": c,
+                        "window": n,
+                        "rank": r,
+                        "lora_depth": k,
+                        "kl_beta": beta,
+                        "train_seed": seed,
+                        "mode": "sample",
+                        "temperature": 1.0,
+                        "eos": "banned",
+                        "prompt_set": s,
+                        "converged": (converged or {}).get(cfg, 1),
+                    }
+                )
     return pd.DataFrame(rows), pp
 
 
 PAPER = {
-    ("ff", 8, 1, 0, 0.0): 1.0, ("cp", 8, 32, 0, 0.0): 1.3, ("hmm", 8, 32, 0, 0.0): 1.4, ("btree", 8, 32, 0, 0.0): 1.45,
-    ("ff", 8, 1, 0, 0.5): 1.15, ("cp", 8, 32, 0, 0.5): 1.5, ("hmm", 8, 32, 0, 0.5): 1.6, ("btree", 8, 32, 0, 0.5): 1.65,
-    ("cp", 8, 2, 0, 0.0): 1.0, ("cp", 8, 8, 0, 0.0): 1.25,
-    ("ff", 16, 1, 0, 0.0): 1.0, ("cp", 16, 32, 0, 0.0): 1.1, ("hmm", 16, 32, 0, 0.0): 1.35, ("btree", 16, 32, 0, 0.0): 1.4,
-    ("ff", 16, 1, 1, 0.0): 1.1, ("ff", 16, 1, 2, 0.0): 1.05, ("btree", 16, 32, 1, 0.0): 1.5, ("btree", 16, 32, 2, 0.0): 1.45,
+    ("ff", 8, 1, 0, 0.0): 1.0,
+    ("cp", 8, 32, 0, 0.0): 1.3,
+    ("hmm", 8, 32, 0, 0.0): 1.4,
+    ("btree", 8, 32, 0, 0.0): 1.45,
+    ("ff", 8, 1, 0, 0.5): 1.15,
+    ("cp", 8, 32, 0, 0.5): 1.5,
+    ("hmm", 8, 32, 0, 0.5): 1.6,
+    ("btree", 8, 32, 0, 0.5): 1.65,
+    ("cp", 8, 2, 0, 0.0): 1.0,
+    ("cp", 8, 8, 0, 0.0): 1.25,
+    ("ff", 16, 1, 0, 0.0): 1.0,
+    ("cp", 16, 32, 0, 0.0): 1.1,
+    ("hmm", 16, 32, 0, 0.0): 1.35,
+    ("btree", 16, 32, 0, 0.0): 1.4,
+    ("ff", 16, 1, 1, 0.0): 1.1,
+    ("ff", 16, 1, 2, 0.0): 1.05,
+    ("btree", 16, 32, 1, 0.0): 1.5,
+    ("btree", 16, 32, 2, 0.0): 1.45,
 }
 LAT = {"ff": 0.010, "cp": 0.011, "hmm": 0.016, "btree": 0.012}
 
@@ -55,7 +90,9 @@ def test_paper_findings_reproduced_on_data_that_holds_them():
     assert v2 == "reproduced" and "btree n=16" in lines[0], "\n".join(lines)
     text = "\n".join(fidelity.findings(df, pp, resamples=2000))
     assert "verdict (a): **reproduced**" in text and "verdict (b): **reproduced**" in text, text
-    assert "btree: k=1 (best on dev) vs k=0" in text and "| btree: optimum at small k | | | | | | yes |" in text
+    assert (
+        "btree: k=1 (best on dev) vs k=0" in text and "| btree: optimum at small k | | | | | | yes |" in text
+    )
     assert "ff: k=1 (best on dev) vs k=0" in text
     full = fidelity.report(df, pp, resamples=500)
     assert "every head met the stopping rule" in full
@@ -63,7 +100,9 @@ def test_paper_findings_reproduced_on_data_that_holds_them():
 
 def test_selections_read_dev_sets_only_and_decisions_reported_sets_only():
     rates = {k: v for k, v in PAPER.items() if k[1] == 8 and k[2] in (1, 32)}
-    rates.update({(c, n, r, k, 1.0): v * 0.9 for (c, n, r, k, b), v in PAPER.items() if b == 0.5})  # worse on reported
+    rates.update(
+        {(c, n, r, k, 1.0): v * 0.9 for (c, n, r, k, b), v in PAPER.items() if b == 0.5}
+    )  # worse on reported
     dev = {(c, n, r, k, 1.0): v * 2.0 for (c, n, r, k, b), v in PAPER.items() if b == 0.5}  # but best on dev
     df, pp = make(rates, dev_rates=dev)
     lines, verdict = fidelity.h1(df, pp, resamples=1000)
@@ -83,8 +122,11 @@ def test_h1_fails_when_one_circuit_does_not_gain_and_h2_below_threshold():
 
 
 def test_one_seed_is_not_decided_and_prompt_mismatch_is_an_error_and_undertrained_listed():
-    df, pp = make({("ff", 8, 1, 0, 0.0): 1.0, ("ff", 8, 1, 0, 0.5): 1.5}, seeds=(0,),
-                  converged={("ff", 8, 1, 0, 0.5): 0})
+    df, pp = make(
+        {("ff", 8, 1, 0, 0.0): 1.0, ("ff", 8, 1, 0, 0.5): 1.5},
+        seeds=(0,),
+        converged={("ff", 8, 1, 0, 0.5): 0},
+    )
     assert fidelity.h1(df, pp, resamples=500)[1] == "not decided"
     assert "kl_beta=0.5" in "\n".join(fidelity.undertrained(df))
     rid = df[(df.kl_beta == 0.5) & (df.prompt_set == "0")].run_id.iloc[0]
@@ -94,8 +136,16 @@ def test_one_seed_is_not_decided_and_prompt_mismatch_is_an_error_and_undertraine
 
 
 def test_without_dev_sets_a_single_beta_is_fixed_in_advance_and_choices_are_refused():
-    df, pp = make({("cp", 8, 8, 0, 0.0): 1.0, ("cp", 8, 8, 0, 0.5): 1.2, ("cp", 8, 8, 0, 1.0): 1.3,
-                   ("ff", 16, 1, 0, 0.0): 1.0, ("cp", 16, 8, 0, 0.0): 1.4, ("btree", 16, 8, 0, 0.0): 1.5})
+    df, pp = make(
+        {
+            ("cp", 8, 8, 0, 0.0): 1.0,
+            ("cp", 8, 8, 0, 0.5): 1.2,
+            ("cp", 8, 8, 0, 1.0): 1.3,
+            ("ff", 16, 1, 0, 0.0): 1.0,
+            ("cp", 16, 8, 0, 0.0): 1.4,
+            ("btree", 16, 8, 0, 0.0): 1.5,
+        }
+    )
     df = df[df.prompt_set != "dev0"]
     lines, verdict = fidelity.h1(df, pp, resamples=200)
     assert verdict == "not decided" and "no development sets" in lines[0]
@@ -117,14 +167,28 @@ def test_h1_is_refuted_by_one_failing_circuit_even_with_others_missing():
         assert verdict == expected and sum("missing CE or KL head" in x for x in lines) == 3, (gain, lines)
 
 
-
 def test_training_table_orders_configurations_and_averages_seeds():
     rows = []
     for circ, n, nll in (("btree", 16, 50.0), ("ff", 8, 24.0), ("cp", 8, 23.0)):
         for seed, d in ((0, -0.5), (1, 0.5)):
-            rows.append({"circuit": circ, "window": n, "rank": 8, "lora_depth": 0, "kl_beta": 0.0, "train_seed": seed,
-                         "val_window_nll": nll + d, "val_window_kl": 7.0, "val_nll_1": 2.2, "val_kl_1": 0.1,
-                         "val_stp_nll": 2.1, "val_nll_n": 3.3, "val_kl_n": 1.2, "converged": 1})
+            rows.append(
+                {
+                    "circuit": circ,
+                    "window": n,
+                    "rank": 8,
+                    "lora_depth": 0,
+                    "kl_beta": 0.0,
+                    "train_seed": seed,
+                    "val_window_nll": nll + d,
+                    "val_window_kl": 7.0,
+                    "val_nll_1": 2.2,
+                    "val_kl_1": 0.1,
+                    "val_stp_nll": 2.1,
+                    "val_nll_n": 3.3,
+                    "val_kl_n": 1.2,
+                    "converged": 1,
+                }
+            )
     lines = fidelity.training_table(pd.DataFrame(rows))
     body = [x for x in lines if x.startswith("| 8 ") or x.startswith("| 16 ")]
     assert [x.split(" | ")[1] for x in body] == ["ff", "cp", "btree"]  # n first, then the circuit order
@@ -134,7 +198,12 @@ def test_training_table_orders_configurations_and_averages_seeds():
 
 def test_h1_compares_each_distilled_head_with_the_ce_head_of_its_own_rank():
     # a CE rank sweep at n = 8 beside the twins: r = 32 CE accepts more than r = 8 KL, r = 2 less
-    rates = {("cp", 8, 8, 0, 0.0): 1.0, ("cp", 8, 8, 0, 0.5): 1.2, ("cp", 8, 32, 0, 0.0): 1.3, ("cp", 8, 2, 0, 0.0): 0.8}
+    rates = {
+        ("cp", 8, 8, 0, 0.0): 1.0,
+        ("cp", 8, 8, 0, 0.5): 1.2,
+        ("cp", 8, 32, 0, 0.0): 1.3,
+        ("cp", 8, 2, 0, 0.0): 0.8,
+    }
     df, pp = make(rates)
     lines, _ = fidelity.h1(df, pp, resamples=500)
     rows = [x for x in lines if x.startswith("| cp ")]
@@ -168,7 +237,9 @@ def test_offline_runs_read_timing_from_their_timed_subset_and_methods_never_mix(
         off[rid] = [{**r, "decode_s": None} for r in recs]
         off[f"{rid}{fidelity.LATENCY_KEY}"] = recs  # here the timed subset is every prompt
     assert fidelity.pooled(df, off, cfg, sl, "mu_lat", dev=False) == pytest.approx(want)
-    assert fidelity.pooled(df, off, cfg, sl, "mu_acc", dev=False) == pytest.approx(fidelity.pooled(df, pp, cfg, sl, "mu_acc", dev=False))
+    assert fidelity.pooled(df, off, cfg, sl, "mu_acc", dev=False) == pytest.approx(
+        fidelity.pooled(df, pp, cfg, sl, "mu_acc", dev=False)
+    )
     mixed = df.assign(acceptance_method=["offline" if i % 2 else "online" for i in range(len(df))])
     with pytest.raises(ValueError, match="both acceptance methods"):
         fidelity.report(mixed, pp, resamples=100)

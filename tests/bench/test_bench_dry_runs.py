@@ -28,7 +28,9 @@ def test_bench_gpu_tiny_runs_every_part(tmp_path):
     for part in ("bandwidth", "llama32_3b", "fp32_identity", "graph_vs_eager", "default_model", "bf16"):
         assert part in report and "error" not in report[part], (part, report.get(part))
     assert report["fp32_identity"]["all_identical"] is True
-    assert set(report["llama32_3b"]["cycle_ms"]) == {f"{k}_{leaf}" for k in CIRCUIT_KINDS for leaf in ("full", "appG")}
+    assert set(report["llama32_3b"]["cycle_ms"]) == {
+        f"{k}_{leaf}" for k in CIRCUIT_KINDS for leaf in ("full", "appG")
+    }
     assert report["llama32_3b"]["bound_ms"] > 0 and "bars" in report["llama32_3b"]
     assert report["graph_vs_eager"]["skipped"].startswith("no CUDA")
 
@@ -44,10 +46,14 @@ def test_bench_decode_engine_section(tmp_path):
     assert set(eng["bars"]) == set(bench_decode.BARS)
     assert eng["identity"]["compact"]["spec_eq_plain"] == 1 and eng["identity"]["compact"]["plain_eq_hf"] == 1
     assert all(v > 0 for v in eng["step_ms"].values())
-    parts = eng["cycle_parts"]["random_btree_n8_r16_appG16"]  # the loop's cycle in parts beside the plain step
+    parts = eng["cycle_parts"][
+        "random_btree_n8_r16_appG16"
+    ]  # the loop's cycle in parts beside the plain step
     assert set(parts["ms"]) == {"verify", "head", "draft", "accept", "python", "cycle"}
     assert all(parts["ms"][k] > 0 for k in ("verify", "head", "draft", "accept", "cycle"))
-    assert parts["ms"]["cycle"] == pytest.approx(sum(parts["ms"][k] for k in ("verify", "head", "draft", "accept", "python")))
+    assert parts["ms"]["cycle"] == pytest.approx(
+        sum(parts["ms"][k] for k in ("verify", "head", "draft", "accept", "python"))
+    )
     assert parts["cycle_minus_verify_over_step"] > 0 and eng["cycle_parts"]["plain_step_ms"] > 0
     sys.modules.pop("bench_decode", None)
 
@@ -79,7 +85,9 @@ def test_bench_ddp_dry_run_runs_both_variants_to_the_same_steps(tmp_path):
     assert set(report["variants"]) == {"one", "ddp2"} and report["dry_run"] is True
     one, two = report["variants"]["one"], report["variants"]["ddp2"]
     assert one["global_step"] == two["global_step"] == 2 and one["median_step_s"] is None
-    assert one["final_train_loss"][0] == pytest.approx(two["final_train_loss"][0], rel=1e-4)  # the same global batch
+    assert one["final_train_loss"][0] == pytest.approx(
+        two["final_train_loss"][0], rel=1e-4
+    )  # the same global batch
 
 
 def test_bench_offline_tiny_agrees_with_the_loop(tmp_path):
@@ -94,7 +102,9 @@ def test_bench_offline_tiny_agrees_with_the_loop(tmp_path):
     assert result["command"].startswith("python bench/bench_offline.py --tiny") and result["device"] == "cpu"
     greedy, sample = result["modes"]["greedy"], result["modes"]["sample"]
     assert greedy["greedy_prompts_differing"] == 0 and greedy["greedy_texts_differing_online"] == 0
-    assert greedy["paired_cycles"]["mean"] == 0.0 and greedy["online_s"] > 0 and greedy["speedup_one_head"] > 0
+    assert (
+        greedy["paired_cycles"]["mean"] == 0.0 and greedy["online_s"] > 0 and greedy["speedup_one_head"] > 0
+    )
     assert sample["paired_accepted"]["n"] == 3 and len(sample["metrics"]) == 1
 
 
@@ -104,11 +114,12 @@ def test_device_prompt_pool_draws_the_same_sets(tmp_path):
     from experiments.device_prep import write_prompt_pool
     from experiments.prompts import draw_prompt_sets, load_prompt_sets
 
-    pool = [f"prompt {i}: {'é' * (i % 3)} \"quoted\"\nline" for i in range(40)]
+    pool = [f'prompt {i}: {"é" * (i % 3)} "quoted"\nline' for i in range(40)]
     path = tmp_path / "pool.jsonl"
     write_prompt_pool(pool, path)
     assert load_prompt_sets(str(path), 5, 3, 0, dev_sets=1, dev_num_prompts=4) == draw_prompt_sets(
-        pool, "heldout", 5, 3, 0, dev_sets=1, dev_num_prompts=4)
+        pool, "heldout", 5, 3, 0, dev_sets=1, dev_num_prompts=4
+    )
 
 
 def test_bench_shipped_head_dry_run_reports_speed_text_and_identity(tmp_path, monkeypatch):

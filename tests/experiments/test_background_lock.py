@@ -72,7 +72,9 @@ def test_training_waits_for_a_timer_not_for_heavy_work(lock_env, tmp_path):
     try:
         assert timer.stdout.readline().startswith("held")
         code = "from experiments.background import wait_while_timing; print(round(wait_while_timing(), 2))"
-        waiter = subprocess.Popen([sys.executable, "-c", code], env=lock_env, stdout=subprocess.PIPE, text=True)
+        waiter = subprocess.Popen(
+            [sys.executable, "-c", code], env=lock_env, stdout=subprocess.PIPE, text=True
+        )
         time.sleep(1.0)
         assert waiter.poll() is None  # blocked while the timer times
         release.touch()

@@ -30,24 +30,40 @@ from experiments.train import train_head
 
 ROOT = Path(__file__).resolve().parents[2]
 HELPER = ROOT / "tests" / "ddp_run.py"
-BASE = ["--config", str(ROOT / "experiments/configs/debug.yaml"), "--model.lora_depth", "1",
-        "--run.checkpoint_every_n_steps", "2"]
+BASE = [
+    "--config",
+    str(ROOT / "experiments/configs/debug.yaml"),
+    "--model.lora_depth",
+    "1",
+    "--run.checkpoint_every_n_steps",
+    "2",
+]
 TWO = ["--data.batch_size", "2", "--trainer.devices", "2", "--trainer.strategy", "ddp"]
 ONE = ["--data.batch_size", "4"]
 LOSS_RTOL, PARAM_ATOL = 1e-5, 5e-4
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MTPC_TEST_", "SLURM_", "MASTER_", "LOCAL_RANK",
-                                                                     "NODE_RANK", "WORLD_SIZE", "RANK"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(
+            ("MTPC_TEST_", "SLURM_", "MASTER_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")
+        )
+    }
     return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
 def _fit(run_dir: Path, args: list[str], **env: str) -> subprocess.CompletedProcess:
     record = run_dir.parent / f"{run_dir.name}.jsonl"
-    return subprocess.run([sys.executable, str(HELPER), "fit", *BASE, *args, "--run.dir", str(run_dir), *env.pop("extra", [])],
-                          env=_env(MTPC_TEST_RECORD=str(record), **env), cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, str(HELPER), "fit", *BASE, *args, "--run.dir", str(run_dir), *env.pop("extra", [])],
+        env=_env(MTPC_TEST_RECORD=str(record), **env),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -57,7 +73,10 @@ def _losses(run_dir: Path) -> list[float]:
 
 def _params(run_dir: Path) -> dict[str, torch.Tensor]:
     head = run_dir / "head"
-    return {**load_file(head / "head.safetensors"), **{f"lora.{k}": v for k, v in load_file(head / "lora.safetensors").items()}}
+    return {
+        **load_file(head / "head.safetensors"),
+        **{f"lora.{k}": v for k, v in load_file(head / "lora.safetensors").items()},
+    }
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:
@@ -103,7 +122,9 @@ def test_mutated_rank_is_caught(runs, tmp_path, mutation):
     got, want = _losses(run), _losses(runs / "one")[:3]
     assert len(got) == 3 and got[0] == pytest.approx(want[0], rel=LOSS_RTOL)  # step 1: before any update
     assert not _same_trajectory(got, want)
-    assert abs(got[1] - want[1]) > 10 * LOSS_RTOL * abs(want[1])  # measured: 9e-4 relative (double), more (drop)
+    assert abs(got[1] - want[1]) > 10 * LOSS_RTOL * abs(
+        want[1]
+    )  # measured: 9e-4 relative (double), more (drop)
 
 
 @pytest.mark.slow
@@ -111,9 +132,14 @@ def test_kill9_both_ranks_then_resume_equals_uninterrupted(runs, tmp_path):
     run = tmp_path / "killed"
     step_file = tmp_path / "step"
     cmd = [sys.executable, str(HELPER), "fit", *BASE, *TWO, "--run.dir", str(run)]
-    env = _env(MTPC_TEST_STEP_SLEEP="1", MTPC_TEST_STEP_FILE=str(step_file), MTPC_TEST_RECORD=str(tmp_path / "k.jsonl"))
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)  # its own process group: rank 0 and the rank 1 it starts
+    env = _env(
+        MTPC_TEST_STEP_SLEEP="1",
+        MTPC_TEST_STEP_FILE=str(step_file),
+        MTPC_TEST_RECORD=str(tmp_path / "k.jsonl"),
+    )
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )  # its own process group: rank 0 and the rank 1 it starts
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         if step_file.exists() and step_file.read_text().strip() and int(step_file.read_text()) >= 5:
@@ -132,25 +158,41 @@ def test_kill9_both_ranks_then_resume_equals_uninterrupted(runs, tmp_path):
 
 # --- in one process: the loader's sharding and the global-batch normalisation -------------------
 
+
 def _rows(n: int = 11, seq: int = 16) -> PackedRows:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (n, seq), generator=g)
     mask = torch.rand(n, seq, generator=g) > 0.5
     mask[3] = False  # a row without any scored target
     docs = torch.zeros(n, seq, dtype=torch.long)
-    docs[:, seq // 2:] = 1
+    docs[:, seq // 2 :] = 1
     return PackedRows(type("P", (), {"input_ids": ids, "score_mask": mask, "doc_ids": docs})())
 
 
 def test_loader_shards_every_row_once_and_matches_one_process():
     rows, world, b, accumulate = _rows(), 2, 2, 2
     table = target_table(rows, 4)
-    loaders = [ResumableLoader(rows, b, seed=3, progress=lambda: 0, rank=r, world_size=world, accumulate=accumulate,
-                               has_target=table) for r in range(world)]
-    single = ResumableLoader(rows, b * world, seed=3, progress=lambda: 0, accumulate=accumulate, has_target=table)
+    loaders = [
+        ResumableLoader(
+            rows,
+            b,
+            seed=3,
+            progress=lambda: 0,
+            rank=r,
+            world_size=world,
+            accumulate=accumulate,
+            has_target=table,
+        )
+        for r in range(world)
+    ]
+    single = ResumableLoader(
+        rows, b * world, seed=3, progress=lambda: 0, accumulate=accumulate, has_target=table
+    )
     order = EpochSampler(len(rows), 3).order(0)
     steps = [list(loader) for loader in loaders]
-    assert len(steps[0]) == len(steps[1]) == len(single) == 3  # ceil(11 / 4): same number of steps on every rank
+    assert (
+        len(steps[0]) == len(steps[1]) == len(single) == 3
+    )  # ceil(11 / 4): same number of steps on every rank
     seen = []
     for k, whole in enumerate(single):
         parts = [steps[r][k] for r in range(world)]
@@ -196,8 +238,10 @@ def test_window_loss_parts_with_the_global_counts_add_up_to_the_whole_batch():
     ids, mask, docs = rows.input_ids, rows.score_mask, rows.doc_ids
     whole = window_loss(head, e, ids, mask, docs, chunk_size=5)
     counts = target_table(rows, 4).sum(0)
-    parts = [window_loss(head, e[s], ids[s], mask[s], docs[s], chunk_size=5, examples=counts)
-             for s in (slice(0, 4), slice(4, 6))]  # rank 0 holds the row without targets
+    parts = [
+        window_loss(head, e[s], ids[s], mask[s], docs[s], chunk_size=5, examples=counts)
+        for s in (slice(0, 4), slice(4, 6))
+    ]  # rank 0 holds the row without targets
     assert torch.allclose(sum(p.loss for p in parts), whole.loss, rtol=1e-12)
     assert torch.allclose(sum(p.per_position_nll for p in parts), whole.per_position_nll, rtol=1e-12)
     own = window_loss(head, e, ids, mask, docs, chunk_size=5, examples=whole.examples)
@@ -208,7 +252,9 @@ def test_accumulated_micro_batches_equal_the_whole_batch(tmp_path):
     """batch 2 x 2 accumulated == batch 4 (one process): the counts span the micro-batches."""
     common = {"trainer.max_steps": 4, "run.checkpoint_every_n_steps": 0}
     a = train_head("debug", {**common, "data.batch_size": 4}, run_dir=tmp_path / "a")
-    b = train_head("debug", {**common, "data.batch_size": 2, "data.global_batch_size": 4}, run_dir=tmp_path / "b")
+    b = train_head(
+        "debug", {**common, "data.batch_size": 2, "data.global_batch_size": 4}, run_dir=tmp_path / "b"
+    )
     assert b.config["trainer"]["accumulate_grad_batches"] == 2
     pa, pb = load_file(a.head_dir / "head.safetensors"), load_file(b.head_dir / "head.safetensors")
     for k in pa:

@@ -40,7 +40,9 @@ def test_a_file_not_in_the_manifest_is_refused(tmp_path):
     folder = tmp_path / "default_model"
     shutil.copytree(SHIPPED_DIR, folder)
     verify_shipped(folder)
-    save_file({"w": torch.zeros(4)}, str(folder / "model.safetensors"))  # would be loaded under the verified label
+    save_file(
+        {"w": torch.zeros(4)}, str(folder / "model.safetensors")
+    )  # would be loaded under the verified label
     with pytest.raises(ValueError, match=r"model\.safetensors is not listed in MANIFEST\.json"):
         verify_shipped(folder)
 
@@ -63,10 +65,19 @@ def test_scores_its_recorded_bits_per_byte_on_the_fixed_slice():
 
 def test_a_head_made_on_another_default_is_refused(tmp_path):
     bb = load_backbone("default")
-    cfg = HeadConfig(kind="cp", window=4, rank=2, vocab=bb.vocab_size, hidden=bb.hidden_size,
-                     lora_depth=0, backbone="default@deadbeef")
+    cfg = HeadConfig(
+        kind="cp",
+        window=4,
+        rank=2,
+        vocab=bb.vocab_size,
+        hidden=bb.hidden_size,
+        lora_depth=0,
+        backbone="default@deadbeef",
+    )
     save_head(tmp_path / "stale", MtpcHead(cfg))
-    with pytest.raises(ValueError, match=r"trained on backbone default@deadbeef, but the default backbone here is default@"):
+    with pytest.raises(
+        ValueError, match=r"trained on backbone default@deadbeef, but the default backbone here is default@"
+    ):
         MtpcModel.from_pretrained(tmp_path / "stale")
     with pytest.raises(ValueError, match=r"default@deadbeef"):
         MtpcModel.from_pretrained(tmp_path / "stale", backbone=bb)
@@ -83,4 +94,6 @@ def test_a_manifest_whose_files_is_not_a_mapping_is_one_line(tmp_path, files):
     with pytest.raises(ValueError) as err:
         verify_shipped(folder)
     msg = str(err.value)
-    assert str(folder / MANIFEST) in msg and "must map file names to SHA-256 digests" in msg and "\n" not in msg
+    assert (
+        str(folder / MANIFEST) in msg and "must map file names to SHA-256 digests" in msg and "\n" not in msg
+    )

@@ -36,7 +36,15 @@ def test_train_export_evaluate_with_the_shipped_config(ckpt, tmp_path):
     from mtpc.heads import load_head
 
     run = tmp_path / "run"
-    args = ["fit", "--config", str(CONFIG_DIR / "evabyte.yaml"), "--model.backbone", str(ckpt), "--run.dir", str(run)]
+    args = [
+        "fit",
+        "--config",
+        str(CONFIG_DIR / "evabyte.yaml"),
+        "--model.backbone",
+        str(ckpt),
+        "--run.dir",
+        str(run),
+    ]
     for key, value in SMALL.items():
         args += [f"--{key}", value]
     with triton_shim():
@@ -45,7 +53,9 @@ def test_train_export_evaluate_with_the_shipped_config(ckpt, tmp_path):
     assert (head.config.kind, head.config.window, head.config.lora_depth) == ("btree", 16, 2)
     assert (run / "head" / "lora.safetensors").exists()  # stage 2 trained the LoRA
     metrics = json.loads((run / "metrics.json").read_text())
-    assert metrics["global_step"] == 4 and metrics["val_kl_1"] < 1e-3  # init: mtp: position 1 = the real STP head
+    assert (
+        metrics["global_step"] == 4 and metrics["val_kl_1"] < 1e-3
+    )  # init: mtp: position 1 = the real STP head
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(f"prompt number {i}") + "\n" for i in range(4)))
@@ -57,12 +67,17 @@ def test_train_export_evaluate_with_the_shipped_config(ckpt, tmp_path):
     assert rc == 0
     runs = json.loads(out.read_text())["runs"]
     heads = [r for r in runs if r["head"] == "head"]
-    assert {(r["mode"], r["eos"]) for r in heads} == {(m, e) for m in ("greedy", "sample") for e in ("banned", "allowed")}
+    assert {(r["mode"], r["eos"]) for r in heads} == {
+        (m, e) for m in ("greedy", "sample") for e in ("banned", "allowed")
+    }
     assert all(r["metrics"]["generated"] == 2 * 24 for r in heads if r["eos"] == "banned")  # equal lengths
     # EvaByte's own multi-byte decoding beside them: greedy only, its output = plain greedy decoding's
     own = {r["eos"]: r for r in runs if r["head"] == "evabyte-mtp"}
     assert set(own) == {"banned", "allowed"} and all(r["mode"] == "greedy" for r in own.values())
-    assert own["allowed"]["metrics"]["equals_greedy"] == 1.0 and own["allowed"]["metrics"]["tokens_per_cycle"] >= 1
+    assert (
+        own["allowed"]["metrics"]["equals_greedy"] == 1.0
+        and own["allowed"]["metrics"]["tokens_per_cycle"] >= 1
+    )
 
 
 @pytest.mark.slow  # ~2 min on the shared 2-core CPU

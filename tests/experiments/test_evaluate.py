@@ -26,17 +26,24 @@ PARAMS = ("backbone", "circuit", "window", "rank", "lora_depth", "mode", "extra_
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval")
-    model = tiny_llama(vocab=320, hidden=16, layers=2, heads=2, kv_heads=1, dtype=torch.float32, max_context=512)
+    model = tiny_llama(
+        vocab=320, hidden=16, layers=2, heads=2, kv_heads=1, dtype=torch.float32, max_context=512
+    )
     model.save_pretrained(root / "bb")
     ByteTokenizer().save_pretrained(root / "bb")
-    for name, spec in {"cp": {"kind": "cp", "window": 4, "rank": 2}, "ff": {"kind": "ff", "window": 4}}.items():
+    for name, spec in {
+        "cp": {"kind": "cp", "window": 4, "rank": 2},
+        "ff": {"kind": "ff", "window": 4},
+    }.items():
         m = MtpcModel.from_components(model, spec)
         m.head.config.backbone = str(root / "bb")
         save_head(root / name, m.head)
     prompts = root / "prompts.jsonl"
     lines = [json.dumps(f"prompt number {i}") for i in range(4)] + [
         json.dumps({"prompt": "a dict prompt"}),
-        json.dumps({"messages": [{"role": "user", "content": "a chat"}, {"role": "assistant", "content": "x"}]}),
+        json.dumps(
+            {"messages": [{"role": "user", "content": "a chat"}, {"role": "assistant", "content": "x"}]}
+        ),
     ]
     prompts.write_text("\n".join(lines) + "\n")
     return root
@@ -90,7 +97,14 @@ def test_cli_writes_json_with_every_metric(exported, tmp_path, capsys):
 def test_cli_errors_are_clear(exported, tmp_path, capsys):
     assert main(["--head", str(tmp_path), "--out", str(tmp_path / "r.json")]) == 2
     assert "--head" in capsys.readouterr().err
-    args = ["--head", str(exported / "cp"), "--eval.prompts", str(exported / "prompts.jsonl"), "--out", str(tmp_path / "r.json")]
+    args = [
+        "--head",
+        str(exported / "cp"),
+        "--eval.prompts",
+        str(exported / "prompts.jsonl"),
+        "--out",
+        str(tmp_path / "r.json"),
+    ]
     assert main([*args, "--eval.modes", "beam"]) == 2
     assert "--eval.modes" in capsys.readouterr().err
     assert main([*args, "--ff-head", str(exported / "cp"), "--eval.n_prompts", "1", "--eval.sets", "1"]) == 2
@@ -115,11 +129,18 @@ def test_mlflow_children_carry_params_and_metrics(exported, tmp_path):
         assert run.data.params["circuit"] == "cp" and run.data.params["mode"] == "greedy"
         # the engine is part of the setting: a float32 CPU backbone decodes on oneDNN's products
         assert run.data.params["hardware"].endswith("; engine compact/onednn"), run.data.params["hardware"]
-        assert {"mu_lat", "mu_acc", "throughput", "speedup_vs_stp", "acceptance_pos_2"} <= set(run.data.metrics)
+        assert {"mu_lat", "mu_acc", "throughput", "speedup_vs_stp", "acceptance_pos_2"} <= set(
+            run.data.metrics
+        )
     assert {client.get_run(r).data.params["prompt_set"] for r in ids} == {"0", "1"}
     # named for what they are (they were all `eval-head-greedy-keep-set<i>`, under every trial alike)
-    assert sorted(client.get_run(r).info.run_name for r in ids) == ["cp-r2-n4-k0/greedy/set0", "cp-r2-n4-k0/greedy/set1"]
-    hist = json.loads((Path(client.download_artifacts(ids[0], "accepted_length_histogram.json", str(tmp_path)))).read_text())
+    assert sorted(client.get_run(r).info.run_name for r in ids) == [
+        "cp-r2-n4-k0/greedy/set0",
+        "cp-r2-n4-k0/greedy/set1",
+    ]
+    hist = json.loads(
+        (Path(client.download_artifacts(ids[0], "accepted_length_histogram.json", str(tmp_path)))).read_text()
+    )
     assert sum(hist["accepted_length_histogram"]) == client.get_run(ids[0]).data.metrics["cycles"]
 
 
@@ -130,15 +151,41 @@ def test_cli_truncated_head_is_one_line_naming_the_file(exported, tmp_path, caps
     shutil.copytree(exported / "cp", bad)
     weights = bad / "head.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])  # an interrupted copy
-    rc = main(["--head", str(bad), "--eval.prompts", str(exported / "prompts.jsonl"), "--eval.n_prompts", "1",
-               "--eval.sets", "1", "--out", str(tmp_path / "r.json"), "--no-progress"])
+    rc = main(
+        [
+            "--head",
+            str(bad),
+            "--eval.prompts",
+            str(exported / "prompts.jsonl"),
+            "--eval.n_prompts",
+            "1",
+            "--eval.sets",
+            "1",
+            "--out",
+            str(tmp_path / "r.json"),
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and str(weights) in err, err
 
 
 def test_cli_missing_head_directory_says_it_does_not_exist(exported, tmp_path, capsys):
-    rc = main(["--head", str(tmp_path / "nowhere"), "--eval.prompts", str(exported / "prompts.jsonl"), "--eval.n_prompts", "1",
-               "--eval.sets", "1", "--out", str(tmp_path / "r.json"), "--no-progress"])
+    rc = main(
+        [
+            "--head",
+            str(tmp_path / "nowhere"),
+            "--eval.prompts",
+            str(exported / "prompts.jsonl"),
+            "--eval.n_prompts",
+            "1",
+            "--eval.sets",
+            "1",
+            "--out",
+            str(tmp_path / "r.json"),
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "nowhere' does not exist or is not a directory" in err, err
 
@@ -148,8 +195,17 @@ def test_an_unusable_out_path_is_refused_before_anything_decodes(exported, tmp_p
 
     decoded = []
     monkeypatch.setattr(ev, "evaluate_heads", lambda *a, **k: decoded.append(1))
-    args = ["--head", str(exported / "cp"), "--eval.prompts", str(exported / "prompts.jsonl"), "--eval.n_prompts", "1",
-            "--eval.sets", "1", "--no-progress"]
+    args = [
+        "--head",
+        str(exported / "cp"),
+        "--eval.prompts",
+        str(exported / "prompts.jsonl"),
+        "--eval.n_prompts",
+        "1",
+        "--eval.sets",
+        "1",
+        "--no-progress",
+    ]
     (tmp_path / "existing").mkdir()
     assert main([*args, "--out", str(tmp_path / "existing")]) == 2
     err = capsys.readouterr().err
@@ -190,7 +246,9 @@ def test_offline_cli_derives_throughput_beside_the_timed_subset(exported, tmp_pa
         assert m["generated"] == 3 * 10  # every prompt, not only the timed one
         assert m["derived_throughput"] == pytest.approx(m["tokens_per_cycle"] / m["mu_lat"])
         assert m["derived_speedup_vs_stp"] == pytest.approx(m["derived_throughput"] / m["stp_throughput"])
-        assert m["throughput"] > 0 and m["speedup_vs_stp"] == pytest.approx(m["throughput"] / m["stp_throughput"])
+        assert m["throughput"] > 0 and m["speedup_vs_stp"] == pytest.approx(
+            m["throughput"] / m["stp_throughput"]
+        )
         assert sum(m["accepted_length_histogram"]) == pytest.approx(m["cycles"])
         assert len(r["per_prompt"]) == 3 and len(r["latency_per_prompt"]) == 1
         assert r["latency_per_prompt"][0]["decode_s"] > 0 and r["per_prompt"][0]["decode_s"] is None
@@ -208,7 +266,9 @@ def test_offline_greedy_equals_the_online_loop_in_evaluate(exported):
     prompts = [["one", "two", "three"]]
     e = EvalConfig(modes=("greedy",), max_new_tokens=12, stp=False)
     on = evaluate_heads(m, prompts, replace(e, acceptance="online"), progress=False)["runs"][0]
-    off = evaluate_heads(m, prompts, replace(e, acceptance="offline", latency_prompts=1), progress=False)["runs"][0]
+    off = evaluate_heads(m, prompts, replace(e, acceptance="offline", latency_prompts=1), progress=False)[
+        "runs"
+    ][0]
     assert [p["cycles"] for p in off["per_prompt"]] == [p["cycles"] for p in on["per_prompt"]]
     assert [p["accepted"] for p in off["per_prompt"]] == [p["accepted"] for p in on["per_prompt"]]
     assert off["metrics"]["mu_acc"] == pytest.approx(on["metrics"]["mu_acc"])
@@ -246,7 +306,10 @@ def test_a_second_head_reuses_the_texts(exported, monkeypatch, batch):
     assert len(calls) == 8
     assert [_strip(r) for r in cached["runs"]] == [_strip(r) for r in fresh["runs"]]
     for a, b in zip(cached["runs"], fresh["runs"], strict=True):
-        assert a["metrics"]["mu_acc"] == b["metrics"]["mu_acc"] and a["metrics"]["cycles"] == b["metrics"]["cycles"]
+        assert (
+            a["metrics"]["mu_acc"] == b["metrics"]["mu_acc"]
+            and a["metrics"]["cycles"] == b["metrics"]["cycles"]
+        )
     if batch > 1:
         monkeypatch.setenv(pass_cache.PASS_MEMO_ENV, "0")
         evaluate_heads(ff, prompts, e, **kw)
@@ -261,7 +324,9 @@ def test_cli_no_continuation_cache_stores_nothing(exported, tmp_path, capsys):
 
     args = ["--head", str(exported / "cp"), "--eval.prompts", str(exported / "prompts.jsonl"), "--eval.n_prompts", "2",
             "--eval.max_new_tokens", "6", "--eval.modes", "greedy", "--eval.latency_prompts", "1", "--no-progress"]  # fmt: skip
-    assert main([*args, "--eval.continuation_cache", "false", "--out", str(tmp_path / "a.json")]) == 0, capsys.readouterr().err
+    assert main([*args, "--eval.continuation_cache", "false", "--out", str(tmp_path / "a.json")]) == 0, (
+        capsys.readouterr().err
+    )
     assert not list(cache_root().glob("*.json"))
     assert main([*args, "--out", str(tmp_path / "b.json")]) == 0, capsys.readouterr().err
     assert len(list(cache_root().glob("*.json"))) == 1

@@ -59,7 +59,9 @@ def _args(root, tmp_path, *more):
     (["--device", "nonsense"], "--device 'nonsense': not a device"),
     (["--device", "cuda:99"], "--device cuda:99: "),
 ])  # fmt: skip
-def test_bad_threads_or_device_are_one_line_before_anything_loads(exported, tmp_path, capsys, watched, flags, says):
+def test_bad_threads_or_device_are_one_line_before_anything_loads(
+    exported, tmp_path, capsys, watched, flags, says
+):
     """--threads 0 was a torch RuntimeError traceback; --device nonsense / cuda without a GPU failed
     while loading (or deep in it): now one line, exit 2, nothing loaded."""
     assert main(_args(exported, tmp_path, *flags)) == 2
@@ -84,7 +86,12 @@ def test_a_non_finite_temperature_is_refused_by_the_config_check(exported, tmp_p
         EvalConfig(temperatures=(1.0, value)).check(Fail("spec.yaml"))
     with pytest.raises(ValueError, match="eval.top_p: nan out of range"):
         EvalConfig(top_p=math.nan).check(Fail("spec.yaml"))
-    assert main(_args(exported, tmp_path, "--eval.temperatures", f"[1.0, {'.nan' if value != value else '.inf'}]")) == 2
+    assert (
+        main(
+            _args(exported, tmp_path, "--eval.temperatures", f"[1.0, {'.nan' if value != value else '.inf'}]")
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--eval.temperatures (command line): eval.temperatures:" in err, err
     assert watched == {"loaded": 0, "decoded": 0}
@@ -98,12 +105,29 @@ def test_a_non_finite_temperature_is_refused_by_the_config_check(exported, tmp_p
 def test_a_prompt_past_the_context_names_its_file_line_and_the_numbers(exported, tmp_path, capsys, watched):
     """It said `prompt (454) + max_new_tokens + window (1) = 515` (STP's window, no prompt named):
     now the prompt's index, set and file:line, and the head's window, before anything decodes."""
-    rc = main(["--head", str(exported / "cp"), "--eval.prompts", str(exported / "prompts.jsonl"), "--eval.n_prompts", "3",
-               "--eval.modes", "greedy", "--eval.max_new_tokens", "60", "--out", str(tmp_path / "r.json"), "--no-progress"])
+    rc = main(
+        [
+            "--head",
+            str(exported / "cp"),
+            "--eval.prompts",
+            str(exported / "prompts.jsonl"),
+            "--eval.n_prompts",
+            "3",
+            "--eval.modes",
+            "greedy",
+            "--eval.max_new_tokens",
+            "60",
+            "--out",
+            str(tmp_path / "r.json"),
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1, err
     assert f"of set 0 ({exported / 'prompts.jsonl'}:2): 454 ids" in err, err
-    assert "+ eval.max_new_tokens 60 + window 4 = 518 exceeds the backbone's context of 512 positions" in err, err
+    assert (
+        "+ eval.max_new_tokens 60 + window 4 = 518 exceeds the backbone's context of 512 positions" in err
+    ), err
     assert watched["decoded"] == 0
 
 
@@ -111,11 +135,15 @@ def test_a_missing_mlflow_parent_run_is_refused_before_anything_decodes(exported
     """It was found only after the whole evaluation (results written, nothing logged, a traceback)."""
     mlflow = pytest.importorskip("mlflow")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    assert main(_args(exported, tmp_path, "--mlflow-parent-run", "0123abcd", "--mlflow-tracking-uri", uri)) == 2
+    assert (
+        main(_args(exported, tmp_path, "--mlflow-parent-run", "0123abcd", "--mlflow-tracking-uri", uri)) == 2
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--mlflow-parent-run 0123abcd: no MLflow store at" in err, err
     mlflow.tracking.MlflowClient(tracking_uri=uri).create_experiment("there")
-    assert main(_args(exported, tmp_path, "--mlflow-parent-run", "0123abcd", "--mlflow-tracking-uri", uri)) == 2
+    assert (
+        main(_args(exported, tmp_path, "--mlflow-parent-run", "0123abcd", "--mlflow-tracking-uri", uri)) == 2
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--mlflow-parent-run 0123abcd: no such run in" in err, err
     assert watched == {"loaded": 0, "decoded": 0} and not (tmp_path / "r.json").exists()
@@ -128,12 +156,29 @@ def test_a_full_disk_at_out_keeps_the_results_on_stdout(exported, tmp_path, caps
     disk.mkdir()
     full_disk(monkeypatch, disk)
     out = disk / "r.json"
-    rc = main(["--head", str(exported / "cp"), "--eval.prompts", str(exported / "prompts.jsonl"), "--eval.n_prompts", "1",
-               "--eval.modes", "greedy", "--eval.max_new_tokens", "6", "--out", str(out), "--no-progress"])
+    rc = main(
+        [
+            "--head",
+            str(exported / "cp"),
+            "--eval.prompts",
+            str(exported / "prompts.jsonl"),
+            "--eval.n_prompts",
+            "1",
+            "--eval.modes",
+            "greedy",
+            "--eval.max_new_tokens",
+            "6",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 74, captured.err
     first = captured.err.splitlines()[0]
-    assert first.startswith(f"error: {out}: no space left on device") and "results follow on stdout" in first, first
+    assert (
+        first.startswith(f"error: {out}: no space left on device") and "results follow on stdout" in first
+    ), first
     results = json.loads(captured.out)  # stdout holds the results alone
     assert results["runs"] and results["summary"] and results["config"]["eval"]["max_new_tokens"] == 6
     assert not out.exists()

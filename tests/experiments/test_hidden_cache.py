@@ -15,15 +15,18 @@ from experiments.module import MtpcTrainModule
 
 def _module(**kw) -> MtpcTrainModule:
     torch.manual_seed(0)
-    return MtpcTrainModule(backbone="tiny", backbone_dtype="float64", circuit="btree", window=4, rank=2,
-                           chunk_size=8, **kw)
+    return MtpcTrainModule(
+        backbone="tiny", backbone_dtype="float64", circuit="btree", window=4, rank=2, chunk_size=8, **kw
+    )
 
 
 def _grads(module: MtpcTrainModule, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     module.zero_grad()
     res, _, _ = module._loss(batch, grad_backbone=False)
     res.loss.backward()
-    return res.loss.detach(), {n: p.grad.clone() for n, p in module.head.named_parameters() if p.grad is not None}
+    return res.loss.detach(), {
+        n: p.grad.clone() for n, p in module.head.named_parameters() if p.grad is not None
+    }
 
 
 @pytest.mark.parametrize("kl_beta", [0.0, 0.5])
@@ -56,7 +59,9 @@ def test_a_corrupt_entry_is_named_once_recomputed_and_rewritten(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         again = cache.get(ids, compute)
-    assert [str(w.message) for w in caught] == [f"hidden-state cache: {path} is corrupt (key or checksum differs); recomputing it"]
+    assert [str(w.message) for w in caught] == [
+        f"hidden-state cache: {path} is corrupt (key or checksum differs); recomputing it"
+    ]
     assert torch.equal(again, first) and cache.misses == 2
     assert torch.equal(cache.get(ids, compute), first) and cache.hits == 1  # rewritten: read back
 

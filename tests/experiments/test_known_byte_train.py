@@ -24,7 +24,9 @@ def test_known_embedding_starts_as_the_backbones_input_embedding():
     assert m.head.config.known_byte and m.head.config.first_scored == 2
     torch.testing.assert_close(m.head.known_embedding, E.float(), rtol=0, atol=0)
     assert input_embedding(m.backbone).shape == (m.backbone.vocab_size, m.backbone.hidden_size)
-    assert not hasattr(MtpcTrainModule(backbone="tiny", circuit="cp", window=3, rank=2).head, "known_embedding")
+    assert not hasattr(
+        MtpcTrainModule(backbone="tiny", circuit="cp", window=3, rank=2).head, "known_embedding"
+    )
 
 
 def test_debug_fit_of_a_known_byte_head(tmp_path):

@@ -12,14 +12,18 @@ from experiments.config import load_config
 from sweeps.spec import SpecError, load_spec
 
 LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
-    f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True))
+    f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
+    for p, c in zip("abcdefgh", "bcdefghi", strict=True)
+)
 
 
 def test_an_alias_bomb_is_refused_in_one_line_before_anything_is_built(tmp_path):
     """A 'billion laughs' document (~500 bytes, 9^9 values expanded) under model.backbone_kwargs used to
     expand into a 228 MB run.json; now the config is refused at once, naming the file."""
     path = tmp_path / "bomb.yaml"
-    path.write_text("model:\n  backbone_kwargs:\n" + "".join("    " + line + "\n" for line in LAUGHS.splitlines()))
+    path.write_text(
+        "model:\n  backbone_kwargs:\n" + "".join("    " + line + "\n" for line in LAUGHS.splitlines())
+    )
     assert path.stat().st_size < 1000
     t = time.monotonic()
     with pytest.raises(ValueError) as e:
@@ -55,9 +59,13 @@ def test_an_inline_config_string_is_checked_like_a_file():
     names: the allow-list covers it (the planted-module run is in test_config)."""
     inline = '{"trainer": {"profiler": {"class_path": "evil_marker.P"}}}'
     for argv in (["fit", "--config", inline], ["fit", f"--config={inline}"]):
-        with pytest.raises(ValueError, match=r"--config \(inline\): trainer\.profiler\.class_path: 'evil_marker\.P'"):
+        with pytest.raises(
+            ValueError, match=r"--config \(inline\): trainer\.profiler\.class_path: 'evil_marker\.P'"
+        ):
             parsing.check_cli_class_paths(argv)
-    parsing.check_cli_class_paths(["fit", "--config", '{"trainer": {"max_steps": 3}}'])  # a harmless one passes
+    parsing.check_cli_class_paths(
+        ["fit", "--config", '{"trainer": {"max_steps": 3}}']
+    )  # a harmless one passes
     with pytest.raises(ValueError, match="aliases are expanded"):
         parsing.check_cli_class_paths(["fit", "--config", LAUGHS])
 

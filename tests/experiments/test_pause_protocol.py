@@ -77,7 +77,9 @@ def test_a_file_naming_an_unrelated_process_is_never_signalled(env):
         folder.mkdir(parents=True)
         record = {"pid": other.pid, "start_time": background._start_time(other.pid), "what": "forged"}
         (folder / f"{other.pid}.json").write_text(json.dumps(record))
-        (Path(os.environ["MTPC_CACHE_DIR"]) / "pretrain.pid").write_text(json.dumps({"pid": other.pid}))  # old protocol
+        (Path(os.environ["MTPC_CACHE_DIR"]) / "pretrain.pid").write_text(
+            json.dumps({"pid": other.pid})
+        )  # old protocol
         assert background.registered() == []
         with background.timing():
             time.sleep(0.1)
@@ -91,14 +93,22 @@ def test_a_lock_held_by_another_process_than_the_one_named_proves_nothing(env, t
     """A registry file whose lock is held by one process but which names another (a forged pid inside a
     real registrant's file, or a reused pid) is ignored."""
     other = subprocess.Popen(SLEEP)
-    holder = subprocess.Popen([sys.executable, "-c",
-                               "import fcntl, json, os, sys, time\n"
-                               "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)\n"
-                               "fcntl.flock(fd, fcntl.LOCK_EX)\n"
-                               "os.write(fd, json.dumps({'pid': int(sys.argv[2]), 'start_time': int(sys.argv[3])}).encode())\n"
-                               "print('held', flush=True); time.sleep(120)",
-                               str(tmp_path / "forged.json"), str(other.pid), str(background._start_time(other.pid))],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, json, os, sys, time\n"
+            "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "os.write(fd, json.dumps({'pid': int(sys.argv[2]), 'start_time': int(sys.argv[3])}).encode())\n"
+            "print('held', flush=True); time.sleep(120)",
+            str(tmp_path / "forged.json"),
+            str(other.pid),
+            str(background._start_time(other.pid)),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         background.pausable_dir().mkdir(parents=True)
@@ -113,8 +123,10 @@ def test_a_lock_held_by_another_process_than_the_one_named_proves_nothing(env, t
 
 
 def test_several_registrants_pause_together_and_the_in_process_form_registers(env):
-    code = ("import time; from experiments.background import register\n"
-            "with register(None, what='head training'):\n    print('registered', flush=True); time.sleep(120)")
+    code = (
+        "import time; from experiments.background import register\n"
+        "with register(None, what='head training'):\n    print('registered', flush=True); time.sleep(120)"
+    )
     inproc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
     reg = _registrant(env)
     try:
@@ -137,8 +149,10 @@ def test_a_timer_that_dies_leaves_nothing_stopped(env, how):
     """`timeout`/`kill` (SIGTERM) runs the timer's own SIGCONT; SIGKILL cannot be caught, and the guardian
     the timer started (its own session, reading a pipe only the timer holds) continues the registrant."""
     reg = _registrant(env)
-    code = ("import time; from experiments.background import timing\n"
-            "with timing():\n    print('timing', flush=True); time.sleep(120)")
+    code = (
+        "import time; from experiments.background import timing\n"
+        "with timing():\n    print('timing', flush=True); time.sleep(120)"
+    )
     timer = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert timer.stdout.readline().strip() == "timing"
@@ -192,8 +206,10 @@ def test_a_lock_path_that_is_not_a_regular_file_is_refused_in_one_line(env, tmp_
 def test_a_waiter_says_who_holds_the_lock_and_leaves_when_asked_to_stop(env, capsys):
     """A hung or stopped evaluation holding the lock no longer stalls training silently: the waiter names
     the holder (and that it is stopped), and a stop request (training's SIGTERM) ends the wait."""
-    code = ("import os, signal, time; from experiments.background import timing\n"
-            "with timing():\n    print('timing', flush=True); os.kill(os.getpid(), signal.SIGSTOP)")
+    code = (
+        "import os, signal, time; from experiments.background import timing\n"
+        "with timing():\n    print('timing', flush=True); os.kill(os.getpid(), signal.SIGSTOP)"
+    )
     timer = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert timer.stdout.readline().strip() == "timing"

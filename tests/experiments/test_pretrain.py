@@ -21,8 +21,18 @@ from mtpc.tokenizer import VOCAB_SIZE, ByteTokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = dict(
-    hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64, max_context=128,
-    seq_len=32, batch_size=4, max_steps=6, warmup_steps=2, heldout_rows=4, max_minutes=2.0,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=64,
+    max_context=128,
+    seq_len=32,
+    batch_size=4,
+    max_steps=6,
+    warmup_steps=2,
+    heldout_rows=4,
+    max_minutes=2.0,
 )
 
 
@@ -39,7 +49,9 @@ def test_bad_configs(tmp_path):
     with pytest.raises(ValueError, match=r"c\.yaml: width: unknown key\(s\) \['width'\]"):
         load_config(path)
     path.write_text("hidden_size: 100\nnum_heads: 8\n")
-    with pytest.raises(ValueError, match=r"c\.yaml: hidden_size: 100 does not split into num_heads=8 .*; expected"):
+    with pytest.raises(
+        ValueError, match=r"c\.yaml: hidden_size: 100 does not split into num_heads=8 .*; expected"
+    ):
         load_config(path)
     path.write_text("seq_len: 9000\n")
     with pytest.raises(ValueError, match="seq_len: 9000 exceeds max_context=4096; expected"):
@@ -54,7 +66,10 @@ def test_bad_configs(tmp_path):
 def _corpus(path, n=60):
     rows = []
     for i in range(n):
-        msgs = [{"role": "user", "content": f"count to {i % 7}"}, {"role": "assistant", "content": "1 2 3 4 5 6 7"[: 2 * (i % 7) + 1]}]
+        msgs = [
+            {"role": "user", "content": f"count to {i % 7}"},
+            {"role": "assistant", "content": "1 2 3 4 5 6 7"[: 2 * (i % 7) + 1]},
+        ]
         rows.append(json.dumps({"id": f"c{i}_0", "messages": msgs}))
     path.write_text("\n".join(rows) + "\n")
     return path
@@ -65,7 +80,9 @@ def test_tiny_pretrain_saves_a_loadable_backbone(tmp_path, monkeypatch):
     out = tmp_path / "model"
     metrics = pretrain(cfg, out)
     assert metrics["steps"] == 6 and 0 < metrics["heldout_bits_per_byte"] < 10
-    assert {"model.safetensors", "config.json", "tokenizer_config.json", METRICS_FILE} <= {p.name for p in out.iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer_config.json", METRICS_FILE} <= {
+        p.name for p in out.iterdir()
+    }
     bb = load_backbone(str(out), lora_depth=1)
     assert isinstance(bb.tokenizer, ByteTokenizer) and bb.vocab_size == VOCAB_SIZE and bb.eos_token_id == 258
     ids = torch.tensor([bb.tokenizer.render_prompt("count to 3")])
@@ -84,8 +101,16 @@ def test_tiny_pretrain_saves_a_loadable_backbone(tmp_path, monkeypatch):
 # exact resume, signals, and the pause that benchmarks take
 # ---------------------------------------------------------------------------------------------
 def _tiny_yaml(tmp_path, **extra):
-    cfg = dict(TINY, final_seq_len=64, final_batch_size=2, final_fraction=0.3, max_minutes=60.0,
-               log_every=2, num_threads=1, train_data=str(_corpus(tmp_path / "d.jsonl")))
+    cfg = dict(
+        TINY,
+        final_seq_len=64,
+        final_batch_size=2,
+        final_fraction=0.3,
+        max_minutes=60.0,
+        log_every=2,
+        num_threads=1,
+        train_data=str(_corpus(tmp_path / "d.jsonl")),
+    )
     cfg.update({"max_steps": 14, **extra})
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -94,8 +119,15 @@ def _tiny_yaml(tmp_path, **extra):
 
 def _run(args, **kw):
     env = {**os.environ, "PYTHONPATH": str(REPO), "MTPC_CACHE_DIR": kw.pop("cache")}
-    return subprocess.Popen([sys.executable, "-m", "experiments.pretrain", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "experiments.pretrain", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
 
 
 def _weights(path):
@@ -110,16 +142,23 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path):
     (both phases), bit for bit the uninterrupted run's weights and loss curve."""
     conf = _tiny_yaml(tmp_path, snapshot_minutes=1e-9, max_steps=30)  # a snapshot after every step
     cache = str(tmp_path / "cache")
-    ref = _run(["--config", str(conf), "--out", str(tmp_path / "ref"), "--run-dir", str(tmp_path / "ref_run")], cache=cache)
+    ref = _run(
+        ["--config", str(conf), "--out", str(tmp_path / "ref"), "--run-dir", str(tmp_path / "ref_run")],
+        cache=cache,
+    )
     assert ref.wait(timeout=300) == 0, ref.stdout.read()
     run = tmp_path / "run"
     p = _run(["--config", str(conf), "--out", str(tmp_path / "out"), "--run-dir", str(run)], cache=cache)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        if (run / STATE_FILE).is_file() and torch.load(run / STATE_FILE, weights_only=True)["state"]["step"] >= 5:
+        if (run / STATE_FILE).is_file() and torch.load(run / STATE_FILE, weights_only=True)["state"][
+            "step"
+        ] >= 5:
             break
         time.sleep(0.05)
-    p.send_signal(signal.SIGSTOP)  # frozen at once (a loaded machine must not let it run to the end), then killed
+    p.send_signal(
+        signal.SIGSTOP
+    )  # frozen at once (a loaded machine must not let it run to the end), then killed
     p.kill()
     p.wait()
     killed_at = torch.load(run / STATE_FILE, weights_only=True)["state"]["step"]
@@ -131,10 +170,14 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     ma, mb = (json.loads((tmp_path / d / METRICS_FILE).read_text()) for d in ("ref", "out"))
     strip = lambda curve: [(c["step"], c["seq_len"], c["train_bits_per_byte"], c["lr"]) for c in curve]
-    assert strip(ma["loss_curve"]) == strip(mb["loss_curve"]) and {c["seq_len"] for c in ma["loss_curve"]} == {32, 64}
+    assert strip(ma["loss_curve"]) == strip(mb["loss_curve"]) and {
+        c["seq_len"] for c in ma["loss_curve"]
+    } == {32, 64}
     # another config in the same run directory is refused, naming what differs
     conf2 = _tiny_yaml(tmp_path, lr=0.01)
-    p = _run(["--config", str(conf2), "--out", str(tmp_path / "o2"), "--run-dir", str(run), "--force"], cache=cache)
+    p = _run(
+        ["--config", str(conf2), "--out", str(tmp_path / "o2"), "--run-dir", str(run), "--force"], cache=cache
+    )
     out = p.communicate(timeout=300)[0]
     assert p.returncode != 0 and "a snapshot of another run (differs in ['lr'])" in out, out
 
@@ -143,7 +186,10 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path):
 def test_sigterm_snapshots_once_and_exits_nonzero(tmp_path):
     conf = _tiny_yaml(tmp_path, max_steps=100000)
     run = tmp_path / "run"
-    p = _run(["--config", str(conf), "--out", str(tmp_path / "out"), "--run-dir", str(run)], cache=str(tmp_path / "c"))
+    p = _run(
+        ["--config", str(conf), "--out", str(tmp_path / "out"), "--run-dir", str(run)],
+        cache=str(tmp_path / "c"),
+    )
     for line in p.stdout:  # wait for the loop to run
         if line.startswith("step 4:"):
             break
@@ -159,12 +205,20 @@ def test_evaluations_along_the_way_score_at_the_current_row_length(tmp_path):
     """The main phase's evaluations score the held-out bytes at its own row length (a model trained on
     short rows scored at the final length looks flat, which ended runs early); the final ones at the
     final length, which is also what the reported bits/byte use."""
-    cfg = PretrainConfig(**{**TINY, "max_steps": 8}, final_seq_len=64, final_batch_size=2, final_fraction=0.25,
-                            eval_minutes=1e-9, train_data=str(_corpus(tmp_path / "d.jsonl")))
+    cfg = PretrainConfig(
+        **{**TINY, "max_steps": 8},
+        final_seq_len=64,
+        final_batch_size=2,
+        final_fraction=0.25,
+        eval_minutes=1e-9,
+        train_data=str(_corpus(tmp_path / "d.jsonl")),
+    )
     m = pretrain(cfg, tmp_path / "out")
     lens = [e["seq_len"] for e in m["heldout_curve"]]
     assert lens == [32] * 6 + [64] * 2, lens
-    assert m["heldout_curve"][-1]["heldout_bits_per_byte"] == pytest.approx(m["heldout_bits_per_byte"], rel=1e-5)
+    assert m["heldout_curve"][-1]["heldout_bits_per_byte"] == pytest.approx(
+        m["heldout_bits_per_byte"], rel=1e-5
+    )
 
 
 def test_work_beside_a_timer_waits_until_it_is_done(tmp_path, monkeypatch):
@@ -176,8 +230,10 @@ def test_work_beside_a_timer_waits_until_it_is_done(tmp_path, monkeypatch):
     monkeypatch.setenv("MTPC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("MTPC_TIMING_LOCK", str(tmp_path / "timing.lock"))
     assert background.wait_while_timing() < 0.5
-    code = ("import time, sys; from experiments.background import wait_while_timing; "
-            "t = time.monotonic(); w = wait_while_timing(); print(round(time.monotonic() - t, 2), round(w, 2))")
+    code = (
+        "import time, sys; from experiments.background import wait_while_timing; "
+        "t = time.monotonic(); w = wait_while_timing(); print(round(time.monotonic() - t, 2), round(w, 2))"
+    )
     env = {**os.environ, "MTPC_TIMING_LOCK": str(tmp_path / "timing.lock")}
     with background.timing():
         assert background.wait_while_timing() == 0.0  # the timer's own thread
@@ -197,12 +253,18 @@ def test_what_a_timer_starts_is_part_of_the_timing(tmp_path, monkeypatch):
 
     monkeypatch.setenv("MTPC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("MTPC_TIMING_LOCK", str(tmp_path / "timing.lock"))
-    code = ("import time; from experiments.background import timing, wait_while_timing\n"
-            "w = wait_while_timing()\n"
-            "with timing() as waited:\n    print(round(w, 2), round(waited, 2), flush=True)")
-    outside = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ), stdout=subprocess.PIPE, text=True)
+    code = (
+        "import time; from experiments.background import timing, wait_while_timing\n"
+        "w = wait_while_timing()\n"
+        "with timing() as waited:\n    print(round(w, 2), round(waited, 2), flush=True)"
+    )
+    outside = subprocess.Popen(
+        [sys.executable, "-c", code], env=dict(os.environ), stdout=subprocess.PIPE, text=True
+    )
     with background.timing():
-        inside = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), capture_output=True, text=True, timeout=60)
+        inside = subprocess.run(
+            [sys.executable, "-c", code], env=dict(os.environ), capture_output=True, text=True, timeout=60
+        )
         assert inside.returncode == 0 and inside.stdout.split() == ["0.0", "0.0"], inside.stderr[-2000:]
         time.sleep(1.0)
         assert outside.poll() is None  # started before the block, not by it: still waiting

@@ -29,20 +29,33 @@ class _Tiny(L.LightningModule):
 
 def _fit(tmp_path, max_steps: int, ckpt: str | None = None) -> tuple[list[str], L.Trainer]:
     out = io.StringIO()
-    trainer = L.Trainer(max_steps=max_steps, max_epochs=5, logger=False, enable_checkpointing=False,
-                        enable_model_summary=False, callbacks=[StepProgress("study/cp-r4-n4-k0", stream=out)],
-                        default_root_dir=str(tmp_path), accelerator="cpu", devices=1)
+    trainer = L.Trainer(
+        max_steps=max_steps,
+        max_epochs=5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[StepProgress("study/cp-r4-n4-k0", stream=out)],
+        default_root_dir=str(tmp_path),
+        accelerator="cpu",
+        devices=1,
+    )
     data = DataLoader(TensorDataset(torch.randn(40, 2)), batch_size=2)  # 20 batches an epoch
     trainer.fit(_Tiny(), data, ckpt_path=ckpt)
     return out.getvalue().splitlines(), trainer
 
 
-@pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning")  # inside Lightning
-@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")  # on purpose
+@pytest.mark.filterwarnings(
+    "ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning"
+)  # inside Lightning
+@pytest.mark.filterwarnings(
+    "ignore:You're resuming from a checkpoint that ended before the epoch ended"
+)  # on purpose
 def test_lines_count_the_real_steps_and_name_the_run(tmp_path):
     lines, trainer = _fit(tmp_path, 8)
     assert [re.sub(r" in \d+:\d\d.*", "", ln) for ln in lines] == [
-        f"[train study/cp-r4-n4-k0] step {s}/8 ({p}%)" for s, p in ((2, 25), (4, 50), (6, 75), (8, 100))]
+        f"[train study/cp-r4-n4-k0] step {s}/8 ({p}%)" for s, p in ((2, 25), (4, 50), (6, 75), (8, 100))
+    ]
     assert all(", ETA " in ln for ln in lines[:-1]) and ", ETA" not in lines[-1]
     path = tmp_path / "half.ckpt"
     trainer.save_checkpoint(path)

@@ -26,7 +26,9 @@ def test_ship_writes_shards_manifest_and_loads_by_label(tmp_path, monkeypatch):
     m = sd.ship(model, dest, metrics, rows=4)
     names = {p.name for p in dest.iterdir()}
     assert {"config.json", "tokenizer_config.json", METRICS_FILE, sd.CARD_FILE, shipped.MANIFEST} <= names
-    assert len([n for n in names if n.endswith(".safetensors")]) >= 2 and "model.safetensors.index.json" in names
+    assert (
+        len([n for n in names if n.endswith(".safetensors")]) >= 2 and "model.safetensors.index.json" in names
+    )
     assert 0 < m["shipped_heldout_bits_per_byte"] < 10 and m["slice_32k_rows"] == 4
     label = shipped.verify_shipped(dest)
     assert label.startswith("default@") and len(label) == len("default@") + 8

@@ -22,12 +22,17 @@ def shipped(tmp_path, monkeypatch):
     temporary heads folder that `from_pretrained` reads."""
     label = verify_shipped(SHIPPED_DIR)
     run = tmp_path / "run"
-    head = random_head(HeadConfig("btree", 4, 2, 320, 512, leaf_delta_rank=2), seed=0, init="unembedding", sum_std=0.5)
+    head = random_head(
+        HeadConfig("btree", 4, 2, 320, 512, leaf_delta_rank=2), seed=0, init="unembedding", sum_std=0.5
+    )
     head.config.backbone = label
     save_head(run / "head", head)
-    config = {"model": {"kl_beta": 0.5, "kl_temperature": 1.0, "lr": 0.003},
-              "data": {"batch_size": 2, "global_batch_size": 2, "seq_len": 512},
-              "trainer": {"max_steps": 7}, "run": {"export_dir": str(run / "head")}}
+    config = {
+        "model": {"kl_beta": 0.5, "kl_temperature": 1.0, "lr": 0.003},
+        "data": {"batch_size": 2, "global_batch_size": 2, "seq_len": 512},
+        "trainer": {"max_steps": 7},
+        "run": {"export_dir": str(run / "head")},
+    }
     (run / "run.json").write_text(json.dumps({"config": config}))
     (run / "metrics.json").write_text(json.dumps({"val/nll": 1.5, "train_seconds": 60.0}))
     heads = tmp_path / "heads"
@@ -40,7 +45,11 @@ def test_a_shipped_head_is_bf16_indexed_and_loads_as_default_with_the_default_ba
     heads, trained = shipped
     index = json.loads((heads / sh.INDEX_FILE).read_text())
     assert index["default"] == "tiny-btree" and index["backbone"] == verify_shipped(SHIPPED_DIR)
-    assert sorted(index["heads"]["tiny-btree"]["files"]) == ["MODEL_CARD.md", "config.json", "head.safetensors"]
+    assert sorted(index["heads"]["tiny-btree"]["files"]) == [
+        "MODEL_CARD.md",
+        "config.json",
+        "head.safetensors",
+    ]
     stored, _ = load_head(heads / "tiny-btree")
     assert {t.dtype for t in stored.state_dict().values()} == {torch.bfloat16}
     card = (heads / "tiny-btree" / sh.CARD_FILE).read_text()
@@ -51,7 +60,10 @@ def test_a_shipped_head_is_bf16_indexed_and_loads_as_default_with_the_default_ba
         assert torch.equal(p, trained.state_dict()[name].to(torch.bfloat16).float())
     assert MtpcModel.from_pretrained("shipped:tiny-btree").head.config.rank == 2
     out = model.generate("Hi", max_new_tokens=8, mode="greedy", ban_eos=True)
-    assert out.ids.tolist() == model.generate_plain("Hi", max_new_tokens=8, mode="greedy", ban_eos=True).ids.tolist()
+    assert (
+        out.ids.tolist()
+        == model.generate_plain("Hi", max_new_tokens=8, mode="greedy", ban_eos=True).ids.tolist()
+    )
 
 
 def test_a_changed_extra_or_missing_file_is_refused_naming_it(shipped):
@@ -69,7 +81,9 @@ def test_a_changed_extra_or_missing_file_is_refused_naming_it(shipped):
 
 def test_shipped_names_and_local_folders_are_told_apart(shipped, tmp_path, monkeypatch):
     heads, _ = shipped
-    with pytest.raises(ValueError, match=r"no shipped head of that name; shipped: \['tiny-btree'\] .*\./nope"):
+    with pytest.raises(
+        ValueError, match=r"no shipped head of that name; shipped: \['tiny-btree'\] .*\./nope"
+    ):
         sh.resolve_head("shipped:nope")
     monkeypatch.chdir(tmp_path)
     local = tmp_path / "default"
@@ -83,8 +97,12 @@ def test_a_head_of_another_backbone_or_too_large_is_not_shipped(tmp_path):
     def run_with(head, name):
         run = tmp_path / name
         save_head(run / "head", head)
-        config = {"model": {"kl_beta": 0.0, "lr": 0.003}, "data": {"batch_size": 2, "seq_len": 512},
-                  "trainer": {"max_steps": 1}, "run": {"export_dir": str(run / "head")}}
+        config = {
+            "model": {"kl_beta": 0.0, "lr": 0.003},
+            "data": {"batch_size": 2, "seq_len": 512},
+            "trainer": {"max_steps": 1},
+            "run": {"export_dir": str(run / "head")},
+        }
         (run / "run.json").write_text(json.dumps({"config": config}))
         (run / "metrics.json").write_text("{}")
         return run
@@ -93,7 +111,9 @@ def test_a_head_of_another_backbone_or_too_large_is_not_shipped(tmp_path):
     other.config.backbone = "tiny"
     with pytest.raises(ValueError, match="only heads of the shipped default@"):
         ship(run_with(other, "other"), "x", make_default=True, report_path=None, heads_dir=tmp_path / "heads")
-    big = random_head(HeadConfig("btree", 4, 8, 320, 512, backbone="default"), seed=0)  # full leaves: 10.5 MB in bf16
+    big = random_head(
+        HeadConfig("btree", 4, 8, 320, 512, backbone="default"), seed=0
+    )  # full leaves: 10.5 MB in bf16
     with pytest.raises(ValueError, match=r"MiB in bf16; a shipped head must stay under 8 MiB"):
         ship(run_with(big, "big"), "x", make_default=True, report_path=None, heads_dir=tmp_path / "heads")
     assert not (tmp_path / "heads" / "x").exists() and not (tmp_path / "heads" / sh.INDEX_FILE).exists()
@@ -125,10 +145,18 @@ def test_the_demo_line_reports_the_shipped_heads_speedup_in_both_modes(shipped, 
     from sweeps.demo import shipped_head_line
 
     monkeypatch.setenv("MTPC_TIMING_LOCK", str(tmp_path / "timing.lock"))
-    monkeypatch.setattr(prompts_module, "load_prompt_sets", lambda *a, **k: [["Hello there", "Tell me a story"]])
+    monkeypatch.setattr(
+        prompts_module, "load_prompt_sets", lambda *a, **k: [["Hello there", "Tell me a story"]]
+    )
     line = shipped_head_line(prompts=2, new_bytes=8)
-    assert line.startswith("shipped head tiny-btree (btree, n=4, r=2; MtpcModel.from_pretrained(\"default\")): ")
-    assert "x plain decoding greedy (output identical on 2/2)" in line and "x sampled" in line and "\n" not in line
+    assert line.startswith(
+        'shipped head tiny-btree (btree, n=4, r=2; MtpcModel.from_pretrained("default")): '
+    )
+    assert (
+        "x plain decoding greedy (output identical on 2/2)" in line
+        and "x sampled" in line
+        and "\n" not in line
+    )
 
 
 def test_the_demo_line_without_a_shipped_head(tmp_path, monkeypatch):

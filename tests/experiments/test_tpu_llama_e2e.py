@@ -39,7 +39,9 @@ def test_train_with_lora_then_evaluate_through_the_clis(byte_llama, tmp_path, ca
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["global_step"] == 4 and metrics["val_loss"] == metrics["val_loss"]
     lora = load_file(str(run / "head" / "lora.safetensors"))
-    assert lora and any(t.abs().max() > 0 for k, t in lora.items() if "lora_B" in k)  # stage 2 trained the LoRA
+    assert lora and any(
+        t.abs().max() > 0 for k, t in lora.items() if "lora_B" in k
+    )  # stage 2 trained the LoRA
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps(p) for p in ["hello there", "caf\u00e9 and the world"]) + "\n")
     out = tmp_path / "eval.json"
@@ -54,16 +56,33 @@ def test_arch_grid_validates_against_a_tpu_llama_checkpoint(byte_llama, tmp_path
     from sweeps.spec import SpecError, load_spec
     from sweeps.study import validate_trial_configs
 
-    prompts = tmp_path / "prompts.jsonl"  # the tiny checkpoint's 512 positions cannot hold arch_grid's held-out prompts:
-    prompts.write_text('"Hello there."\n')  # --check refuses that (eval lengths); evaluate on a short prompt instead
-    spec = load_spec("sweeps/arch_grid.yaml", overrides={"train.model.backbone": str(byte_llama), "eval.prompts": str(prompts),
-                                                         "eval.n_prompts": 1, "eval.sets": 1})
+    prompts = (
+        tmp_path / "prompts.jsonl"
+    )  # the tiny checkpoint's 512 positions cannot hold arch_grid's held-out prompts:
+    prompts.write_text(
+        '"Hello there."\n'
+    )  # --check refuses that (eval lengths); evaluate on a short prompt instead
+    spec = load_spec(
+        "sweeps/arch_grid.yaml",
+        overrides={
+            "train.model.backbone": str(byte_llama),
+            "eval.prompts": str(prompts),
+            "eval.n_prompts": 1,
+            "eval.sets": 1,
+        },
+    )
     assert spec.train.source.endswith("llama_byte.yaml") and spec.train.model.backbone == str(byte_llama)
     assert validate_trial_configs(spec) == len(spec.grid) > 0  # k <= 4 layers; its auto_map needs no consent
-    three = write_tpu_llama(tmp_path / "three", expand=None, layers=3)  # the same check can fail: k = 4 > 3 layers
+    three = write_tpu_llama(
+        tmp_path / "three", expand=None, layers=3
+    )  # the same check can fail: k = 4 > 3 layers
     with pytest.raises(SpecError, match=r"lora_depth.*k = 4 exceeds the 3 layers"):
-        validate_trial_configs(load_spec("sweeps/arch_grid.yaml", overrides={"train.model.backbone": str(three)}))
+        validate_trial_configs(
+            load_spec("sweeps/arch_grid.yaml", overrides={"train.model.backbone": str(three)})
+        )
     other = json.loads((three / "config.json").read_text()) | {"model_type": "llama", "num_hidden_layers": 4}
     (three / "config.json").write_text(json.dumps(other))  # another model with an auto_map: consent needed
     with pytest.raises(SpecError, match="trust_remote_code"):
-        validate_trial_configs(load_spec("sweeps/arch_grid.yaml", overrides={"train.model.backbone": str(three)}))
+        validate_trial_configs(
+            load_spec("sweeps/arch_grid.yaml", overrides={"train.model.backbone": str(three)})
+        )

@@ -126,8 +126,11 @@ def test_window_is_one_field_checked_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(mtpc.names, "check_architecture", counting)
     monkeypatch.setattr(mtpc.heads, "check_architecture", counting)
-    cfg = trial_config(load_config("debug", {"trainer": {"max_steps": 1}}),
-                       {"circuit": "hmm", "rank": 2, "window": 5, "lora_depth": 0}, run_dir=tmp_path)
+    cfg = trial_config(
+        load_config("debug", {"trainer": {"max_steps": 1}}),
+        {"circuit": "hmm", "rank": 2, "window": 5, "lora_depth": 0},
+        run_dir=tmp_path,
+    )
     assert calls == [] and cfg.model.window == 5  # building the trial's config checks nothing yet
     res = train_head(replace(cfg, run=replace(cfg.run, tracking=False)))
     assert res.model.head.config.window == 5
@@ -135,13 +138,19 @@ def test_window_is_one_field_checked_once(tmp_path, monkeypatch):
 
 
 def test_remote_code_backbone_needs_consent_in_the_config(tmp_path):
-    tiny_llama(vocab=320, hidden=16, layers=2, heads=2, kv_heads=1, dtype=torch.float32).save_pretrained(tmp_path / "bb")
+    tiny_llama(vocab=320, hidden=16, layers=2, heads=2, kv_heads=1, dtype=torch.float32).save_pretrained(
+        tmp_path / "bb"
+    )
     cfg = json.loads((tmp_path / "bb" / "config.json").read_text())
     cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}  # it ships its own modelling file
     (tmp_path / "bb" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"debug\.yaml: model\.trust_remote_code: .*own modelling code.*model\.revision"):
+    with pytest.raises(
+        ValueError, match=r"debug\.yaml: model\.trust_remote_code: .*own modelling code.*model\.revision"
+    ):
         check_config("debug", {"model.backbone": str(tmp_path / "bb")})
-    check_config("debug", {"model.backbone": str(tmp_path / "bb"), "model.trust_remote_code": True})  # local: consent
+    check_config(
+        "debug", {"model.backbone": str(tmp_path / "bb"), "model.trust_remote_code": True}
+    )  # local: consent
     with pytest.raises(ValueError, match=r"debug\.yaml: model\.revision: .*40-hex commit hash"):
         check_config("debug", {"model.backbone": "some-org/some-model", "model.trust_remote_code": True})
 
@@ -154,8 +163,17 @@ def test_cli_malformed_data_is_one_line_or_skipped_and_counted(tmp_path, capsys)
     lines.insert(9, json.dumps({"id": "empty", "messages": []}))  # line 10
     chats = tmp_path / "chats.jsonl"
     chats.write_text("\n".join(lines) + "\n")
-    cli = ["fit", "--config", str(CONFIG_DIR / "debug.yaml"), "--data.source", str(chats),
-           "--run.dir", str(tmp_path / "run"), "--trainer.max_steps", "2"]
+    cli = [
+        "fit",
+        "--config",
+        str(CONFIG_DIR / "debug.yaml"),
+        "--data.source",
+        str(chats),
+        "--run.dir",
+        str(tmp_path / "run"),
+        "--trainer.max_steps",
+        "2",
+    ]
     assert main(cli) == 2  # data.on_error: raise (the default)
     err = capsys.readouterr().err
     assert err.startswith("error: ") and f"{chats}:4" in err and len(err.splitlines()) == 1, err
@@ -169,9 +187,10 @@ def test_cli_malformed_data_is_one_line_or_skipped_and_counted(tmp_path, capsys)
 @pytest.mark.parametrize("kind", CIRCUIT_KINDS)
 def test_debug_fit_lowers_loss(tmp_path, kind, lora_depth):
     rec = Recorder()
-    over = {"model.circuit": kind, "model.lora_depth": lora_depth} | ({"model.rank": 1} if kind == "ff" else {})
-    res = train_head("debug", over,
-                     run_dir=tmp_path, callbacks=[rec])
+    over = {"model.circuit": kind, "model.lora_depth": lora_depth} | (
+        {"model.rank": 1} if kind == "ff" else {}
+    )
+    res = train_head("debug", over, run_dir=tmp_path, callbacks=[rec])
     steps = sorted(rec.losses)
     first = sum(rec.losses[s] for s in steps[:3]) / 3
     last = sum(rec.losses[s] for s in steps[-3:]) / 3
@@ -191,8 +210,12 @@ def test_debug_fit_lowers_loss(tmp_path, kind, lora_depth):
 def reference_run(tmp_path_factory):
     """An uninterrupted debug run (cp, k = 1) with a checkpoint every step."""
     rec = Recorder()
-    res = train_head("debug", {"model.lora_depth": 1, "run.checkpoint_every_n_steps": 1},
-                     run_dir=tmp_path_factory.mktemp("ref"), callbacks=[rec])
+    res = train_head(
+        "debug",
+        {"model.lora_depth": 1, "run.checkpoint_every_n_steps": 1},
+        run_dir=tmp_path_factory.mktemp("ref"),
+        callbacks=[rec],
+    )
     return rec.losses, res
 
 
@@ -228,11 +251,23 @@ def test_resume_after_crash_is_exact(tmp_path, reference_run, epoch, monkeypatch
     client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
     run = client.get_run(res.mlflow_run_id)
     assert (tmp_path / "run" / "mlflow_run_id.txt").read_text().strip() == res.mlflow_run_id
-    for key in ("backbone", "circuit", "window", "rank", "lora_depth", "seed", "lr", "seq_len", "trust_remote_code",
-                "revision"):
+    for key in (
+        "backbone",
+        "circuit",
+        "window",
+        "rank",
+        "lora_depth",
+        "seed",
+        "lr",
+        "seq_len",
+        "trust_remote_code",
+        "revision",
+    ):
         assert key in run.data.params, key
     assert run.data.params["circuit"] == "cp" and run.data.params["lora_depth"] == "1"
-    assert {"train_loss", "val_loss", "val_nll_1", "val_bits_per_byte", "peak_mem_bytes"} <= set(run.data.metrics)
+    assert {"train_loss", "val_loss", "val_nll_1", "val_bits_per_byte", "peak_mem_bytes"} <= set(
+        run.data.metrics
+    )
     history = client.get_metric_history(res.mlflow_run_id, "train_loss")
     assert {m.step for m in history} >= set(range(n_steps))  # Lightning logs step s as s - 1
     artifacts = {a.path for a in client.list_artifacts(res.mlflow_run_id, "run")}
@@ -260,16 +295,31 @@ def test_export_reloads_to_same_outputs(reference_run):
 @pytest.mark.slow  # two fresh interpreters importing Lightning: ~20 s idle, ~60 s on the loaded 2-core CPU
 def test_cli_fit_then_resume_with_ckpt_path_last(tmp_path):
     root = Path(__file__).resolve().parents[2]
-    base = [sys.executable, "-m", "experiments.train", "fit", "--config", str(CONFIG_DIR / "debug.yaml"),
-            "--run.dir", str(tmp_path / "cli")]
+    base = [
+        sys.executable,
+        "-m",
+        "experiments.train",
+        "fit",
+        "--config",
+        str(CONFIG_DIR / "debug.yaml"),
+        "--run.dir",
+        str(tmp_path / "cli"),
+    ]
     env = {**os.environ, "PYTHONPATH": str(root)}
-    out = subprocess.run(base + ["--trainer.max_steps", "3"], cwd=root, capture_output=True, text=True,
-                         timeout=170, env=env)
+    out = subprocess.run(
+        base + ["--trainer.max_steps", "3"], cwd=root, capture_output=True, text=True, timeout=170, env=env
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "cli" / "head" / "head.safetensors").exists()
     assert torch.load(tmp_path / "cli" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
-    out = subprocess.run(base + ["--trainer.max_steps", "5", "--ckpt_path", "last"], cwd=root, capture_output=True,
-                         text=True, timeout=170, env=env)
+    out = subprocess.run(
+        base + ["--trainer.max_steps", "5", "--ckpt_path", "last"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Restoring states from the checkpoint" in out.stdout + out.stderr
     assert torch.load(tmp_path / "cli" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 5
@@ -322,7 +372,11 @@ def test_head_validation_chats_are_pretraining_heldout_chats(tmp_path):
 
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     chats = tmp_path / "chats.jsonl"
-    chats.write_text("".join(json.dumps({"id": f"chat{i}_{j}", "messages": msgs}) + "\n" for i in range(300) for j in range(2)))
+    chats.write_text(
+        "".join(
+            json.dumps({"id": f"chat{i}_{j}", "messages": msgs}) + "\n" for i in range(300) for j in range(2)
+        )
+    )
     train, val, skipped = load_split(str(chats), 0.05)
     assert skipped == 0 and 10 < len(val) < 60 and len(train) + len(val) == 600
     assert all(is_heldout(c["id"]) for c in val)  # never a chat the default model trained on

@@ -15,8 +15,12 @@ from mtpc.losses import window_loss
 
 @pytest.mark.parametrize(
     "override, key",
-    [({"model.kl_beta": 1.5}, "model.kl_beta"), ({"model.kl_beta": True}, "model.kl_beta"),
-     ({"model.kl_temperature": 0}, "model.kl_temperature"), ({"model.kl_temperature": "hot"}, "model.kl_temperature")],
+    [
+        ({"model.kl_beta": 1.5}, "model.kl_beta"),
+        ({"model.kl_beta": True}, "model.kl_beta"),
+        ({"model.kl_temperature": 0}, "model.kl_temperature"),
+        ({"model.kl_temperature": "hot"}, "model.kl_temperature"),
+    ],
 )
 def test_bad_distillation_settings_name_key_and_file(override, key):
     with pytest.raises(ValueError) as err:
@@ -25,15 +29,32 @@ def test_bad_distillation_settings_name_key_and_file(override, key):
 
 
 def test_teacher_is_the_verifier_tops_stp_distribution():
-    m = MtpcTrainModule(backbone="tiny", circuit="cp", window=4, rank=2, lora_depth=1, chunk_size=8,
-                        kl_beta=0.7, kl_temperature=0.5)
+    m = MtpcTrainModule(
+        backbone="tiny",
+        circuit="cp",
+        window=4,
+        rank=2,
+        lora_depth=1,
+        chunk_size=8,
+        kl_beta=0.7,
+        kl_temperature=0.5,
+    )
     ids = torch.randint(0, 256, (2, 24))
     score = torch.rand(2, 24) < 0.7
     docs = torch.zeros(2, 24, dtype=torch.long)
     res, out, logits = m._loss((ids, score, docs), grad_backbone=False)
     teacher = m.backbone.stp_logits(out.verify_hidden)
-    ref = window_loss(m.head, out.draft_hidden, ids, score, docs, chunk_size=None, teacher_logits=teacher,
-                      kl_beta=0.7, kl_temperature=0.5)
+    ref = window_loss(
+        m.head,
+        out.draft_hidden,
+        ids,
+        score,
+        docs,
+        chunk_size=None,
+        teacher_logits=teacher,
+        kl_beta=0.7,
+        kl_temperature=0.5,
+    )
     torch.testing.assert_close(res.loss.detach(), ref.loss.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(logits, teacher)
     assert res.per_position_kl is not None and (res.per_position_kl > 0).all()
@@ -61,5 +82,8 @@ def test_convergence_rule_on_histories():
     falling = [(0, 3.0), (80, 1.5), (160, 1.3), (200, 1.2)]
     assert convergence(falling)["converged"] == 0.0  # 8 % over the last fifth: undertrained
     late = [(170, 1.3), (200, 1.3)]  # no validation before step 160: unknown, counts as undertrained
-    assert convergence(late)["converged"] == 0.0 and convergence(late)["val_nll_change_last_fifth"] != convergence(late)["val_nll_change_last_fifth"]
+    assert (
+        convergence(late)["converged"] == 0.0
+        and convergence(late)["val_nll_change_last_fifth"] != convergence(late)["val_nll_change_last_fifth"]
+    )
     assert convergence([(200, 1.0)])["converged"] == 0.0

@@ -59,10 +59,16 @@ def test_the_lock_names_its_holder_and_is_free_once_the_holder_is_killed(tmp_pat
 
     from experiments.run_dir import RunLock
 
-    code = ("import sys, time; from experiments.run_dir import RunLock; RunLock(sys.argv[1]).acquire(); "
-            "print('held', flush=True); time.sleep(600)")
-    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONSAFEPATH": "1"})
+    code = (
+        "import sys, time; from experiments.run_dir import RunLock; RunLock(sys.argv[1]).acquire(); "
+        "print('held', flush=True); time.sleep(600)"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONSAFEPATH": "1"},
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(ValueError, match=rf"{tmp_path} is in use by a live run \(pid {holder.pid} holds"):
@@ -89,14 +95,19 @@ def test_checkpoints_and_a_head_without_run_json_are_refused(tmp_path, capsys):
     assert (run / "head" / "head.safetensors").read_bytes() == head and not (run / "run.json").exists()
 
 
-@pytest.mark.parametrize("flags, key", [
-    (["--run.cpu_threads", "-2"], "run.cpu_threads"),
-    (["--data.seq_len", str(10**12)], "data.seq_len"),
-    (["--seed_everything", str(2**70)], "seed_everything"),
-    (["--data.seed", str(2**70)], "data.seed"),
-    (["--model.backbone_kwargs", '{"bogus": 1}'], "model.backbone_kwargs.bogus"),
-])
-def test_a_bad_value_is_one_line_naming_the_key_before_anything_loads(tmp_path, capsys, monkeypatch, flags, key):
+@pytest.mark.parametrize(
+    "flags, key",
+    [
+        (["--run.cpu_threads", "-2"], "run.cpu_threads"),
+        (["--data.seq_len", str(10**12)], "data.seq_len"),
+        (["--seed_everything", str(2**70)], "seed_everything"),
+        (["--data.seed", str(2**70)], "data.seed"),
+        (["--model.backbone_kwargs", '{"bogus": 1}'], "model.backbone_kwargs.bogus"),
+    ],
+)
+def test_a_bad_value_is_one_line_naming_the_key_before_anything_loads(
+    tmp_path, capsys, monkeypatch, flags, key
+):
     monkeypatch.setattr("experiments.module.MtpcTrainModule.__init__", None)  # nothing may be built
     run = tmp_path / "run"
     err = _one_line_error(capsys, ["fit", "--config", DEBUG, "--run.dir", str(run), *flags])
@@ -109,8 +120,10 @@ def test_an_export_dir_that_is_a_file_is_refused_before_training(tmp_path, capsy
     taken = tmp_path / "taken"
     taken.write_text("not a folder")
     for export in (taken, taken / "head"):
-        err = _one_line_error(capsys, ["fit", "--config", DEBUG, "--run.dir", str(tmp_path / "run"),
-                                       "--run.export_dir", str(export)])
+        err = _one_line_error(
+            capsys,
+            ["fit", "--config", DEBUG, "--run.dir", str(tmp_path / "run"), "--run.export_dir", str(export)],
+        )
         assert "run.export_dir:" in err and "an existing file; expected a folder" in err, err
     assert not (tmp_path / "run").exists()
 
@@ -139,7 +152,17 @@ def test_training_data_that_is_not_utf8_names_file_and_line_or_is_skipped_and_co
     chats = tmp_path / "chats.jsonl"
     chats.write_bytes(b"\n".join(lines) + b"\n")
     run = tmp_path / "run"
-    cli = ["fit", "--config", DEBUG, "--data.source", str(chats), "--run.dir", str(run), "--trainer.max_steps", "2"]
+    cli = [
+        "fit",
+        "--config",
+        DEBUG,
+        "--data.source",
+        str(chats),
+        "--run.dir",
+        str(run),
+        "--trainer.max_steps",
+        "2",
+    ]
     err = _one_line_error(capsys, cli)
     assert f"{chats}:5: not valid UTF-8" in err, err
     assert not run.exists()  # a refused start leaves no run.json
@@ -157,19 +180,27 @@ class SignalInFinalValidation(Callback):
         self.signum, self.last_step, self.sent = signum, last_step, False
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
-        last = trainer.global_step == self.last_step if self.last_step else trainer.current_epoch == trainer.max_epochs - 1
+        last = (
+            trainer.global_step == self.last_step
+            if self.last_step
+            else trainer.current_epoch == trainer.max_epochs - 1
+        )
         if last and not trainer.sanity_checking and not self.sent:
             self.sent, self.step_seen = True, trainer.global_step
             os.kill(os.getpid(), self.signum)
 
 
-@pytest.mark.parametrize("signum, flags, last_step", [
-    (signal.SIGTERM, ["--trainer.max_steps", "3"], 3),  # mid-epoch: the final validation after fit
-    (signal.SIGINT, [], None),  # max_epochs 2: the last epoch's own validation, inside fit
-    (signal.SIGUSR1, ["--trainer.max_steps", "3"], 3),
-])
-def test_a_stop_signal_after_the_last_step_finishes_the_export_and_says_so(tmp_path, monkeypatch, capfd, signum,
-                                                                            flags, last_step):
+@pytest.mark.parametrize(
+    "signum, flags, last_step",
+    [
+        (signal.SIGTERM, ["--trainer.max_steps", "3"], 3),  # mid-epoch: the final validation after fit
+        (signal.SIGINT, [], None),  # max_epochs 2: the last epoch's own validation, inside fit
+        (signal.SIGUSR1, ["--trainer.max_steps", "3"], 3),
+    ],
+)
+def test_a_stop_signal_after_the_last_step_finishes_the_export_and_says_so(
+    tmp_path, monkeypatch, capfd, signum, flags, last_step
+):
     import functools
 
     run = tmp_path / "run"
@@ -186,7 +217,9 @@ def test_a_stop_signal_after_the_last_step_finishes_the_export_and_says_so(tmp_p
     assert late.sent and not reached and code == 0, (code, reached, out, err)
     name = signal.Signals(signum).name
     assert f"{name} after the last training step: finishing" in err, err
-    assert f"head exported to {run / 'head'}" in out and f"{name} arrived after the last training step" in out, out
+    assert (
+        f"head exported to {run / 'head'}" in out and f"{name} arrived after the last training step" in out
+    ), out
     assert (run / "head" / "head.safetensors").is_file()
     assert json.loads((run / "metrics.json").read_text())["global_step"] == (last_step or late.step_seen)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are given back

@@ -43,11 +43,15 @@ class Losses(Callback):
 def test_another_run_in_the_same_directory_is_refused(tmp_path):
     train_head("debug", SHORT, run_dir=tmp_path)
     other = {**SHORT, "model.lr": 0.003}
-    with pytest.raises(ValueError, match=rf"{tmp_path} holds another run .*model\.lr 0\.01 -> 0\.003.*another --run\.dir"):
+    with pytest.raises(
+        ValueError, match=rf"{tmp_path} holds another run .*model\.lr 0\.01 -> 0\.003.*another --run\.dir"
+    ):
         train_head("debug", other, run_dir=tmp_path)
     with pytest.raises(ValueError, match=r"holds another run"):  # nor may it resume the first run's last.ckpt
         train_head("debug", other, run_dir=tmp_path, ckpt_path="last")
-    with pytest.raises(ValueError, match=r"already holds checkpoints of this run; resume with --ckpt_path last"):
+    with pytest.raises(
+        ValueError, match=r"already holds checkpoints of this run; resume with --ckpt_path last"
+    ):
         train_head("debug", SHORT, run_dir=tmp_path)
     # the same run continues, with more steps (the stop length is not part of a run's identity)
     res = train_head("debug", {**SHORT, "trainer.max_steps": 5}, run_dir=tmp_path, ckpt_path="last")
@@ -57,15 +61,22 @@ def test_another_run_in_the_same_directory_is_refused(tmp_path):
 def test_a_checkpoint_file_of_another_run_is_refused(tmp_path):
     train_head("debug", SHORT, run_dir=tmp_path / "a")
     with pytest.raises(ValueError, match=r"last\.ckpt: a checkpoint of another run"):
-        train_head("debug", {**SHORT, "model.rank": 2}, run_dir=tmp_path / "b",
-                   ckpt_path=tmp_path / "a" / "checkpoints" / "last.ckpt")
+        train_head(
+            "debug",
+            {**SHORT, "model.rank": 2},
+            run_dir=tmp_path / "b",
+            ckpt_path=tmp_path / "a" / "checkpoints" / "last.ckpt",
+        )
 
 
-@pytest.mark.parametrize("ckpt, message", [
-    ("last", r"--ckpt_path last: nothing to resume, .*last\.ckpt does not exist"),
-    ("{tmp}/nope.ckpt", r"--ckpt_path .*nope\.ckpt: no such checkpoint file"),
-    ("http://127.0.0.1:8765/evil.ckpt", r"only local checkpoint files are accepted"),
-])
+@pytest.mark.parametrize(
+    "ckpt, message",
+    [
+        ("last", r"--ckpt_path last: nothing to resume, .*last\.ckpt does not exist"),
+        ("{tmp}/nope.ckpt", r"--ckpt_path .*nope\.ckpt: no such checkpoint file"),
+        ("http://127.0.0.1:8765/evil.ckpt", r"only local checkpoint files are accepted"),
+    ],
+)
 def test_resume_paths_are_checked_before_anything_loads(tmp_path, capsys, ckpt, message):
     import re
 
@@ -119,7 +130,9 @@ def test_sigterm_and_sigint_checkpoint_once_and_exit_non_zero(tmp_path, monkeypa
     assert f"stopped by {signal.Signals(signum).name}" in out and "--ckpt_path last" in out
     step = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
     assert step in (2, 3) and saves == [step]
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]  # no last-v1.ckpt beside it
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "last.ckpt"
+    ]  # no last-v1.ckpt beside it
     assert not (run / "head" / "head.safetensors").exists()
     monkeypatch.setattr(train_mod, "train_head", real)
     assert main([*argv, "--ckpt_path", "last"]) == 0
@@ -139,8 +152,12 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path, monkey
     run = tmp_path / "run"
     over = {"run.checkpoint_every_n_steps": 1, "trainer.max_steps": 6}
     with pytest.raises(OSError, match=rf"{run / 'checkpoints'}.*\.ckpt: no space left"):
-        train_head("debug", over, run_dir=run,
-                   callbacks=[FullDiskAt(3, lambda: full_disk(monkeypatch, run, after=4096))])
+        train_head(
+            "debug",
+            over,
+            run_dir=run,
+            callbacks=[FullDiskAt(3, lambda: full_disk(monkeypatch, run, after=4096))],
+        )
     monkeypatch.undo()
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
     assert not [p for p in (run / "checkpoints").iterdir() if ".tmp" in p.name]
@@ -191,7 +208,9 @@ def test_a_backbone_with_a_pickled_payload_is_one_line_and_not_run(tmp_path):
     from tests.backbone_helpers import tiny_llama
 
     folder = tmp_path / "bb"
-    tiny_llama(vocab=320, hidden=16, layers=2, heads=2, kv_heads=1, dtype=torch.float32).save_pretrained(folder)
+    tiny_llama(vocab=320, hidden=16, layers=2, heads=2, kv_heads=1, dtype=torch.float32).save_pretrained(
+        folder
+    )
     ByteTokenizer().save_pretrained(folder)
     marker = tmp_path / "ran"
 
@@ -202,7 +221,9 @@ def test_a_backbone_with_a_pickled_payload_is_one_line_and_not_run(tmp_path):
     state = load_file(str(folder / "model.safetensors"))
     (folder / "model.safetensors").unlink()
     torch.save({**state, "x": Payload()}, folder / "pytorch_model.bin")
-    with pytest.raises(ValueError, match=r"pickled weights in .* hold objects other than tensors; refused") as err:
+    with pytest.raises(
+        ValueError, match=r"pickled weights in .* hold objects other than tensors; refused"
+    ) as err:
         load_backbone(str(folder))
     assert "\n" not in str(err.value) and not marker.exists()
 
@@ -231,7 +252,9 @@ def test_a_resumed_run_logs_each_metric_step_once(tmp_path, monkeypatch):
         return {k: sorted(m.step for m in client.get_metric_history(run_id, k)) for k in keys}
 
     ref = history(train_head("debug", over, run_dir=tmp_path / "ref").mlflow_run_id)
-    with pytest.raises(RuntimeError, match="injected crash"):  # after step 5 is logged; the checkpoint holds step 4
+    with pytest.raises(
+        RuntimeError, match="injected crash"
+    ):  # after step 5 is logged; the checkpoint holds step 4
         train_head("debug", over, run_dir=tmp_path / "run", callbacks=[CrashAt(5)])
     got = history(train_head("debug", over, run_dir=tmp_path / "run", ckpt_path="last").mlflow_run_id)
     assert got == ref

@@ -49,8 +49,14 @@ def test_run_trial_trains_evaluates_and_resumes(tmp_path, prompts, monkeypatch):
     ev = EvalConfig(modes=("greedy", "sample"), prompts=prompts, sets=2, n_prompts=2, max_new_tokens=8)
     parent = tracking.start_parent_run(uri, exp_id, "t0", params={}, tags={})
     ck = tmp_path / "ck"
-    kw = {"mlflow_tracking_uri": uri, "mlflow_experiment_id": exp_id, "parent_run_name": "t0", "parent_run_id": parent,
-          "checkpoint_dir": ck, "preempted_exc": Preempted}
+    kw = {
+        "mlflow_tracking_uri": uri,
+        "mlflow_experiment_id": exp_id,
+        "parent_run_name": "t0",
+        "parent_run_id": parent,
+        "checkpoint_dir": ck,
+        "preempted_exc": Preempted,
+    }
     # 1) a stop request after the first batch: checkpoint written, Preempted raised, nothing evaluated
     with pytest.raises(Preempted):
         trial.run_trial(train, POINT, ev, should_stop=lambda: True, **kw)
@@ -68,28 +74,58 @@ def test_run_trial_trains_evaluates_and_resumes(tmp_path, prompts, monkeypatch):
     monkeypatch.setattr(evaluate, "_generate_interleaved", first_set_then_stop)
     with pytest.raises(Preempted, match="evaluation stopped"):
         trial.run_trial(train, POINT, ev, should_stop=lambda: asked["stop"], **kw)
-    assert not tracking.child_runs(uri, exp_id, parent, finished_only=False) and not (ck / "evaluation.json").exists()
+    assert (
+        not tracking.child_runs(uri, exp_id, parent, finished_only=False)
+        and not (ck / "evaluation.json").exists()
+    )
     monkeypatch.setattr(evaluate, "_generate_interleaved", real)
     # 3) the re-run resumes from it and finishes: training params/metrics on the parent, 2 x 2 children
     trial.run_trial(train, POINT, ev, **kw)
     stored = tracking.child_runs(uri, exp_id, parent)  # the objective metrics, as the sweep reads them back
-    out = {"throughput": statistics.fmean(k.data.metrics["throughput"] for k in stored),
-           "greedy/mu_acc": statistics.fmean(k.data.metrics["mu_acc"] for k in stored if k.data.params["mode"] == "greedy")}
+    out = {
+        "throughput": statistics.fmean(k.data.metrics["throughput"] for k in stored),
+        "greedy/mu_acc": statistics.fmean(
+            k.data.metrics["mu_acc"] for k in stored if k.data.params["mode"] == "greedy"
+        ),
+    }
     assert out["throughput"] > 0 and 0 <= out["greedy/mu_acc"] <= 3
     run = MlflowClient(uri).get_run(parent)
-    assert (run.data.params["circuit"], run.data.params["rank"], run.data.params["window"]) == ("cp", "2", "4")
+    assert (run.data.params["circuit"], run.data.params["rank"], run.data.params["window"]) == (
+        "cp",
+        "2",
+        "4",
+    )
     assert "val_loss" in run.data.metrics or "train_loss" in run.data.metrics, run.data.metrics
     kids = tracking.child_runs(uri, exp_id, parent)
     assert sorted((k.data.params["mode"], k.data.params["prompt_set"]) for k in kids) == [
-        ("greedy", "0"), ("greedy", "1"), ("sample", "0"), ("sample", "1")]
+        ("greedy", "0"),
+        ("greedy", "1"),
+        ("sample", "0"),
+        ("sample", "1"),
+    ]
     assert sorted(k.info.run_name for k in kids) == [
-        "cp-r2-n4-k0/greedy/set0", "cp-r2-n4-k0/greedy/set1", "cp-r2-n4-k0/sample/set0", "cp-r2-n4-k0/sample/set1"]
+        "cp-r2-n4-k0/greedy/set0",
+        "cp-r2-n4-k0/greedy/set1",
+        "cp-r2-n4-k0/sample/set0",
+        "cp-r2-n4-k0/sample/set1",
+    ]
     assert run.data.metrics["converged"] in (0.0, 1.0)  # the stopping rule was checked and logged
     for k in kids:
         assert k.data.params["circuit"] == "cp" and k.data.params["extra_token"] == "keep"
-        assert (k.data.params["kl_beta"], k.data.params["train_seed"], k.data.params["eos"]) == ("0.0", "0", "banned")
+        assert (k.data.params["kl_beta"], k.data.params["train_seed"], k.data.params["eos"]) == (
+            "0.0",
+            "0",
+            "banned",
+        )
         assert k.data.params["converged"] == str(int(run.data.metrics["converged"]))
-        assert {"mu_lat", "mu_acc", "tokens_per_cycle", "throughput", "max_throughput", "speedup_vs_stp"} <= set(k.data.metrics)
+        assert {
+            "mu_lat",
+            "mu_acc",
+            "tokens_per_cycle",
+            "throughput",
+            "max_throughput",
+            "speedup_vs_stp",
+        } <= set(k.data.metrics)
     assert (ck / "evaluation.json").is_file()
     assert "MLFLOW_TRACKING_URI" not in os.environ  # the trial put the environment back
 
@@ -115,10 +151,15 @@ def test_sweep_runner_with_the_real_trial(tmp_path, prompts, monkeypatch):
     from tests.sweep_helpers import REPO, check_complete_results, trials
 
     monkeypatch.chdir(tmp_path)
-    spec = load_spec(REPO / "sweeps" / "smoke.yaml", env={}, overrides={
-        "output_dir": str(tmp_path / "out"), "eval.prompts": prompts,
-        "space.slices": {"one": {"circuit": ["hmm"], "rank": [2], "window": [4], "lora_depth": [1]}},
-    })
+    spec = load_spec(
+        REPO / "sweeps" / "smoke.yaml",
+        env={},
+        overrides={
+            "output_dir": str(tmp_path / "out"),
+            "eval.prompts": prompts,
+            "space.slices": {"one": {"circuit": ["hmm"], "rank": [2], "window": [4], "lora_depth": [1]}},
+        },
+    )
     fresh_tracking_uri(tmp_path)  # = the spec's default store, sqlite:///<cwd>/mlflow.db
     run.init(spec)
     assert run.worker(spec) == 0

@@ -257,7 +257,12 @@ def _oracle_drafter(transition):
 def _oracle_run(n, T, eos_id=None, prompt=(0, 2)):
     cfg = DecodeConfig(max_new_tokens=T, mode="greedy", eos_id=eos_id)
     return speculative_decode(
-        MarkovEngine(EOS_CHAIN), lambda h, c: {"n": n}, _oracle_drafter(EOS_CHAIN), n, torch.tensor(prompt), cfg,
+        MarkovEngine(EOS_CHAIN),
+        lambda h, c: {"n": n},
+        _oracle_drafter(EOS_CHAIN),
+        n,
+        torch.tensor(prompt),
+        cfg,
         lambda p: int(p.argmax()),
     )
 

@@ -45,7 +45,9 @@ def test_an_exception_inside_the_block_leaves_the_file_untouched(tmp_path):
 
 
 def test_stale_temporaries_of_dead_processes_are_removed(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     pid = int(dead.stdout)
     (tmp_path / f"sharegpt-v1.tmp{pid}").mkdir()
     (tmp_path / f"sharegpt-v1.tmp{pid}" / "train.jsonl").write_text("x")
@@ -53,4 +55,6 @@ def test_stale_temporaries_of_dead_processes_are_removed(tmp_path):
     (tmp_path / "other.tmp1").write_text("x")  # another name: kept
     removed = remove_stale_temps(tmp_path, "sharegpt-v1")
     assert [p.name for p in removed] == [f"sharegpt-v1.tmp{pid}"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"sharegpt-v1.tmp{os.getpid()}", "other.tmp1"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"sharegpt-v1.tmp{os.getpid()}", "other.tmp1"]
+    )

@@ -39,18 +39,49 @@ def _assigned_in_init(cls: type) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef) and node.name == "__init__":
             for sub in ast.walk(node):
-                if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == "self" \
-                        and isinstance(sub.ctx, ast.Store):
+                if (
+                    isinstance(sub, ast.Attribute)
+                    and isinstance(sub.value, ast.Name)
+                    and sub.value.id == "self"
+                    and isinstance(sub.ctx, ast.Store)
+                ):
                     out.add(sub.attr)
     return out
 
 
 def test_the_protocol_declares_the_facts_its_docstring_and_consumers_name():
-    facts = {"name", "config", "tokenizer", "vocab_size", "hidden_size", "num_layers", "lora_depth", "lora_rank",
-             "max_context", "device", "dtype", "eos_token_id", "bos_token_id", "stop_token_ids", "engine",
-             "lm_head_weight", "model", "draft_top"}
-    methods = {"__call__", "new_cache", "stp_logits", "mtp_unembeddings", "without_draft", "lora_parameters",
-               "lora_state_dict", "load_lora_state_dict", "parameters", "eval"}
+    facts = {
+        "name",
+        "config",
+        "tokenizer",
+        "vocab_size",
+        "hidden_size",
+        "num_layers",
+        "lora_depth",
+        "lora_rank",
+        "max_context",
+        "device",
+        "dtype",
+        "eos_token_id",
+        "bos_token_id",
+        "stop_token_ids",
+        "engine",
+        "lm_head_weight",
+        "model",
+        "draft_top",
+    }
+    methods = {
+        "__call__",
+        "new_cache",
+        "stp_logits",
+        "mtp_unembeddings",
+        "without_draft",
+        "lora_parameters",
+        "lora_state_dict",
+        "load_lora_state_dict",
+        "parameters",
+        "eval",
+    }
     assert facts | methods == set(MEMBERS)
 
 
@@ -66,7 +97,13 @@ def test_the_llama_adapter_is_a_backbone_with_the_declared_types(lora_depth):
     bb = tiny_backbone(lora_depth=lora_depth)
     assert isinstance(bb, Backbone) and isinstance(bb.without_draft(), Backbone)
     hints = typing.get_type_hints(Backbone)
-    simple = {int: int, str: str, torch.device: torch.device, torch.dtype: torch.dtype, torch.Tensor: torch.Tensor}
+    simple = {
+        int: int,
+        str: str,
+        torch.device: torch.device,
+        torch.dtype: torch.dtype,
+        torch.Tensor: torch.Tensor,
+    }
     for name, hint in hints.items():
         if hint in simple:
             assert isinstance(getattr(bb, name), simple[hint]), (name, type(getattr(bb, name)))
@@ -77,6 +114,11 @@ def test_the_llama_adapter_is_a_backbone_with_the_declared_types(lora_depth):
 def test_the_consumers_are_typed_with_the_protocol():
     """No `backbone: Any` (or bb / adapter) left in the library or the experiments."""
     pattern = re.compile(r"\b(backbone|bb|adapter)\s*:\s*Any\b")
-    hits = [f"{p.relative_to(ROOT)}:{i}" for d in ("mtpc", "experiments") for p in sorted((ROOT / d).rglob("*.py"))
-            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    hits = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for d in ("mtpc", "experiments")
+        for p in sorted((ROOT / d).rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert not hits, hits

@@ -185,7 +185,9 @@ def test_load_backbone_from_directory(tmp_path, monkeypatch):
         load_backbone("no-such-backbone")
     import mtpc.backbones as backbones
 
-    monkeypatch.setattr(backbones, "SHIPPED_DIR", tmp_path / "no_default")  # a clone without the shipped files
+    monkeypatch.setattr(
+        backbones, "SHIPPED_DIR", tmp_path / "no_default"
+    )  # a clone without the shipped files
     with pytest.raises(ValueError, match=r"no_default/MANIFEST.json is missing"):
         load_backbone("default")
 
@@ -204,12 +206,18 @@ def test_remote_code_runs_only_with_consent(tmp_path):
 
     tiny_llama(dtype=torch.float32).save_pretrained(tmp_path / "code")
     _with_auto_map(tmp_path / "code")  # a checkpoint that ships its own modelling file
-    with pytest.raises(ValueError, match=r"ships its own modelling code.*trust_remote_code=True.*model\.revision"):
+    with pytest.raises(
+        ValueError, match=r"ships its own modelling code.*trust_remote_code=True.*model\.revision"
+    ):
         load_backbone(str(tmp_path / "code"))  # refused before any of its code is imported
-    with pytest.raises(ValueError, match=r"trust_remote_code=True.*revision='<40-hex commit hash>'.*got None"):
+    with pytest.raises(
+        ValueError, match=r"trust_remote_code=True.*revision='<40-hex commit hash>'.*got None"
+    ):
         load_backbone("some-org/some-model", trust_remote_code=True)  # unpinned: refused before any download
     with pytest.raises(ValueError, match=r"got 'main'"):
         check_remote_code("evabyte", True, "main")  # an alias is a hub id; a branch can move
     check_remote_code("some-org/some-model", True, "0123456789abcdef0123456789abcdef01234567")
     check_remote_code(str(tmp_path / "code"), True)  # a local directory: the code is the one on disk
-    check_remote_code("some-org/some-model", False, None, {"model_type": "llama"})  # no code shipped: nothing to allow
+    check_remote_code(
+        "some-org/some-model", False, None, {"model_type": "llama"}
+    )  # no code shipped: nothing to allow

@@ -35,7 +35,9 @@ def toy(monkeypatch) -> str:
     """The toy kind registered where the recipe says (steps 2-4); undone after the test."""
     monkeypatch.setattr(names, "CIRCUIT_KINDS", (*names.CIRCUIT_KINDS, "toy"))  # 2. the name
     monkeypatch.setitem(circuits.CIRCUIT_CLASSES, "toy", ToyCircuit)  # 3. the class
-    monkeypatch.setitem(reference.LATENT_STRUCTURES, "toy", lambda n: ([("mixture", -1, -1)], [0] * n))  # 4. the oracle
+    monkeypatch.setitem(
+        reference.LATENT_STRUCTURES, "toy", lambda n: ([("mixture", -1, -1)], [0] * n)
+    )  # 4. the oracle
     circuits.check_registry()
     return "toy"
 
@@ -44,7 +46,9 @@ def test_the_two_registries_agree_and_a_kind_named_once_is_caught(monkeypatch):
     circuits.check_registry()
     assert tuple(circuits.CIRCUIT_CLASSES) == names.CIRCUIT_KINDS == tuple(reference.LATENT_STRUCTURES)
     monkeypatch.setattr(names, "CIRCUIT_KINDS", (*names.CIRCUIT_KINDS, "toy"))
-    with pytest.raises(ImportError, match=r"CIRCUIT_KINDS = \[.*'toy'\], mtpc.circuits.CIRCUIT_CLASSES = \[.*'btree'\]"):
+    with pytest.raises(
+        ImportError, match=r"CIRCUIT_KINDS = \[.*'toy'\], mtpc.circuits.CIRCUIT_CLASSES = \[.*'btree'\]"
+    ):
         circuits.check_registry()
     monkeypatch.setitem(circuits.CIRCUIT_CLASSES, "toy", CPCircuit)
     with pytest.raises(ImportError, match=r"CIRCUIT_CLASSES\['toy'\] is CPCircuit, whose kind is 'cp'"):
@@ -94,7 +98,10 @@ def test_the_toy_kind_runs_in_a_fixture_sweep(toy, tmp_path):
     from tests.sweep_helpers import check_complete_results, fixture_spec, fresh_tracking_uri
 
     uri = fresh_tracking_uri(tmp_path / "mlflow")
-    space = {"kind": "grid", "slices": {"a": {"circuit": [toy, "cp"], "rank": [2], "window": [4], "lora_depth": [0]}}}
+    space = {
+        "kind": "grid",
+        "slices": {"a": {"circuit": [toy, "cp"], "rank": [2], "window": [4], "lora_depth": [0]}},
+    }
     spec = load_spec(fixture_spec(tmp_path, "toy", tracking_uri=uri, space=space), env={})
     assert {p["circuit"] for p in spec.grid} == {toy, "cp"}
     assert run.init(spec)["enqueued"] == 2

@@ -48,8 +48,12 @@ def test_queries_match_enumeration(kind, case):
     grid = dense_joint(kind, p)  # (2, v, ..., v)
     margs = [torch.zeros(2, 1, dtype=torch.float64)]
     for i in range(1, n + 1):
-        margs.append(grid.logsumexp(dim=tuple(range(1 + i, 1 + n))).reshape(2, -1) if i < n else grid.reshape(2, -1))
-    want = torch.stack([margs[i][:, window_index(xs[:, :i], v)] for i in range(1, n + 1)], dim=-1)  # (2, V, n)
+        margs.append(
+            grid.logsumexp(dim=tuple(range(1 + i, 1 + n))).reshape(2, -1) if i < n else grid.reshape(2, -1)
+        )
+    want = torch.stack(
+        [margs[i][:, window_index(xs[:, :i], v)] for i in range(1, n + 1)], dim=-1
+    )  # (2, V, n)
     pm = c.prefix_log_marginals({k: t[:, None] for k, t in p.items()}, xs[None])
     torch.testing.assert_close(pm, want, atol=1e-10, rtol=0)
 
@@ -100,7 +104,9 @@ def test_sampling_test_can_fail():
     """The same chi-square test rejects a distribution perturbed by 3% of its mass."""
     kind, (n, r, v) = "cp", (3, 2, 4)
     c, p, n, v = _setup(kind, (n, r, v), batch_shape=(), seed=1)
-    x = c.sample(p, generator=torch.Generator().manual_seed(1234), prefix=torch.zeros(20000, 0, dtype=torch.long))
+    x = c.sample(
+        p, generator=torch.Generator().manual_seed(1234), prefix=torch.zeros(20000, 0, dtype=torch.long)
+    )
     counts = torch.bincount(window_index(x, v), minlength=v**n)
     probs = _exact_conditional(kind, p, n, v, torch.zeros(0, dtype=torch.long))
     assert chi_square_pvalue(counts, probs) > ALPHA

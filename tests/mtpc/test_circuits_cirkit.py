@@ -147,4 +147,6 @@ def test_matches_cirkit(kind, n):
         for i in range(1, n + 1):
             mask = torch.zeros(1, n, dtype=torch.bool)
             mask[:, i:] = True  # integrate out x_{i+1}..x_n
-            torch.testing.assert_close(pm[:, i - 1], integrate(xs, integrate_vars=mask)[:, 0, 0], atol=1e-10, rtol=0)
+            torch.testing.assert_close(
+                pm[:, i - 1], integrate(xs, integrate_vars=mask)[:, 0, 0], atol=1e-10, rtol=0
+            )

@@ -75,10 +75,14 @@ def test_random_params_normalised_and_seeded(kind):
     for name, shape in c.param_shapes.items():
         assert p[name].shape == (2, 3, *shape) and p[name].dtype == torch.float64
         if p[name].numel():
-            torch.testing.assert_close(p[name].logsumexp(-1), torch.zeros(p[name].shape[:-1], dtype=torch.float64))
+            torch.testing.assert_close(
+                p[name].logsumexp(-1), torch.zeros(p[name].shape[:-1], dtype=torch.float64)
+            )
         # normalising again is a no-op
         torch.testing.assert_close(c.normalize(p)[name], p[name])
-    again = c.random_params((2, 3), generator=torch.Generator().manual_seed(5), dtype=torch.float64, scale=2.0)
+    again = c.random_params(
+        (2, 3), generator=torch.Generator().manual_seed(5), dtype=torch.float64, scale=2.0
+    )
     assert all(torch.equal(p[k], again[k]) for k in p)
 
 

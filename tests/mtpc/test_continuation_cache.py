@@ -28,7 +28,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _cfg(bb, **kw):
-    return DecodeConfig(**{"max_new_tokens": 8, "mode": "sample", "eos_id": bb.eos_token_id, "ban_eos": True, **kw})
+    return DecodeConfig(
+        **{"max_new_tokens": 8, "mode": "sample", "eos_id": bb.eos_token_id, "ban_eos": True, **kw}
+    )
 
 
 @pytest.fixture
@@ -77,7 +79,11 @@ def test_large_tensors_are_sampled(monkeypatch):
 
     bb, other = _peaked_backbone(0, vocab=6), _peaked_backbone(0, vocab=6, seed=1)
     monkeypatch.setattr(cc, "SAMPLE", 5)
-    assert weights_fingerprint(bb) == weights_fingerprint(_peaked_backbone(0, vocab=6)) != weights_fingerprint(other)
+    assert (
+        weights_fingerprint(bb)
+        == weights_fingerprint(_peaked_backbone(0, vocab=6))
+        != weights_fingerprint(other)
+    )
     before = weights_fingerprint(bb)
     with torch.no_grad():
         bb.model.lm_head.weight.view(-1)[-1] += 1.0  # the last element is always sampled
@@ -88,7 +94,9 @@ def test_an_entry_is_computed_once_and_read_back(counted):
     bb = _peaked_backbone(0, vocab=6)
     prompts, cfg = _prompts(6, 3, seed=4), _cfg(bb)
     first = cached_continuations(bb, prompts, cfg, [7, 8, 9])
-    assert first == offline.continuations.real(bb, prompts, cfg, seeds=[7, 8, 9])  # what it computes, uncached
+    assert first == offline.continuations.real(
+        bb, prompts, cfg, seeds=[7, 8, 9]
+    )  # what it computes, uncached
     again = cached_continuations(bb, prompts, cfg, [7, 8, 9])
     assert again == first and len(counted) == 1
     assert len(list(cache_root().glob("*.json"))) == 1

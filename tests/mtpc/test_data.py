@@ -30,7 +30,10 @@ def test_load_jsonl_and_json(tmp_path):
 def test_sharegpt_style_records_are_converted(tmp_path):
     rec = {"id": "x_0", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
     (got,) = load_messages(_jsonl(tmp_path / "s.jsonl", [rec]))
-    assert got == {"id": "x_0", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    assert got == {
+        "id": "x_0",
+        "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+    }
 
 
 @pytest.mark.parametrize(
@@ -39,7 +42,10 @@ def test_sharegpt_style_records_are_converted(tmp_path):
         ('{"id": "b", "messages": [', r"b\.jsonl:2: invalid JSON"),
         ({"id": "b", "text": "no messages"}, r"b\.jsonl:2: record has no 'messages'"),
         ({"id": "b", "messages": [{"role": "user", "content": "  "}]}, r"b\.jsonl:2: messages\[0\].*empty"),
-        ({"id": "b", "messages": [{"role": "robot", "content": "x"}]}, r"b\.jsonl:2: messages\[0\] has role 'robot'"),
+        (
+            {"id": "b", "messages": [{"role": "robot", "content": "x"}]},
+            r"b\.jsonl:2: messages\[0\] has role 'robot'",
+        ),
         ({"id": "b", "messages": []}, r"b\.jsonl:2: 'messages' must be a non-empty list"),
     ],
 )
@@ -79,11 +85,27 @@ def _sharegpt_file(path, n_chats=40, cut=True):
         for piece in range(2):
             user = f"question number {c} piece {piece}, long enough"
             recs.append(
-                {"id": f"chat{c}_{piece}", "conversations": [{"from": "human", "value": user}, {"from": "gpt", "value": "ok"}]}
+                {
+                    "id": f"chat{c}_{piece}",
+                    "conversations": [{"from": "human", "value": user}, {"from": "gpt", "value": "ok"}],
+                }
             )
-    recs.append({"id": "fr_0", "conversations": [{"from": "human", "value": "é" * 40}, {"from": "gpt", "value": "ça"}]})
+    recs.append(
+        {
+            "id": "fr_0",
+            "conversations": [{"from": "human", "value": "é" * 40}, {"from": "gpt", "value": "ça"}],
+        }
+    )
     recs.append({"id": "empty_0", "conversations": []})
-    recs.append({"id": "dup_0", "conversations": [{"from": "human", "value": "question number 0 piece 0, long enough"}, {"from": "gpt", "value": "x"}]})
+    recs.append(
+        {
+            "id": "dup_0",
+            "conversations": [
+                {"from": "human", "value": "question number 0 piece 0, long enough"},
+                {"from": "gpt", "value": "x"},
+            ],
+        }
+    )
     text = json.dumps(recs, indent=1)
     if cut:
         text = text[:-1] + ',\n {"id": "cut_0", "conversations": [{"from": "human", "value": "trunc'
@@ -121,13 +143,18 @@ def test_corpus_cache_builds_once_under_lock(tmp_path, monkeypatch):
     real_build = data.build_sharegpt
     monkeypatch.setattr(data, "build_sharegpt", lambda *a, **k: calls.append(1) or real_build(*a, **k))
     results = []
-    threads = [threading.Thread(target=lambda: results.append(sharegpt_corpus(tmp_path / "cache", progress=False))) for _ in range(3)]
+    threads = [
+        threading.Thread(target=lambda: results.append(sharegpt_corpus(tmp_path / "cache", progress=False)))
+        for _ in range(3)
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert len(calls) == 1 and len(results) == 3
-    assert all(r.train == results[0].train and r.heldout_prompts == results[0].heldout_prompts for r in results)
+    assert all(
+        r.train == results[0].train and r.heldout_prompts == results[0].heldout_prompts for r in results
+    )
     assert (tmp_path / "cache" / "data" / data.CORPUS_VERSION / "stats.json").is_file()
 
 
@@ -146,7 +173,13 @@ def test_real_sharegpt_counts():
 
 def test_pack_layout():
     tok = ByteTokenizer()
-    convs = [GOOD, {"id": "b", "messages": [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "defgh"}]}]
+    convs = [
+        GOOD,
+        {
+            "id": "b",
+            "messages": [{"role": "user", "content": "abc"}, {"role": "assistant", "content": "defgh"}],
+        },
+    ]
     stream, smask = [], []
     for c in convs:
         ids, m = tok.apply_chat_template(c["messages"])
@@ -175,12 +208,19 @@ def test_byte_stream_packs_exactly_like_pack(tmp_path):
     """write_stream -> read_stream -> pack_stream is pack (ids, assistant mask, documents, cuts),
     for system/user/assistant turns, multi-byte UTF-8, rows that cut documents, and padding."""
     convs = [
-        {"id": f"c{i}", "messages": [
-            *([{"role": "system", "content": "be brief"}] if i % 3 == 0 else []),
-            {"role": "user", "content": f"question {i} — ünïcödé?"},
-            {"role": "assistant", "content": "answer " * (i % 5 + 1)},
-            *([{"role": "user", "content": "more"}, {"role": "assistant", "content": "ok"}] if i % 2 else []),
-        ]}
+        {
+            "id": f"c{i}",
+            "messages": [
+                *([{"role": "system", "content": "be brief"}] if i % 3 == 0 else []),
+                {"role": "user", "content": f"question {i} — ünïcödé?"},
+                {"role": "assistant", "content": "answer " * (i % 5 + 1)},
+                *(
+                    [{"role": "user", "content": "more"}, {"role": "assistant", "content": "ok"}]
+                    if i % 2
+                    else []
+                ),
+            ],
+        }
         for i in range(23)
     ]
     path = tmp_path / "s.u8.xz"
@@ -196,7 +236,12 @@ def test_byte_stream_packs_exactly_like_pack(tmp_path):
 
 
 def test_byte_stream_refuses_bytes_in_the_special_range(tmp_path):
-    bad = [{"id": "x", "messages": [{"role": "user", "content": b"\xff\xfe"}, {"role": "assistant", "content": "a"}]}]
+    bad = [
+        {
+            "id": "x",
+            "messages": [{"role": "user", "content": b"\xff\xfe"}, {"role": "assistant", "content": "a"}],
+        }
+    ]
     with pytest.raises(ValueError, match="0xFF is in the special range"):
         data.write_stream(bad, tmp_path / "b.u8.xz")
     (tmp_path / "junk.u8.xz").write_bytes(b"not xz")
@@ -218,7 +263,9 @@ def test_corpus_cache_cut_at_a_line_boundary_is_refused(tmp_path, monkeypatch):
     stats = json.loads(stats_path.read_text())
     del stats["sha256"]
     stats_path.write_text(json.dumps(stats))
-    with pytest.raises(ValueError, match=rf"train\.jsonl: {len(lines) // 3} rows, but .* says {len(full.train)}"):
+    with pytest.raises(
+        ValueError, match=rf"train\.jsonl: {len(lines) // 3} rows, but .* says {len(full.train)}"
+    ):
         sharegpt_corpus(tmp_path / "cache", progress=False)
 
 
@@ -229,10 +276,16 @@ def test_a_killed_build_leaves_no_temporary_behind_the_next_build(tmp_path, monk
     src = _sharegpt_file(tmp_path / "sg.json")
     monkeypatch.setattr(data, "sharegpt_file", lambda: src)
     root = tmp_path / "cache" / "data"
-    pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)
+    pid = int(
+        subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+        ).stdout
+    )
     stale = root / f"{data.CORPUS_VERSION}.tmp{pid}"  # what kill -9 during a build leaves
     stale.mkdir(parents=True)
     (stale / "train.jsonl").write_text("{}\n" * 1000)
     sharegpt_corpus(tmp_path / "cache", progress=False)
     assert not stale.exists()
-    assert sorted(p.name for p in root.iterdir()) == sorted([data.CORPUS_VERSION, f"{data.CORPUS_VERSION}.lock"])
+    assert sorted(p.name for p in root.iterdir()) == sorted(
+        [data.CORPUS_VERSION, f"{data.CORPUS_VERSION}.lock"]
+    )

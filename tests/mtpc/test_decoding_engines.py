@@ -53,7 +53,9 @@ class _Tracking:
 @pytest.mark.parametrize("extra_token", ["keep", "drop"])
 @pytest.mark.parametrize("lora_depth", [0, 1])
 def test_each_cycle_drafts_from_a_fresh_prefills_draft_state(lora_depth, extra_token, engine, dtype):
-    bb = _peaked_backbone(lora_depth, scale=1.5, engine=engine, attn="sdpa", dtype=dtype)  # sdpa: float64 throughout
+    bb = _peaked_backbone(
+        lora_depth, scale=1.5, engine=engine, attn="sdpa", dtype=dtype
+    )  # sdpa: float64 throughout
     atol = 1e-10 if dtype == torch.float64 else 1e-5  # float32: the oneDNN layout rounds its own way
     m = MtpcModel.from_components(bb, {"kind": "btree", "window": 4, "rank": 3, "lora_depth": lora_depth})
     prompt, T = torch.tensor([2, 3, 0]), 24
@@ -71,7 +73,9 @@ def test_each_cycle_drafts_from_a_fresh_prefills_draft_state(lora_depth, extra_t
     cfg = DecodeConfig(max_new_tokens=T, mode="sample", extra_token=extra_token, eos_id=1, ban_eos=True)
     gen = torch.Generator().manual_seed(5)
     with torch.inference_mode():
-        out, st = speculative_decode(eng, head_fn, CircuitDrafter(m.circuit, gen), 4, prompt, cfg, TorchChooser(gen))
+        out, st = speculative_decode(
+            eng, head_fn, CircuitDrafter(m.circuit, gen), 4, prompt, cfg, TorchChooser(gen)
+        )
     assert len(out) == T and len(checked) == len(st.cycle_s) > 3
     assert len(set(checked)) == len(checked)  # every cycle drafted from a later byte
     if lora_depth:  # not vacuous: the draft top's state differs from the verifier's
@@ -114,7 +118,9 @@ def test_one_host_read_per_cycle(lora_depth, engine, dtype):
     bb = _peaked_backbone(lora_depth, scale=1.5, engine=engine, dtype=dtype)
     prompt, T = torch.tensor([2, 3]), 20
     for kind in CIRCUIT_KINDS:
-        m = MtpcModel.from_components(bb, {"kind": kind, "window": 4, "rank": RANK[kind], "lora_depth": lora_depth})
+        m = MtpcModel.from_components(
+            bb, {"kind": kind, "window": 4, "rank": RANK[kind], "lora_depth": lora_depth}
+        )
         for mode in ("greedy", "sample"):
             for extra in ("keep", "drop"):
                 cfg = DecodeConfig(max_new_tokens=T, mode=mode, extra_token=extra, eos_id=1, ban_eos=True)

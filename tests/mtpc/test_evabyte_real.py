@@ -83,7 +83,9 @@ def test_kernel_ports_equal_evabytes_pytorch_reference(ckpt, prefill, monkeypatc
     eva_pt_ref.py running the same weights through EvaByte's own non-triton generation path."""
     model = load_tiny_evabyte(ckpt).model
     twin = _pt_ref_twin(model)
-    x = ids(45)  # batch 1: EvaByte's own PyTorch decoding path fails on batch 2 (its cached mask keeps batch 1)
+    x = ids(
+        45
+    )  # batch 1: EvaByte's own PyTorch decoding path fails on batch 2 (its cached mask keeps batch 1)
     want = _decode_own(twin, x, prefill, False, monkeypatch)
     got = _decode_own(model, x, prefill, True, monkeypatch)
     assert torch.isfinite(got).all()
@@ -243,7 +245,10 @@ def test_greedy_speculative_equals_evabytes_own_greedy(ckpt, tmp_path):
         for k in (0, 2):
             bb = load_tiny_evabyte(path, lora_depth=k, lora_rank=4)
             randomize_lora(bb)
-            heads = {kind: {"kind": kind, "window": 4, "rank": r, "lora_depth": k, "seed": 0} for kind, r in KINDS_RANK.items()}
+            heads = {
+                kind: {"kind": kind, "window": 4, "rank": r, "lora_depth": k, "seed": 0}
+                for kind, r in KINDS_RANK.items()
+            }
             mtp = MtpcHead(HeadConfig(kind="ff", window=4, rank=1, vocab=320, hidden=32, lora_depth=k))
             mtp.init_from_unembeddings(bb.mtp_unembeddings().float(), noise=0.0)  # init: mtp
             heads["ff-mtp"] = mtp
@@ -308,7 +313,9 @@ def test_tokenizer_end_to_end(ckpt):
     head = lambda role: [9, *enc(role), 10, *enc("\n\n")]  # noqa: E731  <|start_header_id|>role<|end_header_id|>\n\n
     prompt = tok.render_prompt("Hi")
     assert prompt == [1, *head("system"), 11, *head("user"), *enc("Hi"), 11, *head("assistant")]
-    ids, mask = tok.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}])
+    ids, mask = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    )
     assert ids == prompt + [*enc("Yo"), 11]
     assert [i for i, m in zip(ids, mask, strict=True) if m] == [*enc("Yo"), 11]
     m = MtpcModel.from_components(bb, {"kind": "cp", "window": 4, "rank": 2, "seed": 0})
@@ -397,7 +404,11 @@ def test_drop_sampling_is_flagged(small_vocab):
     with torch.no_grad():
         m.head.leaf_weight.mul_(10.0)
     counts = collections.Counter(
-        tuple(m.generate(prompt, max_new_tokens=T, mode="sample", seed=i, ban_eos=True, extra_token="drop").ids.tolist())
+        tuple(
+            m.generate(
+                prompt, max_new_tokens=T, mode="sample", seed=i, ban_eos=True, extra_token="drop"
+            ).ids.tolist()
+        )
         for i in range(N_RUNS)
     )
     assert chi_square_pvalue(counts, exact, N_RUNS) < ALPHA

@@ -168,7 +168,9 @@ def test_near_identity_tables_start_as_cp_within_bound(kind):
         torch.manual_seed(3)
         head.init_from_unembeddings(W0, noise=0.5, transition_bias=b)
         torch.testing.assert_close(head.leaf_weight, cp.leaf_weight)  # same noisy copies
-        tables = sum(s[0] for name, s in head.circuit.param_shapes.items() if len(s) == 3 and name != "leaves")
+        tables = sum(
+            s[0] for name, s in head.circuit.param_shapes.items() if len(s) == 3 and name != "leaves"
+        )
         eps = (r - 1) * math.exp(-b)  # per table: probability of leaving the parent's state <= eps
         got = joint(head, e, v, n)
         tv = 0.5 * (got.exp() - ref.exp()).abs().sum().item()
@@ -220,13 +222,19 @@ def test_export_round_trip_gives_identical_outputs(tmp_path, kind):
     lora = {"base_model.layers.1.q_proj.lora_A.weight": torch.randn(4, 5)}
     save_head(tmp_path, head, lora_state=lora)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["kind"] == kind and config["backbone"] == "tiny-llama" and config["format_version"] == FORMAT_VERSION == 2
+    assert (
+        config["kind"] == kind
+        and config["backbone"] == "tiny-llama"
+        and config["format_version"] == FORMAT_VERSION == 2
+    )
     loaded, lora_loaded = load_head(tmp_path)
     assert loaded.config == head.config
     e = torch.randn(3, 5)
     for name, t in head(e).items():
         assert torch.equal(loaded(e)[name], t), name
-    assert set(lora_loaded) == set(lora) and torch.equal(next(iter(lora_loaded.values())), next(iter(lora.values())))
+    assert set(lora_loaded) == set(lora) and torch.equal(
+        next(iter(lora_loaded.values())), next(iter(lora.values()))
+    )
     save_head(tmp_path, head)  # re-saving without an adapter removes the stale one
     assert load_head(tmp_path)[1] is None
 
@@ -239,7 +247,10 @@ def test_export_paths_expand_the_home_directory(tmp_path, monkeypatch):
     assert (tmp_path / "heads" / "cp" / "config.json").is_file()
     assert load_head("~/heads/cp")[0].config == head.config
     # a path that is no directory says so (not "missing config.json"), through MtpcModel too
-    with pytest.raises(FileNotFoundError, match="^" + re.escape(f"head directory {tmp_path}/heads/none does not exist (a head export is")):
+    with pytest.raises(
+        FileNotFoundError,
+        match="^" + re.escape(f"head directory {tmp_path}/heads/none does not exist (a head export is"),
+    ):
         MtpcModel.from_pretrained("~/heads/none")
 
 
@@ -247,7 +258,9 @@ def test_export_config_not_matching_tensors_is_a_clear_error(tmp_path):
     save_head(tmp_path, make_head("cp", r=3))
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "rank": 4}))
-    with pytest.raises(ValueError, match=r"tensor 'leaf_weight' has shape \(4, 3, 7, 5\).*implies \(4, 4, 7, 5\)"):
+    with pytest.raises(
+        ValueError, match=r"tensor 'leaf_weight' has shape \(4, 3, 7, 5\).*implies \(4, 4, 7, 5\)"
+    ):
         load_head(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**config, "kind": "hmm"}))
     with pytest.raises(ValueError, match=r"missing \['sum_bias.initial'.*unexpected \['sum_bias.mixture'"):
@@ -307,7 +320,9 @@ def test_a_head_with_non_finite_parameters_is_refused_naming_the_file(tmp_path, 
     with torch.no_grad():
         head.leaf_weight[0, 0, 0, 0] = bad
     save_head(tmp_path, head)  # a diverged run exports what it has; loading it is what must refuse
-    with pytest.raises(ValueError, match=rf"{tmp_path / 'head.safetensors'}: tensor 'leaf_weight' holds non-finite"):
+    with pytest.raises(
+        ValueError, match=rf"{tmp_path / 'head.safetensors'}: tensor 'leaf_weight' holds non-finite"
+    ):
         load_head(tmp_path)
 
 
@@ -351,7 +366,9 @@ def test_random_head_is_seeded(init):
     torch.manual_seed(0)
     b = random_head(cfg, 1, init=init, sum_std=0.5)
     assert not a.training
-    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+    assert all(
+        torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    )
     sums = a.sum_bias["mixture"] if init == "reset" else a.sum_weight["mixture"]
     assert float(sums.abs().sum()) > 0
     with pytest.raises(ValueError, match="init: expected one of"):
@@ -383,4 +400,7 @@ def test_an_export_without_checksums_is_refused_unless_allowed_and_migrates(tmp_
     migrate_head(tmp_path)  # re-exported with checksums: loads without the opt-in
     assert "sha256" in json.loads(config_path.read_text())
     loaded, _ = load_head(tmp_path)
-    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), other.state_dict().values(), strict=True))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(loaded.state_dict().values(), other.state_dict().values(), strict=True)
+    )

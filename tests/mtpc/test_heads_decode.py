@@ -55,7 +55,9 @@ def test_decode_params_dtype_rule(kind, dtype, expect):
     want, got = old_params(head, e), head.decoder().params(e)
     for name in want:
         assert got[name].dtype == expect
-        torch.testing.assert_close(got[name], want[name], atol=0.1 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+        torch.testing.assert_close(
+            got[name], want[name], atol=0.1 if dtype == torch.bfloat16 else 1e-5, rtol=0
+        )
 
 
 @pytest.mark.parametrize("kind", CIRCUIT_KINDS)
@@ -76,10 +78,14 @@ def test_draft_equals_unfused_old_path(kind, delta, greedy, n):
             assert x.shape == (n,) and x.dtype == torch.long and cond.shape == (n, V)
             assert torch.equal(x, want), (k, x, want)
             torch.testing.assert_close(cond, c._conditionals(q, want), atol=1e-10, rtol=0)
-            x_only, none = dec.draft(e, prefix, torch.Generator().manual_seed(trial), greedy, conditionals=False)
+            x_only, none = dec.draft(
+                e, prefix, torch.Generator().manual_seed(trial), greedy, conditionals=False
+            )
             assert none is None and torch.equal(x_only, x)
             # what the loop called before: the fused draft on the training path's parameters
-            x_old, cond_old = c._draft(q, prefix, generator=torch.Generator().manual_seed(trial), greedy=greedy)
+            x_old, cond_old = c._draft(
+                q, prefix, generator=torch.Generator().manual_seed(trial), greedy=greedy
+            )
             assert torch.equal(x_old, x)
             torch.testing.assert_close(cond_old, cond, atol=1e-10, rtol=0)
 
@@ -89,7 +95,9 @@ def test_draft_old_path_test_can_fail():
     head = make_head("btree", 8, delta=2)
     e = torch.randn(D, dtype=torch.float64)
     prefix = torch.tensor([1])
-    xs = {tuple(head.decoder().draft(e, prefix, torch.Generator().manual_seed(s))[0].tolist()) for s in range(5)}
+    xs = {
+        tuple(head.decoder().draft(e, prefix, torch.Generator().manual_seed(s))[0].tolist()) for s in range(5)
+    }
     assert len(xs) > 1
 
 
@@ -107,7 +115,9 @@ def test_decode_weights_follow_updates(delta):
     before = check()
     assert head.decoder() is head.decoder()  # built once while the weights stay
     opt = torch.optim.SGD(head.parameters(), lr=0.5)  # an optimiser step (in place)
-    sum(t[..., 0].sum() for t in head(e).values()).backward()  # (a uniform shift of each row would normalise away)
+    sum(
+        t[..., 0].sum() for t in head(e).values()
+    ).backward()  # (a uniform shift of each row would normalise away)
     opt.step()
     after_step = check()
     assert not torch.allclose(before, after_step)
@@ -182,7 +192,9 @@ def test_onednn_product_in_float32(kind, delta):
 
 
 def test_onednn_refused_where_it_cannot_run():
-    with pytest.raises(ValueError, match=r"head decoder: weights='onednn' needs float32 or bfloat16.*float64"):
+    with pytest.raises(
+        ValueError, match=r"head decoder: weights='onednn' needs float32 or bfloat16.*float64"
+    ):
         make_head("cp", 3).decoder(onednn=True)
 
 

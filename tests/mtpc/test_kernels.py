@@ -18,7 +18,9 @@ def test_onednn_linear_equals_linear(rows):
     ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
     assert (onednn_linear(x, packed, b).double() - ref).abs().max() < 1e-4
     assert (onednn_linear(x, packed).double() - (ref - b.double())).abs().max() < 1e-4
-    assert (onednn_linear(x, onednn_pack(w.t().contiguous().t())).double() - (ref - b.double())).abs().max() < 1e-4
+    assert (
+        onednn_linear(x, onednn_pack(w.t().contiguous().t())).double() - (ref - b.double())
+    ).abs().max() < 1e-4
     with torch.no_grad():
         w.mul_(2)  # the blocked copy does not follow its source
     assert (onednn_linear(x, packed).double() - (ref - b.double())).abs().max() < 1e-4

@@ -118,7 +118,9 @@ def test_drop_is_refused_in_one_line():
 @pytest.mark.parametrize("mode", ["greedy", "sample"])
 def test_the_loop_gives_each_cycle_the_byte_emitted_last(mode):
     bb = _peaked_backbone(1, scale=1.5)
-    m = MtpcModel.from_components(bb, {"kind": "hmm", "window": 4, "rank": 3, "lora_depth": 1, "known_byte": True})
+    m = MtpcModel.from_components(
+        bb, {"kind": "hmm", "window": 4, "rank": 3, "lora_depth": 1, "known_byte": True}
+    )
     seen = []
 
     def head_fn(hidden, c):

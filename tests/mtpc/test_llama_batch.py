@@ -50,7 +50,11 @@ def test_batch_equals_batch_one(mode, lora_depth, groups):
         cfg = DecodeConfig(max_new_tokens=24, mode=mode, eos_id=1, ban_eos=ban)
         ref = _batch1(bb, prompts, cfg, seeds)
         got = plain_decode_batch(
-            engine, prompts, cfg, [TorchChooser(torch.Generator().manual_seed(s)) for s in seeds], groups=groups
+            engine,
+            prompts,
+            cfg,
+            [TorchChooser(torch.Generator().manual_seed(s)) for s in seeds],
+            groups=groups,
         )
         assert got == ref
         if ban:

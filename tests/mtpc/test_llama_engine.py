@@ -21,7 +21,9 @@ from mtpc.backbones.llama import LlamaArgs, llama_unsupported, rope_inv_freq
 from tests.backbone_helpers import randomize_lora, set_rope, tiny_llama
 
 L = 4
-ROPE_FIELD = "rope_parameters" if int(__import__("transformers").__version__.split(".")[0]) >= 5 else "rope_scaling"
+ROPE_FIELD = (
+    "rope_parameters" if int(__import__("transformers").__version__.split(".")[0]) >= 5 else "rope_scaling"
+)
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}  # fmt: skip
 
@@ -353,7 +355,10 @@ def test_mtpc_model_passes_weights_and_compile_to_its_engines(monkeypatch):
     assert views.engine(True, 16).layout == "views" and views.engine(False, 16).layout == "views"
     packed = MtpcModel(bb, m.head, weights="packed")
     assert m.engine(True, 16).layout == "views" and packed.engine(True, 16).layout == "packed"
-    assert packed.generate(torch.tensor([1, 2]), 6).ids.tolist() == views.generate(torch.tensor([1, 2]), 6).ids.tolist()
+    assert (
+        packed.generate(torch.tensor([1, 2]), 6).ids.tolist()
+        == views.generate(torch.tensor([1, 2]), 6).ids.tolist()
+    )
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
     MtpcModel(bb, m.head, compile=True).engine(True, 16)
@@ -459,7 +464,9 @@ def test_default_layout_per_dtype_and_refusals():
         LlamaEngine(f32, 16, weights="onednn", compile=True)
 
 
-@pytest.mark.parametrize("weights,dtype", [("onednn", torch.float32), ("packed", torch.float64), ("packed", torch.float32)])
+@pytest.mark.parametrize(
+    "weights,dtype", [("onednn", torch.float32), ("packed", torch.float64), ("packed", torch.float32)]
+)
 @pytest.mark.parametrize("k", [0, 1])
 def test_one_row_fast_path_gives_the_generic_blocks_bits(weights, dtype, k):
     """The plain step's fast path (`_block_one`: trunk layers, one byte, fused layouts) computes
@@ -508,6 +515,8 @@ def test_engine_label_names_the_engine_and_layout():
     spec = {"kind": "cp", "window": 3, "rank": 2}
     assert MtpcModel.from_components(_f32_adapter(0), spec).engine_label() == "compact/onednn"
     assert MtpcModel.from_components(_adapter(_model(), 0), spec).engine_label() == "compact/views"
-    assert MtpcModel.from_components(_f32_adapter(0), spec, weights="packed").engine_label() == "compact/packed"
+    assert (
+        MtpcModel.from_components(_f32_adapter(0), spec, weights="packed").engine_label() == "compact/packed"
+    )
     hf = BackboneAdapter.from_hf(_model().float(), engine="hf")
     assert MtpcModel.from_components(hf, spec).engine_label() == "hf"

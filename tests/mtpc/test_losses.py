@@ -63,7 +63,9 @@ def reference(head, e, ids, score, docs, gamma):
                 joint = joints[b, t]
                 prefix = ids[b, t + 1 : t + j + 1].tolist()
                 upto_j, upto_before = (
-                    torch.logsumexp(joint[tuple(prefix[:k])].reshape(-1), 0) if k else torch.zeros((), dtype=joint.dtype)
+                    torch.logsumexp(joint[tuple(prefix[:k])].reshape(-1), 0)
+                    if k
+                    else torch.zeros((), dtype=joint.dtype)
                     for k in (j, j - 1)
                 )
                 terms.append(-(upto_j - upto_before).item())
@@ -125,9 +127,14 @@ def test_discount_default_and_combination():
     head = make_head("cp", n=4)
     e, ids, score, docs = make_batch()
     out = window_loss(head, e, ids, score, docs)
-    torch.testing.assert_close(out.loss.detach(), (out.per_position_nll * 0.8 ** torch.arange(4.0).double()).sum())
+    torch.testing.assert_close(
+        out.loss.detach(), (out.per_position_nll * 0.8 ** torch.arange(4.0).double()).sum()
+    )
     # one example has no scored target at offset 4 here; L_4 averages over the other only
-    assert out.valid_targets.tolist() == torch.stack([window_targets(ids, score, docs, 4)[2].sum((0, 1))]).squeeze(0).tolist()
+    assert (
+        out.valid_targets.tolist()
+        == torch.stack([window_targets(ids, score, docs, 4)[2].sum((0, 1))]).squeeze(0).tolist()
+    )
 
 
 def _grads(head, e_source, ids, score, docs, chunk_size):
@@ -158,7 +165,9 @@ def test_chunked_equals_naive_loss_and_gradients(kind, delta, dtype, known):
         torch.testing.assert_close(out.loss, ref.loss, **tol)
         torch.testing.assert_close(out.per_position_nll, ref.per_position_nll, **tol, equal_nan=True)
         for name, g in ref_grads.items():
-            torch.testing.assert_close(grads[name], g, **tol, msg=lambda m, where=f"{name} chunk={chunk}": f"{where}: {m}")
+            torch.testing.assert_close(
+                grads[name], g, **tol, msg=lambda m, where=f"{name} chunk={chunk}": f"{where}: {m}"
+            )
         assert all(g.abs().sum() > 0 for g in grads.values())
 
 
@@ -222,7 +231,15 @@ def test_bad_arguments_name_the_argument(change, match):
     e, ids, score, docs = make_batch()
     args = dict(e=e, ids=ids, score=score, docs=docs, gamma=None, chunk_size=4) | change
     with pytest.raises(ValueError, match=match):
-        window_loss(head, args["e"], args["ids"], args["score"], args["docs"], gamma=args["gamma"], chunk_size=args["chunk_size"])
+        window_loss(
+            head,
+            args["e"],
+            args["ids"],
+            args["score"],
+            args["docs"],
+            gamma=args["gamma"],
+            chunk_size=args["chunk_size"],
+        )
 
 
 def test_next_byte_nll_scores_present_targets_only():

@@ -19,7 +19,9 @@ FORMS = [(kind, 0) for kind in CIRCUIT_KINDS] + [("cp", 2), ("hmm", 2), ("btree"
 
 
 def make_head(kind, n=3, r=2, v=5, d=4, dtype=torch.float64, delta=0, known=False):
-    head = MtpcHead(HeadConfig(kind, n, 1 if kind == "ff" else r, v, d, leaf_delta_rank=delta, known_byte=known)).to(dtype)
+    head = MtpcHead(
+        HeadConfig(kind, n, 1 if kind == "ff" else r, v, d, leaf_delta_rank=delta, known_byte=known)
+    ).to(dtype)
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(0.0, 0.7)
@@ -85,28 +87,53 @@ def grads_of(head, lin, e0, fn):
     return out, g
 
 
-@pytest.mark.parametrize("kind, delta, known", [(k, d, False) for k, d in FORMS] + [("cp", 0, True), ("btree", 2, True)])
+@pytest.mark.parametrize(
+    "kind, delta, known", [(k, d, False) for k, d in FORMS] + [("cp", 0, True), ("btree", 2, True)]
+)
 def test_matches_direct_per_window_computation_loss_stats_and_gradients(kind, delta, known):
     head = make_head(kind, delta=delta, known=known)
     e, ids, score, docs, teacher = make_batch()
     lin = torch.nn.Linear(4, 4).double()
     beta, temp, gamma = 0.6, 0.7, 0.8
-    ref, ref_g = grads_of(head, lin, e, lambda x: direct(head, x, ids, score, docs, teacher, gamma, beta, temp)[0])
+    ref, ref_g = grads_of(
+        head, lin, e, lambda x: direct(head, x, ids, score, docs, teacher, gamma, beta, temp)[0]
+    )
     with torch.no_grad():
         _, per_kl, per_nll = direct(head, lin(e), ids, score, docs, teacher, gamma, beta, temp)
     assert per_kl.nan_to_num(1.0).min() > 0 and per_nll.nan_to_num(1.0).min() > 0
     tol = dict(rtol=1e-10, atol=1e-10)
     for chunk in (None, 1, 4, 1000):
-        out, g = grads_of(head, lin, e, lambda x, c=chunk: window_loss(head, x, ids, score, docs, gamma=gamma, chunk_size=c,
-                                                                      teacher_logits=teacher, kl_beta=beta, kl_temperature=temp))
+        out, g = grads_of(
+            head,
+            lin,
+            e,
+            lambda x, c=chunk: window_loss(
+                head,
+                x,
+                ids,
+                score,
+                docs,
+                gamma=gamma,
+                chunk_size=c,
+                teacher_logits=teacher,
+                kl_beta=beta,
+                kl_temperature=temp,
+            ),
+        )
         where = f"{kind} delta={delta} chunk={chunk}"
         torch.testing.assert_close(out.loss.detach(), ref.detach(), **tol, msg=lambda m, w=where: f"{w}: {m}")
-        torch.testing.assert_close(out.per_position_kl, per_kl, **tol, equal_nan=True, msg=lambda m, w=where: f"{w}: {m}")
-        torch.testing.assert_close(out.per_position_nll, per_nll, **tol, equal_nan=True, msg=lambda m, w=where: f"{w}: {m}")
+        torch.testing.assert_close(
+            out.per_position_kl, per_kl, **tol, equal_nan=True, msg=lambda m, w=where: f"{w}: {m}"
+        )
+        torch.testing.assert_close(
+            out.per_position_nll, per_nll, **tol, equal_nan=True, msg=lambda m, w=where: f"{w}: {m}"
+        )
         torch.testing.assert_close(out.window_kl, per_kl.nansum(), **tol)
         for name, ref_grad in ref_g.items():
             assert ref_grad.abs().sum() > 0 or name.startswith("sum") and kind == "ff"
-            torch.testing.assert_close(g[name], ref_grad, **tol, msg=lambda m, nm=name, w=where: f"{w} {nm}: {m}")
+            torch.testing.assert_close(
+                g[name], ref_grad, **tol, msg=lambda m, nm=name, w=where: f"{w} {nm}: {m}"
+            )
 
 
 @pytest.mark.parametrize("kind, delta", [("cp", 0), ("btree", 0), ("hmm", 2)])
@@ -114,13 +141,21 @@ def test_float32_chunked_matches_naive(kind, delta):
     head = make_head(kind, n=4, r=3, v=7, d=6, dtype=torch.float32, delta=delta)
     e, ids, score, docs, teacher = make_batch(v=7, d=6, dtype=torch.float32)
     lin = torch.nn.Linear(6, 6)
-    run = lambda chunk: grads_of(head, lin, e, lambda x: window_loss(head, x, ids, score, docs, chunk_size=chunk,
-                                                                     teacher_logits=teacher, kl_beta=0.5))
+    run = lambda chunk: grads_of(
+        head,
+        lin,
+        e,
+        lambda x: window_loss(
+            head, x, ids, score, docs, chunk_size=chunk, teacher_logits=teacher, kl_beta=0.5
+        ),
+    )
     (ref, ref_g), (out, g) = run(None), run(5)
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out.per_position_kl, ref.per_position_kl, rtol=1e-5, atol=1e-6)
     for name, ref_grad in ref_g.items():
-        torch.testing.assert_close(g[name], ref_grad, rtol=1e-4, atol=1e-6, msg=lambda m, nm=name: f"{nm}: {m}")
+        torch.testing.assert_close(
+            g[name], ref_grad, rtol=1e-4, atol=1e-6, msg=lambda m, nm=name: f"{nm}: {m}"
+        )
 
 
 def test_teacher_at_position_t_plus_j_minus_1():
@@ -154,7 +189,9 @@ def test_beta_zero_is_the_plain_loss_and_temperature_scales_the_teacher():
     with_teacher = window_loss(head, e, ids, score, docs, chunk_size=4, teacher_logits=teacher, kl_beta=0.0)
     torch.testing.assert_close(with_teacher.loss, plain.loss, rtol=1e-12, atol=1e-12)
     assert plain.per_position_kl is None and with_teacher.per_position_kl.min() > 0
-    hot = window_loss(head, e, ids, score, docs, chunk_size=4, teacher_logits=teacher, kl_beta=1.0, kl_temperature=0.5)
+    hot = window_loss(
+        head, e, ids, score, docs, chunk_size=4, teacher_logits=teacher, kl_beta=1.0, kl_temperature=0.5
+    )
     scaled = window_loss(head, e, ids, score, docs, chunk_size=4, teacher_logits=teacher / 0.5, kl_beta=1.0)
     torch.testing.assert_close(hot.loss, scaled.loss, rtol=1e-12, atol=1e-12)
 
@@ -177,7 +214,10 @@ def test_no_grad_evaluation_and_frozen_teacher():
     "change, match",
     [
         (dict(teacher=None, beta=0.5), r"^teacher_logits: kl_beta = 0.5 > 0 needs"),
-        (dict(teacher=torch.zeros(2, 11, 4)), r"^teacher_logits: expected a floating tensor \(B, S, v\) = \(2, 11, 5\)"),
+        (
+            dict(teacher=torch.zeros(2, 11, 4)),
+            r"^teacher_logits: expected a floating tensor \(B, S, v\) = \(2, 11, 5\)",
+        ),
         (dict(teacher=torch.zeros(2, 11, 5, dtype=torch.long)), r"^teacher_logits: expected a floating"),
         (dict(beta=1.5), r"^kl_beta: expected a number in \[0, 1\]"),
         (dict(temperature=0.0), r"^kl_temperature: expected a finite number > 0"),
@@ -189,5 +229,13 @@ def test_bad_distillation_arguments_name_the_argument(change, match):
     e, ids, score, docs, teacher = make_batch()
     args = dict(teacher=teacher, beta=0.5, temperature=1.0) | change
     with pytest.raises(ValueError, match=match):
-        window_loss(head, e, ids, score, docs, teacher_logits=args["teacher"], kl_beta=args["beta"],
-                    kl_temperature=args["temperature"])
+        window_loss(
+            head,
+            e,
+            ids,
+            score,
+            docs,
+            teacher_logits=args["teacher"],
+            kl_beta=args["beta"],
+            kl_temperature=args["temperature"],
+        )

@@ -47,7 +47,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_check_architecture_names_where_and_key(args, kw, key):
     with pytest.raises(ArchitectureError) as e:
         check_architecture(*args, **kw, where="f.yaml: model.")
-    assert e.value.key == key and str(e.value).startswith(f"f.yaml: model.{key}: ") and "\n" not in str(e.value)
+    assert (
+        e.value.key == key and str(e.value).startswith(f"f.yaml: model.{key}: ") and "\n" not in str(e.value)
+    )
 
 
 def test_check_architecture_accepts_the_bounds():
@@ -82,7 +84,9 @@ BOUNDS = {MAX_RANK, MAX_WINDOW, 4096}  # 4096: the looser rank bound the sweep s
 
 
 def _python_files(prefixes: tuple[str, ...]) -> list[str]:
-    out = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
     skip = {"mtpc/names.py", "tracking/schema.py", "tests/mtpc/test_names.py"}
     return [f for f in out.splitlines() if f.startswith(prefixes) and f not in skip and (ROOT / f).exists()]
 
@@ -112,15 +116,30 @@ def restatements(path: str, text: str, *, source: bool) -> list[str]:
         if not source:
             continue
         if isinstance(node, ast.IfExp) and '"ff"' in ast.unparse(node.test).replace("'", '"'):
-            body = node.body.elts[0] if isinstance(node.body, (ast.List, ast.Tuple)) and len(node.body.elts) == 1 else node.body
+            body = (
+                node.body.elts[0]
+                if isinstance(node.body, (ast.List, ast.Tuple)) and len(node.body.elts) == 1
+                else node.body
+            )
             if isinstance(body, ast.Constant) and body.value == 1:
-                found.append(f"{where}: {ast.unparse(node)} restates the ff rank rule (use point_rank/default_rank)")
+                found.append(
+                    f"{where}: {ast.unparse(node)} restates the ff rank rule (use point_rank/default_rank)"
+                )
         if isinstance(node, ast.If) and '"ff"' in ast.unparse(node.test).replace("'", '"'):
             for stmt in node.body:
-                if isinstance(stmt, ast.Assign) and "rank" in ast.unparse(stmt.targets[0]) and ast.unparse(stmt.value) == "1":
-                    found.append(f"{where}: resets ff's rank to 1 (an error in a config, point_rank in a space)")
-        if (isinstance(node, ast.Compare) and "window" in ast.unparse(node.left)
-                and any(isinstance(c, ast.Constant) and c.value == MIN_DECODE_WINDOW for c in node.comparators)):
+                if (
+                    isinstance(stmt, ast.Assign)
+                    and "rank" in ast.unparse(stmt.targets[0])
+                    and ast.unparse(stmt.value) == "1"
+                ):
+                    found.append(
+                        f"{where}: resets ff's rank to 1 (an error in a config, point_rank in a space)"
+                    )
+        if (
+            isinstance(node, ast.Compare)
+            and "window" in ast.unparse(node.left)
+            and any(isinstance(c, ast.Constant) and c.value == MIN_DECODE_WINDOW for c in node.comparators)
+        ):
             found.append(f"{where}: {ast.unparse(node)} restates MIN_DECODE_WINDOW")
         if isinstance(node, ast.Constant) and type(node.value) is int and node.value in BOUNDS:
             up, context = node, []
@@ -136,7 +155,7 @@ def restatements(path: str, text: str, *, source: bool) -> list[str]:
 
 
 def test_the_scan_finds_what_main_used_to_restate():
-    old = '''
+    old = """
 CIRCUITS = ("ff", "cp", "hmm", "btree")
 MODES = ["greedy", "sample"]
 PARAMS = ("circuit", "rank", "window", "lora_depth")
@@ -148,11 +167,14 @@ def f(name, v, key, m, ctx):
     rank = 1 if m["circuit"] == "ff" else m["rank"]
     if m["circuit"] == "ff":
         m["rank"] = 1
-'''
+"""
     hits = restatements("old.py", old, source=True)
     assert len(hits) == 7, hits
     assert len(restatements("test_x.py", old, source=False)) == 1  # tests: only the circuit kinds
-    assert restatements("ok.py", "x = ('ff', 'cp')\nseq_len = 4096\nwindow = DEFAULT_WINDOW\n", source=True) == []
+    assert (
+        restatements("ok.py", "x = ('ff', 'cp')\nseq_len = 4096\nwindow = DEFAULT_WINDOW\n", source=True)
+        == []
+    )
 
 
 def test_the_scan_finds_a_restated_decoding_window_bound():

@@ -46,8 +46,12 @@ def _model(dtype: torch.dtype) -> MtpcModel:
     from mtpc.heads import HeadConfig, MtpcHead
 
     bb = load_backbone("default", dtype=dtype)
-    head = MtpcHead(HeadConfig(kind="cp", window=8, rank=4, vocab=bb.vocab_size, hidden=bb.hidden_size, backbone=bb.name))
-    head.init_from_unembeddings(bb.lm_head_weight.detach().float(), generator=torch.Generator().manual_seed(0))
+    head = MtpcHead(
+        HeadConfig(kind="cp", window=8, rank=4, vocab=bb.vocab_size, hidden=bb.hidden_size, backbone=bb.name)
+    )
+    head.init_from_unembeddings(
+        bb.lm_head_weight.detach().float(), generator=torch.Generator().manual_seed(0)
+    )
     return MtpcModel.from_components(bb, head.to(dtype))
 
 
@@ -69,7 +73,9 @@ def difference_rate(dtype: torch.dtype, n_prompts: int, max_new_tokens: int) -> 
     stops = tuple(bb.stop_token_ids or ())
     cfg = DecodeConfig(max_new_tokens=max_new_tokens, mode="greedy", ban_eos=True,
                        eos_id=stops if len(stops) > 1 else bb.eos_token_id)  # fmt: skip
-    tf = decode_and_force(bb, prompts, cfg)  # as experiments.evaluate computes them (k = 0; its default batch)
+    tf = decode_and_force(
+        bb, prompts, cfg
+    )  # as experiments.evaluate computes them (k = 0; its default batch)
     ys, offline = tf.continuations, offline_acceptance(tf, m.head)
     differ_cycles = differ_text = cycles = accepted = 0
     for p, y, off in zip(prompts, ys, offline, strict=True):
@@ -99,4 +105,6 @@ def test_offline_greedy_matches_the_loop_on_the_default_model_small():
 
 @pytest.mark.slow
 def test_offline_greedy_matches_the_loop_on_the_default_model_96x128():
-    _check(96, 128, float64=False)  # the float32 rate at size; float64 exactness: the small test (float64 here is ~4x slower)
+    _check(
+        96, 128, float64=False
+    )  # the float32 rate at size; float64 exactness: the small test (float64 here is ~4x slower)

@@ -328,8 +328,15 @@ def _heads_on_default(bb):
         return [MtpcModel.from_pretrained(d, backbone=bb) for d in dirs]
     models = []
     for kind in CIRCUIT_KINDS:
-        cfg = HeadConfig(kind=kind, window=4, rank=1 if kind == "ff" else 2, vocab=bb.vocab_size,
-                         hidden=bb.hidden_size, lora_depth=0, backbone=bb.name)
+        cfg = HeadConfig(
+            kind=kind,
+            window=4,
+            rank=1 if kind == "ff" else 2,
+            vocab=bb.vocab_size,
+            hidden=bb.hidden_size,
+            lora_depth=0,
+            backbone=bb.name,
+        )
         head = MtpcHead(cfg)
         head.init_from_unembeddings(bb.lm_head_weight.detach(), generator=torch.Generator().manual_seed(0))
         models.append(MtpcModel.from_components(bb, head))

@@ -81,7 +81,9 @@ def setting(request):
             m.head.leaf_weight.mul_(10.0)
         models[kind] = m
     for kind in KNOWN:
-        m = MtpcModel.from_components(bb, {"kind": kind, "window": 3, "rank": RANK[kind], "seed": 1, "known_byte": True})
+        m = MtpcModel.from_components(
+            bb, {"kind": kind, "window": 3, "rank": RANK[kind], "seed": 1, "known_byte": True}
+        )
         with torch.no_grad():
             m.head.leaf_weight.mul_(10.0)
         models[f"{kind}-known"] = m

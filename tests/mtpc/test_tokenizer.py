@@ -63,7 +63,9 @@ def test_render_prompt_ends_with_assistant_marker():
     tok = ByteTokenizer()
     ids = tok.render_prompt("Why?")
     assert ids == [BOS_ID, USER_ID, *b"Why?", END_TURN_ID, ASSISTANT_ID]
-    gen_ids, gen_mask = tok.apply_chat_template([{"role": "user", "content": "Why?"}], add_generation_prompt=True)
+    gen_ids, gen_mask = tok.apply_chat_template(
+        [{"role": "user", "content": "Why?"}], add_generation_prompt=True
+    )
     assert gen_ids == ids and not any(gen_mask)
 
 
@@ -118,7 +120,11 @@ def test_hf_chat_tokenizer_mask_and_prompt():
 
     hf = _tiny_hf_tokenizer()
     tok = HFChatTokenizer(hf)
-    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "ok"}]
+    msgs = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "ok"},
+    ]
     ids, mask = tok.apply_chat_template(msgs)
     assert len(ids) == len(mask)
     scored = [i for i, m in zip(ids, mask, strict=True) if m]

@@ -77,13 +77,17 @@ def _native(ckpt, k=0, engine="auto"):
 
 def test_table_finds_the_longest_suffix_by_hand():
     # tokens (forward): 0:"a" 1:"b" 2:"ab" 3:"cab" 4:"dcab" (maxlen 3: never) 5:"xb" with no "x" alone; 9 direct
-    t = ExpandTable(expand_dict([[0], [1], [0, 1], [2, 0, 1], [3, 2, 0, 1], [7, 1], [9]], [9]), maxlen=3, size=7)
+    t = ExpandTable(
+        expand_dict([[0], [1], [0, 1], [2, 0, 1], [3, 2, 0, 1], [7, 1], [9]], [9]), maxlen=3, size=7
+    )
     ids = [2, 0, 1, 0, 5, 7, 1, 9, 1]
     #       c  a  b  a  ?  x  b  D  b
     assert t.expand(ids) == [0, 0, 3, 0, 0, 0, 5, 6, 1]
     # "cab" at 2 (longest, within maxlen 3); "?" and "x" alone have no key -> 0; "xb" via a node with no key;
     # the direct id 9 takes its single entry; after it "b" alone ("9b" is no key)
-    assert ExpandTable(t_raw := expand_dict([[3, 2, 0, 1], [1]], []), maxlen=4, size=2).expand([3, 2, 0, 1]) == [0, 0, 0, 0]
+    assert ExpandTable(t_raw := expand_dict([[3, 2, 0, 1], [1]], []), maxlen=4, size=2).expand(
+        [3, 2, 0, 1]
+    ) == [0, 0, 0, 0]
     assert ExpandTable(t_raw, maxlen=3, size=2).expand([3, 2, 0, 1]) == [0, 0, 0, 1]  # maxlen cuts "dcab"
 
 
@@ -104,7 +108,12 @@ def test_state_is_incremental_and_follows_crops():
 
 @pytest.mark.parametrize(
     "raw,match",
-    [([{"2,1": 0}, []], r"maps to 0"), ([{"2,1": 9}, []], r"\[1, 3\]"), ([{"2": 1}, [5]], r"direct ids"), ({}, "expected")],
+    [
+        ([{"2,1": 0}, []], r"maps to 0"),
+        ([{"2,1": 9}, []], r"\[1, 3\]"),
+        ([{"2": 1}, [5]], r"direct ids"),
+        ({}, "expected"),
+    ],
 )
 def test_bad_dictionaries_are_refused(raw, match):
     with pytest.raises(ValueError, match=match):
@@ -135,7 +144,10 @@ def test_loads_without_remote_code_and_refuses_what_it_does_not_implement(ckpt, 
             tpu_llama_config({**raw, field: value})
     bad = tmp_path / "bad"
     write_tpu_llama(bad, expand=[{"2": 1}, []], expand_size=1, layers=1, add_qk_norm=True)
-    with pytest.raises(ValueError, match=r"^backbone '.*bad': config field add_qk_norm=True is not implemented \(tokenkit's modelling code ignores it\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^backbone '.*bad': config field add_qk_norm=True is not implemented \(tokenkit's modelling code ignores it\)$",
+    ):
         load_backbone(str(bad), dtype=torch.float64)
 
 
@@ -202,7 +214,9 @@ def test_batched_plain_decoding_feeds_each_rows_expanded_ids(ckpt, mode):
     cfg = DecodeConfig(max_new_tokens=20, mode=mode, eos_id=EOS, ban_eos=True)
     one = continuations(bb, prompts, cfg, seeds=[3, 4, 5], batch_size=1)
     assert continuations(bb, prompts, cfg, seeds=[3, 4, 5], batch_size=3) == one
-    assert continuations(bb, prompts, cfg, seeds=[3, 4, 5], batch_size=3, slot_budget=1) == one  # a batch per row
+    assert (
+        continuations(bb, prompts, cfg, seeds=[3, 4, 5], batch_size=3, slot_budget=1) == one
+    )  # a batch per row
 
 
 def test_sampling_is_exact_by_enumeration(tmp_path):
@@ -216,7 +230,9 @@ def test_sampling_is_exact_by_enumeration(tmp_path):
                         expand=exp, expand_size=8, maxlen=3)  # fmt: skip
     for engine in ("compact", "hf"):
         bb = _native(d, 1, engine)
-        m = MtpcModel.from_components(bb, {"kind": "btree", "window": 3, "rank": 2, "lora_depth": 1, "seed": 1})
+        m = MtpcModel.from_components(
+            bb, {"kind": "btree", "window": 3, "rank": 2, "lora_depth": 1, "seed": 1}
+        )
         prompt = torch.tensor([2, 0, 3])
         head_fn = _sparse_head(m, allowed=(0, 3))
         tde._seen.clear()
@@ -224,7 +240,11 @@ def test_sampling_is_exact_by_enumeration(tmp_path):
         keep = enumerate_outcomes(_program(m, head_fn, engine, prompt, 4, False, 0.9))
         assert abs(sum(plain.values()) - 1) < 1e-12 and len(plain) > 4
         assert total_variation(keep, plain) < 1e-10
-        assert {s for s, _ in tde._seen} == {0, 1, 2}  # full acceptance, rejections (crops) and s = 1 all occur
+        assert {s for s, _ in tde._seen} == {
+            0,
+            1,
+            2,
+        }  # full acceptance, rejections (crops) and s = 1 all occur
 
 
 # ------------------------------------------------------------------------------ against tokenkit's code
@@ -328,15 +348,34 @@ def test_byte_llama3_tokenizer_template_mask_and_raw_bytes(chat_ckpt):
         return [SH, *role.encode(), EH, *b"\n\n", *body, EOT]
 
     ids, mask = tok.apply_chat_template(msgs)
-    assert ids == [BOT, *turn("system", b"Be brief."), *turn("user", raw), *turn("assistant", b"ok \xff"), *turn("user", b"again")]
-    start = 1 + len(turn("system", b"Be brief.")) + len(turn("user", raw)) + len([SH, *b"assistant", EH, *b"\n\n"])
-    assert [i for i, m in enumerate(mask) if m] == list(range(start, start + 5))  # "ok \xff" and its <|eot_id|>
+    assert ids == [
+        BOT,
+        *turn("system", b"Be brief."),
+        *turn("user", raw),
+        *turn("assistant", b"ok \xff"),
+        *turn("user", b"again"),
+    ]
+    start = (
+        1
+        + len(turn("system", b"Be brief."))
+        + len(turn("user", raw))
+        + len([SH, *b"assistant", EH, *b"\n\n"])
+    )
+    assert [i for i, m in enumerate(mask) if m] == list(
+        range(start, start + 5)
+    )  # "ok \xff" and its <|eot_id|>
     assert ids[start + 4] == EOT
     prompt = tok.render_prompt("hi")
     assert prompt == [BOT, *turn("user", b"hi"), SH, *b"assistant", EH, *b"\n\n"]
-    valid = [*msgs[:1], {"role": "user", "content": raw.decode("utf-8", "replace")}, {"role": "assistant", "content": "é"}]
+    valid = [
+        *msgs[:1],
+        {"role": "user", "content": raw.decode("utf-8", "replace")},
+        {"role": "assistant", "content": "é"},
+    ]
     text = tok.hf.apply_chat_template(valid, tokenize=False)
-    assert tok.apply_chat_template(valid)[0] == tok.hf(text, add_special_tokens=False).input_ids  # = HF's own ids
+    assert (
+        tok.apply_chat_template(valid)[0] == tok.hf(text, add_special_tokens=False).input_ids
+    )  # = HF's own ids
     assert tok.decode(ids, keep_special=True).startswith(b"<|begin_of_text|><|start_header_id|>system")
 
 
@@ -345,7 +384,9 @@ def test_generation_stops_on_eot(chat_ckpt):
     m = MtpcModel.from_components(bb, {"kind": "cp", "window": 3, "rank": 2, "seed": 0})
     free = m.generate_plain("hi", max_new_tokens=40).ids.tolist()
     assert len(free) == 40 and 265 not in free
-    with torch.no_grad():  # <|eot_id|> wins wherever the third generated byte did (its logit is positive there)
+    with (
+        torch.no_grad()
+    ):  # <|eot_id|> wins wherever the third generated byte did (its logit is positive there)
         bb.model.lm_head.weight[265] = bb.model.lm_head.weight[free[2]] * 1.01
     for out in (m.generate_plain("hi", max_new_tokens=40), m.generate("hi", max_new_tokens=40)):
         ids = out.ids.tolist()

@@ -31,7 +31,7 @@ def cluster(tmp_path_factory):
     env = dict(os.environ)
     for line in r.stdout.splitlines():
         if line.startswith("export "):
-            k, v = line[len("export "):].split("=", 1)
+            k, v = line[len("export ") :].split("=", 1)
             env[k] = v
     env["MTPC_PYTHON"] = sys.executable
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
@@ -41,7 +41,9 @@ def cluster(tmp_path_factory):
     yield {"dir": d, "env": env}
     subprocess.run(["bash", str(SCRIPT), "stop", str(d)], capture_output=True, text=True, timeout=120)
     for name, pid in pids.items():
-        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower(), f"{name} still running"
+        assert (
+            not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+        ), f"{name} still running"
 
 
 @pytest.fixture(scope="session")

@@ -39,10 +39,19 @@ class _SamplerRecorder(_Recorder):
 
 
 SAMPLER_SPEC = {
-    "study": "golden-sampler", "objective": "fixture",
-    "space": {"kind": "tpe", "params": {"circuit": {"choices": ["ff", "cp"]}, "rank": {"low": 2, "high": 64, "log": True},
-                                        "window": {"choices": [4, 8]}, "lora_depth": {"low": 0, "high": 2}}},
-    "n_trials": 4, "objectives": [{"metric": "throughput", "direction": "maximize"}],
+    "study": "golden-sampler",
+    "objective": "fixture",
+    "space": {
+        "kind": "tpe",
+        "params": {
+            "circuit": {"choices": ["ff", "cp"]},
+            "rank": {"low": 2, "high": 64, "log": True},
+            "window": {"choices": [4, 8]},
+            "lora_depth": {"low": 0, "high": 2},
+        },
+    },
+    "n_trials": 4,
+    "objectives": [{"metric": "throughput", "direction": "maximize"}],
 }
 
 
@@ -55,7 +64,12 @@ def _sampler_values() -> dict[str, Any]:
     spec = parse_spec(SAMPLER_SPEC, REPO / "golden-sampler.yaml", env={})
     rec = _SamplerRecorder({"circuit": "cp", "window": 8})
     point = suggest(spec, rec)
-    return {"space_signature": spec.space_signature(), "calls": rec.calls, "point": point, "grid_key": grid_key(point)}
+    return {
+        "space_signature": spec.space_signature(),
+        "calls": rec.calls,
+        "point": point,
+        "grid_key": grid_key(point),
+    }
 
 
 def golden_values() -> dict[str, Any]:
@@ -72,19 +86,26 @@ def golden_values() -> dict[str, Any]:
         for point in spec.grid:
             rec = _Recorder(point)
             suggested = suggest(spec, rec)
-            cfg = trial_config(spec.train, point, tracking_uri="sqlite://", experiment=spec.experiment,
-                               run_dir="/tmp/golden-run")
+            cfg = trial_config(
+                spec.train,
+                point,
+                tracking_uri="sqlite://",
+                experiment=spec.experiment,
+                run_dir="/tmp/golden-run",
+            )
             resolved = cfg.resolved()
             choices = rec.calls  # the same for every point of a grid
-            points.append({
-                "grid_key": grid_key(point),
-                "point": point,
-                "suggested": suggested,
-                "user_attrs": grid_attrs(spec, point, attempt=0),
-                "run_name": resolved.run.name,
-                "child_params": training_axes(cfg),
-                "identity_hash": config_hash(resolved.to_dict()),
-            })
+            points.append(
+                {
+                    "grid_key": grid_key(point),
+                    "point": point,
+                    "suggested": suggested,
+                    "user_attrs": grid_attrs(spec, point, attempt=0),
+                    "run_name": resolved.run.name,
+                    "child_params": training_axes(cfg),
+                    "identity_hash": config_hash(resolved.to_dict()),
+                }
+            )
         out[name] = {"space_signature": spec.space_signature(), "choices": choices, "points": points}
     out["sampler"] = _sampler_values()
     return json.loads(json.dumps(out))  # tuples as lists, as the file holds them
@@ -106,5 +127,7 @@ def test_shipped_sweeps_keep_their_keys_signatures_params_and_identities():
 if __name__ == "__main__":
     if sys.argv[1:] != ["--write"]:
         sys.exit("usage: python -m tests.sweeps.test_axes_golden --write")
-    GOLDEN.write_text(json.dumps(golden_values(), sort_keys=True).replace('{"child_params"', '\n{"child_params"') + "\n")
+    GOLDEN.write_text(
+        json.dumps(golden_values(), sort_keys=True).replace('{"child_params"', '\n{"child_params"') + "\n"
+    )
     print(f"wrote {GOLDEN}")

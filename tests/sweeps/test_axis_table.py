@@ -26,8 +26,13 @@ ARCH = {"circuit": ["cp"], "rank": [4], "window": [4], "lora_depth": [0]}
 
 
 def write(tmp_path, slices, name="axes", **over):
-    spec = {"study": name, "objective": "fixture", "output_dir": str(tmp_path / "out"),
-            "space": {"kind": "grid", "slices": slices}, "objectives": [{"metric": "throughput", "direction": "maximize"}]}
+    spec = {
+        "study": name,
+        "objective": "fixture",
+        "output_dir": str(tmp_path / "out"),
+        "space": {"kind": "grid", "slices": slices},
+        "objectives": [{"metric": "throughput", "direction": "maximize"}],
+    }
     spec.update(over)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -41,7 +46,9 @@ def test_rows_agree_with_the_config_fields_they_set():
         value = config_value(cfg, a.path)  # the path names a field
         assert a.type in (int, float, str) and isinstance(value, a.type), a.name
         if a.role == axes.TRAINING:
-            assert a.default == value, f"{a.name}: the row's default {a.default!r} is not {a.path}'s {value!r}"
+            assert a.default == value, (
+                f"{a.name}: the row's default {a.default!r} is not {a.path}'s {value!r}"
+            )
     assert len(set(axes.names())) == len(axes.AXES) and len({a.path for a in axes.axes()}) == len(axes.AXES)
     assert axes.names(axes.ARCHITECTURE) == ("circuit", "rank", "window", "lora_depth")
 
@@ -53,8 +60,12 @@ def test_kl_temperature_is_an_axis_named_only_by_the_specs_that_vary_it(tmp_path
     cfg = apply_point(load_config("debug"), spec.grid[1])
     assert cfg.model.kl_temperature == 2.0 and cfg.resolved().run.name == "tiny-cp-r4-n4-k0-T2"
     plain = load_spec(write(tmp_path, {"a": ARCH}, name="plain"), env={})
-    assert "kl_temperature" not in plain.grid[0]  # a spec that does not name it keeps its points and signature
-    with pytest.raises(SpecError, match=r"space\.slices\.a\.kl_temperature': got 0; expected a finite number > 0"):
+    assert (
+        "kl_temperature" not in plain.grid[0]
+    )  # a spec that does not name it keeps its points and signature
+    with pytest.raises(
+        SpecError, match=r"space\.slices\.a\.kl_temperature': got 0; expected a finite number > 0"
+    ):
         load_spec(write(tmp_path, {"a": {**ARCH, "kl_temperature": [0]}}), env={})
 
 
@@ -81,15 +92,32 @@ def test_the_library_checks_the_architecture_only():
 
 
 def test_point_of_reads_every_axis_back():
-    cfg = apply_point(load_config("debug"), {"circuit": "hmm", "rank": 2, "window": 4, "lora_depth": 0, "kl_beta": 0.5,
-                                             "kl_temperature": 2, "train_seed": 3})
-    assert point_of(cfg) == {"circuit": "hmm", "rank": 2, "window": 4, "lora_depth": 0, "kl_beta": 0.5,
-                             "kl_temperature": 2.0, "train_seed": 3}
+    cfg = apply_point(
+        load_config("debug"),
+        {
+            "circuit": "hmm",
+            "rank": 2,
+            "window": 4,
+            "lora_depth": 0,
+            "kl_beta": 0.5,
+            "kl_temperature": 2,
+            "train_seed": 3,
+        },
+    )
+    assert point_of(cfg) == {
+        "circuit": "hmm",
+        "rank": 2,
+        "window": 4,
+        "lora_depth": 0,
+        "kl_beta": 0.5,
+        "kl_temperature": 2.0,
+        "train_seed": 3,
+    }
     assert cfg.params()["train_seed"] == 3 and cfg.params()["kl_temperature"] == 2.0
 
 
 # the whole path of a new axis, in a fresh process where the row is added before anything reads the table
-_NEW_AXIS = textwrap.dedent('''
+_NEW_AXIS = textwrap.dedent("""
     import json, sys
     from pathlib import Path
 
@@ -137,28 +165,48 @@ _NEW_AXIS = textwrap.dedent('''
                      {"mu_lat": 1.0, "mu_acc": 1.0, "tokens_per_cycle": 2.0, "throughput": 2.0})
     out["old_run_lr"] = old["lr"]
     print("RESULT " + json.dumps(out))
-''')
+""")
 
 
 @pytest.mark.slow
 def test_a_new_axis_is_one_row(tmp_path):
     uri = fresh_tracking_uri(tmp_path / "mlflow")
-    path = write(tmp_path, {"a": {**ARCH, "lr": [3e-4, 1e-3]}}, name="axes-lr", mlflow={"tracking_uri": uri},
-                 eval={"modes": ["greedy"], "sets": 2})
+    path = write(
+        tmp_path,
+        {"a": {**ARCH, "lr": [3e-4, 1e-3]}},
+        name="axes-lr",
+        mlflow={"tracking_uri": uri},
+        eval={"modes": ["greedy"], "sets": 2},
+    )
     bad = write(tmp_path, {"a": {**ARCH, "lr": [-1.0]}}, name="axes-bad")
     script = tmp_path / "new_axis.py"
     script.write_text(_NEW_AXIS)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("MLFLOW_TRACKING_URI", None)
-    r = subprocess.run([sys.executable, str(script), str(path), str(bad), uri, str(tmp_path)], capture_output=True,
-                       text=True, env=env, cwd=tmp_path, timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(script), str(path), str(bad), uri, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
-    assert out["keys"] == ["cp-r4-n4-k0", "cp-r4-n4-k0-lr0.001"]  # at its default the axis leaves the key as it was
+    out = json.loads(
+        next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT ") :]
+    )
+    assert out["keys"] == [
+        "cp-r4-n4-k0",
+        "cp-r4-n4-k0-lr0.001",
+    ]  # at its default the axis leaves the key as it was
     assert out["lr"] == 1e-3 and out["run_name"] == "tiny-cp-r4-n4-k0-lr0.001" and out["parent_param"] == 1e-3
     assert out["child_params"] == {"kl_beta": 0.0, "kl_temperature": 1.0, "train_seed": 0, "lr": 1e-3}
     assert out["child_config"] == [1e-3, "tiny-cp-r4-n4-k0-lr0.001"]
-    assert "space.slices.a.lr" in out["bad"] and "expected a positive number" in out["bad"] and "\n" not in out["bad"]
+    assert (
+        "space.slices.a.lr" in out["bad"]
+        and "expected a positive number" in out["bad"]
+        and "\n" not in out["bad"]
+    )
     assert out["rc"] == 0 and out["optuna"] == [3e-4, 1e-3]
     assert out["dtype"] == "float64" and out["values"] == [3e-4, 1e-3]
     assert out["groups"] == [[2, [3e-4, 1e-3], [2, 2]]]  # two configurations, each over its two prompt sets

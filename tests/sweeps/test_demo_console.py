@@ -20,13 +20,19 @@ def test_fixture_demo_prints_only_its_own_lines(tmp_path):
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     foreign = [line for line in out.stderr.splitlines() if line.strip() and not line.startswith("[sweeps ")]
-    assert not foreign, "unlisted messages (silence them in experiments/quiet.py or print less):\n" + "\n".join(foreign)
+    assert not foreign, (
+        "unlisted messages (silence them in experiments/quiet.py or print less):\n" + "\n".join(foreign)
+    )
     assert "COMPLETE" in out.stderr and "trials: {'COMPLETE': 5}" in out.stdout
     done = [line for line in out.stderr.splitlines() if " COMPLETE" in line]
-    assert len(done) == 5 and all(re.search(r" COMPLETE, derived_throughput \d{1,4}(\.\d{1,3})?$", line) for line in done), done
+    assert len(done) == 5 and all(
+        re.search(r" COMPLETE, derived_throughput \d{1,4}(\.\d{1,3})?$", line) for line in done
+    ), done
     for step in ("2/4 sweep", "3/4 python -m analysis", "4/4 where things are"):
         assert step in out.stdout
-    assert re.search(r"demo took \d+ s \(2/4 \d+ s, 3/4 \d+ s, 4/4 \d+ s\); exit code 0", out.stdout), out.stdout[-500:]
+    assert re.search(r"demo took \d+ s \(2/4 \d+ s, 3/4 \d+ s, 4/4 \d+ s\); exit code 0", out.stdout), (
+        out.stdout[-500:]
+    )
 
 
 def test_a_second_demo_on_the_same_folder_is_refused(tmp_path, capsys):

@@ -42,7 +42,11 @@ def test_the_grid_covers_every_question_with_two_seeds():
     assert every <= 0.8 * steps and steps % every == 0  # a validation at the start of the last fifth
     e = spec.eval
     assert e.sets >= 3 and e.n_prompts >= 32 and e.max_new_tokens == 128 and e.dev_sets >= 1
-    assert set(e.modes) == {"greedy", "sample"} and 1.0 in e.temperatures and len([t for t in e.temperatures if t < 1]) >= 2
+    assert (
+        set(e.modes) == {"greedy", "sample"}
+        and 1.0 in e.temperatures
+        and len([t for t in e.temperatures if t < 1]) >= 2
+    )
     assert e.eos == ("banned",)
 
 
@@ -74,7 +78,14 @@ def test_the_cpu_variant_decides_h1_and_h2_with_two_seeds(tmp_path):
         (c, k) for c in ("ff", "btree") for k in (1, 2)}  # fmt: skip
     assert all(p["lora_depth"] == 0 for p in spec.grid[: len(spec.grid) - 8])  # RQ3 runs last
     e = spec.eval
-    assert (e.acceptance, e.sets, e.n_prompts, e.max_new_tokens, e.dev_sets, e.dev_n_prompts) == ("offline", 3, 225, 256, 1, 100)
+    assert (e.acceptance, e.sets, e.n_prompts, e.max_new_tokens, e.dev_sets, e.dev_n_prompts) == (
+        "offline",
+        3,
+        225,
+        256,
+        1,
+        100,
+    )
     assert e.modes == ("greedy", "sample") and e.temperatures == (1.0, 0.8) and e.eos == ("banned",)
     assert e.continuation_cache and e.extra_token == "keep"
     assert spec.study == "mtpc-fidelity-cpu-225" and spec.study != "mtpc-fidelity-cpu"
@@ -121,19 +132,31 @@ def test_dry_run_on_the_debug_backbone(tmp_path):
     """The whole pipeline on the tiny backbone: one point per slice kind, both seeds, the decision CLI."""
     uri = fresh_tracking_uri(tmp_path / "mlflow")
     sets = [
-        f"output_dir={tmp_path / 'out'}", f"mlflow.tracking_uri={uri}", "train.config=debug",
-        "train.trainer={max_steps: 5, val_check_interval: 1, max_epochs: 1}", "train.run={checkpoint_every_n_steps: 0}",
+        f"output_dir={tmp_path / 'out'}",
+        f"mlflow.tracking_uri={uri}",
+        "train.config=debug",
+        "train.trainer={max_steps: 5, val_check_interval: 1, max_epochs: 1}",
+        "train.run={checkpoint_every_n_steps: 0}",
         "space.slices={ce: {circuit: [ff, cp], rank: [4], window: [8], lora_depth: [0], train_seed: [0, 1]},"
         " kl: {circuit: [ff, cp], rank: [4], window: [8], lora_depth: [0], kl_beta: [0.5], train_seed: [0, 1]}}",
-        "eval.n_prompts=2", "eval.max_new_tokens=8", "eval.temperatures=[1.0, 0.5]",
+        "eval.n_prompts=2",
+        "eval.max_new_tokens=8",
+        "eval.temperatures=[1.0, 0.5]",
     ]
     r = run_cli([SPEC, "--workers", "2", *[x for s in sets for x in ("--set", s)]], timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     from analysis.fidelity import main
 
     out = tmp_path / "fidelity.md"
-    assert main(["--tracking-uri", uri, "--experiment", "mtpc-fidelity", "--out", str(out), "--resamples", "200"]) == 0
+    assert (
+        main(
+            ["--tracking-uri", uri, "--experiment", "mtpc-fidelity", "--out", str(out), "--resamples", "200"]
+        )
+        == 0
+    )
     text = out.read_text()
     assert "## H1" in text and "beta = 0.5: the only candidate, fixed in advance" in text
-    assert "| ff n=8: β=0.5 vs CE |" in text and "| cp n=8 r=4: β=0.5 vs CE |" in text  # decided on both seeds' prompts
+    assert (
+        "| ff n=8: β=0.5 vs CE |" in text and "| cp n=8 r=4: β=0.5 vs CE |" in text
+    )  # decided on both seeds' prompts
     assert "## Training" in text

@@ -36,8 +36,10 @@ def test_a_torn_line_followed_by_a_later_write_is_repaired(tmp_path, capsys):
     # the operations the next worker writes (after space was freed): a new trial
     other = tmp_path / "copy.journal"
     other.write_bytes(whole)
-    optuna.load_study(study_name="s", storage=JournalStorage(JournalFileBackend(str(other)))).ask().suggest_int("x", 0, 10)
-    later = other.read_bytes()[len(whole):]
+    optuna.load_study(
+        study_name="s", storage=JournalStorage(JournalFileBackend(str(other)))
+    ).ask().suggest_int("x", 0, 10)
+    later = other.read_bytes()[len(whole) :]
     # a write cut short (ENOSPC) and that next append landing on the same line
     path.write_bytes(whole + b'{"op_code":5,"worker_id":"x","trial_id":0,"par' + later)
     with pytest.raises(json.JSONDecodeError):  # plain Optuna: fails from now on, for good

@@ -24,7 +24,9 @@ def test_resume_reruns_points_whose_mlflow_runs_were_lost(tmp_path):
     done = [t for t in trials(spec.storage, "lost") if t.state.name == "COMPLETE"]
     first_two = sorted(t.number for t in done if t.user_attrs["attempt"] == 0)[:2]
     for n in first_two:
-        assert f"trial {n} (" in r.stderr and "is COMPLETE in Optuna, but its MLflow run" in r.stderr, r.stderr[-3000:]
+        assert f"trial {n} (" in r.stderr and "is COMPLETE in Optuna, but its MLflow run" in r.stderr, (
+            r.stderr[-3000:]
+        )
     parents = {x.info.run_id for x in runs(uri, "lost") if "mlflow.parentRunId" not in x.data.tags}
     keys = {t.user_attrs["grid_key"] for t in done if t.user_attrs["mlflow_parent_run_id"] in parents}
     assert len(keys) == 4  # every point has a COMPLETE trial whose results are in the store
@@ -32,8 +34,12 @@ def test_resume_reruns_points_whose_mlflow_runs_were_lost(tmp_path):
 
     from tracking.schema import POINTS_TAG
 
-    assert MlflowClient(uri).get_experiment_by_name("lost").tags[POINTS_TAG] == "4"  # what the analysis checks
+    assert (
+        MlflowClient(uri).get_experiment_by_name("lost").tags[POINTS_TAG] == "4"
+    )  # what the analysis checks
     from sweeps.study import requeue_lost_runs
 
     assert requeue_lost_runs(spec) == []  # a second --resume: every point has its results again
-    assert all(t.state.name == "COMPLETE" for t in trials(spec.storage, "lost"))  # re-runs not taken for duplicates
+    assert all(
+        t.state.name == "COMPLETE" for t in trials(spec.storage, "lost")
+    )  # re-runs not taken for duplicates

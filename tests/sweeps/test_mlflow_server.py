@@ -36,13 +36,29 @@ pytestmark = pytest.mark.slow
 def test_two_concurrent_trials_log_to_a_server_then_it_stops(tmp_path):
     proc, uri = start_server(tmp_path)
     try:
-        spec = fixture_spec(tmp_path, "srv", tracking_uri=uri, fixture={"steps": 5, "step_seconds": 1.0},
-                            space={"slices": {"a": {"circuit": ["cp", "btree"], "rank": [4], "window": [4], "lora_depth": [0]}}})
+        spec = fixture_spec(
+            tmp_path,
+            "srv",
+            tracking_uri=uri,
+            fixture={"steps": 5, "step_seconds": 1.0},
+            space={
+                "slices": {"a": {"circuit": ["cp", "btree"], "rank": [4], "window": [4], "lora_depth": [0]}}
+            },
+        )
         run.init(load_spec(spec, env={}))
         # two workers, one trial each, started together
         env = dict(os.environ, PYTHONPATH=str(REPO))
-        procs = [subprocess.Popen([sys.executable, "-m", "sweeps.run", str(spec), "--worker", "--max-trials", "1"], env=env, cwd=REPO,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "sweeps.run", str(spec), "--worker", "--max-trials", "1"],
+                env=env,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for _ in range(2)
+        ]
         outs = [p.communicate(timeout=240)[0] for p in procs]
         assert [p.returncode for p in procs] == [0, 0], outs
         storage = f"journal:{tmp_path / 'out' / 'optuna.journal'}"
@@ -50,11 +66,26 @@ def test_two_concurrent_trials_log_to_a_server_then_it_stops(tmp_path):
         assert len(complete) == 2
         # the two trials ran at the same time
         (a, b) = sorted(complete, key=lambda t: t.datetime_start)
-        assert b.datetime_start < a.datetime_complete, ("trials did not overlap", a.datetime_start, a.datetime_complete, b.datetime_start)
+        assert b.datetime_start < a.datetime_complete, (
+            "trials did not overlap",
+            a.datetime_start,
+            a.datetime_complete,
+            b.datetime_start,
+        )
         # REST: the experiment by name, then its finished runs (2 parents + 2 x 2 children)
-        exp = json.loads(http_get(f"{uri}/api/2.0/mlflow/experiments/get-by-name?experiment_name=srv"))["experiment"]
-        body = json.dumps({"experiment_ids": [exp["experiment_id"]], "filter": "attributes.status = 'FINISHED'", "max_results": 100}).encode()
-        req = urllib.request.Request(f"{uri}/api/2.0/mlflow/runs/search", data=body, headers={"Content-Type": "application/json"})
+        exp = json.loads(http_get(f"{uri}/api/2.0/mlflow/experiments/get-by-name?experiment_name=srv"))[
+            "experiment"
+        ]
+        body = json.dumps(
+            {
+                "experiment_ids": [exp["experiment_id"]],
+                "filter": "attributes.status = 'FINISHED'",
+                "max_results": 100,
+            }
+        ).encode()
+        req = urllib.request.Request(
+            f"{uri}/api/2.0/mlflow/runs/search", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310
             found = json.loads(resp.read())["runs"]
         assert len(found) == 6
@@ -86,8 +117,13 @@ def test_server_down_mid_sweep_stops_the_sweep_and_resume_closes_every_run(tmp_p
     storage = f"journal:{tmp_path / 'out' / 'optuna.journal'}"
     e = dict(os.environ, PYTHONPATH=str(REPO), **env)
     err = open(tmp_path / "runner.err", "w")  # noqa: SIM115
-    runner = subprocess.Popen([sys.executable, "-m", "sweeps.run", str(spec), "--workers", "1"], env=e, cwd=REPO,
-                              stdout=subprocess.DEVNULL, stderr=err)
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "sweeps.run", str(spec), "--workers", "1"],
+        env=e,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=err,
+    )
     try:
         deadline = time.time() + 240
         while time.time() < deadline:  # one trial COMPLETE, the next one 2+ steps into logging
@@ -95,9 +131,18 @@ def test_server_down_mid_sweep_stops_the_sweep_and_resume_closes_every_run(tmp_p
                 st = by_state(trials(storage, "down"))
             except Exception:  # noqa: BLE001 (init has not created the study yet)
                 st = {}
-            ck = [tmp_path / "out" / "checkpoints" / "down" / t.user_attrs.get("grid_key", "?") / "fixture_state.json"
-                  for t in st.get("RUNNING", [])]
-            if len(st.get("COMPLETE", [])) == 1 and any(c.exists() and json.loads(c.read_text())["step"] >= 2 for c in ck):
+            ck = [
+                tmp_path
+                / "out"
+                / "checkpoints"
+                / "down"
+                / t.user_attrs.get("grid_key", "?")
+                / "fixture_state.json"
+                for t in st.get("RUNNING", [])
+            ]
+            if len(st.get("COMPLETE", [])) == 1 and any(
+                c.exists() and json.loads(c.read_text())["step"] >= 2 for c in ck
+            ):
                 break
             time.sleep(0.2)
         else:
@@ -116,7 +161,10 @@ def test_server_down_mid_sweep_stops_the_sweep_and_resume_closes_every_run(tmp_p
     ts = trials(storage, "down")
     st = by_state(ts)
     (failed,) = st["FAIL"]
-    assert f"MLflow tracking store {uri}" in failed.user_attrs["error"] and ".yaml" not in failed.user_attrs["error"]
+    assert (
+        f"MLflow tracking store {uri}" in failed.user_attrs["error"]
+        and ".yaml" not in failed.user_attrs["error"]
+    )
     assert len(st["COMPLETE"]) == 1 and len(st["WAITING"]) == 3  # two never started + the failed one again
     # the server comes back (same store, same port): --resume finishes the sweep and ends every run
     proc, uri2 = start_server(srv, port=port)
@@ -125,7 +173,9 @@ def test_server_down_mid_sweep_stops_the_sweep_and_resume_closes_every_run(tmp_p
         r = run_cli([str(spec), "--resume"], env=env, timeout=400)
         assert r.returncode == 0, r.stderr[-3000:]
         ts = trials(storage, "down")
-        assert {t.user_attrs["grid_key"] for t in ts if t.state.name == "COMPLETE"} == {t.user_attrs["grid_key"] for t in ts}
+        assert {t.user_attrs["grid_key"] for t in ts if t.state.name == "COMPLETE"} == {
+            t.user_attrs["grid_key"] for t in ts
+        }
         check_complete_results(storage, "down", uri, "down")
         statuses = {x.info.run_id: x for x in runs(uri, "down")}
         assert [x.info.run_name for x in statuses.values() if x.info.status == "RUNNING"] == []

@@ -12,12 +12,21 @@ from tests.sweep_helpers import fresh_tracking_uri, run_cli, runs
 
 def _spec(tmp_path, uri):
     spec = {
-        "study": "reev", "objective": "trial", "output_dir": str(tmp_path / "out"),
+        "study": "reev",
+        "objective": "trial",
+        "output_dir": str(tmp_path / "out"),
         "mlflow": {"experiment": "reev", "tracking_uri": uri},
-        "train": {"config": "debug", "trainer": {"max_steps": 2, "val_check_interval": 1, "max_epochs": 1},
-                  "run": {"checkpoint_every_n_steps": 0}},
-        "space": {"kind": "grid", "slices": {"a": {"circuit": ["cp"], "rank": [2], "window": [4], "lora_depth": [0],
-                                                   "kl_beta": [0.0, 0.5]}}},
+        "train": {
+            "config": "debug",
+            "trainer": {"max_steps": 2, "val_check_interval": 1, "max_epochs": 1},
+            "run": {"checkpoint_every_n_steps": 0},
+        },
+        "space": {
+            "kind": "grid",
+            "slices": {
+                "a": {"circuit": ["cp"], "rank": [2], "window": [4], "lora_depth": [0], "kl_beta": [0.0, 0.5]}
+            },
+        },
         "objectives": [{"metric": "mu_acc", "direction": "maximize", "mode": "sample"}],
         "eval": {"modes": ["sample"], "sets": 2, "n_prompts": 1, "max_new_tokens": 6, "stp": False},
     }
@@ -41,7 +50,10 @@ def test_adds_a_greedy_pass_once_and_redoes_a_partial_one(tmp_path, capsys):
     assert r.returncode == 0, r.stderr[-3000:]
     assert main([str(spec), "--set", "eval.modes=[greedy]"]) == 0
     out = capsys.readouterr().out
-    assert "1 trial head(s) to evaluate for [('greedy', 1.0)]; 1 grid point(s) without a finished trial: cp-r2-n4-k0-kl0.5" in out
+    assert (
+        "1 trial head(s) to evaluate for [('greedy', 1.0)]; 1 grid point(s) without a finished trial: cp-r2-n4-k0-kl0.5"
+        in out
+    )
     modes = _by_mode(uri)
     assert len(modes["sample"]) == 2 and len(modes["greedy"]) == 2
     greedy = modes["greedy"]
@@ -53,7 +65,9 @@ def test_adds_a_greedy_pass_once_and_redoes_a_partial_one(tmp_path, capsys):
         for k in ("kl_beta", "train_seed", "converged", "circuit", "window", "rank"):
             assert g.data.params[k] == s.data.params[k], k
     parent = {r.info.run_id: r for r in runs(uri, "reev")}[greedy[0].data.tags["mlflow.parentRunId"]]
-    assert "greedy/mu_acc" in parent.data.metrics and "sample/mu_acc" in parent.data.metrics  # the trial's row
+    assert (
+        "greedy/mu_acc" in parent.data.metrics and "sample/mu_acc" in parent.data.metrics
+    )  # the trial's row
 
     assert main([str(spec), "--set", "eval.modes=[greedy]"]) == 0  # resumable: nothing left to do
     assert "0 trial head(s)" in capsys.readouterr().out

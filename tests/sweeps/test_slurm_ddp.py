@@ -29,11 +29,23 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 def test_srun_two_tasks_train_one_head_into_one_mlflow_run(cluster, store, tmp_path):
     run_dir = tmp_path / "run"
-    train = (f"srun {sys.executable} -m experiments.train fit --config experiments/configs/debug.yaml "
-             f"--trainer.devices 2 --trainer.strategy ddp --trainer.max_steps 4 --run.tracking true "
-             f"--run.tracking_uri {store} --run.experiment srun-ddp --run.dir {run_dir}")
-    job = _sh(cluster, "sbatch", "--parsable", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2", "--cpus-per-task=1",
-              f"--output={tmp_path}/slurm-%j.out", "--wrap", train)
+    train = (
+        f"srun {sys.executable} -m experiments.train fit --config experiments/configs/debug.yaml "
+        f"--trainer.devices 2 --trainer.strategy ddp --trainer.max_steps 4 --run.tracking true "
+        f"--run.tracking_uri {store} --run.experiment srun-ddp --run.dir {run_dir}"
+    )
+    job = _sh(
+        cluster,
+        "sbatch",
+        "--parsable",
+        "--nodes=1",
+        "--ntasks=2",
+        "--ntasks-per-node=2",
+        "--cpus-per-task=1",
+        f"--output={tmp_path}/slurm-%j.out",
+        "--wrap",
+        train,
+    )
     _wait_done(cluster, job, 300)
     out = _logs(tmp_path)
     assert "Starting with 2 processes" in out and out.count("head exported to") == 1, out[-3000:]
@@ -52,22 +64,50 @@ def _steps(record: Path) -> list[int]:
 def test_two_rank_trial_preempted_resumes_from_its_checkpoint_and_finishes_once(cluster, store, tmp_path):
     study = "slurm-ddp-trial"
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(p) + "\n" for p in ("Hello there!", "Count to five.", "Why is the sky blue?")))
+    prompts.write_text(
+        "".join(json.dumps(p) + "\n" for p in ("Hello there!", "Count to five.", "Why is the sky blue?"))
+    )
     record, step_file = tmp_path / "steps.jsonl", tmp_path / "step"
-    env = {**cluster["env"], "MTPC_TRIAL_TRAIN_SCRIPT": str(REPO / "tests" / "ddp_run.py"), "MTPC_TEST_STEP_SLEEP": "1",
-           "MTPC_TEST_STEP_FILE": str(step_file), "MTPC_TEST_RECORD": str(record)}
+    env = {
+        **cluster["env"],
+        "MTPC_TRIAL_TRAIN_SCRIPT": str(REPO / "tests" / "ddp_run.py"),
+        "MTPC_TEST_STEP_SLEEP": "1",
+        "MTPC_TEST_STEP_FILE": str(step_file),
+        "MTPC_TEST_RECORD": str(record),
+    }
     c = {**cluster, "env": env}
-    sets = [f"study={study}", f"output_dir={tmp_path}/out", f"mlflow.tracking_uri={store}", f"mlflow.experiment={study}",
-            f"eval.prompts={prompts}", "eval.n_prompts=2", "eval.max_new_tokens=8", "slurm.tasks_per_trial=2",
-            "train.data.batch_size=2", "train.trainer.max_epochs=2",  # 4 rows per step: 12 steps of >= 1 s
-            'space={"slices": {"one": {"circuit": ["cp"], "rank": [2], "window": [4], "lora_depth": [0]}}}']
-    job = _sh(c, "sbatch", "--parsable", "--array=0-0", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
-              "--cpus-per-task=1", f"--output={tmp_path}/slurm-%A_%a.out", str(REPO / "slurm" / "sweep.sh"),
-              "sweeps/smoke.yaml", *[x for s in sets for x in ("--set", s)]).split(";")[0]
+    sets = [
+        f"study={study}",
+        f"output_dir={tmp_path}/out",
+        f"mlflow.tracking_uri={store}",
+        f"mlflow.experiment={study}",
+        f"eval.prompts={prompts}",
+        "eval.n_prompts=2",
+        "eval.max_new_tokens=8",
+        "slurm.tasks_per_trial=2",
+        "train.data.batch_size=2",
+        "train.trainer.max_epochs=2",  # 4 rows per step: 12 steps of >= 1 s
+        'space={"slices": {"one": {"circuit": ["cp"], "rank": [2], "window": [4], "lora_depth": [0]}}}',
+    ]
+    job = _sh(
+        c,
+        "sbatch",
+        "--parsable",
+        "--array=0-0",
+        "--nodes=1",
+        "--ntasks=2",
+        "--ntasks-per-node=2",
+        "--cpus-per-task=1",
+        f"--output={tmp_path}/slurm-%A_%a.out",
+        str(REPO / "slurm" / "sweep.sh"),
+        "sweeps/smoke.yaml",
+        *[x for s in sets for x in ("--set", s)],
+    ).split(";")[0]
     task = f"{job}_0"
     deadline = time.time() + 240
-    while time.time() < deadline and not (step_file.exists() and step_file.read_text().strip()
-                                          and int(step_file.read_text()) >= 3):
+    while time.time() < deadline and not (
+        step_file.exists() and step_file.read_text().strip() and int(step_file.read_text()) >= 3
+    ):
         time.sleep(0.3)
     assert step_file.exists() and int(step_file.read_text()) >= 3, _logs(tmp_path)[-3000:]
     _sh(c, "scancel", "--signal=USR1", "--batch", task)  # the pre-emption warning, to the batch shell only
@@ -79,7 +119,9 @@ def test_two_rank_trial_preempted_resumes_from_its_checkpoint_and_finishes_once(
             break
         time.sleep(0.5)
     trial_dir = tmp_path / "out" / "checkpoints" / study / "cp-r2-n4-k0"
-    assert state == "PENDING", f"not requeued ({state!r}):\n{_logs(tmp_path)[-3000:]}\n{(trial_dir / 'train.log').read_text()[-3000:]}"
+    assert state == "PENDING", (
+        f"not requeued ({state!r}):\n{_logs(tmp_path)[-3000:]}\n{(trial_dir / 'train.log').read_text()[-3000:]}"
+    )
     stopped_at = _steps(record)[-1]
     assert 3 <= stopped_at < 12 and (trial_dir / "checkpoints" / "last.ckpt").is_file()
     time.sleep(2.0)  # not within the second of the requeue (see test_slurm_sweep.py)
@@ -94,7 +136,9 @@ def test_two_rank_trial_preempted_resumes_from_its_checkpoint_and_finishes_once(
     steps = _steps(record)
     assert steps == list(range(1, 13)), steps
     log = (trial_dir / "train.log").read_text()
-    first, second = (line for line in log.splitlines() if line.startswith("$ ")) if log.count("\n$ ") == 2 else (log, "")
+    first, second = (
+        (line for line in log.splitlines() if line.startswith("$ ")) if log.count("\n$ ") == 2 else (log, "")
+    )
     assert first.startswith("$ srun ") and not first.endswith("--ckpt_path last"), log[-3000:]
     assert second.startswith("$ srun ") and second.endswith("--ckpt_path last"), log[-3000:]
     assert "stopped by SIGUSR1" in log

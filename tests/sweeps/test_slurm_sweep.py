@@ -31,8 +31,16 @@ def _sh(cluster, *cmd: str, check: bool = True) -> str:
 
 
 def _sbatch(cluster, tmp: Path, tasks: int, *sets: str) -> str:
-    out = _sh(cluster, "sbatch", "--parsable", f"--array=0-{tasks - 1}", f"--output={tmp}/slurm-%A_%a.out",
-              str(REPO / "slurm" / "sweep.sh"), "sweeps/smoke.yaml", *[x for s in sets for x in ("--set", s)])
+    out = _sh(
+        cluster,
+        "sbatch",
+        "--parsable",
+        f"--array=0-{tasks - 1}",
+        f"--output={tmp}/slurm-%A_%a.out",
+        str(REPO / "slurm" / "sweep.sh"),
+        "sweeps/smoke.yaml",
+        *[x for s in sets for x in ("--set", s)],
+    )
     return out.split(";")[0]
 
 
@@ -44,12 +52,16 @@ def _wait_done(cluster, job: str, timeout: float, *tasks: str) -> None:
     empty = 0
     ids = ",".join((job, *tasks))
     while time.time() < deadline:
-        r = subprocess.run(["squeue", "-h", "-j", ids], capture_output=True, text=True, env=cluster["env"], timeout=60)
+        r = subprocess.run(
+            ["squeue", "-h", "-j", ids], capture_output=True, text=True, env=cluster["env"], timeout=60
+        )
         empty = empty + 1 if r.returncode == 0 and not r.stdout.strip() else 0
         if empty >= 2:
             return
         time.sleep(1.0)
-    raise AssertionError(f"array job {job} not finished after {timeout}s: {_sh(cluster, 'squeue', check=False)}")
+    raise AssertionError(
+        f"array job {job} not finished after {timeout}s: {_sh(cluster, 'squeue', check=False)}"
+    )
 
 
 def _logs(tmp: Path) -> str:
@@ -57,8 +69,14 @@ def _logs(tmp: Path) -> str:
 
 
 def _sets(tmp: Path, study: str, store: str, **fixture) -> list[str]:
-    return [f"study={study}", "objective=fixture", f"output_dir={tmp}/out", f"mlflow.tracking_uri={store}",
-            f"mlflow.experiment={study}", f"fixture={json.dumps(fixture)}"]
+    return [
+        f"study={study}",
+        "objective=fixture",
+        f"output_dir={tmp}/out",
+        f"mlflow.tracking_uri={store}",
+        f"mlflow.experiment={study}",
+        f"fixture={json.dumps(fixture)}",
+    ]
 
 
 def test_sbatch_smoke_every_point_once_failure_isolated_resubmit_adds_nothing(cluster, store, tmp_path):
@@ -74,7 +92,12 @@ def test_sbatch_smoke_every_point_once_failure_isolated_resubmit_adds_nothing(cl
     assert failed.params["circuit"] == "hmm" and "forced failure" in failed.user_attrs["error"]
     assert "forced failure" in _logs(tmp_path)  # the error is in the task's log too
     check_complete_results(storage, study, store, study)
-    assert {t.user_attrs["grid_key"] for t in st["COMPLETE"]} == {"ff-r1-n4-k0", "cp-r4-n4-k0", "btree-r4-n4-k0", "cp-r4-n4-k1"}
+    assert {t.user_attrs["grid_key"] for t in st["COMPLETE"]} == {
+        "ff-r1-n4-k0",
+        "cp-r4-n4-k0",
+        "btree-r4-n4-k0",
+        "cp-r4-n4-k1",
+    }
     owners = {json.loads(t.user_attrs["owner"])["slurm_job_id"] for t in ts}
     assert all(o and o.startswith(f"{job}_") for o in owners)
     n_runs = len(runs(store, study))
@@ -105,7 +128,9 @@ def test_scancel_one_task_and_requeue_another(cluster, store, tmp_path):
     study = "slurm-faults"
     # long enough that the first task is still mid-trial when the second (started later) reaches step 2
     sets = _sets(tmp_path, study, store, steps=24, step_seconds=0.5)
-    sets.append('space={"slices": {"a": {"circuit": ["cp"], "rank": [2, 4, 8], "window": [4], "lora_depth": [0]}}}')
+    sets.append(
+        'space={"slices": {"a": {"circuit": ["cp"], "rank": [2, 4, 8], "window": [4], "lora_depth": [0]}}}'
+    )
     job = _sbatch(cluster, tmp_path, 2, *sets)
     storage = f"journal:{tmp_path / 'out' / 'optuna.journal'}"
     ck_root = tmp_path / "out" / "checkpoints" / study
@@ -144,11 +169,17 @@ def test_scancel_one_task_and_requeue_another(cluster, store, tmp_path):
     assert "requeueing" in logs
     # the cancelled task's trial: marked failed (never complete), its runs killed, re-run once
     cancelled = by_num[cancel_trial.number]
-    assert cancelled.state.name == "FAIL" and "CANCELLED" in cancelled.user_attrs["error"], cancelled.user_attrs
+    assert cancelled.state.name == "FAIL" and "CANCELLED" in cancelled.user_attrs["error"], (
+        cancelled.user_attrs
+    )
     parent = {r.info.run_id: r for r in runs(store, study)}[cancelled.user_attrs["mlflow_parent_run_id"]]
     assert parent.info.status == "KILLED"
     retry = [t for t in ts if t.user_attrs.get("retry_of") == cancelled.number]
-    assert len(retry) == 1 and retry[0].state.name == "COMPLETE" and retry[0].user_attrs["resumed_from_step"] >= 2
+    assert (
+        len(retry) == 1
+        and retry[0].state.name == "COMPLETE"
+        and retry[0].user_attrs["resumed_from_step"] >= 2
+    )
     # nothing else lost: every grid point exactly one COMPLETE trial with its stored runs
     complete = check_complete_results(storage, study, store, study)
     assert sorted(t.user_attrs["grid_key"] for t in complete) == ["cp-r2-n4-k0", "cp-r4-n4-k0", "cp-r8-n4-k0"]
@@ -158,11 +189,20 @@ def test_sbatch_real_trial_on_the_tiny_backbone(cluster, store, tmp_path):
     """The shipped smoke spec with its real objective (train_head + experiments.evaluate) as a
     one-task array job: one point (btree, LoRA depth 1), prompts from a small file."""
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(p) + "\n" for p in ("Hello there!", "Count to five.", "Why is the sky blue?")))
+    prompts.write_text(
+        "".join(json.dumps(p) + "\n" for p in ("Hello there!", "Count to five.", "Why is the sky blue?"))
+    )
     study = "slurm-real"
-    sets = [f"study={study}", f"output_dir={tmp_path}/out", f"mlflow.tracking_uri={store}", f"mlflow.experiment={study}",
-            f"eval.prompts={prompts}", "eval.n_prompts=2", "eval.max_new_tokens=8",
-            'space={"slices": {"one": {"circuit": ["btree"], "rank": [2], "window": [4], "lora_depth": [1]}}}']
+    sets = [
+        f"study={study}",
+        f"output_dir={tmp_path}/out",
+        f"mlflow.tracking_uri={store}",
+        f"mlflow.experiment={study}",
+        f"eval.prompts={prompts}",
+        "eval.n_prompts=2",
+        "eval.max_new_tokens=8",
+        'space={"slices": {"one": {"circuit": ["btree"], "rank": [2], "window": [4], "lora_depth": [1]}}}',
+    ]
     job = _sbatch(cluster, tmp_path, 1, *sets)
     _wait_done(cluster, job, 300)
     storage = f"journal:{tmp_path / 'out' / 'optuna.journal'}"

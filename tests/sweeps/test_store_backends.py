@@ -41,10 +41,17 @@ def postgres(tmp_path_factory):
     if r.returncode == 3:
         pytest.skip(f"PostgreSQL not installable here: {r.stderr.strip()[-300:]}")
     assert r.returncode == 0, r.stderr
-    env = dict(line[len("export "):].split("=", 1) for line in r.stdout.splitlines() if line.startswith("export "))
+    env = dict(
+        line[len("export ") :].split("=", 1) for line in r.stdout.splitlines() if line.startswith("export ")
+    )
     pid = int((Path(env["MTPC_PG_DIR"]) / "data" / "postmaster.pid").read_text().split()[0])
     for db in ("optuna", "mlflow"):
-        subprocess.run(["bash", str(SCRIPT), "createdb", env["MTPC_PG_DIR"], db], check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            ["bash", str(SCRIPT), "createdb", env["MTPC_PG_DIR"], db],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
     yield env["MTPC_PG_URL"]
     subprocess.run(["bash", str(SCRIPT), "stop", env["MTPC_PG_DIR"]], capture_output=True, timeout=60)
     assert not os.path.exists(f"/proc/{pid}"), "postgres still running after stop"
@@ -52,15 +59,27 @@ def postgres(tmp_path_factory):
 
 def _sweep_with_a_killed_worker(tmp_path, study: str, storage: str | None, tracking_uri: str):
     extra = {"storage": storage} if storage else {}
-    spec_path = fixture_spec(tmp_path, study, tracking_uri=tracking_uri, space={"kind": "grid", "slices": GRID},
-                             fixture={"steps": 12, "step_seconds": 0.25}, **extra)
+    spec_path = fixture_spec(
+        tmp_path,
+        study,
+        tracking_uri=tracking_uri,
+        space={"kind": "grid", "slices": GRID},
+        fixture={"steps": 12, "step_seconds": 0.25},
+        **extra,
+    )
     spec = load_spec(spec_path, env={})
     err = open(tmp_path / "runner.err", "w")  # noqa: SIM115
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("MTPC_OPTUNA_STORAGE", None)
-    p = subprocess.Popen([sys.executable, "-m", "sweeps.run", str(spec_path), "--workers", "4"], env=env, cwd=REPO,
-                         stdout=subprocess.DEVNULL, stderr=err)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "sweeps.run", str(spec_path), "--workers", "4"],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=err,
+    )
     try:
+
         def running_with_steps():
             try:
                 ts = trials(spec.storage, study)
@@ -68,7 +87,13 @@ def _sweep_with_a_killed_worker(tmp_path, study: str, storage: str | None, track
                 return None
             for t in ts:
                 if t.state.name == "RUNNING" and "grid_key" in t.user_attrs:
-                    ck = spec.output_dir / "checkpoints" / study / t.user_attrs["grid_key"] / "fixture_state.json"
+                    ck = (
+                        spec.output_dir
+                        / "checkpoints"
+                        / study
+                        / t.user_attrs["grid_key"]
+                        / "fixture_state.json"
+                    )
                     if ck.exists() and json.loads(ck.read_text())["step"] >= 2:
                         return t
             return None
@@ -85,12 +110,16 @@ def _sweep_with_a_killed_worker(tmp_path, study: str, storage: str | None, track
     assert rc == 0, log[-3000:]
     ts = trials(spec.storage, study)
     st = by_state(ts)
-    assert len(st["COMPLETE"]) == 8 and "RUNNING" not in st and "WAITING" not in st, {k: len(v) for k, v in st.items()}
+    assert len(st["COMPLETE"]) == 8 and "RUNNING" not in st and "WAITING" not in st, {
+        k: len(v) for k, v in st.items()
+    }
     killed = next(t for t in ts if t.number == victim.number)
     assert killed.state.name == "FAIL" and str(pid) in killed.user_attrs["error"]
     (retry,) = [t for t in ts if t.user_attrs.get("retry_of") == victim.number]
     assert retry.state.name == "COMPLETE" and retry.user_attrs["resumed_from_step"] > 0
-    complete = check_complete_results(spec.storage, study, tracking_uri, study)  # each point once, runs FINISHED
+    complete = check_complete_results(
+        spec.storage, study, tracking_uri, study
+    )  # each point once, runs FINISHED
     owners = {json.loads(t.user_attrs["owner"])["pid"] for t in ts}
     assert len(owners) >= 4, f"fewer than 4 workers took trials: {owners}"
     parents = [r for r in runs(tracking_uri, study) if "mlflow.parentRunId" not in r.data.tags]

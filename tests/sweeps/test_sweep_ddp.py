@@ -29,21 +29,33 @@ def test_tasks_per_trial_sets_the_trials_devices_and_strategy():
     assert one.slurm.ranks == 1 and "strategy" not in one.train.trainer  # a one-rank trial is unchanged
 
 
-@pytest.mark.parametrize(("sets", "key"), [
-    ({"slurm.tasks_per_trial": 2, "train.data.global_batch_size": 6}, "train.data.global_batch_size"),
-    ({"slurm.tasks_per_trial": 2, "train.data.global_batch_size": 16, "train.trainer.accumulate_grad_batches": 3},
-     "train.trainer.accumulate_grad_batches"),
-    ({"slurm.gpus_per_trial": 4, "slurm.gpus_per_node": 2}, "slurm.gpus_per_trial"),
-    ({"slurm.gpus_per_trial": 16, "slurm.nodes_per_trial": 2, "slurm.gpus_per_node": 4}, "slurm.gpus_per_trial"),
-    ({"slurm.tasks_per_trial": 2, "train.trainer.strategy": "ddp_spawn"}, "train.trainer.strategy"),
-    ({"slurm.tasks_per_trial": 2, "train.trainer.strategy": "fsdp"}, "train.trainer.strategy"),
-    ({"train.trainer.strategy": "ddp_spawn"}, "train.trainer.strategy"),
-    ({"train.trainer.devices": 2}, "train.trainer.devices"),
-    ({"slurm.tasks_per_trial": 2, "train.trainer.devices": 4}, "train.trainer.devices"),
-    ({"slurm.tasks_per_trial": 3, "slurm.nodes_per_trial": 2}, "slurm.nodes_per_trial"),
-    ({"slurm.tasks_per_trial": 3, "slurm.gpus_per_trial": 2}, "slurm.tasks_per_trial"),
-    ({"slurm.gpus_per_trial": 2}, "train.trainer.accelerator"),  # the debug config trains on the CPU
-])
+@pytest.mark.parametrize(
+    ("sets", "key"),
+    [
+        ({"slurm.tasks_per_trial": 2, "train.data.global_batch_size": 6}, "train.data.global_batch_size"),
+        (
+            {
+                "slurm.tasks_per_trial": 2,
+                "train.data.global_batch_size": 16,
+                "train.trainer.accumulate_grad_batches": 3,
+            },
+            "train.trainer.accumulate_grad_batches",
+        ),
+        ({"slurm.gpus_per_trial": 4, "slurm.gpus_per_node": 2}, "slurm.gpus_per_trial"),
+        (
+            {"slurm.gpus_per_trial": 16, "slurm.nodes_per_trial": 2, "slurm.gpus_per_node": 4},
+            "slurm.gpus_per_trial",
+        ),
+        ({"slurm.tasks_per_trial": 2, "train.trainer.strategy": "ddp_spawn"}, "train.trainer.strategy"),
+        ({"slurm.tasks_per_trial": 2, "train.trainer.strategy": "fsdp"}, "train.trainer.strategy"),
+        ({"train.trainer.strategy": "ddp_spawn"}, "train.trainer.strategy"),
+        ({"train.trainer.devices": 2}, "train.trainer.devices"),
+        ({"slurm.tasks_per_trial": 2, "train.trainer.devices": 4}, "train.trainer.devices"),
+        ({"slurm.tasks_per_trial": 3, "slurm.nodes_per_trial": 2}, "slurm.nodes_per_trial"),
+        ({"slurm.tasks_per_trial": 3, "slurm.gpus_per_trial": 2}, "slurm.tasks_per_trial"),
+        ({"slurm.gpus_per_trial": 2}, "train.trainer.accelerator"),  # the debug config trains on the CPU
+    ],
+)
 def test_resources_that_cannot_run_the_trial_are_refused_naming_the_key(sets, key):
     with pytest.raises(SpecError, match=f"key '{key}'") as err:
         load_spec(SMOKE, overrides=sets)
@@ -51,17 +63,42 @@ def test_resources_that_cannot_run_the_trial_are_refused_naming_the_key(sets, ke
 
 
 def test_check_refuses_in_one_line_before_any_store_is_touched(tmp_path):
-    r = run_cli([str(SMOKE), "--check", "--set", "slurm.tasks_per_trial=2", "--set", "train.data.global_batch_size=6",
-                 "--set", f"output_dir={tmp_path}/out"], cwd=tmp_path)
+    r = run_cli(
+        [
+            str(SMOKE),
+            "--check",
+            "--set",
+            "slurm.tasks_per_trial=2",
+            "--set",
+            "train.data.global_batch_size=6",
+            "--set",
+            f"output_dir={tmp_path}/out",
+        ],
+        cwd=tmp_path,
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "key 'train.data.global_batch_size'" in r.stderr and "slurm: 2 rank(s) per trial" in r.stderr
     assert not (tmp_path / "out").exists()
 
 
 def test_submit_requests_one_trials_nodes_tasks_and_gpus():
-    spec = load_spec(SMOKE, overrides={"slurm.gpus_per_trial": 16, "slurm.nodes_per_trial": 2, "slurm.gpus_per_node": 8,
-                                       "slurm.cpus_per_task": 8, "train.trainer.accelerator": "gpu"})
-    assert sbatch_resources(spec)[:5] == ["--array=0-1", "--nodes=2", "--ntasks=16", "--ntasks-per-node=8", "--cpus-per-task=8"]
+    spec = load_spec(
+        SMOKE,
+        overrides={
+            "slurm.gpus_per_trial": 16,
+            "slurm.nodes_per_trial": 2,
+            "slurm.gpus_per_node": 8,
+            "slurm.cpus_per_task": 8,
+            "train.trainer.accelerator": "gpu",
+        },
+    )
+    assert sbatch_resources(spec)[:5] == [
+        "--array=0-1",
+        "--nodes=2",
+        "--ntasks=16",
+        "--ntasks-per-node=8",
+        "--cpus-per-task=8",
+    ]
     assert "--gpus-per-node=8" in sbatch_resources(spec)
     assert sbatch_resources(load_spec(SMOKE))[:2] == ["--array=0-1", "--ntasks=1"]
 
@@ -81,14 +118,32 @@ def test_launch_command_srun_under_slurm_else_the_plain_cli(tmp_path):
     srun.chmod(0o755)
     cfg = tmp_path / "trial_config.yaml"
     env = {"SLURM_JOB_ID": "5", "SLURM_CPUS_PER_TASK": "4", "PATH": str(srun.parent)}
-    cmd = command(ProcessGroup(ranks=4, nodes=2, gpus_per_node=2), cfg, mlflow_run_id="abc", resume=True, env=env)
-    assert cmd[:8] == ["srun", "--nodes=2", "--ntasks=4", "--ntasks-per-node=2", "--cpus-per-task=4", "--kill-on-bad-exit=1",
-                       "--export=ALL", "--gpus-per-node=2"]
+    cmd = command(
+        ProcessGroup(ranks=4, nodes=2, gpus_per_node=2), cfg, mlflow_run_id="abc", resume=True, env=env
+    )
+    assert cmd[:8] == [
+        "srun",
+        "--nodes=2",
+        "--ntasks=4",
+        "--ntasks-per-node=2",
+        "--cpus-per-task=4",
+        "--kill-on-bad-exit=1",
+        "--export=ALL",
+        "--gpus-per-node=2",
+    ]
     assert cmd[-7:] == ["fit", "--config", str(cfg), "--mlflow_run_id", "abc", "--ckpt_path", "last"]
-    plain = command(ProcessGroup(ranks=2), cfg, mlflow_run_id=None, resume=False, env={"PATH": "/nonexistent"})
+    plain = command(
+        ProcessGroup(ranks=2), cfg, mlflow_run_id=None, resume=False, env={"PATH": "/nonexistent"}
+    )
     assert plain[1:] == ["-m", "experiments.train", "fit", "--config", str(cfg)]
     with pytest.raises(ValueError, match="slurm.nodes_per_trial"):
-        command(ProcessGroup(ranks=2, nodes=2), cfg, mlflow_run_id=None, resume=False, env={"PATH": "/nonexistent"})
+        command(
+            ProcessGroup(ranks=2, nodes=2),
+            cfg,
+            mlflow_run_id=None,
+            resume=False,
+            env={"PATH": "/nonexistent"},
+        )
 
 
 @pytest.mark.slow
@@ -99,11 +154,23 @@ def test_two_rank_trial_on_this_cpu_one_parent_run(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in ("Hello there!", "Count to five.")))
     study = "ddp-local"
-    sets = [f"study={study}", f"output_dir={tmp_path}/out", f"mlflow.tracking_uri={store}", f"mlflow.experiment={study}",
-            f"eval.prompts={prompts}", "eval.n_prompts=2", "eval.max_new_tokens=8", "slurm.tasks_per_trial=2",
-            'space={"slices": {"one": {"circuit": ["cp"], "rank": [2], "window": [4], "lora_depth": [0]}}}']
-    r = run_cli([str(SMOKE), "--task", *[x for s in sets for x in ("--set", s)]], cwd=tmp_path,
-                env={"OMP_NUM_THREADS": "1"}, timeout=600)
+    sets = [
+        f"study={study}",
+        f"output_dir={tmp_path}/out",
+        f"mlflow.tracking_uri={store}",
+        f"mlflow.experiment={study}",
+        f"eval.prompts={prompts}",
+        "eval.n_prompts=2",
+        "eval.max_new_tokens=8",
+        "slurm.tasks_per_trial=2",
+        'space={"slices": {"one": {"circuit": ["cp"], "rank": [2], "window": [4], "lora_depth": [0]}}}',
+    ]
+    r = run_cli(
+        [str(SMOKE), "--task", *[x for s in sets for x in ("--set", s)]],
+        cwd=tmp_path,
+        env={"OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.count("worker done") == 1  # one worker: Lightning re-ran the training CLI, not the worker
     storage = f"journal:{tmp_path / 'out' / 'optuna.journal'}"

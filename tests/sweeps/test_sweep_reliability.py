@@ -28,7 +28,9 @@ def tracking_uri(tmp_path_factory):
 def _dead_owner() -> liveness.Owner:
     p = subprocess.Popen(["true"])
     p.wait()
-    return liveness.Owner(host=liveness.Owner.current().host, pid=p.pid, pid_start="1", slurm_job_id=None, slurm_restart=0)
+    return liveness.Owner(
+        host=liveness.Owner.current().host, pid=p.pid, pid_start="1", slurm_job_id=None, slurm_restart=0
+    )
 
 
 def test_an_emptied_journal_after_a_finished_sweep_is_refused_not_rerun(tmp_path, tracking_uri):
@@ -43,7 +45,11 @@ def test_an_emptied_journal_after_a_finished_sweep_is_refused_not_rerun(tmp_path
     r = run_cli([str(spec.path), "--resume"])
     assert r.returncode == 2, r.stderr[-3000:]
     (line,) = [x for x in r.stderr.splitlines() if x.startswith("error:")]
-    assert "already holds 4 finished trial run(s)" in line and str(spec.path) in line and "restore the journal" in line
+    assert (
+        "already holds 4 finished trial run(s)" in line
+        and str(spec.path) in line
+        and "restore the journal" in line
+    )
     assert "Traceback" not in r.stderr and "started" not in r.stderr
     assert len(runs(tracking_uri, "emptied")) == n_runs  # nothing ran
     assert journal.read_bytes() == b""  # and no study was created
@@ -67,15 +73,20 @@ def test_status_before_any_run_says_so_and_the_demo_hint_points_at_its_folder(tm
     assert run.main([str(spec_path), "--status"]) == 0
     out, err = capsys.readouterr()
     journal = tmp_path / "out" / "optuna.journal"
-    assert err.strip() == f"no study 'nothing' yet in journal:{journal}: nothing has run with this spec there; " \
-                          f"start it with `python -m sweeps.run {spec_path} --workers N` (or --init)"
+    assert (
+        err.strip() == f"no study 'nothing' yet in journal:{journal}: nothing has run with this spec there; "
+        f"start it with `python -m sweeps.run {spec_path} --workers N` (or --init)"
+    )
     assert json.loads(out) == {"study": "nothing", "exists": False, "storage": f"journal:{journal}"}
     assert not (tmp_path / "out").exists()  # looking wrote nothing
     monkeypatch.chdir(REPO)  # where the hint is typed
     hint = shlex.split(demo.status_command(tmp_path / "demo"))
     assert hint[:3] == ["python", "-m", "sweeps.run"]
     assert run.main(hint[3:]) == 0
-    assert f"no study 'mtpc-demo' yet in journal:{tmp_path / 'demo' / 'optuna.journal'}" in capsys.readouterr().err
+    assert (
+        f"no study 'mtpc-demo' yet in journal:{tmp_path / 'demo' / 'optuna.journal'}"
+        in capsys.readouterr().err
+    )
     ran = load_spec(demo.SMOKE, overrides=demo.demo_overrides(tmp_path / "demo", "fixture"))
     assert (ran.study, ran.storage) == ("mtpc-demo", f"journal:{tmp_path / 'demo' / 'optuna.journal'}")
 
@@ -88,15 +99,22 @@ def test_submit_without_a_slurm_controller_is_one_line(tmp_path, tracking_uri, m
     monkeypatch.setenv("PATH", str(bin_dir))
     assert run.main([str(spec_path), "--submit"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == ("error: sbatch not found on PATH: --submit needs a SLURM client and controller "
-                   "(run locally with `--workers N`, or `slurm/local_cluster.sh start DIR`)"), err
+    assert err == (
+        "error: sbatch not found on PATH: --submit needs a SLURM client and controller "
+        "(run locally with `--workers N`, or `slurm/local_cluster.sh start DIR`)"
+    ), err
     sbatch = bin_dir / "sbatch"
-    sbatch.write_text("#!/bin/sh\necho 'sbatch: error: Batch job submission failed: Unable to contact slurm controller "
-                      "(connect failure)' >&2\nexit 1\n")
+    sbatch.write_text(
+        "#!/bin/sh\necho 'sbatch: error: Batch job submission failed: Unable to contact slurm controller "
+        "(connect failure)' >&2\nexit 1\n"
+    )
     sbatch.chmod(0o755)
     assert run.main([str(spec_path), "--submit"]) == 2
     (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
-    assert "sbatch failed (exit code 1): sbatch: error: Batch job submission failed: Unable to contact slurm controller" in line
+    assert (
+        "sbatch failed (exit code 1): sbatch: error: Batch job submission failed: Unable to contact slurm controller"
+        in line
+    )
 
 
 def test_the_demo_refuses_an_out_file_and_no_workers_before_any_work(tmp_path, capsys):
@@ -145,13 +163,17 @@ def test_the_demo_rerun_after_a_ctrl_c_resumes_the_trial_and_exits_0(tmp_path, m
     (retry,) = [t for t in ts if t.user_attrs.get("retry_of") is not None]
     assert retry.user_attrs["grid_key"] == key and retry.user_attrs["resumed_from_step"] == 1
     st = run.status(spec)
-    assert st["failed"] == [] and [p["grid_key"] for p in st["preempted"]] == [key] and st["failed_points"] == []
+    assert (
+        st["failed"] == [] and [p["grid_key"] for p in st["preempted"]] == [key] and st["failed_points"] == []
+    )
 
 
 def test_a_failed_point_makes_the_sweep_exit_non_zero(tmp_path, tracking_uri):
     """Before: a sweep whose trials failed exited 0 (the NaN temperature of a spec: every trial
     failed, `--workers` said 0)."""
-    spec_path = fixture_spec(tmp_path, "fails", tracking_uri=tracking_uri, fixture={"steps": 1, "fail": [{"circuit": "hmm"}]})
+    spec_path = fixture_spec(
+        tmp_path, "fails", tracking_uri=tracking_uri, fixture={"steps": 1, "fail": [{"circuit": "hmm"}]}
+    )
     r = run_cli([str(spec_path), "--workers", "1"])
     assert r.returncode == 65, r.stderr[-3000:]
     assert run.EXIT_POINTS_FAILED == 65
@@ -159,7 +181,10 @@ def test_a_failed_point_makes_the_sweep_exit_non_zero(tmp_path, tracking_uri):
     assert len(lines) == 2 and all("fixture: forced failure" in x for x in lines), r.stderr[-3000:]
     assert "2 of 4 grid point(s) failed" in r.stderr
     spec = load_spec(spec_path, env={})
-    assert {k: len(v) for k, v in by_state(trials(spec.storage, "fails")).items()} == {"COMPLETE": 2, "FAIL": 2}
+    assert {k: len(v) for k, v in by_state(trials(spec.storage, "fails")).items()} == {
+        "COMPLETE": 2,
+        "FAIL": 2,
+    }
 
 
 def test_a_trial_that_stores_no_evaluation_fails_with_its_real_error(tmp_path, tracking_uri, monkeypatch):
@@ -167,18 +192,29 @@ def test_a_trial_that_stores_no_evaluation_fails_with_its_real_error(tmp_path, t
     with "TrackingError: ... the evaluation did not store its results", as if the store had failed."""
     from sweeps import worker as worker_mod
 
-    spec = load_spec(fixture_spec(tmp_path, "noeval", tracking_uri=tracking_uri, space={
-        "slices": {"a": {"circuit": ["cp"], "rank": [2], "window": [4], "lora_depth": [0]}}}), env={})
+    spec = load_spec(
+        fixture_spec(
+            tmp_path,
+            "noeval",
+            tracking_uri=tracking_uri,
+            space={"slices": {"a": {"circuit": ["cp"], "rank": [2], "window": [4], "lora_depth": [0]}}},
+        ),
+        env={},
+    )
     run.init(spec)
     monkeypatch.setattr(worker_mod, "run_trial", lambda ctx: None)  # trained, evaluated nothing
     assert run.worker(spec) == 0
     (t,) = trials(spec.storage, "noeval")
     err = t.user_attrs["error"]
-    assert t.state.name == "FAIL" and err.startswith("IncompleteResults: the trial stored no greedy evaluation for 1 of 1")
+    assert t.state.name == "FAIL" and err.startswith(
+        "IncompleteResults: the trial stored no greedy evaluation for 1 of 1"
+    )
     assert "TrackingError" not in err and "eval.temperatures [1.0]" in err, err
     assert [p["grid_key"] for p in run.failed_points(spec)] == ["cp-r2-n4-k0"]
     odd = dataclasses.replace(spec, eval=dataclasses.replace(spec.eval, temperatures=(float("nan"),)))
-    with pytest.raises(worker_mod.IncompleteResults, match=r"holds \[nan\]: a temperature must be a finite number"):
+    with pytest.raises(
+        worker_mod.IncompleteResults, match=r"holds \[nan\]: a temperature must be a finite number"
+    ):
         worker_mod.read_back(odd, t.user_attrs["mlflow_experiment_id"], t.user_attrs["mlflow_parent_run_id"])
 
 

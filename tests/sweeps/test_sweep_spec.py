@@ -48,7 +48,9 @@ def test_arch_grid_slices_follow_the_paper():
     spec = load_spec(REPO / "sweeps/arch_grid.yaml", env=NOENV)
     pts = {grid_key(p): p for p in spec.grid}
     rq1 = [p for k, p in pts.items() if "RQ1" in spec.grid_slices[k]]
-    assert {(p["circuit"], p["rank"]) for p in rq1 if p["circuit"] == "cp"} >= {("cp", r) for r in (2, 4, 8, 16, 32)}
+    assert {(p["circuit"], p["rank"]) for p in rq1 if p["circuit"] == "cp"} >= {
+        ("cp", r) for r in (2, 4, 8, 16, 32)
+    }
     assert all(p["window"] == 8 and p["lora_depth"] == 0 for p in rq1)
     rq2 = [p for k, p in pts.items() if "RQ2" in spec.grid_slices[k]]
     assert {p["circuit"] for p in rq2} == set(CIRCUIT_KINDS) and {p["window"] for p in rq2} == {8, 16}
@@ -77,7 +79,11 @@ def test_full_product_flag(tmp_path):
         (lambda d: d["space"]["slices"]["a"].update(depth=[1]), "space.slices.a.depth", "unknown key"),
         (lambda d: d["space"]["slices"]["a"].update(rank=[0]), "space.slices.a.rank", "out of range"),
         (lambda d: d["space"]["slices"]["a"].update(window=[1]), "space.slices.a.window", "out of range"),
-        (lambda d: d["space"]["slices"]["a"].update(circuit=["mlp"]), "space.slices.a.circuit", "expected one of"),
+        (
+            lambda d: d["space"]["slices"]["a"].update(circuit=["mlp"]),
+            "space.slices.a.circuit",
+            "expected one of",
+        ),
         (lambda d: d["objectives"][0].update(direction="up"), "objectives[0].direction", "not one of"),
         (lambda d: d["objectives"][0].update(metric="speed"), "objectives[0].metric", "not one of"),
         (lambda d: d.update(eval={"n_prompts": -3}), "eval.n_prompts", "out of range"),
@@ -112,7 +118,9 @@ def test_known_byte_heads_train_from_the_train_section_and_refuse_drop(tmp_path)
     raw = _base() | {"train": {"config": "debug", "model": {"known_byte": True}}}
     assert load_spec(_write(tmp_path, raw), env=NOENV).train.model.known_byte is True
     raw["eval"] = {"extra_token": "drop", "acceptance": "online"}
-    with pytest.raises(SpecError, match=r"'eval.extra_token'.*'drop' cannot decode with train.model.known_byte"):
+    with pytest.raises(
+        SpecError, match=r"'eval.extra_token'.*'drop' cannot decode with train.model.known_byte"
+    ):
         load_spec(_write(tmp_path, raw), env=NOENV)
 
 
@@ -139,8 +147,15 @@ def test_storage_url_normalisation(tmp_path):
 
 def test_sampler_space(tmp_path):
     raw = _base()
-    raw["space"] = {"kind": "tpe", "params": {"circuit": {"choices": ["cp", "hmm"]}, "rank": {"low": 2, "high": 32, "log": True},
-                                              "window": {"choices": [4, 8]}, "lora_depth": {"choices": [0]}}}
+    raw["space"] = {
+        "kind": "tpe",
+        "params": {
+            "circuit": {"choices": ["cp", "hmm"]},
+            "rank": {"low": 2, "high": 32, "log": True},
+            "window": {"choices": [4, 8]},
+            "lora_depth": {"choices": [0]},
+        },
+    }
     raw["n_trials"] = 6
     spec = load_spec(_write(tmp_path, raw), env=NOENV)
     assert spec.grid is None and spec.sampler.kind == "tpe" and spec.n_trials == 6
@@ -161,8 +176,13 @@ def test_space_signature_changes_with_the_grid(tmp_path):
 def test_a_set_replaces_the_whole_value_it_names():
     """`--set space={...}` (and a spec override under a plain key) is the new value, not a merge into the
     old: the SLURM fault test asked for a 3-point space and got the smoke spec's 5 points on top."""
-    space = {"kind": "grid", "slices": {"a": {"circuit": ["cp"], "rank": [2, 4], "window": [4], "lora_depth": [0]}}}
-    spec = load_spec(REPO / "sweeps/smoke.yaml", env=NOENV, overrides={"space": space, "train": {"config": "debug"}})
+    space = {
+        "kind": "grid",
+        "slices": {"a": {"circuit": ["cp"], "rank": [2, 4], "window": [4], "lora_depth": [0]}},
+    }
+    spec = load_spec(
+        REPO / "sweeps/smoke.yaml", env=NOENV, overrides={"space": space, "train": {"config": "debug"}}
+    )
     assert sorted(grid_key(p) for p in spec.grid) == ["cp-r2-n4-k0", "cp-r4-n4-k0"]
     # smoke's train section (max_epochs 1, lora_start_epoch 0 on top of debug.yaml) is replaced: debug.yaml's values
     assert (spec.train.trainer["max_epochs"], spec.train.model.lora_start_epoch) == (2, 1)
