@@ -75,5 +75,9 @@ bench-loss: setup
 bench-decode: setup
 	$(PY) bench/bench_decode.py --out bench/results/decode_cpu.json
 
+LINT_DIRS := mtpc tracking experiments sweeps analysis tests bench
+
+# ruff's rules and its formatter (ruff format is the layout of every file; `ruff format $(LINT_DIRS)` applies it)
 lint: setup
-	$(VENV)/bin/ruff check mtpc tracking experiments sweeps analysis tests bench
+	$(VENV)/bin/ruff check $(LINT_DIRS)
+	$(VENV)/bin/ruff format --check $(LINT_DIRS)
