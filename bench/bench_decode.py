@@ -116,7 +116,8 @@ def load_engine_model(spec: str, dtype=torch.float32):
         return et.random_llama(default_shape(), dtype=dtype), f"random weights, shape {default_shape()}"
     from mtpc.backbones import load_backbone
 
-    return load_backbone(spec, dtype=dtype, engine="hf").model, spec
+    bb = load_backbone(spec, dtype=dtype, engine="hf")
+    return bb.model, bb.name  # the default's verified label (default@<sha8>): what its shipped heads record
 
 
 def _eos(model) -> int:
