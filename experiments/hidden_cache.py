@@ -22,15 +22,13 @@ Leaves out: k > 0 (the trunk below the LoRA could be cached the same way; not do
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from mtpc.atomic import write_bytes
@@ -80,16 +78,16 @@ class HiddenCache:
 
     def _read(self, path: Path, key: str, device: torch.device) -> torch.Tensor | None:
         try:
-            state = load_file(str(path))
-            with open(path, "rb") as f:  # the header's metadata: key and checksum
-                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-            meta = header.get("__metadata__", {})
-            t = state["hidden"]
+            if not path.is_file():
+                return None
+            with safe_open(str(path), framework="pt") as f:  # one open: the tensor and its key and checksum
+                meta = f.metadata() or {}
+                t = f.get_tensor("hidden")
             if meta.get("key") != key or meta.get("sha256") != _tensor_digest(t):
                 raise ValueError("key or checksum differs")
         except FileNotFoundError:
             return None
-        except (SafetensorError, OSError, ValueError, KeyError, json.JSONDecodeError) as err:
+        except (SafetensorError, OSError, ValueError, KeyError) as err:
             self._warn(str(path), f"hidden-state cache: {path} is corrupt ({err}); recomputing it")
             return None
         return t.to(device)

@@ -304,7 +304,6 @@ class _ChunkedWindowLoss(torch.autograd.Function):
             phi = None if teacher is None else E.div_(Z)  # in place: the leaf probabilities
             kl = None
             with torch.set_grad_enabled(track):
-                e_chunk.requires_grad_(need_e)
                 scores.requires_grad_(W_index is not None or bool(leaf_index) or need_e)
                 q = {"leaves": scores.unsqueeze(-1), **circuit.normalize(head.sum_logits(e_chunk))}
                 zeros = torch.zeros_like(x_chunk)
