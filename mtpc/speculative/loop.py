@@ -25,6 +25,12 @@ verifier row (a shorter window: still exact). The window fed is always n bytes (
 only the test stops early. So every count (accepted, tested, emitted) is of bytes the generation
 returns, and nothing is truncated afterwards. An accepted EOS ends the cycle without its extra token.
 
+The draft length. `window` (m) may be shorter than the head's window n: the cycle drafts all n
+and feeds the first m (a sampled draft's first m bytes are a draw from the circuit's marginal over
+them, and its conditionals there are that marginal's, since q(x_i | x_<i) does not read later
+positions; a greedy draft is any draft). Both cycles stay exact; a shorter verify costs less when
+the head's late positions are rarely accepted (`MtpcModel.generate(draft_len=)`).
+
 The drop cycle (Algorithm 2). The caches hold bytes up to a and the verifier row for x_{a+1}
 is known. The draft d_1..d_n is sampled from theta_a = head(e_a, None) without prefix (no known
 byte: a known-byte head cannot run it); d_1 is tested against
@@ -65,8 +71,9 @@ __all__ = ["AdapterEngine", "CircuitDrafter", "DecodeConfig", "DecodeStats", "En
 # head_fn: (draft hidden (d,), the known byte c (1,) or None in the drop cycle) -> normalised
 # circuit parameters for that context
 HeadFn = Callable[[Tensor, Tensor | None], dict[str, Tensor]]
-# drafter: (params, prefix (k,) or None, greedy) -> (window (n,) int64, log conditionals (n, v))
-Drafter = Callable[[dict[str, Tensor], Tensor | None, bool], tuple[Tensor, Tensor]]
+# drafter: (params, prefix (k,) or None, greedy) -> (window (n,) int64, log conditionals (n, v); a
+# greedy draft may return None for them: greedy verification does not read them)
+Drafter = Callable[[dict[str, Tensor], Tensor | None, bool], tuple[Tensor, Tensor | None]]
 
 
 class CircuitDrafter:
@@ -78,8 +85,13 @@ class CircuitDrafter:
         self.generator = generator
         self.window = circuit.window
 
-    def __call__(self, q: dict[str, Tensor], prefix: Tensor | None, greedy: bool) -> tuple[Tensor, Tensor]:
-        return self.circuit._draft(q, prefix, generator=self.generator, greedy=greedy)  # (n,), (n, v)
+    def __call__(
+        self, q: dict[str, Tensor], prefix: Tensor | None, greedy: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        # (n,), (n, v); a greedy cycle never reads the conditionals: not formed (None)
+        return self.circuit._draft(
+            q, prefix, generator=self.generator, greedy=greedy, conditionals=not greedy
+        )
 
 
 @dataclass
@@ -269,8 +281,10 @@ def speculative_decode(
     out: list[int] = []
     dev = prompt.device
 
-    def verify(draft: Tensor, p_logits: Tensor, log_q: Tensor, budget: int) -> tuple[list[int], Tensor]:
-        """draft (m,), p_logits (m+1, v), log_q (m, v); test at most `budget` drafts and none past an
+    def verify(
+        draft: Tensor, p_logits: Tensor, log_q: Tensor | None, budget: int
+    ) -> tuple[list[int], Tensor]:
+        """draft (m,), p_logits (m+1, v), log_q (m, v) (None: greedy); test at most `budget` drafts and none past an
         allowed EOS -> ([s, extra, testable count, *draft] on the host, extra (1,) on the device)."""
         ok = testable_drafts(draft, budget, cfg.stop_ids)  # (m,)
         if greedy:
@@ -299,8 +313,11 @@ def speculative_decode(
         if cfg.extra_token == "keep":
             theta = head_fn(last_h, c)
             x, log_q = drafter(theta, c, greedy)  # (n,), (n, v)
+            x, log_q = x[:window], None if log_q is None else log_q[:window]  # the first `window` bytes
             step = engine.feed(x)
-            got, c = verify(x[1:], step.p_logits, log_q[1:], cfg.max_new_tokens - len(out) - 1)
+            got, c = verify(
+                x[1:], step.p_logits, None if log_q is None else log_q[1:], cfg.max_new_tokens - len(out) - 1
+            )
             s, extra, testable = got[0], got[1], got[2]
             engine.crop(a1 + 1 + s)
             new = got[3 : 3 + s] + [extra]
@@ -309,6 +326,7 @@ def speculative_decode(
         else:
             theta = head_fn(last_h, None)
             x, log_q = drafter(theta, None, greedy)  # (n,), (n, v)
+            x, log_q = x[:window], None if log_q is None else log_q[:window]
             step = engine.feed(x)
             p_logits = torch.cat([last_p.unsqueeze(0), step.p_logits])  # (n+1, v)
             got, extra_t = verify(x, p_logits, log_q, cfg.max_new_tokens - len(out))

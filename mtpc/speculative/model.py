@@ -104,11 +104,14 @@ class MtpcModel:
     weights: the compact engine's weight layout ("views", "packed" or "onednn"; None: oneDNN's
     on the CPU in float32 / bf16 without compile, else views; see mtpc/backbones/llama.py). Both
     are passed to every engine this model builds.
+    draft_len: bytes each cycle feeds, MIN_DECODE_WINDOW <= draft_len <= the head's window n (None: n);
+    the cycle drafts n and feeds the first draft_len (mtpc/speculative/loop.py, "The draft length"):
+    fewer verify rows when the head's late positions are rarely accepted. `generate` can override it.
     """
 
     def __init__(
         self, backbone: Backbone, head: nn.Module, cuda_graphs: bool | None = None, compile: bool = False,
-        weights: str | None = None,
+        weights: str | None = None, draft_len: int | None = None,
     ):  # fmt: skip
         cfg = head.config
         if cfg.window < MIN_DECODE_WINDOW:
@@ -125,6 +128,7 @@ class MtpcModel:
         self.head = head.to(device=backbone.device).eval()
         self.circuit = head.circuit
         self.window = cfg.window
+        self.draft_len = self._check_draft_len(draft_len)
         compact_cuda = getattr(backbone, "engine", "hf") == "compact" and backbone.device.type == "cuda"
         self.cuda_graphs = compact_cuda if cuda_graphs is None else bool(cuda_graphs and compact_cuda)
         compact = getattr(backbone, "engine", "hf") == "compact"
@@ -151,14 +155,15 @@ class MtpcModel:
     @classmethod
     def from_pretrained(
         cls, head_dir: str | Path, backbone: Backbone | nn.Module | str | Path | None = None, *, cuda_graphs: bool | None = None, compile: bool = False,
-        weights: str | None = None, allow_unverified: bool = False, **load_kw: Any,
+        weights: str | None = None, allow_unverified: bool = False, draft_len: int | None = None, **load_kw: Any,
     ) -> MtpcModel:  # fmt: skip
         """Load a `save_head` export — or a shipped head: `"default"` (the default backbone's default
         head) or `"shipped:<name>"` (`mtpc.shipped_heads`; a local folder named so is given as a path,
         `./default`); the backbone is its recorded name/path unless one is given.
 
         load_kw go to `mtpc.backbones.load_backbone` when the backbone is loaded here (e.g.
-        engine="hf" to decode through the HF layers); cuda_graphs / compile / weights: see the class.
+        engine="hf" to decode through the HF layers); cuda_graphs / compile / weights / draft_len: see
+        the class.
         allow_unverified: accept an export without SHA-256s (`load_head`; `migrate_head` adds them).
         """
         from mtpc.backbones import load_backbone
@@ -181,15 +186,17 @@ class MtpcModel:
         elif k > 0:
             raise ValueError(f"{head_dir}: lora_depth={k} but the export has no lora.safetensors")
         head = head.to(dtype=backbone.dtype)
-        return cls(backbone, head, cuda_graphs=cuda_graphs, compile=compile, weights=weights)
+        return cls(
+            backbone, head, cuda_graphs=cuda_graphs, compile=compile, weights=weights, draft_len=draft_len
+        )
 
     @classmethod
     def from_components(
         cls, backbone: Backbone | nn.Module, head: nn.Module | dict, *, cuda_graphs: bool | None = None, compile: bool = False,
-        weights: str | None = None,
+        weights: str | None = None, draft_len: int | None = None,
     ) -> MtpcModel:  # fmt: skip
         """backbone: a transformers causal LM or an adapter; head: an MtpcHead or a dict for a fresh one;
-        cuda_graphs / compile / weights: see the class."""
+        cuda_graphs / compile / weights / draft_len: see the class."""
         if isinstance(head, dict):
             lora_depth = int(head.get("lora_depth", 0))
             backbone = _wrap_backbone(backbone, lora_depth)
@@ -198,9 +205,25 @@ class MtpcModel:
             backbone = _wrap_backbone(backbone, head.config.lora_depth)
         else:
             raise ValueError(f"head: expected an MtpcHead or a dict spec, got {type(head).__name__}")
-        return cls(backbone, head, cuda_graphs=cuda_graphs, compile=compile, weights=weights)
+        return cls(
+            backbone, head, cuda_graphs=cuda_graphs, compile=compile, weights=weights, draft_len=draft_len
+        )
 
     # -- helpers --------------------------------------------------------------------------------
+    def _check_draft_len(self, draft_len: int | None) -> int:
+        if draft_len is None:
+            return self.window
+        if (
+            isinstance(draft_len, bool)
+            or not isinstance(draft_len, int)
+            or not MIN_DECODE_WINDOW <= draft_len <= self.window
+        ):
+            raise ValueError(
+                f"draft_len: expected an integer in [{MIN_DECODE_WINDOW}, {self.window}] (the head's "
+                f"window) or None, got {draft_len!r}"
+            )
+        return draft_len
+
     @property
     def tokenizer(self) -> Any:
         return self.backbone.tokenizer
@@ -296,18 +319,21 @@ class MtpcModel:
         seed: int | None = None,
         extra_token: str = "keep",
         ban_eos: bool = False,
+        draft_len: int | None = None,
     ) -> GenerationOutput:
         """Self-speculative decoding; the output is distributed exactly as `generate_plain`'s
         (greedy: identical) for extra_token="keep"; "drop" is the paper's Algorithm 2 (biased when
-        sampling; refused for a known-byte head, which needs the window's first byte)."""
+        sampling; refused for a known-byte head, which needs the window's first byte).
+        draft_len: bytes fed per cycle (None: the model's `draft_len`; see the class)."""
         if extra_token == "drop" and self.head.config.known_byte:
             raise ValueError(
                 'extra_token="drop": this head has known_byte=True (it needs the kept byte c); use "keep"'
             )
+        m = self.draft_len if draft_len is None else self._check_draft_len(draft_len)
         ids = self.encode_prompt(prompt)
         cfg = self._config(
             ids,
-            self.window,
+            m,
             max_new_tokens=max_new_tokens,
             mode=mode,
             temperature=temperature,
@@ -317,7 +343,7 @@ class MtpcModel:
         )
         gen = self._generator(seed)
         reset_peak_memory(self.device)
-        engine = self.engine(True, ids.shape[0] + cfg.max_new_tokens + self.window)
+        engine = self.engine(True, ids.shape[0] + cfg.max_new_tokens + m)
         head_fn, drafter = (
             self.head.decoder(self._head_onednn).params,
             CircuitDrafter(self.circuit, gen),
@@ -326,9 +352,7 @@ class MtpcModel:
             head_fn, drafter = self._graphed_draft.head, self._graphed_draft
         elif self._compiled_draft is not None:  # it holds self._gen, the generator `gen` is
             head_fn, drafter = self._compiled_draft.head, self._compiled_draft
-        out, st = speculative_decode(
-            engine, head_fn, drafter, self.window, ids, cfg, TorchChooser(gen), self._sync()
-        )
+        out, st = speculative_decode(engine, head_fn, drafter, m, ids, cfg, TorchChooser(gen), self._sync())
         return self._output(out, st, mode)
 
     @torch.inference_mode()

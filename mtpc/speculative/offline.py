@@ -641,11 +641,15 @@ def _greedy_path(alpha: Tensor) -> list[int]:
 
 
 @torch.inference_mode()
-def offline_acceptance(tf: TeacherForced, head: Any, chunk: int = 2048) -> list[OfflineStats]:
+def offline_acceptance(
+    tf: TeacherForced, head: Any, chunk: int = 2048, draft_len: int | None = None
+) -> list[OfflineStats]:
     """Per prompt (in order) the keep cycle's counts for `head` on the pass's continuations.
 
     head: an `MtpcHead` with the pass's lora_depth (its LoRA must be the one the pass ran with);
-    chunk: cycle starts per head call (bounds the (chunk, n, r, v) leaves in memory).
+    chunk: cycle starts per head call (bounds the (chunk, n, r, v) leaves in memory);
+    draft_len: bytes each cycle feeds (None: the head's window n), as `MtpcModel.generate`'s: the
+    window's first draft_len positions, the rest never tested.
     """
     _refuse_drop(tf.cfg)
     cfg_h = head.config
@@ -661,8 +665,18 @@ def offline_acceptance(tf: TeacherForced, head: Any, chunk: int = 2048) -> list[
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     n, greedy = cfg_h.window, tf.cfg.mode == "greedy"
+    if draft_len is not None:
+        if (
+            isinstance(draft_len, bool)
+            or not isinstance(draft_len, int)
+            or not MIN_DECODE_WINDOW <= draft_len <= n
+        ):
+            raise ValueError(f"draft_len: expected an integer in [{MIN_DECODE_WINDOW}, {n}] (the head's window) "
+                             f"or None, got {draft_len!r}")  # fmt: skip
+        n = draft_len
     stats = []
     for y, (alpha, cap) in zip(tf.continuations, _alphas(tf, head, chunk), strict=True):
+        alpha, cap = alpha[:, : n - 1], cap.clamp(max=n - 1)  # the drafts a cycle feeds
         c = _chain(alpha, cap, n)
         stats.append(OfflineStats(window=n, mode=tf.cfg.mode, generated=len(y), decode_generated=len(y) - 1,
                                   accepted_per_cycle=_greedy_path(alpha) if greedy else None, **c))  # fmt: skip
