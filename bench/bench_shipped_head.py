@@ -2,14 +2,17 @@
 
     python bench/bench_shipped_head.py --out bench/results/shipped_head_cpu.json      (3 x 32 x 128, 3 rounds)
     python bench/bench_shipped_head.py --head shipped:<name> --sets 1 --prompts 8 --rounds 3
+    python bench/bench_shipped_head.py --dev --sets 1 --draft-lens 4,5,6,8             (choose the draft length)
     python bench/bench_shipped_head.py --dry-run --out /tmp/x.json                    (a tiny random head: seconds)
 
 Held-out prompts nothing was tuned on (`--sets` x `--prompts` drawn by the evaluation's seeded draw from
-the held-out ShareGPT conversations: the report sets, never the development sets), `--bytes` new bytes
+the held-out ShareGPT conversations: the report sets, never the development sets; `--dev` draws the
+development sets of the same draw instead, for choosing settings), `--bytes` new bytes
 each, EOS banned; for each mode (greedy, sampling at `--temperature`) `experiments.speedup.measure_speedup`
 in one process on one thread, inside the machine-wide timing lock (background work paused): plain and
 speculative decoding interleaved prompt by prompt, wall clock, the median of the rounds' ratios, with
-bytes per cycle, greedy identity and the text's degeneracy beside. The JSON names the command, the
+bytes per cycle, greedy identity and the text's degeneracy beside; `--draft-lens` times each draft
+length in turn (each against its own interleaved plain arm). The JSON names the command, the
 machine and its L3 cache.
 """
 
@@ -36,13 +39,16 @@ def l3_cache() -> str:
         return "unknown"
 
 
-def _prompts(sets: int, per_set: int, dry_run: bool) -> list[str]:
+def _prompts(sets: int, per_set: int, dry_run: bool, dev: bool = False) -> list[str]:
     if dry_run:
         return [f"Write a short note about item {i}." for i in range(sets * per_set)]
     from experiments.config import EvalConfig
     from experiments.prompts import load_prompt_sets
 
-    return [p for s in load_prompt_sets("heldout", per_set, sets, EvalConfig.seed) for p in s]
+    # the report sets are the first 3 of the draw (this bench's default); dev sets follow them
+    drawn = load_prompt_sets("heldout", per_set, 3, EvalConfig.seed, dev_sets=sets if dev else 0)
+    chosen = drawn[3:] if dev else drawn[:sets]
+    return [p for s in chosen for p in s]
 
 
 def _model(head: str, dry_run: bool) -> MtpcModel:
@@ -64,6 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--modes", default="greedy,sample")
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument(
+        "--dev", action="store_true", help="the development sets (for choosing), not the report sets"
+    )
+    ap.add_argument(
+        "--draft-lens",
+        default="",
+        help="comma-separated draft lengths to time in turn (default: the model's)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
         "--dry-run",
@@ -78,18 +92,27 @@ def main(argv: list[str] | None = None) -> int:
     from tracking.runs import machine, machine_line
 
     model = _model(a.head, a.dry_run)
-    prompts = _prompts(a.sets, a.prompts, a.dry_run)
+    if a.sets > 3 and not a.dev:
+        ap.error(f"--sets: at most 3 report sets, got {a.sets}")
+    prompts = _prompts(a.sets, a.prompts, a.dry_run, a.dev)
+    lens = [int(x) for x in a.draft_lens.split(",") if x.strip()] or [None]
     result = {
         "command": "python bench/bench_shipped_head.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": f"{machine_line(machine())}; L3 {l3_cache()}",
         "head": a.head if not a.dry_run else "dry-run",
-        "prompts": f"{a.sets} held-out sets x {a.prompts} prompts x {a.bytes} bytes, EOS banned, {a.rounds} rounds",
+        "prompts": f"{a.sets} {'development' if a.dev else 'held-out'} sets x {a.prompts} prompts x {a.bytes} "
+        f"bytes, EOS banned, {a.rounds} rounds",
         "date": time.strftime("%Y-%m-%d"),
         "modes": {},
     }
     with timing(progress=True):  # one timer on the machine; registered background work paused
         for mode in a.modes.split(","):
-            result["modes"][mode] = measure_speedup(model, prompts, mode, a.bytes, a.rounds, a.temperature)
+            for m in lens:
+                got = measure_speedup(model, prompts, mode, a.bytes, a.rounds, a.temperature, draft_len=m)
+                if len(lens) == 1:
+                    result["modes"][mode] = got
+                else:
+                    result["modes"].setdefault(mode, {})[str(got["draft_len"])] = got
     text = json.dumps(result, indent=2)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,8 @@
 
     python -m experiments.ship_head RUN_DIR --name btree-n8-r16 --default \\
         --report bench/results/shipped_head_cpu.json
+    python -m experiments.ship_head --update btree-n8-r16 --draft-len 4 \\
+        --report bench/results/shipped_head_cpu.json      (re-measured, the head untouched)
 
 RUN_DIR is a finished `experiments.train fit` run directory (its `run.json`, `metrics.json` and head
 export, `run.export_dir`). The head is stored in bf16 (loaded to the backbone's dtype: float32 on the
@@ -70,29 +72,91 @@ def _card(
     if metrics.get("command"):
         lines.append(f"- **Command**: `{metrics['command']}`")
     if report is not None:
-        lines += [
-            "",
-            "## Held-out speed (plain and speculative decoding interleaved in one process)",
-            "",
-            f"Command: `{report['command']}`  ",
-            f"Machine: {report['machine']}  ",
-            f"Prompts: {report['prompts']}",
-            "",
-            "| mode | speed-up over plain (median of rounds) | per-round | bytes per cycle | "
-            "degenerate fraction | distinct 4-grams | greedy identical |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for mode, r in report["modes"].items():
-            lines.append(
-                f"| {mode} | {r['speedup_median']:.2f}x | {', '.join(f'{x:.2f}' for x in r['speedup_rounds'])} | "
-                f"{r['bytes_per_cycle']:.2f} | {r['degenerate_fraction']:.3f} | {r['distinct_4gram_ratio']:.3f} | "
-                f"{r.get('identical', '-')} |"
-            )
+        lines += ["", *_speed_section(report)]
     lines += [
         "",
         "The backbone is a tiny model trained for minutes: see its own card for what its text is worth.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _report_rows(report: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """(mode, draft length, figures) per row of a bench_shipped_head report: one draft length per
+    mode, or several (`--draft-lens`: {mode: {m: figures}})."""
+    rows = []
+    for mode, r in report["modes"].items():
+        arms = r.items() if "speedup_median" not in r else [(str(r.get("draft_len", "-")), r)]
+        rows += [(mode, str(m), fig) for m, fig in arms]
+    return rows
+
+
+def _speed_section(report: dict[str, Any], draft_len: int | None = None) -> list[str]:
+    """The model card's held-out speed section from bench_shipped_head's JSON."""
+    lines = [
+        "## Held-out speed (plain and speculative decoding interleaved in one process)",
+        "",
+        f"Command: `{report['command']}`  ",
+        f"Machine: {report['machine']}  ",
+        f"Prompts: {report['prompts']}",
+    ]
+    if draft_len is not None:
+        lines += [
+            "",
+            f"Decoding default: the cycle feeds the first **{draft_len}** bytes of the head's window "
+            f"(`draft_len`, `MtpcModel.generate(draft_len=)` overrides it), chosen on the development prompts.",
+        ]
+    lines += [
+        "",
+        "| mode | draft length | speed-up over plain (median of rounds) | per-round | bytes per cycle | "
+        "degenerate fraction | distinct 4-grams | greedy identical |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, m, r in _report_rows(report):
+        lines.append(
+            f"| {mode} | {m} | {r['speedup_median']:.2f}x | {', '.join(f'{x:.2f}' for x in r['speedup_rounds'])} | "
+            f"{r['bytes_per_cycle']:.2f} | {r['degenerate_fraction']:.3f} | {r['distinct_4gram_ratio']:.3f} | "
+            f"{r.get('identical', '-')} |"
+        )
+    return lines
+
+
+def update_shipped(
+    name: str, report_path: Path, draft_len: int | None = None, heads_dir: Path | None = None
+) -> Path:
+    """Re-measure a shipped head without retraining it: its model card's speed section from a new
+    bench_shipped_head report, and (draft_len) its decoding default in the index; the card's digest
+    re-recorded. The head's weights and config are untouched."""
+    from mtpc.shipped_heads import read_index, verify_head
+
+    heads_dir = heads_dir or HEADS_DIR
+    index = read_index(heads_dir)
+    if name not in index["heads"]:
+        raise ValueError(
+            f"--update {name!r}: no shipped head of that name; shipped: {sorted(index['heads'])}"
+        )
+    verify_head(name, index, heads_dir)
+    head, _ = load_head(heads_dir / name)
+    if draft_len is not None and not 2 <= draft_len <= head.config.window:
+        raise ValueError(f"--draft-len {draft_len}: expected 2..{head.config.window} (the head's window)")
+    report = json.loads(report_path.read_text())
+    card_path = heads_dir / name / CARD_FILE
+    card = card_path.read_text()
+    start = card.find("## Held-out speed")
+    tail = card.find("\nThe backbone is a tiny model")
+    if tail < 0:
+        raise ValueError(f"{card_path}: not a shipped head's model card (its closing line is missing)")
+    if start < 0:  # shipped without a report: the section goes before the closing line
+        start = tail + 1
+    current = index["heads"][name].get("decode", {}).get("draft_len")
+    shown = draft_len if draft_len is not None else current
+    card = card[:start] + "\n".join(_speed_section(report, shown)) + "\n" + card[tail:]
+    write_text(card_path, card)
+    entry = index["heads"][name]
+    entry["files"][CARD_FILE] = sha256_file(card_path)
+    if draft_len is not None:
+        entry["decode"] = {"draft_len": draft_len}
+    write_json(heads_dir / INDEX_FILE, index, indent=2, sort_keys=True)
+    return heads_dir / name
 
 
 def ship(
@@ -164,8 +228,18 @@ def ship(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.ship_head", description=__doc__.split("\n\n")[0])
-    ap.add_argument("run_dir", type=Path, help="a finished experiments.train run directory")
-    ap.add_argument("--name", required=True, help="the shipped head's name (loaded as shipped:<name>)")
+    ap.add_argument("run_dir", type=Path, nargs="?", help="a finished experiments.train run directory")
+    ap.add_argument("--name", default=None, help="the shipped head's name (loaded as shipped:<name>)")
+    ap.add_argument(
+        "--update",
+        default=None,
+        metavar="NAME",
+        help="re-measure shipped head NAME without retraining: its card's speed section from --report, "
+        "its decoding default from --draft-len",
+    )
+    ap.add_argument(
+        "--draft-len", type=int, default=None, help="with --update: bytes a cycle feeds by default"
+    )
     ap.add_argument(
         "--default", action="store_true", help="make it the head from_pretrained('default') loads"
     )
@@ -175,6 +249,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-command", default=None, help="the command that trained it, for the model card")
     ap.add_argument("--train-machine", default=None, help="where it trained, for the model card")
     a = ap.parse_args(argv)
+    if a.update is not None:
+        if a.report is None or a.run_dir is not None:
+            ap.error("--update NAME takes --report (and --draft-len), not a run directory")
+        try:
+            out = update_shipped(a.update, a.report, a.draft_len)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"experiments.ship_head: {e}", file=sys.stderr)
+            return 2
+        print(f"updated {out}")
+        return 0
+    if a.run_dir is None or a.name is None:
+        ap.error("a run directory and --name are required (or --update NAME)")
     try:
         out = ship(
             a.run_dir,

@@ -28,10 +28,13 @@ def measure_speedup(
     rounds: int = 3,
     temperature: float = 1.0,
     say: bool = True,
+    draft_len: int | None = None,
 ) -> dict[str, Any]:
-    """The module docstring's figures for one decoding mode (`greedy` or `sample`)."""
+    """The module docstring's figures for one decoding mode (`greedy` or `sample`); draft_len: the
+    speculative arm's bytes fed per cycle (`MtpcModel.generate`; None: the model's)."""
     kw = dict(max_new_tokens=new_bytes, mode=mode, temperature=temperature, ban_eos=True)
-    model.generate(prompts[0], **kw, seed=0)  # warm both paths (allocations, oneDNN packing)
+    spec_kw = kw if draft_len is None else dict(kw, draft_len=draft_len)
+    model.generate(prompts[0], **spec_kw, seed=0)  # warm both paths (allocations, oneDNN packing)
     model.generate_plain(prompts[0], **kw, seed=0)
     ratios, spec_out, plain_out, emitted, cycles, identical = [], [], [], 0, 0, 0
     for r in range(rounds):
@@ -45,7 +48,7 @@ def measure_speedup(
                     p = model.generate_plain(prompt, **kw, seed=seed)
                     t_plain += time.perf_counter() - t0
                 else:
-                    s = model.generate(prompt, **kw, seed=seed)
+                    s = model.generate(prompt, **spec_kw, seed=seed)
                     t_spec += time.perf_counter() - t0
             if r == 0:
                 spec_out.append(s.ids.tolist())
@@ -56,7 +59,7 @@ def measure_speedup(
         ratios.append(t_plain / t_spec)
         if say:
             print(
-                f"  {mode} round {r + 1}/{rounds}: plain {t_plain:.1f} s, speculative {t_spec:.1f} s, "
+                f"  {mode}{'' if draft_len is None else f' m={draft_len}'} round {r + 1}/{rounds}: plain {t_plain:.1f} s, speculative {t_spec:.1f} s, "
                 f"{ratios[-1]:.3f}x",
                 file=sys.stderr,
                 flush=True,
@@ -66,6 +69,7 @@ def measure_speedup(
         "speedup_median": statistics.median(ratios),
         "speedup_rounds": ratios,
         "bytes_per_cycle": emitted / cycles if cycles else 0.0,
+        "draft_len": int(s.stats.window),
         "degenerate_fraction": spec_deg["degenerate_fraction"],
         "distinct_4gram_ratio": spec_deg["distinct_4gram_ratio"],
     }

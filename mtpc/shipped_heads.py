@@ -7,8 +7,9 @@
 Layout: `mtpc/default_heads/<name>/` holds one `save_head` export (config.json, head.safetensors in
 bf16 *storage* — loaded to the backbone's dtype, float32 on the CPU, so the loop and the offline pass
 compute in the same arithmetic) and its model card `MODEL_CARD.md`; `mtpc/default_heads/INDEX.json`
-lists every head with the SHA-256 of each of its files, which head `"default"` means, and the
-backbone label the heads were trained on. The heads sit beside the backbone, outside its manifest:
+lists every head with the SHA-256 of each of its files, its decoding defaults (`decode`:
+`draft_len`, the bytes a cycle feeds, chosen on development prompts), which head `"default"` means,
+and the backbone label the heads were trained on. The heads sit beside the backbone, outside its manifest:
 the label `default@<sha8>` is the SHA-256 of `mtpc/default_model/MANIFEST.json`, which every head
 records, so listing heads there would change the label they must record.
 
@@ -74,9 +75,29 @@ def read_index(heads_dir: Path | None = None) -> dict[str, Any]:
             raise ValueError(
                 f"{path}: heads.{name}: expected a lower-case name and {{'files': {{file: sha256}}}}"
             )
+        decode = entry.get("decode", {})
+        m = decode.get("draft_len") if isinstance(decode, dict) else None
+        if (
+            not isinstance(decode, dict)
+            or set(decode) - {"draft_len"}
+            or ("draft_len" in decode and (isinstance(m, bool) or not isinstance(m, int) or m < 2))
+        ):
+            raise ValueError(f"{path}: heads.{name}.decode: expected {{'draft_len': an integer >= 2}}")
     if index[DEFAULT] not in heads:
         raise ValueError(f"{path}: default head {index[DEFAULT]!r} is not one of {sorted(heads)}")
     return index
+
+
+def decode_defaults(name_or_path: Any, heads_dir: Path | None = None) -> dict[str, Any]:
+    """The decoding defaults the index records for a shipped head (`{"draft_len": m}` or {}); {} for
+    a path. Read by `MtpcModel.from_pretrained` where the caller leaves them unset."""
+    if not is_shipped_name(name_or_path):
+        return {}
+    index = read_index(heads_dir)
+    name = index[DEFAULT] if name_or_path == DEFAULT else str(name_or_path)[len(PREFIX) :]
+    name = index[DEFAULT] if name == DEFAULT else name
+    entry = index["heads"].get(name, {})
+    return dict(entry.get("decode", {}))
 
 
 def shipped_head_names(heads_dir: Path | None = None) -> list[str]:

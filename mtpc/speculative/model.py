@@ -163,13 +163,15 @@ class MtpcModel:
 
         load_kw go to `mtpc.backbones.load_backbone` when the backbone is loaded here (e.g.
         engine="hf" to decode through the HF layers); cuda_graphs / compile / weights / draft_len: see
-        the class.
+        the class (a shipped head's draft_len defaults to the one its index records).
         allow_unverified: accept an export without SHA-256s (`load_head`; `migrate_head` adds them).
         """
         from mtpc.backbones import load_backbone
         from mtpc.heads import load_head
-        from mtpc.shipped_heads import resolve_head
+        from mtpc.shipped_heads import decode_defaults, resolve_head
 
+        if draft_len is None:  # a shipped head's recorded default, else the head's window
+            draft_len = decode_defaults(head_dir).get("draft_len")
         head_dir = resolve_head(head_dir)
         head, lora_state = load_head(head_dir, allow_unverified=allow_unverified)
         k = head.config.lora_depth

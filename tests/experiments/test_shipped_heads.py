@@ -164,3 +164,50 @@ def test_the_demo_line_without_a_shipped_head(tmp_path, monkeypatch):
 
     monkeypatch.setattr(sh, "HEADS_DIR", tmp_path / "none")
     assert shipped_head_line() == "shipped head: none in this installation"
+
+
+def _report(draft_lens=(2, 4)):
+    fig = {"speedup_median": 1.5, "speedup_rounds": [1.5, 1.4], "bytes_per_cycle": 2.0, "degenerate_fraction": 0.0,
+           "distinct_4gram_ratio": 0.9, "identical": "3/3"}  # fmt: skip
+    return {
+        "command": "python bench/bench_shipped_head.py --draft-lens 2,4",
+        "machine": "test machine",
+        "prompts": "1 held-out sets x 3 prompts",
+        "modes": {"greedy": {str(m): dict(fig, draft_len=m) for m in draft_lens}},
+    }
+
+
+def test_update_records_the_draft_len_the_shipped_head_then_decodes_with(shipped, tmp_path):
+    from experiments.ship_head import main, update_shipped
+
+    heads, _ = shipped
+    assert sh.decode_defaults("default") == {}
+    assert MtpcModel.from_pretrained("default").draft_len == 4  # the head's window
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps(_report()))
+    update_shipped("tiny-btree", report, draft_len=3, heads_dir=heads)
+    assert sh.decode_defaults("default") == sh.decode_defaults("shipped:tiny-btree") == {"draft_len": 3}
+    assert sh.decode_defaults(str(heads / "tiny-btree")) == {}  # a path: no shipped defaults
+    card = (heads / "tiny-btree" / sh.CARD_FILE).read_text()
+    assert "feeds the first **3** bytes" in card and "| greedy | 4 | 1.50x |" in card
+    model = MtpcModel.from_pretrained("default")  # the card's new digest verifies
+    assert model.draft_len == 3 and MtpcModel.from_pretrained("default", draft_len=4).draft_len == 4
+    assert MtpcModel.from_pretrained(heads / "tiny-btree").draft_len == 4
+    out = model.generate(torch.tensor([257, 72, 105]), max_new_tokens=6, ban_eos=True)
+    assert out.stats.window == 3
+    # re-measured again: one speed section, not two
+    update_shipped("tiny-btree", report, heads_dir=heads)
+    card = (heads / "tiny-btree" / sh.CARD_FILE).read_text()
+    assert card.count("## Held-out speed") == 1 and "feeds the first **3** bytes" in card
+    assert main(["--update", "tiny-btree", "--report", str(report), "--draft-len", "9"]) == 2
+
+
+def test_a_malformed_decode_entry_is_refused(shipped):
+    heads, _ = shipped
+    path = heads / sh.INDEX_FILE
+    index = json.loads(path.read_text())
+    for bad in ({"draft_len": 1}, {"draft_len": True}, {"draft_len": "4"}, {"window": 4}, [4]):
+        index["heads"]["tiny-btree"]["decode"] = bad
+        path.write_text(json.dumps(index))
+        with pytest.raises(ValueError, match=r"heads.tiny-btree.decode: expected"):
+            sh.read_index(heads)
