@@ -236,6 +236,13 @@ def cycle_ms(model, prompt: torch.Tensor, new: int, **gen_kw) -> tuple[float, An
     return out.stats.mu_lat * 1e3, out
 
 
+def plain_byte_ms(model, prompt: torch.Tensor, new: int) -> float:
+    """Plain decoding's mean time per byte (`generate_plain`'s per-step latency, prefill excluded):
+    what a user compares a cycle with, beside the bare step (which leaves out pick, host read and Python)."""
+    out = model.generate_plain(prompt, max_new_tokens=new, ban_eos=True)
+    return out.stats.mu_lat * 1e3
+
+
 CYCLE_PARTS = ("verify", "head", "draft", "accept", "python")
 
 

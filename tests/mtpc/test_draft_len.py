@@ -101,7 +101,9 @@ def test_sampled_draft_len_is_exact_by_enumeration(kind, known):
     def online(choose):
         with torch.inference_mode():
             eng = make_engine(bb, len(PROMPT) + T + N)
-            out, st = speculative_decode(eng, head_fn, circuit_enum_drafter(m.circuit, choose), M, PROMPT, cfg, choose)
+            out, st = speculative_decode(
+                eng, head_fn, circuit_enum_drafter(m.circuit, choose), M, PROMPT, cfg, choose
+            )
         return tuple(out), (sum(st.accepted), len(st.accepted), *st.tested_at, *st.accepted_at)
 
     def plain(choose):
