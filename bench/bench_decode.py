@@ -142,6 +142,7 @@ def _shipped_head(label: str):
 
 def engine_section(args) -> dict:
     from mtpc.backbones import AdapterEngine, BackboneAdapter, LlamaEngine
+    from mtpc.shipped_heads import decode_defaults
 
     model, label = load_engine_model(args.model)
     eos, P, new, R = _eos(model), args.context, args.new_tokens, args.rounds
@@ -178,15 +179,17 @@ def engine_section(args) -> dict:
         steps["rounds_ms"]["floor"] = steps["rounds_ms"][best]  # the fastest product kernel: the floor
         out["step_ms"] = steps["ms"] | {"floor": steps["ms"][best]}
         out["floor_kernel"] = best
-        ids_n = {n: torch.randint(0, 256, (n,), generator=g) for n in (8, 16)}
+        ids_n = {n: torch.randint(0, 256, (n,), generator=g) for n in (2, 4, 8, 16)}
         ver = {}
         for lay in LAYOUTS:
             sfx = "" if lay == default else f"_{lay}"
             e = engines[f"compact_k0{sfx}"]
             ver[f"step{sfx}"] = et.engine_call(e, one, P)
-            ver |= {f"verify_{n}{sfx}": et.engine_call(e, ids_n[n], P) for n in (8, 16)}
+            rows = (2, 4, 8, 16) if lay == default else (8, 16)  # short verifies: the draft length's cost
+            ver |= {f"verify_{n}{sfx}": et.engine_call(e, ids_n[n], P) for n in rows}
         vres = et.timed(ver, args.reps, R, clock=clock)
         out["verify_ms"] = vres["ms"]
+        out["short_verify_over_step"] = {n: et.ratio(vres, f"verify_{n}", "step") for n in (2, 4)}
         for lay in LAYOUTS:
             sfx = "" if lay == default else f"_{lay}"
             out[f"verify_over_step{sfx}"] = {
@@ -218,6 +221,13 @@ def engine_section(args) -> dict:
                 m = MtpcModel(bb0, et.make_head(bb0, kind, n, 8, 16))
                 hd[f"{kind}_n{n}"] = et.head_draft(m, hidden, one)
         out["head_draft_ms_r8_appG16"] = et.timed(hd, args.reps, R, clock=clock)["ms"]
+        # why the head costs more in the loop: its forward hot, right after a verify of 8 bytes (as in
+        # the loop), and after sweeping a buffer larger than the last-level cache
+        shipped = _shipped_head(label)
+        probe = shipped[1] if shipped is not None else et.make_head(bb0, "btree", 8, 16, 16)
+        out["head_forward_cache_ms"] = et.head_cache_probe(
+            probe, hidden, engines["compact_k0"], ids_n[8], P, args.reps * 4, clock
+        )
 
     # the cycle, our plain step and one HF generate step, interleaved per round
     head = et.make_head(bb0, "btree", 8, 8, 16)
@@ -266,9 +276,11 @@ def engine_section(args) -> dict:
     # the loop's cycle and its parts beside the plain step, same rounds, same clock (default layout, k = 0):
     # a random btree n = 8, r = 16, App. G 16 head, and the shipped default head when this is its backbone
     cycle_heads = {"random_btree_n8_r16_appG16": MtpcModel(bb0, et.make_head(bb0, "btree", 8, 16, 16))}
-    shipped = _shipped_head(label)
-    if shipped is not None:
+    if shipped is not None:  # with its full window and with its recorded draft length
         cycle_heads[f"shipped_{shipped[0]}"] = MtpcModel(bb0, shipped[1])
+        m = decode_defaults("default").get("draft_len")
+        if m is not None and m != shipped[1].config.window:
+            cycle_heads[f"shipped_{shipped[0]}_draft{m}"] = MtpcModel(bb0, shipped[1], draft_len=m)
     parts_rounds: dict[str, list[dict[str, float]]] = {name: [] for name in cycle_heads}
     step_rounds: list[float] = []
     plain = models["compact"]

@@ -236,6 +236,40 @@ def cycle_ms(model, prompt: torch.Tensor, new: int, **gen_kw) -> tuple[float, An
     return out.stats.mu_lat * 1e3, out
 
 
+def head_cache_probe(
+    head: Any,
+    hidden: torch.Tensor,
+    engine: Any,
+    verify_ids: torch.Tensor,
+    context: int,
+    reps: int,
+    clock: Callable[[], float] = time.thread_time,
+    flush_mib: int = 80,
+) -> dict[str, float]:
+    """ms of one head forward (`HeadDecoder.params`) and one greedy draft on `clock`: hot (right after
+    the same call), right after a verify of `verify_ids` on `engine` (as in the loop), and after
+    sweeping `flush_mib` MiB (beyond the last-level cache). Only the head's call is timed."""
+    dec = head.decoder()
+    c = torch.tensor([65])
+    theta = dec.params(hidden, c)
+    sweep = torch.empty(flush_mib * 2**20 // 4)
+    verify = engine_call(engine, verify_ids, context)
+    calls = {"head": lambda: dec.params(hidden, c),
+             "draft": lambda: head.circuit._draft(theta, c, greedy=True, conditionals=False)}  # fmt: skip
+    before = {"hot": lambda: None, "after_verify": verify, "after_sweep": lambda: sweep.add_(1.0)}
+    out = {}
+    for name, fn in calls.items():
+        for when, pre in before.items():
+            total = 0.0
+            for _ in range(reps):
+                pre()
+                t0 = clock()
+                fn()
+                total += clock() - t0
+            out[f"{name}_{when}"] = total / reps * 1e3
+    return out
+
+
 def plain_byte_ms(model, prompt: torch.Tensor, new: int) -> float:
     """Plain decoding's mean time per byte (`generate_plain`'s per-step latency, prefill excluded):
     what a user compares a cycle with, beside the bare step (which leaves out pick, host read and Python)."""

@@ -55,6 +55,12 @@ def test_bench_decode_engine_section(tmp_path):
         sum(parts["ms"][k] for k in ("verify", "head", "draft", "accept", "python"))
     )
     assert parts["cycle_minus_verify_over_step"] > 0 and eng["cycle_parts"]["plain_step_ms"] > 0
+    assert set(eng["short_verify_over_step"]) == {"2", "4"}  # the draft length's verify costs
+    probe = eng["head_forward_cache_ms"]  # the head and draft hot, after a verify, after a cache sweep
+    assert set(probe) == {
+        f"{c}_{w}" for c in ("head", "draft") for w in ("hot", "after_verify", "after_sweep")
+    }
+    assert all(v > 0 for v in probe.values())
     sys.modules.pop("bench_decode", None)
 
 
