@@ -2,16 +2,18 @@
 
 Always: the eager reference against torch SDPA with an explicit causal / length mask (capacities,
 live lengths from m to the capacity and off the block size, GQA ratios 1 and 4, m in {1, 4, 16},
-float32), garbage past the length, both layouts, the launch plan, the refusals. Where triton
-imports: the split-KV kernel against the reference (on CUDA, else under the Triton interpreter on
-CPU tensors, `TRITON_INTERPRET=1` set for this module), NaN past the length kept out, one length
-tensor moved in place between two calls with the same launch (the CUDA graph replay property) and
-no host read of it.
+float32), garbage past the length, both layouts, the launch plan, the refusals (also the compact
+engine's `attention=` option). Where triton imports: the split-KV kernel against the reference (on
+CUDA, else under the Triton interpreter on CPU tensors when `TRITON_INTERPRET=1` is set),
+NaN past the length kept out, one length tensor moved in place between two calls with the same
+launch (the CUDA graph replay property) and no host read of it, and the compact engine with
+`attention="split_kv"` against its default attention over prefill, steps, verifies and crops.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 
 import pytest
 import torch
@@ -19,12 +21,14 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.testing import assert_close
 
+from mtpc.backbones import LlamaEngine
 from mtpc.backbones.decode_attention import (
     MAX_SPLITS,
     decode_attention_reference,
     split_kv_decode_attention,
     split_plan,
 )
+from tests.backbone_helpers import randomize_lora, tiny_backbone
 
 D = 64
 H_KV = 2
@@ -104,12 +108,21 @@ def test_the_plan_depends_on_the_capacity_only_and_covers_it():
         split_plan(64, 24)
 
 
-def test_the_kernel_refuses_what_it_cannot_run(monkeypatch):
+def test_the_kernel_and_the_engine_option_refuse_what_they_cannot_run(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # on this CPU: no CUDA, no interpreter
     q, k, v = _inputs(64, 1, 1, 10)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="triton is not importable|runs on CUDA"):
             split_kv_decode_attention(q, k, v, torch.tensor(10))
+    bb = tiny_backbone(dtype=torch.float32)
+    with pytest.raises(ValueError, match="attention='bogus'"):
+        LlamaEngine(bb, capacity=40, static=True, attention="bogus")
+    with pytest.raises(ValueError, match="needs static shapes"):
+        LlamaEngine(bb, capacity=40, static=False, attention="split_kv")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="attention='split_kv'"):
+            LlamaEngine(bb, capacity=40, static=True, attention="split_kv")
+    assert LlamaEngine(bb, capacity=40).attention == "sdpa"  # the default is unchanged
 
 
 # ------------------------------------------------------------------------------------ Triton kernel
@@ -117,17 +130,14 @@ def test_the_kernel_refuses_what_it_cannot_run(monkeypatch):
 
 @pytest.fixture(scope="module")
 def device():
-    """CUDA when there is one, else the Triton interpreter on CPU tensors (set for this module)."""
+    """CUDA when there is one, else the Triton interpreter on CPU tensors (TRITON_INTERPRET=1 must be
+    set before triton is first imported: triton.language's own helpers are jitted at import)."""
     pytest.importorskip("triton", reason="the split-KV kernel needs triton (not a dependency)")
     if torch.cuda.is_available():
-        yield "cuda"
-        return
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        kernels = importlib.import_module("mtpc.backbones.decode_attention_triton")
-        if type(kernels._split_kernel).__name__ != "InterpretedFunction":  # imported before: compiled
-            importlib.reload(kernels)
-        yield "cpu"
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA: set TRITON_INTERPRET=1 to run the split-KV kernel in Triton's interpreter")
+    return "cpu"
 
 
 @pytest.mark.parametrize("capacity", [64, 100])
@@ -199,3 +209,34 @@ def test_one_length_tensor_moved_in_place_replays_the_same_launch(device, monkey
             got, decode_attention_reference(q, k, v, torch.tensor([n], device=device)), rtol=1e-5, atol=1e-5
         )
     assert (outs[0][0] - outs[1][0]).abs().max() > 1e-2  # not vacuous: the two lengths differ in the output
+
+
+def test_engine_with_split_kv_equals_its_default_attention(device, monkeypatch):
+    """The compact engine's static calls (prefill <= 64, steps, verifies, crops; the draft top's two
+    rows) on the split-KV kernel give the default (masked SDPA) engine's logits and draft hidden."""
+    from mtpc.backbones import llama
+
+    calls = []
+    real = llama.split_kv_decode_attention
+    monkeypatch.setattr(
+        llama, "split_kv_decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    bb = tiny_backbone(lora_depth=1, dtype=torch.float32).to(device)
+    randomize_lora(bb)
+    base = LlamaEngine(bb, capacity=40, static=True)
+    split = LlamaEngine(bb, capacity=40, static=True, attention="split_kv")
+    assert split.attention == "split_kv"
+    g = torch.Generator().manual_seed(3)
+    script = [("feed", 10), ("feed", 1), ("feed", 4), ("crop", 12), ("feed", 1), ("feed", 4), ("feed", 1)]
+    for op, n in script:
+        if op == "crop":
+            base.crop(n)
+            split.crop(n)
+            continue
+        ids = torch.randint(0, 16, (n,), generator=g).to(device)
+        a, b = base.feed(ids), split.feed(ids)
+        # float32 through 4 layers: two attentions' roundings apart (the repo's float32 bound, 1e-4)
+        assert_close(b.p_logits, a.p_logits, rtol=1e-4, atol=1e-4)
+        assert_close(b.draft_hidden, a.draft_hidden, rtol=1e-4, atol=1e-4)
+    assert split.length == base.length == 18
+    assert len(calls) == 6 * bb.model.config.num_hidden_layers  # every layer of every feed took the kernel
