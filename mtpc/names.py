@@ -32,6 +32,10 @@ DRAFT_LORA_MODES: tuple[str, ...] = ("lowrank", "merged")
 #: same groups in oneDNN's blocked format, multiplied by oneDNN: CPU, float32 / bf16 only, the
 #: default there; elsewhere views is)
 ENGINE_WEIGHT_LAYOUTS: tuple[str, ...] = ("views", "packed", "onednn")
+#: how the compact engine attends in its static-shape calls: sdpa (torch's attention over the whole
+#: capacity with a mask, the default) or split_kv (the split-KV Triton kernel over the live length read
+#: from a device tensor: CUDA with triton, unverified on a GPU; mtpc/backbones/decode_attention.py)
+ENGINE_ATTENTION: tuple[str, ...] = ("sdpa", "split_kv")
 #: window n: a head predicts 1..MAX_WINDOW bytes; decoding drafts n - 1 bytes, so it needs n >= 2
 MIN_HEAD_WINDOW = 1
 MIN_DECODE_WINDOW = 2

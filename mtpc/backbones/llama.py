@@ -24,6 +24,9 @@ length. `static=True` attends over the whole capacity C with one causal-mask row
 and writes with `index_copy_` at a position tensor: fixed shapes for a given T, what a CUDA graph
 captures (`cuda_graphs=True` captures the 1-byte step and the n-byte verify on first use). The
 default slices the caches to the live length (views) and skips the mask for one query.
+`attention="split_kv"` (static shapes, CUDA with triton; UNVERIFIED on a GPU) runs the static calls
+of up to 64 new positions on the split-KV kernel of decode_attention.py instead: it reads the live
+length from the position tensor on the device and attends over the live keys only, with no mask.
 
 Numerics follow transformers' Llama: RMSNorm in float32 then cast, cos/sin from float32
 frequencies cast to the model dtype, sdpa with scale head_dim**-0.5, peft's LoRA dtype rules;
@@ -53,8 +56,9 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from mtpc.backbones.common import Backbone, StepOutput
+from mtpc.backbones.decode_attention import split_kv_decode_attention, split_kv_unsupported
 from mtpc.kernels import onednn_linear, onednn_pack, use_onednn, warn_fallback
-from mtpc.names import DRAFT_LORA_MODES, ENGINE_WEIGHT_LAYOUTS
+from mtpc.names import DRAFT_LORA_MODES, ENGINE_ATTENTION, ENGINE_WEIGHT_LAYOUTS
 
 ROPE_TYPES = ("default", "llama3")  # the rotary variants this forward implements
 # config keys a saved LlamaConfig may carry beyond LlamaConfig().to_dict() that change nothing here
@@ -352,6 +356,9 @@ def _layer(hf_layer: Any, draft_layer: Any | None, lora_mode: str, layout: str) 
 # ------------------------------------------------------------------------------------ engine
 
 
+SPLIT_KV_MAX_ROWS = 64  # attention="split_kv" takes the static calls of at most this many new positions
+
+
 def _round_up(n: int, k: int) -> int:
     return -(-n // k) * k
 
@@ -375,6 +382,13 @@ class LlamaEngine:
     format: CPU, float32 / bf16, not with compile); None: "onednn" where it runs, else "views".
     A packed, oneDNN (or merged) copy doubles the base weights' memory and is rebuilt at `reset`
     when a source tensor changed in place (its version moved).
+    attention: "sdpa" (default: torch's attention over the whole capacity with a causal mask in
+    the static calls) or "split_kv": the static calls of at most SPLIT_KV_MAX_ROWS new positions
+    (the step, the verify; not the prefill) attend with the split-KV Triton kernel over the live
+    length, read on the device from the position tensor, so a captured graph replays at any
+    length (mtpc/backbones/decode_attention.py). Needs static shapes, CUDA with triton importable
+    (or TRITON_INTERPRET=1, the interpreter the tests run on CPU tensors) and float32 / bf16 / fp16;
+    not with compile. UNVERIFIED on a GPU: bench/bench_gpu.py is where it is to be measured.
     """
 
     def __init__(
@@ -387,6 +401,7 @@ class LlamaEngine:
         lora: str = "lowrank",
         compile: bool = False,
         weights: str | None = None,
+        attention: str = "sdpa",
     ):
         reason = llama_unsupported(adapter.model)
         if reason:
@@ -434,6 +449,17 @@ class LlamaEngine:
         self._qk_width = (self.args.n_heads + self.args.n_kv_heads) * self.args.head_dim
         self.static = (self.device.type == "cuda" or compile) if static is None else static
         self.cuda_graphs = bool(cuda_graphs and self.static and self.device.type == "cuda")
+        if attention not in ENGINE_ATTENTION:
+            raise ValueError(f"attention={attention!r}: expected one of {ENGINE_ATTENTION}")
+        if attention == "split_kv":
+            reason = (
+                "it needs static shapes (static=True, or None on CUDA) and does not combine with compile"
+                if compile or not self.static
+                else split_kv_unsupported(self.device, self.dtype)
+            )
+            if reason:
+                raise ValueError(f"compact Llama forward: attention='split_kv': {reason}")
+        self.attention = attention
         self.scale = self.args.head_dim**-0.5
         kw = {"dtype": self.dtype, "device": self.device}
         self._mask_values = (torch.zeros((), **kw), torch.full((), float("-inf"), **kw))  # attend, masked
@@ -555,7 +581,13 @@ class LlamaEngine:
         # a prefill from slot 0 is plain causal attention: SDPA's is_causal skips the masked blocks
         # and builds no (n_rep T, T) mask (checked against the HF forward: tests/mtpc/test_llama_engine.py)
         causal = pos is None and start == 0 and T > 1
-        if pos is None:
+        # split-KV attention: the live length from the positions on the device, no mask (static calls only)
+        split_kv = self.attention == "split_kv" and pos is not None and T <= SPLIT_KV_MAX_ROWS
+        length = pos[-1:] + 1 if split_kv else None
+        if split_kv:
+            cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)
+            mask = None
+        elif pos is None:
             cos, sin = self.cos[start : start + T], self.sin[start : start + T]
             rows = self.positions[start : start + T, None]
             mask = (
@@ -575,7 +607,7 @@ class LlamaEngine:
             if one and i < self.split:
                 x = self._block_one(x, layer, self.kv[i], cos[0], sin[0], start)
             else:
-                x = self._block(x, layer, self.kv[i], cos, sin, mask, pos, start, causal)
+                x = self._block(x, layer, self.kv[i], cos, sin, mask, pos, start, causal, length)
         h = rms_norm(x, self.norm, self.args.norm_eps)  # (rows, T, d)
         if self.lm_head_packed is not None:
             logits = self._mm(h[0], self.lm_head_packed)
@@ -635,7 +667,7 @@ class LlamaEngine:
         g, u = self._mm(h, p["gu"]).split(a.intermediate, dim=-1)
         return x + self._mm(F.silu(g) * u, p["down"])
 
-    def _block(self, x, layer, kv, cos, sin, mask, pos, start, causal=False):
+    def _block(self, x, layer, kv, cos, sin, mask, pos, start, causal=False, length=None):
         B, T, _ = x.shape
         a = self.args
         h = rms_norm(x, layer.ln1, a.norm_eps)
@@ -658,7 +690,11 @@ class LlamaEngine:
         else:
             kc.index_copy_(2, pos, k)
             vc.index_copy_(2, pos, v)
-        if T == 1:
+        if length is not None:  # the split-KV kernel: q (B, h, T, hd) (for T = 1 the grouped layout is one)
+            qh = q.reshape(B, a.n_heads, T, a.head_dim)
+            y = split_kv_decode_attention(qh, kc, vc, length, scale=self.scale)  # a (B, T, h, hd) buffer
+            y = y.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim)  # so this is a view
+        elif T == 1:
             y = F.scaled_dot_product_attention(
                 q, kc, vc, attn_mask=mask, scale=self.scale
             )  # (B, h_kv, n_rep, hd)
