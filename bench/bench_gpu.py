@@ -13,7 +13,8 @@ skipped once `--budget-s` seconds have passed:
    head + draft for every circuit kind at n = 16, r = 32 with full (n, r, v, d) leaves and with
    App. G leaves (rank 16 deltas); the full greedy cycle of each; plain decoding's time per byte
    (`generate_plain`: the step plus its pick, host read and Python) and every cycle against it as
-   well as against the bare step; the step's bandwidth bound (weight + KV bytes / the measured
+   well as against the bare step; the step and verifies with `attention="split_kv"` (live-length
+   attention, a Triton kernel) beside masked SDPA over the capacity, and their largest logit difference; the step's bandwidth bound (weight + KV bytes / the measured
    bandwidth) and the bars (`BARS_3B`).
 3. `default_model`: the same on the default model (`--default-model DIR`, else the shipped
    default, else skipped), in microseconds only.
@@ -98,6 +99,7 @@ def measure_backbone(
     out["verify16_over_step"] = et.ratio(res, "verify_16", "step")
     out["verify8_over_step"] = et.ratio(res, "verify_8", "step")
     out["graph_errors"] = dict(eng.graph_errors)
+    out["split_kv"] = split_kv_part(bb, prompt, ctx, cap, win, one, reps, R, device)
     del hf_eng
     # HF generate: (long - 1 byte) / (long - 1) per round
     hf_fns = et.hf_generate_step(model, prompt, new, eos)
@@ -157,6 +159,37 @@ def measure_backbone(
     out["cycle_over_plain_byte"] = {k: v / plain_byte for k, v in out["cycle_ms"].items()}
     out["plain_byte_over_step"] = plain_byte / step
     out["hf_generate_step_over_step"] = out["ms"]["hf_generate_step"] / step
+    return out
+
+
+def split_kv_part(bb, prompt, ctx: int, cap: int, win: dict, one, reps: int, R: int, device) -> dict:
+    """The step and the verifies with attention="split_kv" (live-length attention, the Triton kernel of
+    mtpc/backbones/decode_attention.py) beside the default masked SDPA over the capacity, in the same
+    rounds, and the largest logit difference between the two on the same calls; or why it cannot run."""
+    from mtpc.backbones.decode_attention import split_kv_unsupported
+
+    reason = split_kv_unsupported(device, bb.dtype)
+    if reason:
+        return {"skipped": reason}
+    graphs = device.type == "cuda"
+    engines = {a: et.prefilled(LlamaEngine(bb, cap, cuda_graphs=graphs, attention=a, static=True), prompt, cap)
+               for a in ("sdpa", "split_kv")}  # fmt: skip
+    out: dict = {"max_abs_logit_diff": {}}
+    with torch.inference_mode():
+        for name, ids in {"step": one, **{f"verify_{n}": w for n, w in win.items()}}.items():
+            got = {}
+            for a, e in engines.items():
+                got[a] = e.feed(ids).p_logits.float().clone()
+                e.crop(ctx)
+            out["max_abs_logit_diff"][name] = float((got["sdpa"] - got["split_kv"]).abs().max())
+        fns = {f"{name}_{a}": et.engine_call(e, ids, ctx) for a, e in engines.items()
+               for name, ids in {"step": one, **{f"verify_{n}": w for n, w in win.items()}}.items()}  # fmt: skip
+        res = et.timed(fns, reps, R, device=device)
+    out["ms"] = res["ms"]
+    out["split_kv_over_sdpa"] = {k[: -len("_sdpa")]: et.ratio(res, k[: -len("_sdpa")] + "_split_kv", k)
+                                 for k in res["ms"] if k.endswith("_sdpa")}  # fmt: skip
+    out["verify16_over_step"] = et.ratio(res, "verify_16_split_kv", "step_split_kv")
+    out["graph_errors"] = {a: dict(e.graph_errors) for a, e in engines.items()}
     return out
 
 
