@@ -6,7 +6,7 @@
 
 Held-out prompts nothing was tuned on (`--sets` x `--prompts` drawn by the evaluation's seeded draw from
 the held-out ShareGPT conversations: the report sets, never the development sets), `--bytes` new bytes
-each, EOS banned; for each mode (greedy, sampling at `--temperature`) `experiments.speedup.measure_speedup`
+each, EOS banned; for each mode (greedy, sampling at `--temperature`) `experiments.evaluation.speedup.measure_speedup`
 in one process on one thread, inside the machine-wide timing lock (background work paused): plain and
 speculative decoding interleaved prompt by prompt, wall clock, the median of the rounds' ratios, with
 bytes per cycle, greedy identity and the text's degeneracy beside. The JSON names the command, the
@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments.speedup import measure_speedup  # noqa: E402
+from experiments.evaluation.speedup import measure_speedup  # noqa: E402
 from mtpc import MtpcModel  # noqa: E402
 
 
@@ -39,8 +39,8 @@ def l3_cache() -> str:
 def _prompts(sets: int, per_set: int, dry_run: bool) -> list[str]:
     if dry_run:
         return [f"Write a short note about item {i}." for i in range(sets * per_set)]
-    from experiments.config import EvalConfig
-    from experiments.prompts import load_prompt_sets
+    from experiments.evaluation.config import EvalConfig
+    from experiments.evaluation.prompts import load_prompt_sets
 
     return [p for s in load_prompt_sets("heldout", per_set, sets, EvalConfig.seed) for p in s]
 
@@ -48,7 +48,7 @@ def _prompts(sets: int, per_set: int, dry_run: bool) -> list[str]:
 def _model(head: str, dry_run: bool) -> MtpcModel:
     if not dry_run:
         return MtpcModel.from_pretrained(head)
-    from experiments.module import build_backbone
+    from experiments.training.module import build_backbone
 
     return MtpcModel.from_components(build_backbone("tiny", 0), {"kind": "btree", "window": 4, "rank": 4})
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.dry_run:
         a.sets, a.prompts, a.bytes, a.rounds = 1, 2, 8, 1
     torch.set_num_threads(1)
-    from experiments.background import timing
+    from experiments.plumbing.timing_lock import timing
     from tracking.runs import machine, machine_line
 
     model = _model(a.head, a.dry_run)

@@ -5,7 +5,7 @@ window/rank/LoRA-depth bounds with the ff rank rule (`check_architecture`, the o
 the training config and the sweep spec all call; `check_axis` for one value) and the defaults of a
 head. The experiment built on it (the sweep axes, `tracking/axes.py`; grid keys, MLflow params and
 metrics, artifact names, `tracking/schema.py`) is not the library's: a training setting's rule
-lives with the training config (`experiments.config`). Import from here; never restate a tuple or a bound elsewhere.
+lives with the training config (`experiments.training.config`). Import from here; never restate a tuple or a bound elsewhere.
 
 Only names and plain checks live here (no torch, so the analysis and sweep specs can read it
 cheaply).

@@ -1,15 +1,15 @@
 """The sweep axes, declared once: a sweep point is a set of `TrainConfig` overrides, one per axis.
 
 `AXES` holds one `Axis` row per axis: its param name (the key of a grid point, the Optuna param and
-the MLflow param of a trial's runs), the config path it sets (an `experiments.parsing.apply_overrides`
+the MLflow param of a trial's runs), the config path it sets (an `experiments.plumbing.parsing.apply_overrides`
 key: `train_seed` sets `seed_everything`), its role, its grid-key tag, its display label, its type and
 (a training axis) its default. Everything an axis touches is derived from the rows, read when called:
 
 - the spec's grid (sweeps/spec.py: the slice keys, each value checked, the point's values) and the
   Optuna params and choices of a trial (sweeps/study.py);
-- the trial's config (`experiments.config.apply_point`: the paths, through the one override rule;
+- the trial's config (`experiments.training.config.apply_point`: the paths, through the one override rule;
   `TrainConfig.check` validates), its run name (`default_run_name`) and child-run params
-  (`experiments.trial.training_axes`); a multi-rank trial's child reads them back from its config;
+  (`experiments.training.trial.training_axes`); a multi-rank trial's child reads them back from its config;
 - the grid key (`grid_key`: checkpoint directories, trial runs, evaluation run names);
 - the analysis's grouping keys and dtypes (analysis/load.py, analysis/aggregate.py).
 
@@ -22,7 +22,7 @@ were enqueued with them); any other appears in the points, Optuna params and sig
 spec that names it, so adding a row changes no existing study, key or run name.
 
 Adding an axis (any scalar `TrainConfig` field) is one row here; its values are checked by the
-field's rule in `experiments.config` (`check_value`), or by its type alone where the field has none.
+field's rule in `experiments.training.config` (`check_value`), or by its type alone where the field has none.
 Names only (no MLflow, no torch); this module imports nothing of the suite.
 """
 

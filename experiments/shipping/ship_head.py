@@ -1,6 +1,6 @@
 """Ship a trained head beside the default backbone: `mtpc/default_heads/<name>/` and its index entry.
 
-    python -m experiments.ship_head RUN_DIR --name btree-n8-r16 --default \\
+    python -m experiments.shipping.ship_head RUN_DIR --name btree-n8-r16 --default \\
         --report bench/results/shipped_head_cpu.json
 
 RUN_DIR is a finished `experiments.train fit` run directory (its `run.json`, `metrics.json` and head
@@ -10,7 +10,7 @@ steps and bytes, the command that trained it, and — from `--report`, the JSON 
 `bench/bench_shipped_head.py` run on this very head — its held-out speed-up over plain decoding with
 the text's degeneracy, the command and the machine. The index (`INDEX.json`) records every file's
 SHA-256, checked at each load (`mtpc.shipped_heads`). Only heads trained on the shipped backbone ship.
-Leaves out: training (experiments.train), measuring (bench/bench_shipped_head.py).
+Leaves out: training (experiments/training/), measuring (bench/bench_shipped_head.py).
 """
 
 from __future__ import annotations
@@ -163,7 +163,9 @@ def ship(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m experiments.ship_head", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.shipping.ship_head", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("run_dir", type=Path, help="a finished experiments.train run directory")
     ap.add_argument("--name", required=True, help="the shipped head's name (loaded as shipped:<name>)")
     ap.add_argument(
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             machine=a.train_machine,
         )
     except (ValueError, FileNotFoundError) as e:
-        print(f"experiments.ship_head: {e}", file=sys.stderr)
+        print(f"experiments.shipping.ship_head: {e}", file=sys.stderr)
         return 2
     print(f"shipped {out}")
     return 0
