@@ -59,7 +59,7 @@ pretrain: setup
 
 # before the one GPU device call: corpus streams + git SHA under .device/, travel-size check
 device-prep: setup
-	$(PY) -m experiments.device_prep $(if $(PRETRAIN),--pretrain)
+	$(PY) -m experiments.shipping.device_prep $(if $(PRETRAIN),--pretrain)
 
 bench: bench-circuits bench-head bench-loss bench-decode
 

@@ -36,6 +36,7 @@ from analysis.style import (
     plt,
     wrap_title,
 )
+from tracking import axes
 from tracking.schema import DEGENERATE_WARN_FRACTION
 
 #: above this many points only the Pareto-front points get n/r/k labels
@@ -170,16 +171,17 @@ _LABEL_OFFSETS = (  # (dx, dy) in points, horizontal alignment, vertical alignme
 
 
 def point_label(row) -> str:
-    """n/r/k (r "–" for a method without a rank: EvaByte's own decoding), then β<kl_beta> for a
-    distilled head and s<seed> for a training seed > 0 (CE and distilled twins, and seeds, would
-    otherwise carry the same label)."""
+    """n/r/k (r "–" for a method without a rank: EvaByte's own decoding), then each training axis of
+    `tracking.axes` off its default as its mark and value, in `AXES` order (`β0.5` for a distilled
+    head, `s1` for a training seed > 0: CE and distilled twins, and seeds, would otherwise carry the
+    same label); an axis the row lacks (or NaN) is left out."""
     rank = "–" if pd.isna(row["rank"]) else row["rank"]
     text = f"{row['window']}/{rank}/{row['lora_depth']}"
-    beta, seed = row.get("kl_beta"), row.get("train_seed")
-    if beta is not None and pd.notna(beta) and float(beta) > 0:
-        text += f" β{float(beta):g}"
-    if seed is not None and pd.notna(seed) and int(seed) > 0:
-        text += f" s{int(seed)}"
+    for a in axes.axes(axes.TRAINING):
+        value = row.get(a.name)
+        if value is None or pd.isna(value) or a.at_default(value):
+            continue
+        text += f" {a.mark or a.label}{a.shown(value)}"
     return text
 
 

@@ -276,7 +276,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from experiments.background import timing
+    from experiments.plumbing.timing_lock import timing
 
     with timing(progress=True):  # one timer on the machine; the background pre-training paused
         main()

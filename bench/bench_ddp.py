@@ -12,7 +12,7 @@ through its `--child` mode so rank 0 records the wall-clock time of every optimi
   `OMP_NUM_THREADS=1` per rank, `data.batch_size B/2` (global batch B: the same steps).
 
 The variants alternate round by round (`--rounds`), so a shared machine's load falls on both alike,
-inside `experiments.background.timing()` (the machine-wide timing lock; the background
+inside `experiments.plumbing.timing_lock.timing()` (the machine-wide timing lock; the background
 pre-training paused). Reported per variant: the median time of an optimizer step after the first
 `--warmup` steps, the process's wall time (start-up and backbone load included), and the ratio
 ddp2 / one of the step time — how much the all-reduce and two processes cost against two threads in
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         "0",
     ]
     results: dict[str, list[dict]] = {name: [] for name in variants(a.batch)}
-    from experiments.background import timing
+    from experiments.plumbing.timing_lock import timing
 
     with tempfile.TemporaryDirectory(prefix="bench-ddp-") as tmp:
         for r in range(a.rounds):

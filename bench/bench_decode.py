@@ -23,7 +23,7 @@ Sections (each run in this process, 1 intra-op thread; the JSON keeps sections n
 - `bf16`: the fraction of prompts whose bf16 greedy speculative output differs from the same
   engine's bf16 plain greedy output, and the mean position of the first difference.
 - `heads`: for each window n and circuit kind a trained head export when one exists
-  (`<heads-dir>/default-<kind>-n<n>-r*`, as experiments/nll_table.py writes them; default
+  (`<heads-dir>/default-<kind>-n<n>-r*`, as experiments/training/nll_table.py writes them; default
   heads-dir = mtpc.paths.cache_dir()/heads), else a fresh random head (rank 8, seed 0, labelled
   `"source": "random"`); all heads of one n share one backbone and run, with STP, on the same
   held-out prompts (experiments.evaluate.evaluate_heads), greedy and sampling, keep and drop.
@@ -49,9 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import engine_timing as et  # noqa: E402  (bench/engine_timing.py)
 
-from experiments.config import EvalConfig  # noqa: E402
-from experiments.evaluation import evaluate_heads, hardware  # noqa: E402
-from experiments.prompts import load_prompt_sets  # noqa: E402
+from experiments.evaluation.config import EvalConfig  # noqa: E402
+from experiments.evaluation.decoding import evaluate_heads, hardware  # noqa: E402
+from experiments.evaluation.prompts import load_prompt_sets  # noqa: E402
 from mtpc import MtpcModel  # noqa: E402
 from mtpc.names import CIRCUIT_KINDS, DECODE_MODES, EXTRA_TOKEN_OPTIONS, point_rank  # noqa: E402
 from mtpc.paths import cache_dir  # noqa: E402
@@ -496,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from experiments.background import timing
+    from experiments.plumbing.timing_lock import timing
 
     with timing(progress=True):  # one timer on the machine; the background pre-training paused
         rc = main()

@@ -19,7 +19,7 @@ the demo's head (btree n = 4, r = 4) and the bench head (btree n = 8, r = 16, be
 leaves 16, on the shipped default and the training config's own rows, at k = 0 and k = 1, with where
 a step's time goes (trunk or cache read, teacher, window loss forward, backward, Adam). At k = 0 two
 arms side by side, round by round in one process: the trunk run every step, and a warm hidden-state
-cache (experiments/hidden_cache.py; filled first, its fill time reported apart). k = 1 has no cache
+cache (experiments/training/hidden_cache.py; filled first, its fill time reported apart). k = 1 has no cache
 (the LoRA top trains). Medians over the timed steps of every round.
 
 Estimate: for every grid point of a sweep spec, the nearest measured head (same circuit, window,
@@ -86,11 +86,11 @@ def measure(args: argparse.Namespace) -> dict:
     import torch
     from lightning.pytorch.callbacks import Callback
 
-    from experiments.config import EvalConfig
-    from experiments.evaluation import evaluate_heads, hardware
-    from experiments.prompts import load_prompt_sets
-    from experiments.train import train_head
-    from experiments.trial import load_for_eval
+    from experiments.evaluation.config import EvalConfig
+    from experiments.evaluation.decoding import evaluate_heads, hardware
+    from experiments.evaluation.prompts import load_prompt_sets
+    from experiments.training.fit import train_head
+    from experiments.training.trial import load_for_eval
     from mtpc.backbones import default_model_dir
     from mtpc.names import DECODE_MODES
 
@@ -194,11 +194,11 @@ def rate(args: argparse.Namespace) -> dict:
     and k = 1."""
     import torch
 
-    from experiments.config import load_config
-    from experiments.datamodule import ChatDataModule
-    from experiments.evaluation import hardware
-    from experiments.hidden_cache import HiddenCache
-    from experiments.module import MtpcTrainModule
+    from experiments.evaluation.decoding import hardware
+    from experiments.training.config import load_config
+    from experiments.training.datamodule import ChatDataModule
+    from experiments.training.hidden_cache import HiddenCache
+    from experiments.training.module import MtpcTrainModule
     from mtpc.losses import window_loss
 
     torch.set_num_threads(1)
@@ -408,7 +408,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from experiments.background import timing
+    from experiments.plumbing.timing_lock import timing
 
     with timing(progress=True):  # one timer on the machine; the background pre-training paused
         main()

@@ -97,7 +97,7 @@ def _prompts(bb, args) -> list[list[torch.Tensor]]:
         g = torch.Generator().manual_seed(0)
         return [[torch.randint(0, 256, (int(torch.randint(8, 40, (1,), generator=g)),), generator=g)
                  for _ in range(args.prompts)] for _ in range(args.sets)]  # fmt: skip
-    from experiments.prompts import load_prompt_sets
+    from experiments.evaluation.prompts import load_prompt_sets
 
     sets = load_prompt_sets(args.prompt_source, num_prompts=args.prompts, sets=args.sets, seed=0)
     tok = bb.tokenizer
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from experiments.background import timing
+    from experiments.plumbing.timing_lock import timing
 
     with timing(progress=True):  # one timer on the machine; the background pre-training paused
         main()

@@ -15,7 +15,7 @@ loop (`ours`), and the FLOP/s from the PaLM count. Variants, each differing from
   between batch starts, so its hooks, logging and progress are inside the figure;
 - `data`: building a batch from the packed rows (`TrainRows.batch`), alone.
 
-The background pre-training (if any) is paused while this runs (experiments.background).
+The background pre-training (if any) is paused while this runs (experiments.plumbing.timing_lock).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import time
 import torch
 from transformers import LlamaForCausalLM
 
-from experiments.background import timing
+from experiments.plumbing.timing_lock import timing
 from experiments.pretraining.config import PretrainConfig
 from experiments.pretraining.data import TrainRows, summed_nll
 from experiments.pretraining.loop import model_flops_per_byte

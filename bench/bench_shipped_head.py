@@ -8,7 +8,7 @@
 Held-out prompts nothing was tuned on (`--sets` x `--prompts` drawn by the evaluation's seeded draw from
 the held-out ShareGPT conversations: the report sets, never the development sets; `--dev` draws the
 development sets of the same draw instead, for choosing settings), `--bytes` new bytes
-each, EOS banned; for each mode (greedy, sampling at `--temperature`) `experiments.speedup.measure_speedup`
+each, EOS banned; for each mode (greedy, sampling at `--temperature`) `experiments.evaluation.speedup.measure_speedup`
 in one process on one thread, inside the machine-wide timing lock (background work paused): plain and
 speculative decoding interleaved prompt by prompt, wall clock, the median of the rounds' ratios, with
 bytes per cycle, greedy identity and the text's degeneracy beside; `--draft-lens` times each draft
@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments.speedup import measure_speedup  # noqa: E402
+from experiments.evaluation.speedup import measure_speedup  # noqa: E402
 from mtpc import MtpcModel  # noqa: E402
 
 
@@ -42,8 +42,8 @@ def l3_cache() -> str:
 def _prompts(sets: int, per_set: int, dry_run: bool, dev: bool = False) -> list[str]:
     if dry_run:
         return [f"Write a short note about item {i}." for i in range(sets * per_set)]
-    from experiments.config import EvalConfig
-    from experiments.prompts import load_prompt_sets
+    from experiments.evaluation.config import EvalConfig
+    from experiments.evaluation.prompts import load_prompt_sets
 
     # the report sets are the first 3 of the draw (this bench's default); dev sets follow them
     drawn = load_prompt_sets("heldout", per_set, 3, EvalConfig.seed, dev_sets=sets if dev else 0)
@@ -54,7 +54,7 @@ def _prompts(sets: int, per_set: int, dry_run: bool, dev: bool = False) -> list[
 def _model(head: str, dry_run: bool) -> MtpcModel:
     if not dry_run:
         return MtpcModel.from_pretrained(head)
-    from experiments.module import build_backbone
+    from experiments.training.module import build_backbone
 
     return MtpcModel.from_components(build_backbone("tiny", 0), {"kind": "btree", "window": 4, "rank": 4})
 
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.dry_run:
         a.sets, a.prompts, a.bytes, a.rounds = 1, 2, 8, 1
     torch.set_num_threads(1)
-    from experiments.background import timing
+    from experiments.plumbing.timing_lock import timing
     from tracking.runs import machine, machine_line
 
     model = _model(a.head, a.dry_run)

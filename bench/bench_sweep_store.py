@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from experiments.background import timing  # noqa: E402
+from experiments.plumbing.timing_lock import timing  # noqa: E402
 from tests.sweep_helpers import fixture_spec, fresh_tracking_uri, start_server, stop_server  # noqa: E402
 from tracking.runs import machine  # noqa: E402
 

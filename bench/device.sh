@@ -4,7 +4,7 @@
 #   bash bench/device.sh                      # on the device machine ($OUT is set there)
 #   MTPC_DEVICE_DRY=1 bash bench/device.sh    # CPU dry run: OUT = a temp dir, tiny sizes, the gpu
 #                                             # pre-training config shrunk to 2 CPU steps (PYTHON= picks the interpreter)
-# Before the call, here: `make device-prep` (or `python -m experiments.device_prep`; `--tiny` for the
+# Before the call, here: `make device-prep` (or `python -m experiments.shipping.device_prep`; `--tiny` for the
 # dry run) writes the git SHA, the wheels the device image lacks and a copy of the target models' code
 # under .device/ (with PRETRAIN=1 / --pretrain also the corpus streams), which the call must carry:
 #   device run: command "bash bench/device.sh", carry [".device"], timeout_s 560 (300 without pre-training)
@@ -17,7 +17,7 @@
 #      then its shards are moved to $OUT and the small files packed into $OUT/default_meta.tar
 #   1b. only when .device/head_train.jsonl is there (`make device-prep` writes it, 16 MiB of training chats):
 #      the shipped head (btree n = 8, r = 16, App. G 16, beta = 0.5) trained for 3 minutes in bf16-mixed,
-#      exported to $OUT/head_btree_n8_r16 (ship it here with experiments.ship_head after measuring it)
+#      exported to $OUT/head_btree_n8_r16 (ship it here with experiments.shipping.ship_head after measuring it)
 #   2. timeout 150 python3 bench/bench_gpu.py --default-model /tmp/mtpc_default --out $OUT/bench_gpu.json
 #      (the benchmark falls back to the shipped default model if part 1 failed)
 #   3. timeout 60 python3 bench/bench_evabyte_gpu.py --out $OUT/evabyte_gpu.json: a tiny EvaByte from its

@@ -1,4 +1,10 @@
-"""The experiment layer: Lightning training, evaluation, pre-training and their CLIs (`python -m experiments.X`)."""
+"""The experiment layer: Lightning training, evaluation, pre-training, shipping, and their command lines.
+
+One subpackage per job — `training/`, `evaluation/`, `pretraining/`, `shipping/`, and `plumbing/` (what
+they share: parsing, run directories, the timing lock, console output) — and the front doors at the top:
+`python -m experiments.train`, `experiments.evaluate`, `experiments.pretrain`, `experiments.background`
+(the command lines only). docs/FILES.md maps every module.
+"""
 
 import os as _os
 import sys as _sys

@@ -6,7 +6,7 @@ the heads to evaluate, where the results go.
         [--eval.temperatures 1.0,0.7] [--eval.acceptance offline|online] [--eval.stp false] ... \
         [--device cpu|cuda[:i]|mps] [--threads N] [--mlflow-parent-run <id>]
 
-Every `EvalConfig` field (experiments/config.py: the settings a sweep spec's `eval` section and a
+Every `EvalConfig` field (experiments/training/config.py: the settings a sweep spec's `eval` section and a
 sweep trial use too) is a flag `--eval.<field>` and a key of the `eval:` section of a `--config`
 file, with its defaults; a list field takes one value, a comma list or a YAML list
 (`--eval.modes greedy`, `--eval.eos banned,allowed`). `EvalConfig.check` is the one rule on their
@@ -16,10 +16,10 @@ values; an error names the flag or file that set the value, in one line, exit 2.
 Checked before any weights load: the values, `--threads`, `--device` (a GPU that is there),
 `--out` (writable), the head directories, `--mlflow-parent-run` (the run exists in the store) and
 the prompts; before anything decodes: every prompt fits the backbone's context
-(experiments/evaluation.py). A results file that cannot be written (a full disk) prints one line
+(experiments/evaluation/decoding.py). A results file that cannot be written (a full disk) prints one line
 naming the path, then the results on stdout as JSON (nothing lost), and exits 74.
 
-Leaves out: the evaluation itself (experiments/evaluation.py), the prompts (experiments/prompts.py).
+Leaves out: the evaluation itself (experiments/evaluation/decoding.py), the prompts (experiments/evaluation/prompts.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from experiments.config import EvalConfig
+from experiments.evaluation.config import EvalConfig
 
 PROG = "python -m experiments.evaluate"
 #: the flags of the command line before `EvalConfig` was its one front door -> their spelling now
@@ -46,7 +46,7 @@ def build_parser() -> Any:
     """The jsonargparse parser: --config, --eval.* (EvalConfig's fields and docstrings), the plain flags."""
     from jsonargparse import ActionConfigFile, ArgumentParser
 
-    from experiments.parsing import docstring_settings
+    from experiments.plumbing.parsing import docstring_settings
 
     docstring_settings()
     p = ArgumentParser(prog=PROG, exit_on_error=False, description=__doc__.split("\n\n")[0])
@@ -152,7 +152,7 @@ def _normalize(argv: list[str]) -> list[str]:
 def parse_cli(argv: list[str]) -> tuple[EvalConfig, Any]:
     """The command line -> (the checked EvalConfig, the namespace of the other flags); ValueError with
     one line naming the flag or file of a bad value. Loads nothing."""
-    from experiments.parsing import Fail, blame, check_cli_class_paths, key_sources, one_line
+    from experiments.plumbing.parsing import Fail, blame, check_cli_class_paths, key_sources, one_line
 
     argv = _normalize(list(argv))
     check_cli_class_paths(argv)  # a --config naming a class_path is refused before anything is parsed
@@ -247,7 +247,7 @@ def check_heads(ns: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from experiments.quiet import quiet
+    from experiments.plumbing.quiet import quiet
 
     quiet()
     try:
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         check_heads(ns)
         if ns.mlflow_parent_run:
             check_parent_run(ns.mlflow_parent_run, ns.mlflow_tracking_uri)
-        from experiments.prompts import eval_prompt_sets
+        from experiments.evaluation.prompts import eval_prompt_sets
 
         prompt_sets, set_names = eval_prompt_sets(evaluation)
         import torch
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
 def _evaluate(
     evaluation: EvalConfig, ns: Any, prompt_sets: list[list[str]], set_names: list[str]
 ) -> dict[str, Any]:
-    from experiments.evaluation import evaluate_heads
+    from experiments.evaluation.decoding import evaluate_heads
     from mtpc import MtpcModel
 
     load_kw = {"device": ns.device} if ns.device else {}
@@ -314,7 +314,7 @@ def _evaluate(
 
 def _report(results: dict[str, Any], ns: Any) -> int:
     """Write the results (a full disk: one line, then the results on stdout), print the summary, log to MLflow."""
-    from experiments.evaluation import degeneracy_warnings, log_evaluation_to_mlflow
+    from experiments.evaluation.decoding import degeneracy_warnings, log_evaluation_to_mlflow
     from mtpc.atomic import write_json
     from tracking.schema import DEGENERACY_METRICS
 

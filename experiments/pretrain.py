@@ -8,13 +8,13 @@ an active-time budget), reports held-out bits per byte and saves a `from_pretrai
 `cache_dir()/models/pretrained`). With `--run-dir` the whole state is snapshotted there and a second
 start with the same config resumes it exactly; SIGTERM/SIGINT snapshot and exit 128 + signal.
 `--background`: nice 19, registered as pausable background work, so the suite's timers pause it
-(experiments/background.py). `--ship` then writes the repository's shipped form
-(`experiments.ship_default`, which also ships a model trained earlier).
+(experiments/plumbing/timing_lock.py). `--ship` then writes the repository's shipped form
+(`experiments.shipping.ship_default`, which also ships a model trained earlier).
 
 Exit codes: 0 done (or a model already at `--out`), 2 a bad config or an unusable snapshot (one line
 naming the file), 74 a failed write (one line naming the path; "no space left" on a full disk), 128 +
 signal when stopped. Leaves out: the settings, data, files and loop (`experiments/pretraining/`), MtPC
-heads and LoRA (experiments/train.py).
+heads and LoRA (experiments/training/).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.parsing import parse_sets
+from experiments.plumbing.parsing import parse_sets
 from experiments.pretraining.config import CONFIGS, load_config
 from experiments.pretraining.files import METRICS_FILE
 from experiments.pretraining.loop import Interrupted, pretrain
@@ -37,11 +37,11 @@ from mtpc.backbones import pretrained_model_dir
 
 @contextlib.contextmanager
 def background(on: bool, run_dir: str | None):
-    """Lowest priority, registered as pausable background work (experiments.background), while `on`."""
+    """Lowest priority, registered as pausable background work (experiments.plumbing.timing_lock), while `on`."""
     if not on:
         yield
         return
-    from experiments.background import register
+    from experiments.plumbing.timing_lock import register
 
     os.nice(19)
     with register(run_dir, what="pre-training"):
@@ -75,10 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         "--background",
         action="store_true",
         help="run at the lowest CPU priority, registered as pausable background work, so the suite's "
-        "timers pause it (SIGSTOP/SIGCONT) while they time (experiments.background)",
+        "timers pause it (SIGSTOP/SIGCONT) while they time (experiments.plumbing.timing_lock)",
     )
     args = ap.parse_args(argv)
-    from experiments.quiet import quiet
+    from experiments.plumbing.quiet import quiet
 
     quiet()
     try:
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.ship:
                 from transformers import LlamaForCausalLM
 
-                from experiments.ship_default import ship
+                from experiments.shipping.ship_default import ship
 
                 model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
                 metrics = ship(model, out, metrics, rows=args.ship_rows)

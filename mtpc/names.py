@@ -5,7 +5,7 @@ window/rank/LoRA-depth bounds with the ff rank rule (`check_architecture`, the o
 the training config and the sweep spec all call; `check_axis` for one value) and the defaults of a
 head. The experiment built on it (the sweep axes, `tracking/axes.py`; grid keys, MLflow params and
 metrics, artifact names, `tracking/schema.py`) is not the library's: a training setting's rule
-lives with the training config (`experiments.config`). Import from here; never restate a tuple or a bound elsewhere.
+lives with the training config (`experiments.training.config`). Import from here; never restate a tuple or a bound elsewhere.
 
 Only names and plain checks live here (no torch, so the analysis and sweep specs can read it
 cheaply).
@@ -18,6 +18,9 @@ from typing import Any
 #: circuit kinds, in table/plot order (fully factorised, mixture, HMM, binary tree); each has its class in
 #: mtpc.circuits.CIRCUIT_CLASSES, checked to agree at import (docs/circuits.md, "Adding a circuit kind")
 CIRCUIT_KINDS: tuple[str, ...] = ("ff", "cp", "hmm", "btree")
+#: the kinds without latent states -> the one rank they have (ff: a product of n leaves, rank 1); the
+#: torch-free mirror of each class's `fixed_rank` (mtpc/circuits/), checked to agree at import
+FIXED_RANKS: dict[str, int] = {"ff": 1}
 #: decoding modes: greedy (argmax, byte-identical to plain greedy) or sample
 DECODE_MODES: tuple[str, ...] = ("greedy", "sample")
 #: what happens to the verifier's extra token: keep (exact, one call per cycle) or drop (paper's Alg. 2)
@@ -51,17 +54,18 @@ DEFAULT_RANK = 8
 
 
 def default_rank(circuit: str) -> int:
-    """The rank used when none is given: 1 for ff (it has no latent states), DEFAULT_RANK otherwise."""
-    return 1 if circuit == "ff" else DEFAULT_RANK
+    """The rank used when none is given: a kind's fixed rank (`FIXED_RANKS`: ff 1), DEFAULT_RANK otherwise."""
+    return FIXED_RANKS.get(circuit, DEFAULT_RANK)
 
 
 def point_rank(circuit: str, rank: int) -> int:
-    """The rank of a sweep space point: a grid product or a sampler draw that picks ff takes r = 1.
+    """The rank of a sweep space point: a grid product or a sampler draw that picks a kind of fixed rank
+    (`FIXED_RANKS`: ff) takes that rank.
 
     ff has no rank axis, so `circuit: [ff, cp] x rank: [4, 8]` means ff once and cp twice. This is
     the only place a rank is replaced; a config or a head that asks for ff with r != 1 is an error.
     """
-    return 1 if circuit == "ff" else rank
+    return FIXED_RANKS.get(circuit, rank)
 
 
 class ArchitectureError(ValueError):
@@ -103,11 +107,14 @@ def check_architecture(
     """Raise ArchitectureError (a one-line ValueError naming `where` + the key) unless the head is valid.
 
     circuit in CIRCUIT_KINDS; MIN_HEAD_WINDOW (MIN_DECODE_WINDOW if `decoding`) <= window <= MAX_WINDOW;
-    MIN_RANK <= rank <= MAX_RANK, and rank == 1 for ff; 0 <= lora_depth <= MAX_LORA_DEPTH unless None.
+    MIN_RANK <= rank <= MAX_RANK, and a kind's fixed rank (`FIXED_RANKS`: 1 for ff); 0 <= lora_depth <= MAX_LORA_DEPTH unless None.
     `where` prefixes the key, e.g. "experiments/configs/debug.yaml: model." -> "...: model.rank: ...".
     """
     for name, value in (("circuit", circuit), ("window", window), ("rank", rank), ("lora_depth", lora_depth)):
         if value is not None or name != "lora_depth":
             check_axis(name, value, decoding=decoding, where=where)
-    if circuit == "ff" and rank != 1:
-        raise ArchitectureError(where, "rank", f"ff has no latent states; expected rank 1, got {rank}")
+    fixed = FIXED_RANKS.get(circuit)
+    if fixed is not None and rank != fixed:
+        raise ArchitectureError(
+            where, "rank", f"{circuit} has no latent states; expected rank {fixed}, got {rank}"
+        )

@@ -18,7 +18,7 @@ files the index lists with those digests, and the index's backbone label is the 
 
 How a name is read: `"default"` and `"shipped:<name>"` are always shipped heads; anything else is a
 path. A local folder literally named `default` is given as a path (`./default`, or absolute).
-Leaves out: writing a shipped head (`experiments/ship_head.py`), the export format (mtpc/heads.py).
+Leaves out: writing a shipped head (`experiments/shipping/ship_head.py`), the export format (mtpc/heads.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ evaluation reports these beside it (DESIGN section 7):
   the answers that have 4-grams (NaN when none has).
 
 Answers are bytes, or sequences of ints (token ids: special ids count as symbols like any other).
-Leaves out: decoding (mtpc/speculative) and where the numbers are logged (experiments/evaluation.py).
+Leaves out: decoding (mtpc/speculative) and where the numbers are logged (experiments/evaluation/decoding.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 #   sbatch --array=0-7 --nodes=1 --ntasks=2 --ntasks-per-node=2 --gpus-per-node=2 --cpus-per-task=8 slurm/sweep.sh SPEC
 #
 # A trial of several ranks (the spec's slurm.tasks_per_trial / gpus_per_trial / nodes_per_trial)
-# trains in an `srun` step the worker starts inside this task's allocation (experiments/launch.py);
+# trains in an `srun` step the worker starts inside this task's allocation (experiments/training/launch.py);
 # a task whose allocation is smaller than one trial stops with exit code 2 naming the key.
 # The #SBATCH lines are defaults; command-line options override them. `python -m sweeps.run SPEC
 # --submit` validates the spec, initialises the study and submits with the spec's resources.
@@ -43,7 +43,7 @@ elif [ -x .venv/bin/python ]; then
 else
     PY=python3
 fi
-# the worker is one process: Lightning must not treat it as a multi-process job (train.py chooses
+# the worker is one process: Lightning must not treat it as a multi-process job (experiments/training/fit.py chooses
 # LightningEnvironment outside an srun step of several tasks); threads per task (and per rank of a
 # multi-rank trial's srun step) follow the allocation.
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}

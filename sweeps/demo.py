@@ -18,8 +18,8 @@ Everything goes under `--out` (default `runs/demo`), the MLflow store too: the d
 `mlflow.tracking_uri` to `sqlite:///<out>/mlflow.db` (MLFLOW_TRACKING_URI still wins).
 
 Trials train side by side (one worker per core), but their timed evaluations take a machine-wide
-lock (experiments/evaluation.py) and training waits between steps while another trial times
-(experiments.callbacks.YieldToTimer), so no latency is measured while another trial computes. The last
+lock (experiments/evaluation/decoding.py) and training waits between steps while another trial times
+(experiments.training.callbacks.YieldToTimer), so no latency is measured while another trial computes. The last
 line says how long each step took.
 
 Idempotent: a second run finds the model and the finished study and only redraws the analysis; a
@@ -107,10 +107,10 @@ def shipped_head_line(prompts: int = SHIPPED_LINE_PROMPTS, new_bytes: int = SHIP
         return "shipped head: none in this installation"
     import torch
 
-    from experiments.background import timing
-    from experiments.config import EvalConfig
-    from experiments.prompts import load_prompt_sets
-    from experiments.speedup import measure_speedup
+    from experiments.evaluation.config import EvalConfig
+    from experiments.evaluation.prompts import load_prompt_sets
+    from experiments.evaluation.speedup import measure_speedup
+    from experiments.plumbing.timing_lock import timing
     from mtpc import MtpcModel
     from mtpc.names import DECODE_MODES
 
@@ -223,7 +223,7 @@ def _dir_or_absent(path: Path) -> bool:
 
 def _demo(a: argparse.Namespace, out: Path, phases: Phases) -> int:
     """The demo's four steps in `out` (held by this process)."""
-    from experiments.quiet import quiet
+    from experiments.plumbing.quiet import quiet
 
     quiet()  # MLflow's store set-up and Optuna's study lines: the demo prints its own
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import tracking
-from experiments.prompts import eval_passes, prompt_set_names
+from experiments.evaluation.prompts import eval_passes, prompt_set_names
 from sweeps.spec import SpecError, load_spec, parse_sets
 from tracking.schema import grid_key
 
@@ -51,7 +51,7 @@ def plan(
     """The jobs (trials with missing passes) and the grid keys that have no finished trial head.
     Deletes the child runs of partial passes (an interrupted earlier run of this command) unless
     `delete_partial` is false (a dry run changes nothing)."""
-    from experiments.mlflow_run import RUN_ID_FILE
+    from experiments.training.mlflow_run import RUN_ID_FILE
 
     ev = spec.eval
     names = set(prompt_set_names(ev.sets, ev.dev_sets))
@@ -96,8 +96,8 @@ def run_job(spec_path: str, overrides: dict[str, Any], job: Job, uri: str) -> st
     """Evaluate one trial's head for its missing passes (one process, the run's CPU thread count)."""
     import torch
 
-    from experiments.quiet import quiet
-    from experiments.trial import evaluate_head, trial_config
+    from experiments.plumbing.quiet import quiet
+    from experiments.training.trial import evaluate_head, trial_config
 
     quiet()
     spec = load_spec(spec_path, overrides=overrides)

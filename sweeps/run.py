@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         help="override a spec key (YAML value), e.g. train.backbone=default",
     )
     a = ap.parse_args(argv)
-    from experiments.quiet import quiet
+    from experiments.plumbing.quiet import quiet
 
     quiet()  # MLflow's store set-up and Optuna's study lines: the runner logs its own
     try:

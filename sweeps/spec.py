@@ -5,7 +5,7 @@ fast deterministic stand-in for tests), the base training config, the space (gri
 Optuna sampler with bounds), the objectives and their directions, the Optuna storage, the MLflow
 tracking URI and experiment, the evaluation settings and sbatch resources. See docs/sweeps.md for
 the schema. The sections are typed when the spec loads: each is a dataclass read by
-`experiments.parsing.parse_section` (jsonargparse: unknown and missing keys, types) and checked by its
+`experiments.plumbing.parsing.parse_section` (jsonargparse: unknown and missing keys, types) and checked by its
 own `check` (bounds); `train` becomes a `TrainConfig` (the base config with the section's
 overrides; its trainer section is held to Lightning's signature by `TrainConfig.check`), `eval` an
 `EvalConfig`. Errors are `SpecError` (a `ValueError`) naming the file and the dotted key.
@@ -26,9 +26,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from experiments import config, parsing
-from experiments.config import EvalConfig, TrainConfig
-from experiments.parsing import Fail, apply_overrides, check_class_paths, parse_section, read_yaml
+from experiments.evaluation.config import EvalConfig
+from experiments.plumbing import parsing
+from experiments.plumbing.parsing import Fail, apply_overrides, check_class_paths, parse_section, read_yaml
+from experiments.training import config
+from experiments.training.config import TrainConfig
 from mtpc.names import DECODE_MODES, ArchitectureError, check_axis, point_rank
 from tracking import axes
 from tracking.schema import EVAL_METRICS, grid_key
@@ -78,7 +80,7 @@ class SpecFile:
     n_trials: Any = None
     """trials of a sampler space (a grid runs every point once)"""
     eval: Any = None
-    """the evaluation of every trial (experiments.config.EvalConfig)"""
+    """the evaluation of every trial (experiments.evaluation.config.EvalConfig)"""
     slurm: Any = None
     """sbatch resources of --submit and the devices of one trial"""
     fixture: Any = None
@@ -123,7 +125,7 @@ class Objective:
 
 
 #: strategies a trial of several ranks can run: one process per device, started by srun or by
-#: Lightning's standalone launcher (experiments.launch); spawn/fork/notebook start their ranks inside
+#: Lightning's standalone launcher (experiments.training.launch); spawn/fork/notebook start their ranks inside
 #: the caller, FSDP and DeepSpeed are not what the suite trains with (docs/training.md)
 DDP_STRATEGIES = ("ddp", "ddp_find_unused_parameters_true", "ddp_find_unused_parameters_false")
 #: strategies of a one-rank trial (it trains inside the worker's process)
@@ -401,7 +403,7 @@ def _axis_value(fail: _SpecFail, name: str, v: Any, key: str) -> Any:
     """One axis value, checked once where no TrainConfig is built: an architecture axis against
     `mtpc.names` (the bounds a trial's head would enforce; ff's rank is then set to 1 by `point_rank`,
     so the ff rule holds), a training axis by its type (`tracking.axes`) and its config field's rule
-    (`experiments.config.check_value`, the rule `TrainConfig.check` applies). `_point` then gives it
+    (`experiments.training.config.check_value`, the rule `TrainConfig.check` applies). `_point` then gives it
     the axis's type."""
     a = axes.axis(name)
     if a.role == axes.ARCHITECTURE:
@@ -540,7 +542,7 @@ def storage_url(raw: str, base: Path) -> str:
 def load_spec(
     path: str | Path, *, env: dict[str, str] | None = None, overrides: dict[str, Any] | None = None
 ) -> SweepSpec:
-    """Read and validate a sweep spec. `overrides` (dotted keys -> values, `experiments.parsing.apply_overrides`)
+    """Read and validate a sweep spec. `overrides` (dotted keys -> values, `experiments.plumbing.parsing.apply_overrides`)
     apply before validation; `env` defaults to os.environ (MLFLOW_TRACKING_URI / MTPC_OPTUNA_STORAGE override the file)."""
     path = Path(path)
     env = dict(os.environ) if env is None else env

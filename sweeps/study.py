@@ -112,8 +112,8 @@ def validate_trial_configs(spec: SweepSpec) -> int:
     errors name the spec, the point and the key."""
     if spec.trial_kind != "trial" or spec.grid is None:
         return 0
-    from experiments.train import check_config
-    from experiments.trial import check_eval_lengths, trial_config
+    from experiments.training.fit import check_config
+    from experiments.training.trial import check_eval_lengths, trial_config
 
     configs = {
         grid_key(p): trial_config(spec.train, p, tracking_uri=spec.tracking_uri, experiment=spec.experiment)
@@ -128,7 +128,7 @@ def validate_trial_configs(spec: SweepSpec) -> int:
     for key, cfg in configs.items():  # after every training config: the evaluation needs a valid one
         try:
             if longest is None:
-                from experiments.prompts import longest_prompt
+                from experiments.evaluation.prompts import longest_prompt
 
                 longest = longest_prompt(spec.eval)
             check_eval_lengths(cfg, spec.eval, longest)
@@ -214,7 +214,7 @@ def check_no_finished_runs(spec: SweepSpec, exp_id: str) -> None:
 
 def view_labels(spec: SweepSpec) -> list[str]:
     """The evaluation labels (`greedy`, `sample`, `sample-T0.7`, ...) a trial of this spec stores."""
-    from experiments.prompts import eval_passes  # light: no torch
+    from experiments.evaluation.prompts import eval_passes  # light: no torch
 
     e = spec.eval
     return [

@@ -7,9 +7,9 @@ without stored results).
 - `fixture`: metrics are a deterministic function of the grid point (no torch import); it
   checkpoints a step counter, honours pre-emption, and can be told to fail on chosen points.
   Tests and cluster checks use it; it is not a model of real behaviour.
-- `trial`: `experiments.trial.run_trial` (train the head, evaluate speculative decoding); a trial
+- `trial`: `experiments.training.trial.run_trial` (train the head, evaluate speculative decoding); a trial
   of several ranks (`slurm.tasks_per_trial` / `gpus_per_trial`) trains in its own process group
-  (`experiments.launch`), evaluates in the worker.
+  (`experiments.training.launch`), evaluates in the worker.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import tracking
-from experiments.prompts import eval_passes, prompt_set_names  # light: no torch
+from experiments.evaluation.prompts import eval_passes, prompt_set_names  # light: no torch
 from sweeps.spec import SweepSpec
 from tracking.schema import ACCEPTANCE_PREFIX
 
@@ -52,8 +52,8 @@ def run_trial(ctx: TrialContext) -> None:
     if ctx.spec.trial_kind == "fixture":
         fixture_trial(ctx)
         return
-    from experiments import trial  # heavy imports (torch, lightning) only here
-    from experiments.launch import ProcessGroup
+    from experiments.training import trial  # heavy imports (torch, lightning) only here
+    from experiments.training.launch import ProcessGroup
 
     s = ctx.spec.slurm
     trial.run_trial(
@@ -152,7 +152,7 @@ def fixture_trial(ctx: TrialContext) -> None:
     e = spec.eval
     for mode, temperature in eval_passes(e.modes, e.temperatures):
         for eos in e.eos:
-            for ps in prompt_set_names(e.sets, e.dev_sets):  # named as experiments.trial names them
+            for ps in prompt_set_names(e.sets, e.dev_sets):  # named as experiments.training.trial names them
                 params = {
                     "backbone": "fixture",
                     **point,

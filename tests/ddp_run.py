@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 import experiments.train as train  # noqa: E402
-from experiments.module import MtpcTrainModule  # noqa: E402
+from experiments.training.module import MtpcTrainModule  # noqa: E402
 
 
 class Hooks(Callback):

@@ -105,8 +105,8 @@ def test_readme_use_it_snippets_run_after_the_demo(tmp_path, monkeypatch):
     grid point; 2 steps on generated chats instead of 200 on ShareGPT) into the same relative path
     under a temporary working directory (and cache), then runs every snippet there in a fresh
     interpreter."""
-    from experiments.train import train_head
-    from experiments.trial import trial_config
+    from experiments.training.fit import train_head
+    from experiments.training.trial import trial_config
     from sweeps.demo import example_head
     from tracking.schema import grid_key
 

@@ -44,7 +44,7 @@ def _imported_top_modules(path: Path) -> set[str]:
 
 
 #: the layers above mtpc/ and what each may not import: imports run down the layers, never up
-#: (experiments/trial.py once imported sweeps.tracking)
+#: (experiments/training/trial.py once imported sweeps.tracking)
 UPWARD = {
     "tracking": {"experiments", "sweeps", "analysis"},
     "experiments": {"sweeps", "analysis"},
@@ -162,6 +162,36 @@ def test_no_import_circles_among_the_project_modules():
     assert "mtpc.backbones.llama" in graph["mtpc.backbones.engine"]  # a function-level import counts
     circles = import_circles(graph)
     assert not circles, f"import circles (break each by moving what both need below them): {circles}"
+
+
+#: experiments/'s subpackages (its jobs) and the others each may import: the plumbing below every job, a
+#: job beside another only where it uses it (a sweep trial evaluates the head it trained; shipping the
+#: default scores it on pre-training's held-out slice). No subpackage imports a top-level CLI module
+#: (experiments/train.py, evaluate.py, pretrain.py, background.py), which may import any of them.
+EXPERIMENTS_LAYERS = {
+    "plumbing": set(),
+    "evaluation": {"plumbing"},
+    "pretraining": {"plumbing"},
+    "training": {"plumbing", "evaluation"},
+    "shipping": {"plumbing", "pretraining"},
+}
+
+
+def test_experiments_subpackages_import_only_what_their_layer_allows():
+    subpackages = {p.parent.name for p in (ROOT / "experiments").glob("*/__init__.py")}
+    assert subpackages == set(EXPERIMENTS_LAYERS), (
+        f"experiments/ has subpackages {sorted(subpackages)}; each needs its row in EXPERIMENTS_LAYERS"
+    )
+    bad = {}
+    for mod, targets in project_import_graph().items():
+        parts = mod.split(".")
+        if parts[0] != "experiments" or len(parts) < 2 or parts[1] not in EXPERIMENTS_LAYERS:
+            continue
+        allowed = EXPERIMENTS_LAYERS[parts[1]] | {parts[1]}
+        hit = sorted(t for t in targets if t.startswith("experiments.") and t.split(".")[1] not in allowed)
+        if hit:
+            bad[mod] = hit
+    assert not bad, f"experiments/ imports across its layers (EXPERIMENTS_LAYERS): {bad}"
 
 
 def test_the_circle_finder_finds_a_function_level_circle():

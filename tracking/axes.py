@@ -1,17 +1,18 @@
 """The sweep axes, declared once: a sweep point is a set of `TrainConfig` overrides, one per axis.
 
 `AXES` holds one `Axis` row per axis: its param name (the key of a grid point, the Optuna param and
-the MLflow param of a trial's runs), the config path it sets (an `experiments.parsing.apply_overrides`
+the MLflow param of a trial's runs), the config path it sets (an `experiments.plumbing.parsing.apply_overrides`
 key: `train_seed` sets `seed_everything`), its role, its grid-key tag, its display label, its type and
-(a training axis) its default. Everything an axis touches is derived from the rows, read when called:
+(a training axis) its default and its mark in a plot's point labels. Everything an axis touches is derived from the rows, read when called:
 
 - the spec's grid (sweeps/spec.py: the slice keys, each value checked, the point's values) and the
   Optuna params and choices of a trial (sweeps/study.py);
-- the trial's config (`experiments.config.apply_point`: the paths, through the one override rule;
+- the trial's config (`experiments.training.config.apply_point`: the paths, through the one override rule;
   `TrainConfig.check` validates), its run name (`default_run_name`) and child-run params
-  (`experiments.trial.training_axes`); a multi-rank trial's child reads them back from its config;
+  (`experiments.training.trial.training_axes`); a multi-rank trial's child reads them back from its config;
 - the grid key (`grid_key`: checkpoint directories, trial runs, evaluation run names);
-- the analysis's grouping keys and dtypes (analysis/load.py, analysis/aggregate.py).
+- the analysis's grouping keys and dtypes (analysis/load.py, analysis/aggregate.py), the table
+  columns (analysis/paper_tables.py) and the Pareto figure's point labels (analysis/pareto_plot.py).
 
 Roles: an *architecture* axis is always in the grid key, required in every grid slice and searched
 by samplers (its bounds are the library's, `mtpc.names.check_axis`); a *training* axis defaults to
@@ -22,7 +23,7 @@ were enqueued with them); any other appears in the points, Optuna params and sig
 spec that names it, so adding a row changes no existing study, key or run name.
 
 Adding an axis (any scalar `TrainConfig` field) is one row here; its values are checked by the
-field's rule in `experiments.config` (`check_value`), or by its type alone where the field has none.
+field's rule in `experiments.training.config` (`check_value`), or by its type alone where the field has none.
 Names only (no MLflow, no torch); this module imports nothing of the suite.
 """
 
@@ -61,6 +62,18 @@ class Axis:
     """a training axis: the value of a point that leaves it out, left out of the grid key"""
     always: bool = False
     """a training axis: in every grid point (and its Optuna params) even where the spec does not name it"""
+    mark: str | None = None
+    """a training axis: its prefix in a plotted point's label off its default (`β0.5`, `s1`); None: `label`"""
+
+    def at_default(self, v: Any) -> bool:
+        """`v` is this axis's default (`0`, `0.0` and `"0"` alike)."""
+        return _same(v, self.default)
+
+    def shown(self, v: Any) -> str:
+        """`v` as a plot label shows it (a float axis `0.5`, an int axis `1`)."""
+        if self.type is float:
+            return f"{float(v):g}"
+        return str(int(float(v))) if self.type is int else str(v)
 
     def value(self, v: Any) -> Any:
         """`v` as the axis's type (a float axis: 0 -> 0.0); None stays None."""
@@ -79,7 +92,7 @@ AXES: tuple[Axis, ...] = (
     # temperature of the teacher in the KL term
     Axis("kl_temperature", "model.kl_temperature", TRAINING, "T", "T_kl", float, 1.0),
     # the head's training seed (the evaluation's `seed` is another param)
-    Axis("train_seed", "seed_everything", TRAINING, "s", "seed", int, 0, always=True),
+    Axis("train_seed", "seed_everything", TRAINING, "s", "seed", int, 0, always=True, mark="s"),
 )
 
 

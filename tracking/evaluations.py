@@ -9,7 +9,7 @@ window position i (1-based) and the artifact `accepted_length_histogram.json` =
 {"accepted_length_histogram": counts by accepted length, "per_position_acceptance": [...]}.
 A trial's parent run carries, per evaluation label, the mean of SUMMARY_METRICS over its reported
 prompt sets (`greedy/throughput`, `log_trial_summary`): one row per trial in the UI's runs table.
-Leaves out: computing any metric (experiments/evaluation.py, the fixture trial in sweeps/trials.py).
+Leaves out: computing any metric (experiments/evaluation/decoding.py, the fixture trial in sweeps/trials.py).
 """
 
 from __future__ import annotations

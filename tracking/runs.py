@@ -97,7 +97,7 @@ def machine_line(info: dict[str, Any]) -> str:
 
 def git_sha(root: Path = REPO) -> str:
     """The checkout's commit, `-dirty` when tracked files changed; else `.device/GIT_SHA` (the
-    device machine's copy has no .git; experiments.device_prep writes it); else "unknown"."""
+    device machine's copy has no .git; experiments.shipping.device_prep writes it); else "unknown"."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10

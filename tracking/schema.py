@@ -42,7 +42,7 @@ DEV_SET_PREFIX = "dev"
 #: or online (every prompt through the speculative loop, timed). A run without the param is online.
 ACCEPTANCE_METHODS: tuple[str, ...] = ("offline", "online")
 #: a method logged in the evaluation's `circuit` param that is not a head of this suite: EvaByte's
-#: own multi-byte decoding (experiments/evabyte_mtp.py); it has no rank (the param is None), and
+#: own multi-byte decoding (experiments/evaluation/evabyte_mtp.py); it has no rank (the param is None), and
 #: the analysis shows it as a design of its own
 EVABYTE_MTP = "evabyte-mtp"
 BASELINE_METHODS: tuple[str, ...] = (EVABYTE_MTP,)

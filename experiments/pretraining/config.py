@@ -1,6 +1,6 @@
 """Pre-training's settings: `PretrainConfig`, its checks and `load_config` (the shipped YAMLs in `CONFIGS`).
 
-Every check fails through `experiments.parsing.Fail`: one line `<file>: <key>: what; expected`.
+Every check fails through `experiments.plumbing.parsing.Fail`: one line `<file>: <key>: what; expected`.
 Leaves out: the data, the loop and the files a run writes (the sibling modules).
 """
 
@@ -12,8 +12,7 @@ from pathlib import Path
 
 from transformers import LlamaConfig
 
-from experiments.config import CONFIG_DIR
-from experiments.parsing import Fail, apply_overrides, parse_section, read_yaml
+from experiments.plumbing.parsing import CONFIG_DIR, Fail, apply_overrides, parse_section, read_yaml
 from mtpc.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 CONFIGS = {"cpu": CONFIG_DIR / "pretrain_cpu.yaml", "gpu": CONFIG_DIR / "pretrain_gpu.yaml"}
@@ -76,7 +75,7 @@ class PretrainConfig:
     """Steps between progress lines / loss-curve points."""
     train_data: str = "sharegpt"
     """'sharegpt' (the bundled corpus), a messages-format .json/.jsonl file / datasets name, or a
-    `*.u8.xz` byte stream (`mtpc.data.write_stream`, what `experiments.device_prep` writes)."""
+    `*.u8.xz` byte stream (`mtpc.data.write_stream`, what `experiments.shipping.device_prep` writes)."""
     heldout_data: str | None = None
     """Held-out conversations (or a `*.u8.xz` stream); None: the corpus's own held-out split
     (sharegpt) or the hash split."""
@@ -162,7 +161,7 @@ def check(c: PretrainConfig, fail: Fail) -> None:
 
 def load_config(path: str | Path, **overrides) -> PretrainConfig:
     """Read a YAML into a validated `PretrainConfig` through the suite's config pieces
-    (`experiments.parsing`: bounded YAML, the override rule, the typed section parser); errors name the file."""
+    (`experiments.plumbing.parsing`: bounded YAML, the override rule, the typed section parser); errors name the file."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(

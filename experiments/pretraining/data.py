@@ -2,7 +2,7 @@
 (`TrainRows`), the fixed held-out slice (`heldout_rows`) and its score (`heldout_bits_per_byte`).
 
 `heldout_rows` takes plain arguments (the two data fields of a config, as a run's metrics record
-them), so `experiments.ship_default` scores a model without a `PretrainConfig`.
+them), so `experiments.shipping.ship_default` scores a model without a `PretrainConfig`.
 Leaves out: the settings (config.py) and the loop (loop.py).
 """
 

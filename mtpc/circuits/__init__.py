@@ -5,7 +5,8 @@
 
 The kinds are named once, torch-free, in `mtpc.names.CIRCUIT_KINDS` (what configs, sweep specs and
 the analysis read without importing torch); `CIRCUIT_CLASSES` maps each name to its class, keyed by
-the class's own `kind`. `check_registry()` says they agree, and runs when this package is imported,
+the class's own `kind`; a kind without latent states says its one rank in its class (`fixed_rank`, ff: 1),
+mirrored torch-free in `mtpc.names.FIXED_RANKS`. `check_registry()` says they agree, and runs when this package is imported,
 so a kind named in one place only fails at once, naming the other. Adding a kind: docs/circuits.md,
 "Adding a circuit kind".
 """
@@ -29,11 +30,16 @@ CIRCUIT_CLASSES: dict[str, type[Circuit]] = {
 
 def check_registry() -> None:
     """ImportError unless `CIRCUIT_CLASSES` holds exactly `mtpc.names.CIRCUIT_KINDS`, in that order,
-    each under its class's own `kind`."""
+    each under its class's own `kind` and with its `fixed_rank` as `mtpc.names.FIXED_RANKS` says."""
     for kind, cls in CIRCUIT_CLASSES.items():
         if getattr(cls, "kind", None) != kind:
             raise ImportError(
                 f"mtpc.circuits.CIRCUIT_CLASSES[{kind!r}] is {cls.__name__}, whose kind is {getattr(cls, 'kind', None)!r}"
+            )
+        if getattr(cls, "fixed_rank", None) != names.FIXED_RANKS.get(kind):
+            raise ImportError(
+                f"{cls.__name__}.fixed_rank is {getattr(cls, 'fixed_rank', None)!r}, mtpc.names.FIXED_RANKS "
+                f"gives {kind!r} {names.FIXED_RANKS.get(kind)!r}; expected the same"
             )
     if tuple(CIRCUIT_CLASSES) != tuple(names.CIRCUIT_KINDS):
         raise ImportError(
@@ -54,7 +60,8 @@ def _positive_int(name: str, value: object) -> int:
 
 
 def build_circuit(kind: str, window: int, rank: int, vocab: int) -> Circuit:
-    """A circuit structure; kind in CIRCUIT_KINDS, window n >= 1, rank r >= 1 (ff: r = 1), vocab v >= 1.
+    """A circuit structure; kind in CIRCUIT_KINDS, window n >= 1, rank r >= 1 (the class's `fixed_rank`
+    if it has one: ff r = 1), vocab v >= 1.
 
     No upper bounds here (a circuit is pure maths; the loss builds vocab-1 circuits of any size):
     the head and every config check `mtpc.names.check_architecture`.
@@ -64,9 +71,10 @@ def build_circuit(kind: str, window: int, rank: int, vocab: int) -> Circuit:
     window = _positive_int("window", window)
     rank = _positive_int("rank", rank)
     vocab = _positive_int("vocab", vocab)
-    if kind == "ff" and rank != 1:
-        raise ValueError(f"rank: ff has no latent states; expected rank 1, got {rank}")
-    return CIRCUIT_CLASSES[kind](window, rank, vocab)
+    cls = CIRCUIT_CLASSES[kind]
+    if cls.fixed_rank is not None and rank != cls.fixed_rank:
+        raise ValueError(f"rank: {kind} has no latent states; expected rank {cls.fixed_rank}, got {rank}")
+    return cls(window, rank, vocab)
 
 
 __all__ = [

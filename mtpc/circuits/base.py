@@ -159,6 +159,8 @@ class Circuit:
     """
 
     kind: str = ""
+    fixed_rank: int | None = None
+    """the one rank of a kind without latent states (ff: 1); None: any rank >= 1"""
 
     def __init__(self, window: int, rank: int, vocab: int) -> None:
         self.window = window  # n

@@ -14,6 +14,7 @@ from .base import Circuit, Params, gather_leaf_scores, sample_rows, with_prefix
 
 class FFCircuit(Circuit):
     kind = "ff"
+    fixed_rank = 1  # no latent states: one product of n leaves
 
     @property
     def param_shapes(self) -> dict[str, tuple[int, ...]]:

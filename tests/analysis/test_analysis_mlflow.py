@@ -411,8 +411,8 @@ def test_evabyte_mtp_runs_are_rows_of_the_analysis_and_a_design_of_their_own(tmp
 
     from analysis import pareto_plot, style
     from analysis.aggregate import aggregate, split_settings
-    from experiments.evabyte_mtp import METHOD, evabyte_mtp_runs
-    from experiments.evaluation import log_evaluation_to_mlflow, summarize
+    from experiments.evaluation.decoding import log_evaluation_to_mlflow, summarize
+    from experiments.evaluation.evabyte_mtp import METHOD, evabyte_mtp_runs
 
     prompts = [[torch.tensor([1, 72, 105]), torch.tensor([1, 80])] for _ in range(2)]
     own = evabyte_mtp_runs(_OwnMtpModel(), prompts, 12, set_names=["chat", "code"], eos=("banned",))

@@ -85,3 +85,16 @@ def test_degenerate_text_is_flagged_in_tables_figure_and_cli_line():
     evals_ok = [e for e in variants(degenerate=0.25) if e.params["eos"] == "banned"]
     setting, part = split_settings(aggregate(frame_from_evaluations(evals_ok)))[0]
     assert tables.degeneracy_warning(tables.build_table(setting, part)) is None  # > 0.25, not >=
+
+
+def test_point_labels_follow_the_axis_table(monkeypatch):
+    """The labels come from tracking/axes.py's training rows: a row added there shows in the label
+    off its default (by its mark, else its label), and not at its default or where the row lacks it."""
+    from tracking import axes
+
+    lr = axes.Axis("lr", "model.lr", axes.TRAINING, "lr", "lr", float, 3e-4)
+    monkeypatch.setattr(axes, "AXES", (*axes.AXES, lr))
+    row = {"window": 8, "rank": 32, "lora_depth": 0, "kl_beta": 0.5, "train_seed": 1, "lr": 1e-3}
+    assert pareto_plot.point_label(row) == "8/32/0 β0.5 s1 lr0.001"
+    assert pareto_plot.point_label({**row, "lr": 3e-4}) == "8/32/0 β0.5 s1"
+    assert pareto_plot.point_label({**row, "kl_temperature": 2.0, "lr": None}) == "8/32/0 β0.5 T_kl2 s1"

@@ -117,8 +117,8 @@ def test_bench_offline_tiny_agrees_with_the_loop(tmp_path):
 def test_device_prompt_pool_draws_the_same_sets(tmp_path):
     """The pool device_prep writes for the device (the corpus does not travel) gives the sets that the
     pool itself gives: the GPU's `--prompt-source` file is the held-out draw."""
-    from experiments.device_prep import write_prompt_pool
-    from experiments.prompts import draw_prompt_sets, load_prompt_sets
+    from experiments.evaluation.prompts import draw_prompt_sets, load_prompt_sets
+    from experiments.shipping.device_prep import write_prompt_pool
 
     pool = [f'prompt {i}: {"é" * (i % 3)} "quoted"\nline' for i in range(40)]
     path = tmp_path / "pool.jsonl"

@@ -1,4 +1,4 @@
-"""The machine-wide timing lock's two holds: `timing()` exclusive, `heavy()` shared (experiments.background).
+"""The machine-wide timing lock's two holds: `timing()` exclusive, `heavy()` shared (experiments.plumbing.timing_lock).
 
 Heavy untimed work (the offline acceptance's decoding) must never run beside a timer, but two of it and
 training run side by side; a timer waiting for heavy work goes before heavy work asked for after it."""
@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from experiments import background
+from experiments.plumbing import timing_lock
 
 HOLD = """import sys, time
 from pathlib import Path
-from experiments.background import {what}
+from experiments.plumbing.timing_lock import {what}
 with {what}({arg}):
     print("held", time.time(), flush=True)
     while not Path(sys.argv[1]).exists():
@@ -30,7 +30,7 @@ with {what}({arg}):
 @pytest.fixture
 def lock_env(tmp_path, monkeypatch):
     monkeypatch.setenv("MTPC_TIMING_LOCK", str(tmp_path / "timing.lock"))
-    monkeypatch.delenv(background.TIMER_ENV, raising=False)
+    monkeypatch.delenv(timing_lock.TIMER_ENV, raising=False)
     return {**os.environ, "MTPC_TIMING_LOCK": str(tmp_path / "timing.lock")}
 
 
@@ -41,10 +41,10 @@ def _start(env, what: str, release, linger: float = 0.0):
 
 
 def _exclusive_free() -> bool:
-    fd = background._flock(background.timing_lock_path(), fcntl.LOCK_EX, wait=False)
+    fd = timing_lock._flock(timing_lock.timing_lock_path(), fcntl.LOCK_EX, wait=False)
     if fd is None:
         return False
-    background._unlock(fd)
+    timing_lock._unlock(fd)
     return True
 
 
@@ -54,9 +54,9 @@ def test_heavy_blocks_share_the_lock_and_keep_timers_out(lock_env, tmp_path):
     try:
         assert other.stdout.readline().startswith("held")
         t = time.monotonic()
-        with background.heavy():  # a second heavy block: at once
+        with timing_lock.heavy():  # a second heavy block: at once
             assert time.monotonic() - t < 2.0
-            assert background.wait_while_timing() < 0.5  # training is not held up
+            assert timing_lock.wait_while_timing() < 0.5  # training is not held up
         assert not _exclusive_free()  # but no timer may start
         release.touch()
         assert other.stdout.readline().startswith("releasing")
@@ -71,7 +71,7 @@ def test_training_waits_for_a_timer_not_for_heavy_work(lock_env, tmp_path):
     timer = _start(lock_env, "timing", release, linger=0.0)
     try:
         assert timer.stdout.readline().startswith("held")
-        code = "from experiments.background import wait_while_timing; print(round(wait_while_timing(), 2))"
+        code = "from experiments.plumbing.timing_lock import wait_while_timing; print(round(wait_while_timing(), 2))"
         waiter = subprocess.Popen(
             [sys.executable, "-c", code], env=lock_env, stdout=subprocess.PIPE, text=True
         )
@@ -110,11 +110,11 @@ def test_a_waiting_timer_goes_before_heavy_work_asked_for_after_it(lock_env, tmp
 
 
 def test_timing_inside_heavy_is_refused_and_heavy_inside_timing_nests(lock_env):
-    with background.heavy():
+    with timing_lock.heavy():
         with pytest.raises(RuntimeError, match="inside heavy"):
-            with background.timing():
+            with timing_lock.timing():
                 pass
-    with background.timing():
-        with background.heavy():  # the timer already keeps everyone else out
+    with timing_lock.timing():
+        with timing_lock.heavy():  # the timer already keeps everyone else out
             assert not _exclusive_free()
     assert _exclusive_free()

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from experiments.config import CONFIG_DIR, EvalConfig, TrainConfig, apply_point, load_config
-from experiments.parsing import Fail, apply_overrides, parse_section, parse_sets
+from experiments.evaluation.config import EvalConfig
+from experiments.plumbing.parsing import Fail, apply_overrides, parse_section, parse_sets
+from experiments.training.config import CONFIG_DIR, TrainConfig, apply_point, load_config
 from sweeps.spec import FixtureSettings, Objective, SlurmSettings, SweepSpec, load_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,7 +74,7 @@ def test_evaluate_cli_defaults_are_eval_config_defaults():
     import inspect
 
     from experiments.evaluate import build_parser
-    from experiments.prompts import load_prompt_sets
+    from experiments.evaluation.prompts import load_prompt_sets
 
     d = EvalConfig()
     sig = inspect.signature(load_prompt_sets).parameters
@@ -214,7 +215,7 @@ def test_a_class_outside_the_allow_list_is_refused_before_any_import(tmp_path, m
     """`class_path` (or a dotted name where Lightning takes an object) names a module; jsonargparse
     imports it to build the object. Outside the allow-list it is refused first: the planted module's
     import (which writes a marker) never runs, in `fit`, in `--check` and in the sweep."""
-    import experiments.config as config
+    import experiments.training.config as config
 
     marker = _plant(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -25,8 +25,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from experiments.datamodule import EpochSampler, PackedRows, ResumableLoader, target_table
-from experiments.train import train_head
+from experiments.training.datamodule import EpochSampler, PackedRows, ResumableLoader, target_table
+from experiments.training.fit import train_head
 
 ROOT = Path(__file__).resolve().parents[2]
 HELPER = ROOT / "tests" / "ddp_run.py"

@@ -31,8 +31,8 @@ def ckpt(tmp_path_factory):
 @pytest.mark.slow  # ~1 min on the shared 2-core CPU
 def test_train_export_evaluate_with_the_shipped_config(ckpt, tmp_path):
     from experiments.evaluate import main as evaluate
-    from experiments.train import CONFIG_DIR
     from experiments.train import main as train
+    from experiments.training.config import CONFIG_DIR
     from mtpc.heads import load_head
 
     run = tmp_path / "run"

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.config import EvalConfig
 from experiments.evaluate import main
-from experiments.evaluation import evaluate_heads, log_evaluation_to_mlflow
-from experiments.prompts import load_prompt_sets
+from experiments.evaluation.config import EvalConfig
+from experiments.evaluation.decoding import evaluate_heads, log_evaluation_to_mlflow
+from experiments.evaluation.prompts import load_prompt_sets
 from mtpc import MtpcModel
 from mtpc.heads import save_head
 from mtpc.tokenizer import ByteTokenizer
@@ -191,7 +191,7 @@ def test_cli_missing_head_directory_says_it_does_not_exist(exported, tmp_path, c
 
 
 def test_an_unusable_out_path_is_refused_before_anything_decodes(exported, tmp_path, capsys, monkeypatch):
-    import experiments.evaluation as ev
+    import experiments.evaluation.decoding as ev
 
     decoded = []
     monkeypatch.setattr(ev, "evaluate_heads", lambda *a, **k: decoded.append(1))

@@ -1,4 +1,4 @@
-"""Degeneracy metrics in experiments/evaluation.py: every run (and STP) carries degenerate_fraction and
+"""Degeneracy metrics in experiments/evaluation/decoding.py: every run (and STP) carries degenerate_fraction and
 distinct_4gram_ratio computed from its own answers, for greedy and sampling, EOS banned and allowed;
 greedy speculative answers equal STP's, so their degeneracy must agree; the > 0.25 warning; the
 `eos` child-run param; the per-prompt records (and their artifact) that pool back to the metrics."""
@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import pytest
 
-from experiments.config import EvalConfig
 from experiments.evaluate import main
-from experiments.evaluation import degeneracy_warnings, evaluate_heads, log_evaluation_to_mlflow
+from experiments.evaluation.config import EvalConfig
+from experiments.evaluation.decoding import degeneracy_warnings, evaluate_heads, log_evaluation_to_mlflow
 from mtpc import MtpcModel
 from mtpc.textstats import degeneracy_metrics
 from mtpc.tokenizer import ByteTokenizer
@@ -223,7 +223,7 @@ def test_the_offline_pass_holds_the_timing_lock(model_dir, tmp_path, monkeypatch
     import subprocess
     import sys
 
-    import experiments.evaluation as ev
+    import experiments.evaluation.decoding as ev
 
     lock = tmp_path / "timing.lock"
     monkeypatch.setenv("MTPC_TIMING_LOCK", str(lock))

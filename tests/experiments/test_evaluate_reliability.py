@@ -11,10 +11,10 @@ import math
 import pytest
 import torch
 
-import experiments.evaluation as evaluation
-from experiments.config import EvalConfig
+import experiments.evaluation.decoding as evaluation
 from experiments.evaluate import main
-from experiments.parsing import Fail
+from experiments.evaluation.config import EvalConfig
+from experiments.plumbing.parsing import Fail
 from mtpc import MtpcModel
 from tests.backbone_helpers import export_tiny_cp_head
 from tests.faults import full_disk

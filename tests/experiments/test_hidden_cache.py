@@ -1,4 +1,4 @@
-"""The frozen backbone's hidden-state cache (experiments.hidden_cache): a warm cache trains exactly as no
+"""The frozen backbone's hidden-state cache (experiments.training.hidden_cache): a warm cache trains exactly as no
 cache does (float64, gradients equal), entries are checked and recomputed when corrupt, and a training
 run reuses another run's rows."""
 
@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 
-from experiments.hidden_cache import HiddenCache, fingerprint
-from experiments.module import MtpcTrainModule
+from experiments.training.hidden_cache import HiddenCache, fingerprint
+from experiments.training.module import MtpcTrainModule
 
 
 def _module(**kw) -> MtpcTrainModule:
@@ -79,7 +79,7 @@ def test_the_folder_is_named_by_the_weights_and_an_unwritable_one_is_skipped(tmp
 
 
 def test_a_second_training_run_reads_the_first_runs_rows(tmp_path):
-    from experiments.train import train_head
+    from experiments.training.fit import train_head
 
     over = {"run.hidden_cache": str(tmp_path / "hidden"), "run.tracking": False, "trainer.max_epochs": 1}
     first = train_head("debug", over, run_dir=tmp_path / "a")

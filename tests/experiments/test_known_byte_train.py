@@ -13,8 +13,8 @@ import math
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from experiments.module import MtpcTrainModule, input_embedding
-from experiments.train import train_head
+from experiments.training.fit import train_head
+from experiments.training.module import MtpcTrainModule, input_embedding
 from mtpc.heads import load_head
 
 
@@ -61,8 +61,8 @@ def test_debug_fit_of_a_known_byte_head(tmp_path):
 def test_known_byte_enters_the_run_identity_only_when_set():
     """A config written before the option existed keeps its identity (stored studies resume); setting
     the option makes it another run."""
-    from experiments.config import load_config
-    from experiments.run_dir import config_hash
+    from experiments.plumbing.run_dir import config_hash
+    from experiments.training.config import load_config
 
     base = load_config("debug").to_dict()
     before = {**base, "model": {k: v for k, v in base["model"].items() if k != "known_byte"}}

@@ -1,4 +1,4 @@
-"""experiments/nll_table.py on the shipped default model: one (kind, n) trains, exports its head,
+"""experiments/training/nll_table.py on the shipped default model: one (kind, n) trains, exports its head,
 appends its row (read from the shipped model's record, not a cache that no longer holds it) and
 the table prints it; training leaves the process's MLflow tracking URI as it found it."""
 
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-import experiments.nll_table as nt
+import experiments.training.nll_table as nt
 
 
 def test_run_one_exports_a_head_and_writes_its_row(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""The parsing toolkit every settings type reads through (experiments.parsing): bounded YAML, one-line
+"""The parsing toolkit every settings type reads through (experiments.plumbing.parsing): bounded YAML, one-line
 errors naming the file, and the class allow-list on every form a command line can carry a config in."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from experiments import parsing
-from experiments.config import load_config
+from experiments.plumbing import parsing
+from experiments.training.config import load_config
 from sweeps.spec import SpecError, load_spec
 
 LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(

@@ -225,18 +225,18 @@ def test_work_beside_a_timer_waits_until_it_is_done(tmp_path, monkeypatch):
     """`wait_while_timing()` (what training calls before each batch) returns at once when nobody
     times, and in another process blocks for as long as a timer holds the lock; the timer itself
     never waits on its own lock."""
-    from experiments import background
+    from experiments.plumbing import timing_lock
 
     monkeypatch.setenv("MTPC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("MTPC_TIMING_LOCK", str(tmp_path / "timing.lock"))
-    assert background.wait_while_timing() < 0.5
+    assert timing_lock.wait_while_timing() < 0.5
     code = (
-        "import time, sys; from experiments.background import wait_while_timing; "
+        "import time, sys; from experiments.plumbing.timing_lock import wait_while_timing; "
         "t = time.monotonic(); w = wait_while_timing(); print(round(time.monotonic() - t, 2), round(w, 2))"
     )
     env = {**os.environ, "MTPC_TIMING_LOCK": str(tmp_path / "timing.lock")}
-    with background.timing():
-        assert background.wait_while_timing() == 0.0  # the timer's own thread
+    with timing_lock.timing():
+        assert timing_lock.wait_while_timing() == 0.0  # the timer's own thread
         waiter = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
         time.sleep(2.0)
         assert waiter.poll() is None  # still waiting while the timer holds the lock
@@ -249,26 +249,26 @@ def test_what_a_timer_starts_is_part_of_the_timing(tmp_path, monkeypatch):
     """A process started inside `timing()` (a bench timing a training subprocess, whose training calls
     wait_while_timing before each batch) neither waits for its parent's lock nor takes it again; one
     started outside still waits."""
-    from experiments import background
+    from experiments.plumbing import timing_lock
 
     monkeypatch.setenv("MTPC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("MTPC_TIMING_LOCK", str(tmp_path / "timing.lock"))
     code = (
-        "import time; from experiments.background import timing, wait_while_timing\n"
+        "import time; from experiments.plumbing.timing_lock import timing, wait_while_timing\n"
         "w = wait_while_timing()\n"
         "with timing() as waited:\n    print(round(w, 2), round(waited, 2), flush=True)"
     )
     outside = subprocess.Popen(
         [sys.executable, "-c", code], env=dict(os.environ), stdout=subprocess.PIPE, text=True
     )
-    with background.timing():
+    with timing_lock.timing():
         inside = subprocess.run(
             [sys.executable, "-c", code], env=dict(os.environ), capture_output=True, text=True, timeout=60
         )
         assert inside.returncode == 0 and inside.stdout.split() == ["0.0", "0.0"], inside.stderr[-2000:]
         time.sleep(1.0)
         assert outside.poll() is None  # started before the block, not by it: still waiting
-    assert background.TIMER_ENV not in os.environ
+    assert timing_lock.TIMER_ENV not in os.environ
     out, _ = outside.communicate(timeout=60)
     assert float(out.split()[0]) >= 0.5
 

@@ -1,4 +1,4 @@
-"""The training progress lines (experiments/progress.py) on a real Trainer: they name the run, count
+"""The training progress lines (experiments/plumbing/progress.py) on a real Trainer: they name the run, count
 the optimizer steps max_steps allows (6/6, not 6/<batches in the epoch>), give an ETA until the end,
 and a resumed run counts from its checkpoint's step."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from experiments.progress import StepProgress, clock
+from experiments.plumbing.progress import StepProgress, clock
 
 
 class _Tiny(L.LightningModule):

@@ -1,4 +1,4 @@
-"""The console a user sees (experiments/quiet.py): the training CLI's stderr holds no library noise,
+"""The console a user sees (experiments/plumbing/quiet.py): the training CLI's stderr holds no library noise,
 and quiet() drops exactly the listed messages, no others."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from experiments.config import CONFIG_DIR
-from experiments.quiet import LOG_RECORDS, WARNINGS, quiet
+from experiments.plumbing.quiet import LOG_RECORDS, WARNINGS, quiet
+from experiments.training.config import CONFIG_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,7 +42,7 @@ def test_training_cli_prints_only_its_own_lines(tmp_path):
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr == "", (
-        f"unlisted messages (silence them in experiments/quiet.py or print less):\n{out.stderr}"
+        f"unlisted messages (silence them in experiments/plumbing/quiet.py or print less):\n{out.stderr}"
     )
     assert out.stdout.startswith(f"head exported to {tmp_path / 'run' / 'head'}\n"), out.stdout
 

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from experiments import selfdistill
-from experiments.train import check_config, train_head
+from experiments.training import selfdistill
+from experiments.training.fit import check_config, train_head
 
 
 def test_answers_are_the_backbones_plain_samples_and_resume(tmp_path, monkeypatch):
@@ -24,7 +24,7 @@ def test_answers_are_the_backbones_plain_samples_and_resume(tmp_path, monkeypatc
     assert [r["id"] for r in recs] == [f"{i}#self" for i, _ in prompts]
     assert [r["messages"][0]["content"] for r in recs] == [t for _, t in prompts]
     # the answer is exactly what plain decoding of the same backbone gives with seed + i
-    from experiments.module import build_backbone
+    from experiments.training.module import build_backbone
     from mtpc import MtpcModel
 
     model = MtpcModel.from_components(build_backbone("tiny", 0), {"kind": "ff", "window": 2})
@@ -65,7 +65,7 @@ def test_training_reads_it_beside_the_main_source(tmp_path):
         "debug", {"data.extra_train_source": str(path), "trainer.max_steps": 2}, run_dir=tmp_path / "run"
     )
     assert res.config["data"]["extra_train_source"] == str(path)
-    from experiments.datamodule import ChatDataModule
+    from experiments.training.datamodule import ChatDataModule
 
     rows = {}
     for extra in (None, str(path)):

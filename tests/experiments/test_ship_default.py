@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-import experiments.ship_default as sd
+import experiments.shipping.ship_default as sd
 from experiments.pretraining.config import PretrainConfig
 from experiments.pretraining.data import heldout_bits_per_byte, heldout_rows
 from experiments.pretraining.files import METRICS_FILE

@@ -1,4 +1,4 @@
-"""Shipped heads (mtpc.shipped_heads, experiments.ship_head): written in bf16 with an index of
+"""Shipped heads (mtpc.shipped_heads, experiments.shipping.ship_head): written in bf16 with an index of
 checksums, loaded by name with the default backbone, refused when anything in them changed."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.ship_head import ship
+from experiments.shipping.ship_head import ship
 from mtpc import MtpcModel
 from mtpc import shipped_heads as sh
 from mtpc.backbones.shipped import SHIPPED_DIR, verify_shipped
@@ -141,7 +141,7 @@ def test_loading_the_default_prints_nothing(shipped, capfd):
 
 
 def test_the_demo_line_reports_the_shipped_heads_speedup_in_both_modes(shipped, tmp_path, monkeypatch):
-    import experiments.prompts as prompts_module
+    import experiments.evaluation.prompts as prompts_module
     from sweeps.demo import shipped_head_line
 
     monkeypatch.setenv("MTPC_TIMING_LOCK", str(tmp_path / "timing.lock"))
@@ -178,7 +178,7 @@ def _report(draft_lens=(2, 4)):
 
 
 def test_update_records_the_draft_len_the_shipped_head_then_decodes_with(shipped, tmp_path):
-    from experiments.ship_head import main, update_shipped
+    from experiments.shipping.ship_head import main, update_shipped
 
     heads, _ = shipped
     assert sh.decode_defaults("default") == {}

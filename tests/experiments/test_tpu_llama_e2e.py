@@ -28,8 +28,8 @@ def byte_llama(tmp_path_factory):
 
 def test_train_with_lora_then_evaluate_through_the_clis(byte_llama, tmp_path, capsys):
     from experiments.evaluate import main as evaluate
-    from experiments.train import CONFIG_DIR
     from experiments.train import main as train
+    from experiments.training.config import CONFIG_DIR
 
     run = tmp_path / "run"
     rc = train(["fit", "--config", str(CONFIG_DIR / "debug.yaml"), "--model.backbone", str(byte_llama),

@@ -24,8 +24,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from experiments.config import TrainConfig, load_config
-from experiments.train import CONFIG_DIR, TRAIN_CONFIGS, check_config, main, train_head
+from experiments.train import main
+from experiments.training.config import CONFIG_DIR, TRAIN_CONFIGS, TrainConfig, load_config
+from experiments.training.fit import check_config, train_head
 from mtpc.names import CIRCUIT_KINDS
 from tests.backbone_helpers import tiny_llama
 
@@ -116,7 +117,7 @@ def test_window_is_one_field_checked_once(tmp_path, monkeypatch):
     invariant (mtpc.heads). Nothing else re-validates it on the way."""
     import mtpc.heads
     import mtpc.names
-    from experiments.trial import trial_config
+    from experiments.training.trial import trial_config
 
     calls, real = [], mtpc.names.check_architecture
 
@@ -156,7 +157,7 @@ def test_remote_code_backbone_needs_consent_in_the_config(tmp_path):
 
 
 def test_cli_malformed_data_is_one_line_or_skipped_and_counted(tmp_path, capsys):
-    from experiments.datamodule import debug_conversations
+    from experiments.training.datamodule import debug_conversations
 
     lines = [json.dumps(c) for c in debug_conversations(30)]
     lines.insert(3, "{not json")  # line 4
@@ -367,7 +368,7 @@ def test_max_steps_run_continues_exactly(tmp_path, reference_run):
 def test_head_validation_chats_are_pretraining_heldout_chats(tmp_path):
     """One split hash for the suite: a custom JSONL split for head validation (val_fraction <= 0.1)
     holds out a subset of what pre-training held out, whole chats on one side."""
-    from experiments.datamodule import load_split
+    from experiments.training.datamodule import load_split
     from mtpc.data import chat_key, is_heldout
 
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]

@@ -1,4 +1,4 @@
-"""Distillation in training (experiments/module.py, train.py): model.kl_beta / model.kl_temperature
+"""Distillation in training (experiments/training/module.py, train.py): model.kl_beta / model.kl_temperature
 are validated with the key named; the teacher is the backbone's STP distribution of the verifier top
 (the loss equals window_loss with those logits); validation logs the KL; a distilled debug head ends
 closer to the backbone than a cross-entropy head after the same steps."""
@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.module import MtpcTrainModule
-from experiments.train import CONFIG_DIR, check_config, train_head
+from experiments.training.config import CONFIG_DIR
+from experiments.training.fit import check_config, train_head
+from experiments.training.module import MtpcTrainModule
 from mtpc.losses import window_loss
 
 
@@ -74,7 +75,7 @@ def test_distilled_head_ends_closer_to_the_backbone(tmp_path):
 
 
 def test_convergence_rule_on_histories():
-    from experiments.trial import convergence
+    from experiments.training.trial import convergence
 
     flat = [(0, 3.0), (40, 2.0), (80, 1.5), (160, 1.2), (200, 1.195)]
     c = convergence(flat)

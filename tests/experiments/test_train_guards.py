@@ -14,7 +14,9 @@ import pytest
 from lightning.pytorch.callbacks import Callback
 
 import experiments.train as train_mod
-from experiments.train import CONFIG_DIR, main, train_head
+from experiments.train import main
+from experiments.training.config import CONFIG_DIR
+from experiments.training.fit import train_head
 
 DEBUG = str(CONFIG_DIR / "debug.yaml")
 SHORT = {"trainer.max_steps": 3, "run.checkpoint_every_n_steps": 1}
@@ -57,10 +59,10 @@ def test_the_lock_names_its_holder_and_is_free_once_the_holder_is_killed(tmp_pat
     import subprocess
     import sys
 
-    from experiments.run_dir import RunLock
+    from experiments.plumbing.run_dir import RunLock
 
     code = (
-        "import sys, time; from experiments.run_dir import RunLock; RunLock(sys.argv[1]).acquire(); "
+        "import sys, time; from experiments.plumbing.run_dir import RunLock; RunLock(sys.argv[1]).acquire(); "
         "print('held', flush=True); time.sleep(600)"
     )
     holder = subprocess.Popen(
@@ -108,7 +110,7 @@ def test_checkpoints_and_a_head_without_run_json_are_refused(tmp_path, capsys):
 def test_a_bad_value_is_one_line_naming_the_key_before_anything_loads(
     tmp_path, capsys, monkeypatch, flags, key
 ):
-    monkeypatch.setattr("experiments.module.MtpcTrainModule.__init__", None)  # nothing may be built
+    monkeypatch.setattr("experiments.training.module.MtpcTrainModule.__init__", None)  # nothing may be built
     run = tmp_path / "run"
     err = _one_line_error(capsys, ["fit", "--config", DEBUG, "--run.dir", str(run), *flags])
     assert err.startswith(f"error: {flags[0]} (command line): {key}:"), err
@@ -116,7 +118,7 @@ def test_a_bad_value_is_one_line_naming_the_key_before_anything_loads(
 
 
 def test_an_export_dir_that_is_a_file_is_refused_before_training(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("experiments.module.MtpcTrainModule.__init__", None)
+    monkeypatch.setattr("experiments.training.module.MtpcTrainModule.__init__", None)
     taken = tmp_path / "taken"
     taken.write_text("not a folder")
     for export in (taken, taken / "head"):
@@ -130,7 +132,7 @@ def test_an_export_dir_that_is_a_file_is_refused_before_training(tmp_path, capsy
 
 def test_backbone_kwargs_the_loader_refuses_leave_no_run_behind(tmp_path, monkeypatch):
     """A key the config's check lets through but the loader refuses: one line, no run.json, no directory."""
-    monkeypatch.setattr("experiments.config.backbone_kwarg_names", lambda bb: {"extra_window"})
+    monkeypatch.setattr("experiments.training.config.backbone_kwarg_names", lambda bb: {"extra_window"})
     run = tmp_path / "run"
     with pytest.raises(ValueError, match=r"model\.backbone_kwargs: .*extra_window") as err:
         train_head("debug", {"model.backbone_kwargs": {"extra_window": 3}}, run_dir=run)
@@ -145,7 +147,7 @@ def test_a_wrong_type_in_a_second_config_names_that_file(tmp_path, capsys):
 
 
 def test_training_data_that_is_not_utf8_names_file_and_line_or_is_skipped_and_counted(tmp_path, capsys):
-    from experiments.datamodule import debug_conversations
+    from experiments.training.datamodule import debug_conversations
 
     lines = [json.dumps(c).encode() for c in debug_conversations(30)]
     lines.insert(4, b'{"id": "x", "messages": [{"role": "user", "content": "caf\xe9"}]}')  # line 5: latin-1

@@ -14,7 +14,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 import experiments.train as train_mod
-from experiments.train import CONFIG_DIR, main, train_head
+from experiments.train import main
+from experiments.training.config import CONFIG_DIR
+from experiments.training.fit import train_head
 from tests.faults import fill, full_disk, small_tmpfs
 
 DEBUG = str(CONFIG_DIR / "debug.yaml")

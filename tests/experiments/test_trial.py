@@ -1,4 +1,4 @@
-"""The real trial (experiments/trial.py) on the `tiny` backbone: train_head logs into the trial's
+"""The real trial (experiments/training/trial.py) on the `tiny` backbone: train_head logs into the trial's
 parent run, experiments.evaluate logs one evaluation run per (mode, prompt_set) through the one
 writer (named `<grid key>/<mode>/set<i>`, with the `tracking.schema.EVAL_PARAMS` / `EVAL_METRICS`
 names); a stop request checkpoints and raises (during training, and between prompt sets of the
@@ -38,8 +38,9 @@ def prompts(tmp_path):
 def test_run_trial_trains_evaluates_and_resumes(tmp_path, prompts, monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    from experiments import trial
-    from experiments.config import EvalConfig, load_config
+    from experiments.evaluation.config import EvalConfig
+    from experiments.training import trial
+    from experiments.training.config import load_config
 
     train = load_config("debug", {"trainer": {"max_epochs": 1}, "run": {"checkpoint_every_n_steps": 1}})
     uri = fresh_tracking_uri(tmp_path)
@@ -63,7 +64,7 @@ def test_run_trial_trains_evaluates_and_resumes(tmp_path, prompts, monkeypatch):
     assert (ck / "checkpoints" / "last.ckpt").is_file()
     assert not tracking.child_runs(uri, exp_id, parent, finished_only=False)
     # 2) a stop request during the evaluation (after its first prompt set): Preempted, nothing logged
-    import experiments.evaluation as evaluate
+    import experiments.evaluation.decoding as evaluate
 
     asked, real = {"stop": False}, evaluate._generate_interleaved
 

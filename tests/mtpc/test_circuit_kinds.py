@@ -55,6 +55,29 @@ def test_the_two_registries_agree_and_a_kind_named_once_is_caught(monkeypatch):
         circuits.check_registry()
 
 
+def test_a_fixed_rank_is_a_property_of_the_kind(monkeypatch, toy):
+    """The rank rule of a kind without latent states (ff: 1) is its class's `fixed_rank`, mirrored in
+    `names.FIXED_RANKS`: build_circuit, check_architecture, default_rank and point_rank read it, and
+    the two must agree."""
+    assert circuits.CIRCUIT_CLASSES["ff"].fixed_rank == names.FIXED_RANKS["ff"] == 1
+    assert names.default_rank("ff") == names.point_rank("ff", 8) == 1 and names.point_rank("cp", 8) == 8
+    monkeypatch.setattr(ToyCircuit, "fixed_rank", 2)
+    with pytest.raises(
+        ImportError, match=r"ToyCircuit.fixed_rank is 2, mtpc.names.FIXED_RANKS gives 'toy' None"
+    ):
+        circuits.check_registry()
+    monkeypatch.setitem(names.FIXED_RANKS, "toy", 2)
+    circuits.check_registry()
+    with pytest.raises(ValueError, match="rank: toy has no latent states; expected rank 2, got 3"):
+        circuits.build_circuit("toy", 4, 3, 5)
+    assert circuits.build_circuit("toy", 4, 2, 5).rank == 2
+    with pytest.raises(
+        names.ArchitectureError, match="rank: toy has no latent states; expected rank 2, got 3"
+    ):
+        names.check_architecture("toy", 4, 3)
+    assert names.default_rank("toy") == names.point_rank("toy", 8) == 2
+
+
 def test_an_unregistered_kind_is_refused_everywhere():
     with pytest.raises(ValueError, match="kind: expected one of"):
         circuits.build_circuit("toy", 4, 2, 5)

@@ -73,8 +73,8 @@ def _sampler_values() -> dict[str, Any]:
 
 
 def golden_values() -> dict[str, Any]:
-    from experiments.run_dir import config_hash
-    from experiments.trial import training_axes, trial_config
+    from experiments.plumbing.run_dir import config_hash
+    from experiments.training.trial import training_axes, trial_config
     from sweeps.spec import load_spec
     from sweeps.study import grid_attrs, suggest
     from tracking.schema import grid_key

@@ -17,7 +17,7 @@ import textwrap
 import pytest
 import yaml
 
-from experiments.config import TrainConfig, apply_point, config_value, load_config, point_of
+from experiments.training.config import TrainConfig, apply_point, config_value, load_config, point_of
 from sweeps.spec import SpecError, load_spec
 from tests.sweep_helpers import REPO, fresh_tracking_uri
 from tracking import axes
@@ -129,8 +129,8 @@ _NEW_AXIS = textwrap.dedent("""
 
     from analysis.aggregate import aggregate, split_settings
     from analysis.load import load, run_record
-    from experiments.config import load_config
-    from experiments.trial import training_axes, trial_config
+    from experiments.training.config import load_config
+    from experiments.training.trial import training_axes, trial_config
     from sweeps import run
     from sweeps.spec import SpecError, load_spec
     from sweeps.study import open_storage
@@ -143,7 +143,7 @@ _NEW_AXIS = textwrap.dedent("""
     cfg = trial_config(load_config("debug"), spec.grid[-1], tracking_uri=uri, run_dir=tmp / "run")
     out["lr"], out["run_name"], out["child_params"] = cfg.model.lr, cfg.resolved().run.name, training_axes(cfg)
     out["parent_param"] = cfg.params()["lr"]
-    # a multi-rank trial's child: `experiments.train fit --config <run dir>/trial_config.yaml` (experiments/launch.py)
+    # a multi-rank trial's child: `experiments.train fit --config <run dir>/trial_config.yaml` (experiments/training/launch.py)
     written = tmp / "trial_config.yaml"
     written.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     back = load_config(written)

@@ -1,6 +1,6 @@
 """The demo's console (`python -m sweeps.demo`, plumbing objective): exit 0, the four steps, and on
 stderr only the sweep's own `[sweeps ...]` lines — MLflow's store set-up and Optuna's study
-creation are silenced (experiments/quiet.py), every other message would show up here; a finished
+creation are silenced (experiments/plumbing/quiet.py), every other message would show up here; a finished
 trial's line gives its objective rounded, not a raw float dict; the last line times each step."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ def test_fixture_demo_prints_only_its_own_lines(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     foreign = [line for line in out.stderr.splitlines() if line.strip() and not line.startswith("[sweeps ")]
     assert not foreign, (
-        "unlisted messages (silence them in experiments/quiet.py or print less):\n" + "\n".join(foreign)
+        "unlisted messages (silence them in experiments/plumbing/quiet.py or print less):\n"
+        + "\n".join(foreign)
     )
     assert "COMPLETE" in out.stderr and "trials: {'COMPLETE': 5}" in out.stdout
     done = [line for line in out.stderr.splitlines() if " COMPLETE" in line]

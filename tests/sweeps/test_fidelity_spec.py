@@ -98,7 +98,7 @@ def test_the_cpu_variant_draws_disjoint_sets_from_the_heldout_pool():
     """783 held-out prompts hold 3 x 225 reported + 100 dev, disjoint; the reported sets are the draw
     of 3 x 225 alone (resizing dev leaves them as they are), dev0 comes after them. A stand-in pool of
     783 distinct prompts; the real held-out pool too when the corpus is built."""
-    from experiments.prompts import draw_prompt_sets, prompt_set_names
+    from experiments.evaluation.prompts import draw_prompt_sets, prompt_set_names
 
     e = load_spec(CPU_SPEC, env={}).eval
     assert prompt_set_names(e.sets, e.dev_sets) == ["0", "1", "2", "dev0"]

@@ -11,9 +11,9 @@ import yaml
 from analysis.aggregate import aggregate, split_settings
 from analysis.filters import Filters
 from analysis.load import load
-from experiments.config import load_config
-from experiments.prompts import eval_passes
-from experiments.trial import trial_config
+from experiments.evaluation.prompts import eval_passes
+from experiments.training.config import load_config
+from experiments.training.trial import trial_config
 from sweeps.spec import SpecError, grid_key, load_spec
 from tests.sweep_helpers import fixture_spec, fresh_tracking_uri, run_cli
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.launch import ProcessGroup, command
+from experiments.training.launch import ProcessGroup, command
 from sweeps.run import check_allocation, sbatch_resources
 from sweeps.spec import SpecError, load_spec
 from tests.sweep_helpers import REPO, check_complete_results, fresh_tracking_uri, run_cli, runs, trials

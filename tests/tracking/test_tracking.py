@@ -251,7 +251,7 @@ def test_one_machine_description():
 
     import torch
 
-    from experiments.evaluation import hardware
+    from experiments.evaluation.decoding import hardware
     from tracking.runs import cpu_model, machine, machine_line
 
     m = machine()

@@ -8,7 +8,8 @@ pre-training) reads its input through, so each rule is written once.
 - `Fail`: `fail(key, msg)` raises ValueError("<source>: <key>: <msg>"); its methods check one value.
 - `parse_section(cls, raw, key, fail)`: one mapping into a dataclass through jsonargparse (unknown and
   missing keys, types: errors name the key).
-- `apply_overrides`: the one dotted-override rule; `parse_sets`: `--set KEY=VALUE` flags.
+- `apply_overrides`: the one dotted-override rule; `parse_sets`: `--set KEY=VALUE` flags; `CONFIG_DIR`:
+  the folder of the shipped YAML configs (training and pre-training).
 - `key_sources(argv, known, hint)` / `blame(message, source, sources)`: where each key of a command
   line was set (a `--config` file or a flag), so a check's error names that file or flag.
 - The class allow-list: `check_class_paths` refuses a `class_path` (or a dotted name where Lightning
@@ -28,6 +29,8 @@ from typing import Any
 
 import yaml
 
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+"""The shipped YAML configs (training and pre-training), named by their stem."""
 MAX_YAML_BYTES = 1 << 20
 """A config or sweep spec larger than this (1 MiB) is refused unread: the suite's largest is ~10 KB."""
 MAX_YAML_NODES = 100_000

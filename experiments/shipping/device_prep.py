@@ -1,6 +1,6 @@
 """Prepare the working tree for the one GPU device call: corpus streams, git SHA, size check.
 
-`python -m experiments.device_prep [--pretrain] [--tiny]` writes, under `.device/` (git-ignored;
+`python -m experiments.shipping.device_prep [--pretrain] [--tiny]` writes, under `.device/` (git-ignored;
 the device call names it in `carry`):
 - with `--pretrain` only, `train.u8.xz`, `heldout.u8.xz`: the bundled ShareGPT training and
   held-out split as xz byte streams (`mtpc.data.write_stream`; training conversations shuffled with
@@ -40,7 +40,7 @@ from pathlib import Path
 
 from mtpc.data import sharegpt_corpus, write_stream
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEVICE_DIR = ROOT / ".device"
 LIMIT_MIB = 60
 # the device image (KINDS.md's package list) has torch, transformers, peft, lightning, yaml, but not these
@@ -155,7 +155,7 @@ def write_head_train(tiny: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m experiments.device_prep", description=__doc__.split("\n\n")[0]
+        prog="python -m experiments.shipping.device_prep", description=__doc__.split("\n\n")[0]
     )
     ap.add_argument(
         "--tiny", action="store_true", help="small streams for the CPU dry-run (implies --pretrain)"

@@ -12,7 +12,7 @@ tracking module (`tracking/`: the URI rule, `ensure_experiment`, `describe_run`)
   the artifact `head/config.json`.
 - A resumed run logs each metric step once: the steps an earlier attempt logged after its last
   checkpoint are replayed by the resume (with the same values) and not logged again.
-Leaves out: what is trained (train.py), the metrics Lightning logs during fit (the logger does).
+Leaves out: what is trained (fit.py), the metrics Lightning logs during fit (the logger does).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from typing import Any
 from lightning.pytorch.loggers import MLFlowLogger
 
 import tracking
-from experiments.config import TrainConfig
+from experiments.training.config import TrainConfig
 from mtpc.atomic import write_text
 
-PROJECT_DIR = Path(__file__).resolve().parents[1]
+PROJECT_DIR = Path(__file__).resolve().parents[2]
 RUN_ID_FILE = "mlflow_run_id.txt"
 
 

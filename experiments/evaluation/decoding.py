@@ -1,5 +1,5 @@
 """Evaluate speculative decoding: STP and MtPC heads (and an ff reference) on the same prompts, in one
-process, as an `EvalConfig` says (the CLI: experiments/evaluate.py; the sweep trial: experiments/trial.py).
+process, as an `EvalConfig` says (the CLI: experiments/evaluate.py; the sweep trial: experiments/training/trial.py).
 
     evaluate_heads(models, prompt_sets, evaluation: EvalConfig, *, set_names=, ff_name=, ...) -> a JSON-able dict
     summarize(results)                      mean ± std over prompt sets
@@ -32,16 +32,16 @@ when acceptance comes from degenerate text (degenerate_fraction > 0.25). `eos`: 
 probability 0, every method generates max_new_tokens bytes) or "allowed" (EOS stops an answer).
 
 Timing lock: latencies are only comparable when nothing else computes on the same cores, so
-`evaluate_heads` holds the machine-wide timing lock (`experiments.background.timing`:
+`evaluate_heads` holds the machine-wide timing lock (`experiments.plumbing.timing_lock.timing`:
 `$MTPC_TIMING_LOCK`, default `<tmp>/mtpc-timing.lock`) from its first timed generation to its last,
 with the background pre-training (if any) stopped: sweep workers train in parallel, but one
 evaluation (STP and its heads, prompt set by prompt set) times at a time. The offline acceptance
-(decoding every prompt of a set) holds the same lock shared per set (`experiments.background.heavy`),
+(decoding every prompt of a set) holds the same lock shared per set (`experiments.plumbing.timing_lock.heavy`),
 so it never runs beside another evaluation's timed phase either, while other workers keep training
 and decoding beside it.
 
-Leaves out: the command line (experiments/evaluate.py), reading prompts (experiments/prompts.py),
-the pass cache (mtpc/speculative/pass_cache.py), training (experiments/train.py), plots (analysis/).
+Leaves out: the command line (experiments/evaluate.py), reading prompts (experiments/evaluation/prompts.py),
+the pass cache (mtpc/speculative/pass_cache.py), training (experiments/training/), plots (analysis/).
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ import torch
 from tqdm import tqdm
 
 import tracking
-from experiments.background import heavy, timing
-from experiments.config import EvalConfig
-from experiments.parsing import Fail
-from experiments.prompts import eval_passes
+from experiments.evaluation.config import EvalConfig
+from experiments.evaluation.prompts import eval_passes
+from experiments.plumbing.parsing import Fail
+from experiments.plumbing.timing_lock import heavy, timing
 from mtpc import MtpcModel
 from mtpc.speculative.offline import CONTINUATION_BATCH, pool_offline
 from mtpc.textstats import degeneracy_metrics, degenerate
@@ -266,7 +266,7 @@ def evaluate_heads(
     should_stop: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """Run STP and every head on every prompt set in this process, as `evaluation` says (checked by
-    `EvalConfig.check`; its prompt-drawing fields are `experiments.prompts.eval_prompt_sets`'); returns
+    `EvalConfig.check`; its prompt-drawing fields are `experiments.evaluation.prompts.eval_prompt_sets`'); returns
     a JSON-able dict: "hardware", "config", "stp" (per mode, its rows), "runs", "summary".
 
     models: name -> MtpcModel (they may share a backbone), or one MtpcModel (named "head");
@@ -274,9 +274,9 @@ def evaluate_heads(
     prompt_sets: the prompts (str, bytes or id tensors); set_names: the `prompt_set` value of each set
     (default 0, 1, ...; "dev0" marks development prompts). Every prompt must fit the backbone's
     context with `max_new_tokens` and the largest window: checked before anything decodes (an
-    `experiments.prompts.Prompt` is named by its file and line).
+    `experiments.evaluation.prompts.Prompt` is named by its file and line).
     ff_name: the key of an ff head in `models`; every other run then gets `speedup_vs_ff`.
-    evabyte_mtp: also run the backbone's own multi-byte decoding, greedy (experiments/evabyte_mtp.py).
+    evabyte_mtp: also run the backbone's own multi-byte decoding, greedy (experiments/evaluation/evabyte_mtp.py).
     continuation_batch: offline, at most this many prompts decoded at once for the continuations (compact
         Llama forward; batches of similar length, in groups of similar length on the CPU, also capped at
         `offline.KV_BUDGET_BYTES` of keys and values; default `offline.CONTINUATION_BATCH`).
@@ -297,7 +297,7 @@ def evaluate_heads(
     (mtpc/speculative/continuation_cache.py) or (False) computes them here and stores nothing.
     "online": every prompt through the timed speculative loop.
     Prompt i of a set is sampled with seed + i for STP and every head alike.
-    Everything timed runs under `experiments.background.timing`: one timer on the machine at a time;
+    Everything timed runs under `experiments.plumbing.timing_lock.timing`: one timer on the machine at a time;
     STP and the heads run each prompt in turn (interleaved rounds, after a short warm-up call each). The
     offline computation runs after it, untimed, and waits while another process times.
     Per temperature the evaluation is a list of `EvalJob`s, one per (mode, eos, prompt set) in that
@@ -490,7 +490,7 @@ def _evaluate_at(
         for r in runs:
             r["metrics"]["speedup_vs_ff"] = r["metrics"]["throughput"] / ref[at(r)]
     if evabyte_mtp and "greedy" in modes:
-        from experiments.evabyte_mtp import evabyte_mtp_runs
+        from experiments.evaluation.evabyte_mtp import evabyte_mtp_runs
 
         own = evabyte_mtp_runs(first, encoded, max_new_tokens, set_names=names, eos=eos, seed=seed)
         runs += [{"acceptance_method": "online", **r} for r in own]  # its own decoding, timed

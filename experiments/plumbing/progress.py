@@ -13,7 +13,7 @@ whichever ends first); a resumed run counts from its checkpoint's step and times
 itself. The name is the MLflow run the trainer logs into (a sweep trial's parent run,
 `<study>/<grid key>`), else the run's configured name. Plain lines, never carriage returns: they
 stay readable when several workers share a terminal and in SLURM log files.
-Leaves out: validation passes (short), the decoding evaluation's own progress (experiments/evaluation.py).
+Leaves out: validation passes (short), the decoding evaluation's own progress (experiments/evaluation/decoding.py).
 """
 
 from __future__ import annotations

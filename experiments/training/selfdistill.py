@@ -1,6 +1,6 @@
 """Self-distillation data: the backbone's own answers to the training prompts, as a training source.
 
-    python -m experiments.selfdistill --backbone default --source sharegpt --conversations 2000 \
+    python -m experiments.training.selfdistill --backbone default --source sharegpt --conversations 2000 \
         [--temperature 1.0 --max-new-tokens 256 --seed 0] [--out file.jsonl]
 
 For each of the first `--conversations` training conversations of `--source` (the training split
@@ -17,7 +17,7 @@ context are skipped and counted. Text is stored as UTF-8 (invalid bytes become U
 
 Training reads it with `data.extra_train_source: <file>` (added to the training split of
 `data.source`, e.g. ShareGPT, whose held-out chats stay the validation set) or as `data.source`.
-Leaves out: the training itself (train.py, datamodule.py) and the decoding loop (mtpc.speculative).
+Leaves out: the training itself (fit.py, datamodule.py) and the decoding loop (mtpc.speculative).
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def generate_self_data(
 
 def training_prompts(source: str, conversations: int, val_fraction: float = 0.02) -> list[tuple[str, str]]:
     """(id, first user turn) of the first `conversations` training conversations of `source`."""
-    from experiments.datamodule import load_split
+    from experiments.training.datamodule import load_split
 
     if conversations < 1:
         raise ValueError(f"--conversations: expected an integer >= 1, got {conversations}")
@@ -169,7 +169,7 @@ def build(
     tiny_seed: int = 0,
 ) -> tuple[Path, dict[str, int]]:
     """Load `backbone` (as training does), pick the prompts and generate (resuming) into the cache file."""
-    from experiments.module import build_backbone
+    from experiments.training.module import build_backbone
     from mtpc import MtpcModel
 
     adapter = build_backbone(backbone, 0, tiny_seed=tiny_seed)
@@ -212,7 +212,7 @@ def build(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m experiments.selfdistill", description=__doc__.split("\n\n")[0]
+        prog="python -m experiments.training.selfdistill", description=__doc__.split("\n\n")[0]
     )
     ap.add_argument(
         "--backbone", default="default", help="`default`, `tiny`, a local HF directory or a hub name"

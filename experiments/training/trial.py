@@ -1,12 +1,12 @@
-"""One sweep trial: train a head (`experiments.train.train_head`), evaluate it with speculative
-decoding (`experiments.evaluation.evaluate_heads` with the spec's `EvalConfig`, every mode on the same
+"""One sweep trial: train a head (`experiments.training.fit.train_head`), evaluate it with speculative
+decoding (`experiments.evaluation.decoding.evaluate_heads` with the spec's `EvalConfig`, every mode on the same
 prompt sets in one process, one child run per (mode, temperature, eos, prompt_set)), all in one MLflow parent run.
 
     run_trial(train: TrainConfig, point, evaluation: EvalConfig, *, mlflow_tracking_uri, mlflow_experiment_id, ...)
 
 `train` is the sweep's base config (the spec's `train` section, parsed at load time), `point` the
 grid point {axis param: value} (the axes of `tracking.axes`: circuit, rank, window, lora_depth,
-kl_beta, train_seed, ...): `trial_config` sets it with `experiments.config.apply_point` and points the run at the trial's tracking and directory;
+kl_beta, train_seed, ...): `trial_config` sets it with `experiments.training.config.apply_point` and points the run at the trial's tracking and directory;
 train_head checks the values once. `evaluation` is the spec's `eval` section. Training checkpoints
 under `checkpoint_dir`; a re-run with the same directory resumes from `last.ckpt`. When
 `should_stop()` turns true (the sweep worker's SIGUSR1/SIGTERM), training saves a checkpoint at the
@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import tracking
-from experiments.config import EvalConfig, TrainConfig, apply_point, point_of
+from experiments.evaluation.config import EvalConfig
+from experiments.training.config import TrainConfig, apply_point, point_of
 from mtpc.atomic import write_json
 from tracking import axes
 
@@ -58,10 +59,10 @@ def check_eval_lengths(
 ) -> None:
     """ValueError `eval.max_new_tokens: ...` when the evaluation cannot fit the backbone's context
     (the check generation makes per prompt: prompt + max_new_tokens + window <= max_context), found
-    before anything trains; `experiments.prompts.longest_prompt` says which prompt length counts
+    before anything trains; `experiments.evaluation.prompts.longest_prompt` says which prompt length counts
     (`longest`: its result, when the caller has it already). Nothing is checked when the backbone's
     context cannot be known offline."""
-    from experiments.config import TINY_BACKBONE
+    from experiments.training.config import TINY_BACKBONE
     from mtpc.backbones.facts import backbone_max_context
 
     m = cfg.model
@@ -73,7 +74,7 @@ def check_eval_lengths(
     if context is None:
         return
     if longest is None:
-        from experiments.prompts import longest_prompt
+        from experiments.evaluation.prompts import longest_prompt
 
         longest = longest_prompt(evaluation)
     prompt, what = longest
@@ -92,7 +93,7 @@ def load_for_eval(head_dir: Path, model: Any):
     from mtpc import MtpcModel
 
     if model.backbone == "tiny":
-        from experiments.module import build_backbone
+        from experiments.training.module import build_backbone
 
         tiny = build_backbone("tiny", model.lora_depth, model.backbone_dtype, model.tiny_seed)
         return MtpcModel.from_pretrained(head_dir, backbone=tiny)
@@ -147,12 +148,12 @@ def evaluate_head(
     extra_params: dict[str, Any] | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> list[str]:
-    """The decoding modes on the same prompt sets (experiments.evaluation): sampling at every
+    """The decoding modes on the same prompt sets (experiments.evaluation.decoding): sampling at every
     temperature of `evaluation.temperatures`, greedy once, each EOS treatment of `evaluation.eos`;
     JSON to `out`, one child run per (mode, temperature, eos, prompt_set) under the parent, carrying
     the training axes and `extra_params`; returns the child run ids."""
-    from experiments.evaluation import evaluate_heads, log_evaluation_to_mlflow
-    from experiments.prompts import eval_prompt_sets
+    from experiments.evaluation.decoding import evaluate_heads, log_evaluation_to_mlflow
+    from experiments.evaluation.prompts import eval_prompt_sets
 
     model = load_for_eval(head_dir, cfg.model)
     sets, names = eval_prompt_sets(evaluation)  # disjoint draws: dev prompts never overlap reported ones
@@ -185,9 +186,9 @@ def run_trial(
     group: Any = None,
 ) -> None:
     """Train + evaluate one grid point; log into the parent run (created here if not given).
-    `group`: an `experiments.launch.ProcessGroup` of more than one rank trains in its own process
+    `group`: an `experiments.training.launch.ProcessGroup` of more than one rank trains in its own process
     group (the config's trainer then holds its devices and strategy); else training runs here."""
-    from experiments.quiet import quiet
+    from experiments.plumbing.quiet import quiet
 
     quiet()  # a sweep worker is a command line too: only the suite's own messages
 
@@ -237,12 +238,12 @@ def _train_and_evaluate(
 ) -> None:
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     if group is not None and group.ranks > 1:
-        from experiments.launch import train_process_group
+        from experiments.training.launch import train_process_group
 
         preempted = train_process_group(cfg, group, mlflow_run_id=parent_run_id, should_stop=should_stop)
         head_dir = Path(cfg.resolved().run.export_dir)
     else:
-        from experiments.train import train_head
+        from experiments.training.fit import train_head
 
         result = train_head(
             cfg,
@@ -262,7 +263,7 @@ def _train_and_evaluate(
     tracking.log_metrics(uri, parent_run_id, {k: v for k, v in conv.items() if v == v})
     # evaluation runs here, in the one process (the worker's) on the trial's first device, after the
     # ranks have exited: mu_lat is batch-1 decoding latency, timed one stream at a time
-    from experiments.evaluation import EvaluationStopped
+    from experiments.evaluation.decoding import EvaluationStopped
 
     try:
         evaluate_head(

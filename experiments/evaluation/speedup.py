@@ -5,7 +5,7 @@ speculative decoding (`generate`) prompt by prompt, interleaved (which goes firs
 and round), EOS banned; a round's ratio is its total plain time over its total speculative time, the
 figure is the median of the rounds' ratios. Beside it: bytes per cycle (keep cycle: 1 + mu_acc), greedy
 outputs compared byte for byte with plain decoding's, and the text's degenerate fraction and
-distinct-4-gram ratio (`mtpc.textstats`). The caller holds the timing lock (experiments.background).
+distinct-4-gram ratio (`mtpc.textstats`). The caller holds the timing lock (experiments.plumbing.timing_lock).
 Used by bench/bench_shipped_head.py (the reported figures) and the demo's first line.
 Leaves out: choosing prompts (held-out sets: experiments.evaluate), the timing lock.
 """

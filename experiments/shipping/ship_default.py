@@ -1,6 +1,6 @@
 """Ship a pre-trained byte Llama as the repository's default model (`mtpc/default_model/`).
 
-`python -m experiments.ship_default MODEL_DIR [--out DIR] [--rows N]` takes a directory written by
+`python -m experiments.shipping.ship_default MODEL_DIR [--out DIR] [--rows N]` takes a directory written by
 `python -m experiments.pretrain` (its weights and `pretrain_metrics.json`) and writes the shipped form
 (`ship`): bf16 safetensors shards < 16 MiB, config and tokenizer files, the held-out bits/byte of the
 weights *as loaded* on 2 MiB at 2048-byte context, a model card and MANIFEST.json — what
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     from mtpc.backbones.shipped import SHIPPED_DIR
 
     ap = argparse.ArgumentParser(
-        prog="python -m experiments.ship_default", description=__doc__.split("\n\n")[0]
+        prog="python -m experiments.shipping.ship_default", description=__doc__.split("\n\n")[0]
     )
     ap.add_argument("model_dir", help="a directory written by experiments.pretrain")
     ap.add_argument(
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--rows", type=int, default=SHIP_ROWS, help="held-out rows of 2048 bytes scored")
     args = ap.parse_args(argv)
-    from experiments.quiet import quiet
+    from experiments.plumbing.quiet import quiet
 
     quiet()
     src = Path(args.model_dir)
@@ -166,7 +166,12 @@ def main(argv: list[str] | None = None) -> int:
         json.loads((src / METRICS_FILE).read_text()),
         rows=args.rows,
         command=" ".join(
-            ["python", "-m", "experiments.ship_default", *(argv if argv is not None else sys.argv[1:])]
+            [
+                "python",
+                "-m",
+                "experiments.shipping.ship_default",
+                *(argv if argv is not None else sys.argv[1:]),
+            ]
         ),
     )
     print(

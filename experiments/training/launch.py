@@ -21,7 +21,7 @@ checkpoints and stops the ranks), so a reaped and re-run trial never races an or
 directory. The child's output is appended to `<run dir>/train.log`.
 `MTPC_TRIAL_TRAIN_SCRIPT` names a script run instead of `-m experiments.train` (the tests run the
 CLI with test-only hooks, tests/ddp_run.py).
-Leaves out: what is trained (train.py), evaluation (trial.py: it runs in the worker afterwards).
+Leaves out: what is trained (fit.py), evaluation (trial.py: it runs in the worker afterwards).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from experiments.config import TrainConfig
+from experiments.training.config import TrainConfig
 from mtpc.atomic import write_text
 
 #: exit codes of `python -m experiments.train` after a stop with `last.ckpt` written (train.STOP_CODES)

@@ -9,7 +9,7 @@ A `Prompt` is a `str` with `.where` (`p.jsonl:3`, `held-out prompt 17`): an erro
 (too long for the backbone's context) names it. `longest_prompt(e)` counts the longest prompt an
 evaluation draws without loading a model (a sweep's `--check`).
 
-Leaves out: decoding them (experiments/evaluation.py), the corpus (mtpc/data.py).
+Leaves out: decoding them (experiments/evaluation/decoding.py), the corpus (mtpc/data.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import json
 import random
 from pathlib import Path
 
-from experiments.config import EvalConfig
+from experiments.evaluation.config import EvalConfig
 from tracking.schema import DEV_SET_PREFIX
 
 

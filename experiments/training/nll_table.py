@@ -1,7 +1,7 @@
 """Held-out per-position NLL of ff / cp / hmm / btree heads on the embedded default model.
 
-    python -m experiments.nll_table --windows 8 16 --kinds ff cp hmm btree [--steps 200] [--rank 8] [--seed 0]
-    python -m experiments.nll_table --table        # print the markdown table from the results file
+    python -m experiments.training.nll_table --windows 8 16 --kinds ff cp hmm btree [--steps 200] [--rank 8] [--seed 0]
+    python -m experiments.training.nll_table --table        # print the markdown table from the results file
 
 Each (kind, n) is one `train_head("default", ...)` run; its head is exported to
 `cache_dir()/heads/default-<kind>-n<n>-r<r>` and one JSON line (config, per-position NLL, bits per
@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.train import PROJECT_DIR, train_head
+from experiments.training.fit import train_head
+from experiments.training.mlflow_run import PROJECT_DIR
 from mtpc.backbones.shipped import SHIPPED_DIR
 from mtpc.names import CIRCUIT_KINDS, DEFAULT_RANK, point_rank
 from mtpc.paths import cache_dir
@@ -99,7 +100,9 @@ def table(path: Path = RESULTS) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m experiments.nll_table", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.training.nll_table", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--windows", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--kinds", nargs="+", default=list(CIRCUIT_KINDS), choices=CIRCUIT_KINDS)
     ap.add_argument("--rank", type=int, default=DEFAULT_RANK)
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--table", action="store_true", help="only print the table from the results file")
     args = ap.parse_args(argv)
-    from experiments.quiet import quiet
+    from experiments.plumbing.quiet import quiet
 
     quiet()
     if not args.table:

@@ -7,10 +7,10 @@ loading bars say nothing they can act on, so `quiet()` drops exactly the message
 and message start, warning category and message pattern, or progress-bar title) and nothing
 else: every other warning and log line still shows. Each CLI calls `quiet()` once at start
 (`experiments/train.py`, `experiments/evaluate.py`, `experiments/pretrain.py`,
-`experiments/nll_table.py`, the sweep trial, `python -m sweeps.run` and `python -m sweeps.demo`);
+`experiments/training/nll_table.py`, the sweep trial, `python -m sweeps.run` and `python -m sweeps.demo`);
 importing this module changes nothing. tests/experiments/test_quiet.py runs the debug training
 CLI and fails on any stderr line that is not the suite's own.
-Leaves out: the suite's own output, the training progress lines (experiments/progress.py).
+Leaves out: the suite's own output, the training progress lines (experiments/plumbing/progress.py).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ WARNINGS: tuple[tuple[type[Warning], str], ...] = (
     ),  # inside lightning's _pytree, not ours
     # the frozen backbone is in eval mode on purpose (no dropout); only head + LoRA train
     (UserWarning, r"Found \d+ module\(s\) in eval mode at the start of training"),
-    # the suite picks LightningEnvironment itself (one task per trial; see experiments/callbacks.py)
+    # the suite picks LightningEnvironment itself (one task per trial; see experiments/training/callbacks.py)
     (UserWarning, r"The `srun` command is available on your system but is not used"),
 )
 #: transformers progress bars switched off, by title (one bar per checkpoint file read or written)

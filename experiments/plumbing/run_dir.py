@@ -16,7 +16,7 @@
   checked before anything loads; `last` with nothing to resume says so.
 - `AtomicCheckpointIO`: Lightning's checkpoint I/O with atomic writes on the destination
   filesystem (`mtpc.atomic`) and loads with `weights_only=True`.
-Leaves out: what is trained (train.py), the stop-on-signal callback (callbacks.py).
+Leaves out: what is trained (experiments/training/fit.py), the stop-on-signal callback (experiments/training/callbacks.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Ship a trained head beside the default backbone: `mtpc/default_heads/<name>/` and its index entry.
 
-    python -m experiments.ship_head RUN_DIR --name btree-n8-r16 --default \\
+    python -m experiments.shipping.ship_head RUN_DIR --name btree-n8-r16 --default \\
         --report bench/results/shipped_head_cpu.json
-    python -m experiments.ship_head --update btree-n8-r16 --draft-len 4 \\
+    python -m experiments.shipping.ship_head --update btree-n8-r16 --draft-len 4 \\
         --report bench/results/shipped_head_cpu.json      (re-measured, the head untouched)
 
 RUN_DIR is a finished `experiments.train fit` run directory (its `run.json`, `metrics.json` and head
@@ -12,7 +12,7 @@ steps and bytes, the command that trained it, and — from `--report`, the JSON 
 `bench/bench_shipped_head.py` run on this very head — its held-out speed-up over plain decoding with
 the text's degeneracy, the command and the machine. The index (`INDEX.json`) records every file's
 SHA-256, checked at each load (`mtpc.shipped_heads`). Only heads trained on the shipped backbone ship.
-Leaves out: training (experiments.train), measuring (bench/bench_shipped_head.py).
+Leaves out: training (experiments/training/), measuring (bench/bench_shipped_head.py).
 """
 
 from __future__ import annotations
@@ -227,7 +227,9 @@ def ship(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m experiments.ship_head", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.shipping.ship_head", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("run_dir", type=Path, nargs="?", help="a finished experiments.train run directory")
     ap.add_argument("--name", default=None, help="the shipped head's name (loaded as shipped:<name>)")
     ap.add_argument(
@@ -255,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             out = update_shipped(a.update, a.report, a.draft_len)
         except (ValueError, FileNotFoundError) as e:
-            print(f"experiments.ship_head: {e}", file=sys.stderr)
+            print(f"experiments.shipping.ship_head: {e}", file=sys.stderr)
             return 2
         print(f"updated {out}")
         return 0
@@ -271,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             machine=a.train_machine,
         )
     except (ValueError, FileNotFoundError) as e:
-        print(f"experiments.ship_head: {e}", file=sys.stderr)
+        print(f"experiments.shipping.ship_head: {e}", file=sys.stderr)
         return 2
     print(f"shipped {out}")
     return 0

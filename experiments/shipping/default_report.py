@@ -1,6 +1,6 @@
 """What the shipped default model writes: degeneracy on the fixed report set, and sample answers.
 
-`python -m experiments.default_report [--out bench/results/default_model_report.json]` decodes
+`python -m experiments.shipping.default_report [--out bench/results/default_model_report.json]` decodes
 the report set — 100 held-out ShareGPT prompts, the first 100 by SHA-256 of their text, fixed
 before the model was trained and never used to choose its size or checkpoint — for 160 bytes
 with EOS banned, greedily and by sampling (T = 1, seed 0), with Hugging Face `generate` on the
@@ -64,7 +64,7 @@ def answers(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m experiments.default_report", description=__doc__.split("\n\n")[0]
+        prog="python -m experiments.shipping.default_report", description=__doc__.split("\n\n")[0]
     )
     ap.add_argument("--out", default="bench/results/default_model_report.json")
     ap.add_argument("--prompts", type=int, default=REPORT_PROMPTS)
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     report.update(
         minutes=(time.monotonic() - t0) / 60,
         hardware=machine(),
-        command="python -m experiments.default_report "
+        command="python -m experiments.shipping.default_report "
         + " ".join(argv if argv is not None else sys.argv[1:]),
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ Who asks for the stop has exactly one owner of the signal:
   (during the final validation or the head export) does not stop it: the run finishes, exports
   its head and exits 0; one line says so at once (`late_signum` keeps the signal), and a second
   Ctrl-C interrupts. The handlers stay installed until the caller's `release()` (after the export).
-Lightning's own handlers are not used (train.py switches its signal connector off for a run that
+Lightning's own handlers are not used (fit.py switches its signal connector off for a run that
 owns its signals): its SIGTERM handler (installed at every fit and validate) ends fit, or a
 validation, with no checkpoint, no head and exit code 0, and its teardown would reinstate the
 handlers of before the fit over ours;
@@ -23,11 +23,11 @@ under LightningEnvironment (which the suite passes so that a one-task job is not
 multi-process or self-requeueing one) it installs no SIGUSR1 handler, and SLURMEnvironment's would
 `scontrol requeue` the job behind the sweep's back.
 `YieldToTimer` makes training wait before each batch while another process times something
-(experiments.background.wait_while_timing), so trials trained side by side do not disturb a
+(experiments.plumbing.timing_lock.wait_while_timing), so trials trained side by side do not disturb a
 trial's timed latency phase.
 Under DDP the request is reduced across ranks after every optimizer step (any rank asked: all stop
 at that step), and the checkpoint is written once (Lightning's rank 0) after all ranks reach it.
-Leaves out: ModelCheckpoint's periodic checkpoints (train.py adds it), requeueing.
+Leaves out: ModelCheckpoint's periodic checkpoints (fit.py adds it), requeueing.
 """
 
 from __future__ import annotations
@@ -158,6 +158,6 @@ class YieldToTimer(Callback):
         self.should_stop = should_stop
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        from experiments.background import wait_while_timing
+        from experiments.plumbing.timing_lock import wait_while_timing
 
         self.waited += wait_while_timing(self.should_stop)

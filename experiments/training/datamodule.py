@@ -25,7 +25,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from experiments.config import DataConfig
+from experiments.training.config import DataConfig
 
 
 def debug_conversations(n: int = 48, seed: int = 0) -> list[dict]:
@@ -244,7 +244,7 @@ class ResumableLoader(DataLoader):
 class ChatDataModule(L.LightningDataModule):
     """Chat conversations packed into fixed-length rows, with a held-out split for per-position NLL.
 
-    config: the `data` section (experiments.config.DataConfig: every field is documented there);
+    config: the `data` section (experiments.training.config.DataConfig: every field is documented there);
     fields: keyword overrides of it (`ChatDataModule(source="debug", seq_len=64)`).
     """
 

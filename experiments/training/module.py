@@ -4,7 +4,7 @@ Holds `MtpcTrainModule` (built from a `ModelConfig`; training/validation steps, 
 schedule: head only for the first `lora_start_epoch` epochs, then head + LoRA; the loss over the
 global batch under DDP and gradient accumulation; validation as sums and counts reduced across
 ranks), `build_backbone`
-(the `tiny` in-process Llama of `experiments.config.TINY_BACKBONE` for debug runs, else
+(the `tiny` in-process Llama of `experiments.training.config.TINY_BACKBONE` for debug runs, else
 `mtpc.backbones.load_backbone`).
 Checkpoints hold only the trainable tensors (head + LoRA) and the RNG states; the frozen backbone
 is rebuilt from its name on resume.
@@ -21,7 +21,7 @@ import lightning as L
 import numpy as np
 import torch
 
-from experiments.config import TINY_BACKBONE, ModelConfig
+from experiments.training.config import TINY_BACKBONE, ModelConfig
 
 if TYPE_CHECKING:  # the backbones load lazily, inside build_backbone
     from mtpc.backbones.common import Backbone
@@ -76,7 +76,7 @@ def _is_trainable_key(key: str) -> bool:
 class MtpcTrainModule(L.LightningModule):
     """Frozen backbone + MtPC head; only head (+ LoRA) parameters train.
 
-    config: the `model` section (experiments.config.ModelConfig: every field is documented there);
+    config: the `model` section (experiments.training.config.ModelConfig: every field is documented there);
     fields: keyword overrides of it (`MtpcTrainModule(backbone="tiny", circuit="hmm")`).
     The module reads its settings as `self.config.<field>`; the checkpoint's hyper-parameters are
     the same fields as plain values.
@@ -88,7 +88,7 @@ class MtpcTrainModule(L.LightningModule):
 
         c = self.config = replace(config or ModelConfig(), **fields)
         self.hidden_cache: Any = None
-        """an experiments.hidden_cache.HiddenCache (train.py sets it from `run.hidden_cache`; k = 0 only)"""
+        """an experiments.training.hidden_cache.HiddenCache (fit.py sets it from `run.hidden_cache`; k = 0 only)"""
         self.save_hyperparameters(asdict(c), logger=False)  # MLflow params: the run description logs them
         self.strict_loading = False  # checkpoints carry head + LoRA only (see on_save_checkpoint)
         self.backbone = build_backbone(
@@ -106,7 +106,7 @@ class MtpcTrainModule(L.LightningModule):
         # LoRA requires grad from the start, so DDP (which registers the parameters that require grad
         # when it wraps the model) all-reduces its gradients once LoRA trains; before
         # lora_start_epoch the backbone runs without grad, so LoRA gets no gradient (None: Adam
-        # leaves it and its state alone) and DDP, told so (train.py: find_unused_parameters), skips it
+        # leaves it and its state alone) and DDP, told so (fit.py: find_unused_parameters), skips it
         for p in self.lora_params:
             p.requires_grad_(True)
         head = HeadConfig(

@@ -2,8 +2,6 @@
 
     TrainConfig(model=ModelConfig, data=DataConfig, trainer={lightning.Trainer arguments}, run=RunConfig,
                 seed_everything=0)
-    EvalConfig(modes, prompts, sets, n_prompts, max_new_tokens, ...)   # one evaluation: the sweep spec's
-                                                                        # `eval`, the trial, experiments.evaluate
 
 Every field carries its docstring, which jsonargparse turns into `--help` text (`--model.window`,
 `--data.on_error`, ...). `load_config(name | path | dict, overrides)` parses a YAML file or dict
@@ -15,12 +13,13 @@ A sweep trial sets its grid point on a loaded config with `apply_point` (`datacl
 nothing else copies its values.
 
 The parsing pieces every settings type shares (bounded YAML, `Fail`, `parse_section`, the override
-rule, the class allow-list) are in `experiments.parsing`.
+rule, the class allow-list) are in `experiments.plumbing.parsing`.
 
 Adding a setting is one field with its docstring in the dataclass of its section (plus one line in
 that section's `check` if it has bounds): it becomes a YAML key, a CLI flag, an MLflow param and
 an attribute the component reads (`MtpcTrainModule.config.<field>`, `ChatDataModule.config.<field>`).
-Leaves out: building the module, data and trainer from it (train.py), the components themselves.
+Leaves out: one evaluation's settings (`experiments.evaluation.config.EvalConfig`), building the module,
+data and trainer from it (fit.py), the components themselves.
 """
 
 from __future__ import annotations
@@ -32,7 +31,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from experiments.parsing import (
+from experiments.plumbing.parsing import (
+    CONFIG_DIR,
     Fail,
     apply_overrides,
     check_class_paths,
@@ -45,7 +45,6 @@ from experiments.parsing import (
 from mtpc import names
 from tracking import axes, schema
 
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 TRAIN_CONFIGS = (
     "debug",
     "default",
@@ -54,7 +53,7 @@ TRAIN_CONFIGS = (
 )  # shipped in CONFIG_DIR (pretrain_*.yaml are not ours)
 INITS = ("lm_head", "mtp", "random")
 ON_ERROR = ("raise", "skip")
-#: the `tiny` debug backbone: a random Llama built in-process (seeded; experiments/module.py), vocab 320 like the byte models
+#: the `tiny` debug backbone: a random Llama built in-process (seeded; experiments/training/module.py), vocab 320 like the byte models
 TINY_BACKBONE = dict(
     vocab_size=320,
     hidden_size=64,
@@ -228,7 +227,7 @@ class DataConfig:
     on_error: str = "raise"
     """a malformed record of a .json/.jsonl/HF source: raise (stop, naming file and line) or skip (drop it; the count is reported)"""
     extra_train_source: str | None = None
-    """a messages .json/.jsonl file added to the training split only (e.g. self-distillation answers from `python -m experiments.selfdistill`), after max_train_conversations; validation stays on `source`"""
+    """a messages .json/.jsonl file added to the training split only (e.g. self-distillation answers from `python -m experiments.training.selfdistill`), after max_train_conversations; validation stays on `source`"""
 
     def check(self, fail: Fail, window: int) -> None:
         from mtpc.data import source_problem
@@ -258,7 +257,7 @@ class DataConfig:
             fail(
                 "data.extra_train_source",
                 f"got {extra!r}; expected an existing .json/.jsonl messages file "
-                "(e.g. from python -m experiments.selfdistill)",
+                "(e.g. from python -m experiments.training.selfdistill)",
             )
 
 
@@ -284,7 +283,7 @@ class RunConfig:
     """torch CPU threads (1 is fastest for tiny models on a shared machine); null: torch's default"""
     hidden_cache: str | None = None
     """a folder where the frozen backbone's hidden states of every training and validation batch are kept
-    and reused by later heads and trials on the same rows (k = 0 only; experiments/hidden_cache.py;
+    and reused by later heads and trials on the same rows (k = 0 only; experiments/training/hidden_cache.py;
     `auto`: <cache dir>/hidden); null: none. Results are unchanged: it only skips the trunk's forward"""
 
     def check(self, fail: Fail) -> None:
@@ -318,81 +317,6 @@ def _folder_problem(value: str | None) -> str | None:
             what = "is" if q == p else f"lies under {str(q)!r}, which is"
             return f"{str(p)!r} {what} an existing file; expected a folder (or a path where one can be made)"
     return None
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    """eval: how a head is evaluated with speculative decoding (the sweep spec's `eval`, a trial, `experiments.evaluate`)."""
-
-    modes: tuple[str, ...] = names.DECODE_MODES
-    """decoding modes evaluated: greedy and/or sample"""
-    prompts: str = "heldout"
-    """`heldout` (the corpus's held-out prompts) or a .jsonl file"""
-    sets: int = 1
-    """reported prompt sets per mode, disjoint (named 0, 1, ...; one evaluation run each)"""
-    dev_sets: int = 0
-    """extra disjoint development sets (dev0, ...): for choosing settings, never reported"""
-    n_prompts: int = 16
-    """prompts per set"""
-    dev_n_prompts: int | None = None
-    """prompts per development set (default n_prompts); drawn after the reported sets, so resizing them
-    leaves the reported prompts as they are"""
-    max_new_tokens: int = 128
-    """bytes generated per prompt"""
-    extra_token: str = "keep"
-    """the verifier's extra token: keep (exact, one call per cycle) or drop (the paper's Alg. 2)"""
-    temperatures: tuple[float, ...] = (1.0,)
-    """sampling temperatures, each its own runs (greedy runs once)"""
-    top_p: float = 1.0
-    """nucleus sampling threshold"""
-    seed: int = 0
-    """the evaluation's sampling seed (prompt i uses seed + i); the training seed is another"""
-    eos: tuple[str, ...] = ("banned",)
-    """EOS treatments evaluated: banned (probability 0: equal lengths) and/or allowed (EOS stops an answer)"""
-    stp: bool = True
-    """run the plain model beside every head (speedup_vs_stp); false halves the evaluation"""
-    acceptance: str = "offline"
-    """offline (acceptance teacher-forced on the plain model's continuations of every prompt; mu_lat
-    timed by the online loop on `latency_prompts`) or online (every prompt through the timed loop)"""
-    latency_prompts: int = 16
-    """offline: the first this many prompts of each set go through the online loop (and STP), timed"""
-    continuation_cache: bool = True
-    """offline: share the plain model's continuations through the on-disk cache (computed once per
-    backbone weights, decode config, prompts and seeds, by whichever trial asks first); false recomputes them"""
-
-    def check(self, fail: Fail) -> EvalConfig:
-        """The bounds of every field (`fail(key, msg)` raises); returns self."""
-        for m in self.modes:
-            fail.choice("eval.modes", m, names.DECODE_MODES)
-        fail.text("eval.prompts", self.prompts)
-        fail.integer("eval.sets", self.sets, 1, 1000)
-        fail.integer("eval.dev_sets", self.dev_sets, 0, 1000)
-        fail.integer("eval.n_prompts", self.n_prompts, 1, 100000)
-        if self.dev_n_prompts is not None:
-            fail.integer("eval.dev_n_prompts", self.dev_n_prompts, 1, 100000)
-        fail.integer("eval.max_new_tokens", self.max_new_tokens, 1, 1_000_000)
-        fail.choice("eval.extra_token", self.extra_token, names.EXTRA_TOKEN_OPTIONS)
-        fail.choice("eval.acceptance", self.acceptance, schema.ACCEPTANCE_METHODS)
-        if self.acceptance == "offline" and self.extra_token != "keep":
-            fail(
-                "eval.extra_token",
-                f"{self.extra_token!r} is online-only (offline acceptance mirrors the keep "
-                "cycle; drop is not exact): expected keep, or eval.acceptance: online",
-            )
-        fail.integer("eval.latency_prompts", self.latency_prompts, 1, 100000)
-        for t in self.temperatures:
-            fail.number("eval.temperatures", t, 1e-6, 100.0)
-        fail.number("eval.top_p", self.top_p, 1e-6, 1.0)
-        fail.integer("eval.seed", self.seed, 0)
-        for e in self.eos:
-            fail.choice("eval.eos", e, schema.EOS_MODES)
-        for name in ("modes", "temperatures", "eos"):
-            values = getattr(self, name)
-            if not values:
-                fail(f"eval.{name}", "expected a non-empty list")
-            if len(set(values)) != len(values):
-                fail(f"eval.{name}", f"{list(values)} names a value twice")
-        return self
 
 
 @dataclass
@@ -585,7 +509,7 @@ def point_of(cfg: TrainConfig) -> dict[str, Any]:
 def apply_point(cfg: TrainConfig, point: dict[str, Any]) -> TrainConfig:
     """`cfg` with a sweep point set: each axis's value on the config path its row names
     (`tracking.axes`; train_seed -> seed_everything), through the one override rule
-    (`experiments.parsing.apply_overrides`, types checked by the parser); axes the point leaves out keep
+    (`experiments.plumbing.parsing.apply_overrides`, types checked by the parser); axes the point leaves out keep
     the config's values. UnknownAxis (a ValueError, one line) for a key that is no axis. The values
     are checked by `cfg.check()`."""
     axes.check_names(point)
