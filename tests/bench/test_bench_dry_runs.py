@@ -33,6 +33,30 @@ def test_bench_gpu_tiny_runs_every_part(tmp_path):
     }
     assert report["llama32_3b"]["bound_ms"] > 0 and "bars" in report["llama32_3b"]
     assert report["graph_vs_eager"]["skipped"].startswith("no CUDA")
+    three_b = report["llama32_3b"]  # plain decoding per byte, every cycle against it too
+    assert three_b["ms"]["plain_per_byte"] > 0 and set(three_b["cycle_over_plain_byte"]) == set(
+        three_b["cycle_ms"]
+    )
+    assert "over_plain_byte" in three_b["bars"]["cycle_btree_appG_over_step"]
+    assert "skipped" in three_b["split_kv"]  # no CUDA (and no interpreter): the reason, not a timing
+
+
+def test_compare_heads_offline_dry_run_scores_each_head_per_draft_length(tmp_path):
+    import compare_heads_offline
+
+    out = tmp_path / "cmp.json"
+    assert (
+        compare_heads_offline.main(["a=x", "known=y", "--dry-run", "--draft-lens", "2,4", "--out", str(out)])
+        == 0
+    )
+    res = json.loads(out.read_text())["results"]
+    assert set(res) == {"greedy", "sample"} and set(res["greedy"]) == {"a", "known"}
+    for mode in res.values():
+        for by_m in mode.values():
+            assert set(by_m) == {"2", "4"}
+            assert all(1.0 <= r["bytes_per_cycle"] <= int(m) for m, r in by_m.items())
+            assert all(len(r["per_position_acceptance"]) == int(m) for m, r in by_m.items())
+    sys.modules.pop("compare_heads_offline", None)
 
 
 def test_bench_decode_engine_section(tmp_path):
