@@ -94,10 +94,13 @@ def decode_defaults(name_or_path: Any, heads_dir: Path | None = None) -> dict[st
     if not is_shipped_name(name_or_path):
         return {}
     index = read_index(heads_dir)
-    name = index[DEFAULT] if name_or_path == DEFAULT else str(name_or_path)[len(PREFIX) :]
-    name = index[DEFAULT] if name == DEFAULT else name
-    entry = index["heads"].get(name, {})
-    return dict(entry.get("decode", {}))
+    return dict(index["heads"].get(_index_name(name_or_path, index), {}).get("decode", {}))
+
+
+def _index_name(name_or_path: Any, index: dict[str, Any]) -> str:
+    """The index's name for a shipped name: "default" and "shipped:default" are the index's default."""
+    name = str(name_or_path).removeprefix(PREFIX)
+    return index[DEFAULT] if name == DEFAULT else name
 
 
 def shipped_head_names(heads_dir: Path | None = None) -> list[str]:
@@ -115,9 +118,7 @@ def resolve_head(name_or_path: str | Path, heads_dir: Path | None = None) -> Pat
         return Path(name_or_path).expanduser()
     heads_dir = heads_dir or HEADS_DIR
     index = read_index(heads_dir)
-    name = index[DEFAULT] if name_or_path == DEFAULT else str(name_or_path)[len(PREFIX) :]
-    if name == DEFAULT:
-        name = index[DEFAULT]
+    name = _index_name(name_or_path, index)
     if name not in index["heads"]:
         raise ValueError(
             f"head {name_or_path!r}: no shipped head of that name; shipped: {sorted(index['heads'])} "

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from mtpc.backbones.common import Backbone
 from mtpc.backbones.engine import cuda_sync, make_engine
-from mtpc.names import MIN_DECODE_WINDOW
+from mtpc.names import MIN_DECODE_WINDOW, check_draft_len
 from mtpc.speculative.acceptance import TorchChooser
 from mtpc.speculative.drafters import CompiledDraft, GraphedDraft
 from mtpc.speculative.loop import (
@@ -128,7 +128,7 @@ class MtpcModel:
         self.head = head.to(device=backbone.device).eval()
         self.circuit = head.circuit
         self.window = cfg.window
-        self.draft_len = self._check_draft_len(draft_len)
+        self.draft_len = check_draft_len(draft_len, self.window)
         compact_cuda = getattr(backbone, "engine", "hf") == "compact" and backbone.device.type == "cuda"
         self.cuda_graphs = compact_cuda if cuda_graphs is None else bool(cuda_graphs and compact_cuda)
         compact = getattr(backbone, "engine", "hf") == "compact"
@@ -212,20 +212,6 @@ class MtpcModel:
         )
 
     # -- helpers --------------------------------------------------------------------------------
-    def _check_draft_len(self, draft_len: int | None) -> int:
-        if draft_len is None:
-            return self.window
-        if (
-            isinstance(draft_len, bool)
-            or not isinstance(draft_len, int)
-            or not MIN_DECODE_WINDOW <= draft_len <= self.window
-        ):
-            raise ValueError(
-                f"draft_len: expected an integer in [{MIN_DECODE_WINDOW}, {self.window}] (the head's "
-                f"window) or None, got {draft_len!r}"
-            )
-        return draft_len
-
     @property
     def tokenizer(self) -> Any:
         return self.backbone.tokenizer
@@ -331,7 +317,7 @@ class MtpcModel:
             raise ValueError(
                 'extra_token="drop": this head has known_byte=True (it needs the kept byte c); use "keep"'
             )
-        m = self.draft_len if draft_len is None else self._check_draft_len(draft_len)
+        m = self.draft_len if draft_len is None else check_draft_len(draft_len, self.window)
         ids = self.encode_prompt(prompt)
         cfg = self._config(
             ids,

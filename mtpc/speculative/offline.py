@@ -57,7 +57,7 @@ import torch
 from torch import Tensor
 
 from mtpc.backbones.common import Backbone
-from mtpc.names import MIN_DECODE_WINDOW
+from mtpc.names import MIN_DECODE_WINDOW, check_draft_len
 from mtpc.speculative.acceptance import TorchChooser, greedy_target, stop_hits, target_probs
 from mtpc.speculative.loop import DecodeConfig, plain_decode
 
@@ -665,15 +665,7 @@ def offline_acceptance(
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     n, greedy = cfg_h.window, tf.cfg.mode == "greedy"
-    if draft_len is not None:
-        if (
-            isinstance(draft_len, bool)
-            or not isinstance(draft_len, int)
-            or not MIN_DECODE_WINDOW <= draft_len <= n
-        ):
-            raise ValueError(f"draft_len: expected an integer in [{MIN_DECODE_WINDOW}, {n}] (the head's window) "
-                             f"or None, got {draft_len!r}")  # fmt: skip
-        n = draft_len
+    n = check_draft_len(draft_len, n)
     stats = []
     for y, (alpha, cap) in zip(tf.continuations, _alphas(tf, head, chunk), strict=True):
         alpha, cap = alpha[:, : n - 1], cap.clamp(max=n - 1)  # the drafts a cycle feeds
