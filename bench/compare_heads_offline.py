@@ -8,7 +8,7 @@ Each head (`name=path`, or `name=default` / `name=shipped:<name>` for a shipped 
 same texts: per mode (greedy, sampling at T = 1) one plain pass over the development sets of the
 evaluation's seeded draw (`--dev-sets` x `--prompts` prompts after the 3 report sets, never the
 report sets), `--bytes` new bytes each, EOS banned (`decode_and_force`); then, for every head and
-every `--draft-lens` m, `offline_acceptance` (exact expectations, no decoding) pooled: bytes per
+every `--draft-lens` m up to its window n, `offline_acceptance` (exact expectations, no decoding) pooled: bytes per
 cycle and acceptance per window position. For choosing between heads or options (docs/heads.md);
 no timing (speed-ups: bench/bench_shipped_head.py).
 """
@@ -79,10 +79,13 @@ def main(argv: list[str] | None = None) -> int:
         sets = load_prompt_sets("heldout", a.prompts, 3, EvalConfig.seed, dev_sets=a.dev_sets)
         prompts = [torch.tensor(backbone.tokenizer.render_prompt(p)) for s in sets[3:] for p in s]
     heads = _heads(a.heads, a.dry_run, backbone)
+    from tracking.runs import machine, machine_line
+
     result = {
         "command": "python bench/compare_heads_offline.py "
         + " ".join(sys.argv[1:] if argv is None else argv),
         "prompts": f"{a.dev_sets} development sets x {a.prompts} prompts x {a.bytes} bytes, EOS banned",
+        "machine": machine_line(machine()),
         "heads": {name: spec.partition("=")[2] for name, spec in zip(heads, a.heads, strict=True)},
         "results": {},
     }
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         seeds = list(range(len(prompts))) if mode == "sample" else None
         tf = decode_and_force(backbone, prompts, cfg, seeds=seeds)
         for name, head in heads.items():
-            for m in lens:
+            for m in (m for m in lens if m <= head.config.window):  # a shorter head: its own m only
                 pooled = pool_offline(offline_acceptance(tf, head, draft_len=m))
                 row = {"bytes_per_cycle": pooled["tokens_per_cycle"],
                        "per_position_acceptance": pooled["per_position_acceptance"]}  # fmt: skip

@@ -46,14 +46,18 @@ def test_compare_heads_offline_dry_run_scores_each_head_per_draft_length(tmp_pat
 
     out = tmp_path / "cmp.json"
     assert (
-        compare_heads_offline.main(["a=x", "known=y", "--dry-run", "--draft-lens", "2,4", "--out", str(out)])
+        compare_heads_offline.main(
+            ["a=x", "known=y", "--dry-run", "--draft-lens", "2,4,8", "--out", str(out)]
+        )
         == 0
     )
-    res = json.loads(out.read_text())["results"]
+    got = json.loads(out.read_text())
+    res = got["results"]
+    assert "machine" in got
     assert set(res) == {"greedy", "sample"} and set(res["greedy"]) == {"a", "known"}
     for mode in res.values():
         for by_m in mode.values():
-            assert set(by_m) == {"2", "4"}
+            assert set(by_m) == {"2", "4"}  # m = 8 is beyond the window-4 heads: not scored, no error
             assert all(1.0 <= r["bytes_per_cycle"] <= int(m) for m, r in by_m.items())
             assert all(len(r["per_position_acceptance"]) == int(m) for m, r in by_m.items())
     sys.modules.pop("compare_heads_offline", None)
