@@ -2,7 +2,8 @@
 
 Per setting (backbone, mode, extra_token, eos, temperature[, top_p, hardware]) it writes to --out,
 <setting> being the mode and whatever else differs between the settings (`greedy`, `sample_T0.7`):
-  pareto_<setting>.png/.pdf            mu_acc vs mu_lat, front, iso-throughput lines, STP
+  pareto_<setting>.png/.pdf            mu_acc vs mu_lat, front, iso-throughput lines, STP, and each
+                                       --reference head measured in that setting (a labelled star)
   throughput_vs_window_<setting>.*     when the window varies
   throughput_vs_lora_depth_<setting>.* when the LoRA depth varies
   acceptance_<setting>.*               per-position acceptance (acceptance_pos_<i> metrics), if logged
@@ -14,7 +15,14 @@ per setting, and a warning per setting whose acceptance comes from degenerate te
 (degenerate_fraction > 0.25). When the runs come from one experiment (a sweep), all of it is also
 logged as the artifacts of that experiment's sweep-level run `pareto-summary` (`--summary-run-name`;
 a later analysis replaces it: the earlier one is deleted); `--no-log-to-mlflow` writes files only,
-`--log-to-mlflow` makes a second experiment an error instead of a note.
+`--log-to-mlflow` makes a second experiment an error instead of a note; the --reference files drawn
+go to that run too (artifacts under `references/`).
+
+`--reference FILE` (repeatable): a head measured outside the sweep by the sweep's own evaluation
+function (analysis/reference.py; the demo writes its shipped default head's as
+`<out>/shipped_head.json`), drawn in the Pareto figure of each setting it was measured in, on the
+same prompt sets; never on the front, in a table or in summary.csv. A reference that matches no
+setting gets a note saying where it was measured; an unreadable one is an error (exit 1).
 
 The files are written as a set: into `<out>.tmp<pid>` beside --out, then renamed into --out once
 all are complete, so a full disk leaves the previous outputs as they were (one line naming the file
@@ -40,6 +48,7 @@ from analysis.aggregate import aggregate, short_slugs, split_settings
 from analysis.filters import Filters
 from analysis.hists import load_hists
 from analysis.load import AnalysisError, LoadResult, load
+from analysis.reference import points_for, read_reference, reference_points, unmatched_note
 from mtpc.names import CIRCUIT_KINDS, DECODE_MODES, EXTRA_TOKEN_OPTIONS
 from tracking.schema import BASELINE_METHODS
 
@@ -92,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
         "when the runs come from one experiment)",
     )
     p.add_argument(
+        "--reference",
+        action="append",
+        metavar="FILE",
+        help="a reference head's JSON (analysis/reference.py; the demo writes <out>/shipped_head.json), "
+        "drawn as a labelled star in the Pareto figures of the settings it was measured in; repeatable",
+    )
+    p.add_argument(
         "--summary-run-name",
         default="pareto-summary",
         help="name of that summary run (default: pareto-summary)",
@@ -140,11 +156,15 @@ def report_skips(result: LoadResult) -> None:
         print(f"warning: {note}", file=sys.stderr)
 
 
-def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[list[Path], list[str]]:
+def write_outputs(
+    result: LoadResult, client, out: Path, top: int = 5, references: list[tuple] | None = None
+) -> tuple[list[Path], list[str]]:
     """Figures, tables and summary for every setting, written as a set: all into a temporary folder
     beside `out` (`<out>.tmp<pid>`), then moved into `out` by renames only once every file is
     complete, so `out` holds either the whole new set or its previous files untouched (a full disk:
-    OSError naming the file, "no space left"). Returns (written files, best-config lines)."""
+    OSError naming the file, "no space left"). `references`: (Reference, its points by setting:
+    `analysis.reference.reference_points`) per reference file, drawn in the Pareto figures; one that
+    no figure draws gets a note on stderr. Returns (written files, best-config lines)."""
     from mtpc.atomic import disk_error, fsync_dir, remove_stale_temps, temp_name
 
     dest = out.resolve()  # `--out .` has no name to put a temporary beside; a link: beside its target
@@ -156,7 +176,7 @@ def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        written, best = _write_set(result, client, tmp, top)
+        written, best = _write_set(result, client, tmp, top, references or [])
         dest.mkdir(exist_ok=True)
         for f in written:  # renames within one filesystem: no space needed, nothing half-written
             os.replace(f, dest / f.name)
@@ -172,7 +192,9 @@ def write_outputs(result: LoadResult, client, out: Path, top: int = 5) -> tuple[
     return [out / f.name for f in written], best
 
 
-def _write_set(result: LoadResult, client, out: Path, top: int) -> tuple[list[Path], list[str]]:
+def _write_set(
+    result: LoadResult, client, out: Path, top: int, references: list[tuple]
+) -> tuple[list[Path], list[str]]:
     """Every output file into the (temporary) folder `out`, each flushed to disk (mtpc.atomic)."""
     from analysis import (  # matplotlib import is slow: only when there is work
         paper_tables,
@@ -189,8 +211,16 @@ def _write_set(result: LoadResult, client, out: Path, top: int) -> tuple[list[Pa
     hist_problems: list[str] = []
     md_all: list[str] = []
     tex_all: list[str] = []
+    drawn = [0] * len(references)  # Pareto figures per reference
     for (setting, part), slug in zip(parts, short_slugs([s for s, _ in parts]), strict=True):
-        written += style.save(pareto_plot.pareto_figure(setting, part), out, f"pareto_{slug}")
+        refs = []
+        for i, (_, points) in enumerate(references):
+            found = points_for(setting, part, [points])
+            drawn[i] += len(found)
+            refs += found
+        written += style.save(
+            pareto_plot.pareto_figure(setting, part, references=refs), out, f"pareto_{slug}"
+        )
         for x in ("window", "lora_depth"):
             fig = plots.throughput_figure(setting, part, x=x)
             if fig is not None:
@@ -217,6 +247,10 @@ def _write_set(result: LoadResult, client, out: Path, top: int) -> tuple[list[Pa
         warning = paper_tables.degeneracy_warning(table)
         if warning:
             print(warning, file=sys.stderr)
+    for (ref, points), n in zip(references, drawn, strict=True):
+        note = unmatched_note(ref, points, n)
+        if note:
+            print(note, file=sys.stderr)
     for name, text in (("tables.md", "\n".join(md_all)), ("tables.tex", "\n".join(tex_all))):
         write_text(out / name, text)
         written.append(out / name)
@@ -262,6 +296,8 @@ def log_summary(
         for f in files:
             sub = "figures" if f.suffix in (".png", ".pdf") else "tables"
             client.log_artifact(run_id, str(f), artifact_path=sub)
+        for ref in args.reference or ():  # what the figures' reference points were read from
+            client.log_artifact(run_id, str(ref), artifact_path="references")
     except Exception:
         client.set_terminated(run_id, status="FAILED")
         raise
@@ -279,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     try:
+        refs = [read_reference(p) for p in args.reference or ()]  # a bad file fails before the slow part
         result, client, uri = load(args.tracking_uri, args.experiment, filters)
         report_skips(result)
         log_to_mlflow = args.log_to_mlflow
@@ -296,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{len(result.runs)} evaluation run(s) from {', '.join(result.experiments)} at {uri} ({filters.describe()})"
         )
         out = Path(args.out)
-        files, best = write_outputs(result, client, out, top=args.top)
+        ref_points = [(r, reference_points(r, filters)) for r in refs]
+        files, best = write_outputs(result, client, out, top=args.top, references=ref_points)
         for line in best:
             print(line)
         print(f"wrote {len(files)} files to {out}/")

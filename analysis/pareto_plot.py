@@ -1,7 +1,9 @@
 """The Pareto figure of one setting: accepted bytes per cycle (x) against mean latency per cycle
 mu_lat (y, ms), error bars = std over prompt sets, marker/colour by circuit, n/r/k labels placed off
 the points, the Pareto front (mu_lat down, mu_acc up) as a line with outlined points, dashed
-iso-throughput lines labelled in bytes/s, and the STP baseline with its own dotted iso-line.
+iso-throughput lines labelled in bytes/s, the STP baseline with its own dotted iso-line, and any
+reference heads (`references`: analysis/reference.py, e.g. the demo's shipped default head) as
+labelled yellow stars with their error bars.
 
 One throughput: the logged `throughput` (bytes returned / decoding time, mean over prompt sets),
 the one the tables and the sweep objective give. A line of throughput T is y = (x + c) / T; a point
@@ -11,12 +13,21 @@ STP (one byte per cycle) on the line of the STP row's. Every drawn line is label
 label would collide is not drawn); a point label that finds no free place is left out (the front's
 points are placed first).
 
+A reference is placed by the same rule as the points (x = its throughput × its mu_lat − c, from the
+same evaluation function and aggregation: analysis/reference.py), so it lies on the iso-line of its
+own throughput; it is a legend entry of its own (its label, e.g. "shipped btree-n8-r16-known (m=4)")
+with an n/r/k label beside it, takes part in the box's limits and the iso-lines' range, and is
+never on the Pareto front.
+
 Artists carry `gid`s ("circuit-<c>", "errorbar-<c>" (error-bar containers: label "_errorbar-<c>"),
-"pareto-front", "iso-throughput", "iso-throughput-stp", "iso-label", "stp", "point-label") so tests
-and users can find them. The other figures live in analysis/plots.py, the look in analysis/style.py.
+"pareto-front", "iso-throughput", "iso-throughput-stp", "iso-label", "stp", "point-label",
+"reference" (one scatter per reference, its legend label the reference's), "errorbar-reference")
+so tests and users can find them. The other figures live in analysis/plots.py, the look in analysis/style.py.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
@@ -24,9 +35,11 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from analysis.aggregate import Setting, stp_baseline
+from analysis.reference import ReferencePoint
 from analysis.style import (
     COLUMN_WIDTH_IN,
     HEIGHT_IN,
+    REFERENCE_STYLE,
     circuit_style,
     circuits_in,
     format_rate,
@@ -81,13 +94,20 @@ def iso_levels(t_min: float, t_max: float, n: int = 5) -> np.ndarray:
     return levels
 
 
-def pareto_figure(setting: Setting, part: pd.DataFrame, width: float = COLUMN_WIDTH_IN) -> Figure:
-    """mu_acc (x) vs mu_lat in ms (y) for one setting; `part` from `split_settings` (has on_front)."""
+def pareto_figure(
+    setting: Setting,
+    part: pd.DataFrame,
+    width: float = COLUMN_WIDTH_IN,
+    references: Sequence[ReferencePoint] = (),
+) -> Figure:
+    """mu_acc (x) vs mu_lat in ms (y) for one setting; `part` from `split_settings` (has on_front);
+    `references`: heads measured outside the sweep in this very setting (`analysis.reference.points_for`),
+    drawn as labelled stars; none: the figure as without them."""
     with paper_style():
         fig, ax = plt.subplots(figsize=(width, HEIGHT_IN), layout="constrained")
-        c = iso_offset(setting, part)
+        c_iso = iso_offset(setting, part)
         y = part["mu_lat_mean"].to_numpy(dtype=float) * 1000.0
-        x = returned_accepted(part["throughput_mean"].to_numpy(dtype=float), y / 1000.0, c)
+        x = returned_accepted(part["throughput_mean"].to_numpy(dtype=float), y / 1000.0, c_iso)
         xerr = nan0(part["mu_acc_std"].to_numpy(dtype=float))
         yerr = nan0(part["mu_lat_std"].to_numpy(dtype=float)) * 1000.0
         front = part["on_front"].to_numpy(dtype=bool)
@@ -133,23 +153,31 @@ def pareto_figure(setting: Setting, part: pd.DataFrame, width: float = COLUMN_WI
             ys.append(stp_lat_ms)
             ys_hi.append(stp_lat_ms)
             xs_hi.append(stp_x)
-        # limits from the data (points, error bars, STP), then iso-lines across the whole box
+        drawn = _draw_references(ax, references, c_iso)  # (x, y ms, x err, y err ms, text, rate) each
+        for rx, ry, xe, ye, _, _ in drawn:
+            xs.append(rx - xe)
+            ys.append(ry - ye)
+            xs_hi.append(rx + xe)
+            ys_hi.append(ry + ye)
+        ref_x, ref_y = [d[0] for d in drawn], [d[1] for d in drawn]
+        # limits from the data (points, error bars, STP, references), then iso-lines across the whole box
         x_lo, x_hi = min(xs), max(xs_hi)
         y_lo, y_hi = min(ys), max(ys_hi)
         dx = (x_hi - x_lo) or 1.0
         dy = (y_hi - y_lo) or max(abs(y_hi), 1e-3)
         ax.set_xlim(x_lo - 0.06 * dx, x_hi + 0.12 * dx)
         ax.set_ylim(max(0.0, y_lo - 0.1 * dy), y_hi + 0.1 * dy)
-        _draw_iso_lines(ax, setting, part, stp_rate)
+        _draw_iso_lines(ax, setting, part, stp_rate, [d[5] for d in drawn])
         ax.set_xlabel(r"accepted bytes per cycle $\mu_\mathrm{acc}$ (as returned)")
         ax.set_ylabel(r"latency per cycle $\mu_\mathrm{lat}$ (ms)")
         ax.set_title(wrap_title(setting.title() + _degenerate_note(part)), pad=3)
         ax.grid(False)
         labelled = len(x) <= MAX_LABELLED_POINTS
         n_entries = len(ax.get_legend_handles_labels()[1])
+        ncol = min(3 if drawn else 4, max(1, n_entries))  # a reference's long label: one column fewer
         leg = ax.legend(
             # below the axes: inside, any corner can hold points of the front (the demo's did)
-            loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=min(4, max(1, n_entries)),
+            loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=ncol,
             frameon=False, handletextpad=0.3, columnspacing=0.8, labelspacing=0.3, markerscale=0.9,
             title="labels: n/r/k" if labelled else "front labels: n/r/k", title_fontsize=5.5,
         )  # fmt: skip
@@ -159,8 +187,42 @@ def pareto_figure(setting: Setting, part: pd.DataFrame, width: float = COLUMN_WI
         front_lines = [ln for ln in ax.lines if ln.get_gid() == "pareto-front"]
         _drop_overlapping_iso_labels(ax)  # again: the legend below changed the box's size
         iso_texts = [t for t in ax.texts if t.get_gid() == "iso-label"]
-        _place_labels(ax, x, y, texts, show, avoid=[leg, *iso_texts], lines=front_lines, first=front)
+        # a reference's n/r/k label is always wanted, and placed with the front's
+        n_ref = len(drawn)
+        _place_labels(
+            ax, np.append(x, ref_x), np.append(y, ref_y), texts + [d[4] for d in drawn],
+            np.append(show, np.ones(n_ref, bool)), avoid=[leg, *iso_texts], lines=front_lines,
+            first=np.append(front, np.ones(n_ref, bool)),
+        )  # fmt: skip
     return fig
+
+
+def _std(v: float) -> float:
+    """A std for an error bar: 0 where it is unknown (one prompt set)."""
+    return float(v) if np.isfinite(v) else 0.0
+
+
+def _draw_references(
+    ax, references: Sequence[ReferencePoint], c: float
+) -> list[tuple[float, float, float, float, str, float]]:
+    """Each reference with a finite mu_lat and throughput as a star with its error bars, placed as the
+    points are (x = throughput × mu_lat − c); per drawn one: x, y (ms), x error, y error (ms), its
+    n/r/k label and its throughput."""
+    color, marker = REFERENCE_STYLE
+    drawn = []
+    for ref in references:
+        if not (np.isfinite([ref.mu_lat, ref.throughput]).all() and ref.mu_lat > 0):
+            continue  # nothing to place it by
+        rx = float(returned_accepted(np.array([ref.throughput]), np.array([ref.mu_lat]), c)[0])
+        ry, xe, ye = ref.mu_lat * 1000.0, _std(ref.mu_acc_std), _std(ref.mu_lat_std) * 1000.0
+        eb = ax.errorbar([rx], [ry], xerr=[xe], yerr=[ye], fmt="none", ecolor="black", elinewidth=0.6,
+                         capsize=1.2, zorder=4, label="_errorbar-reference")  # fmt: skip
+        for artist in eb.lines[2]:
+            artist.set_gid("errorbar-reference")
+        ax.scatter([rx], [ry], marker=marker, s=80, c=color, edgecolors="black", linewidths=0.6,
+                   zorder=6, label=ref.label, gid="reference")  # fmt: skip
+        drawn.append((rx, ry, xe, ye, ref.text, float(ref.throughput)))
+    return drawn
 
 
 _LABEL_OFFSETS = (  # (dx, dy) in points, horizontal alignment, vertical alignment
@@ -238,13 +300,17 @@ def _place_labels(
         obstacles.append(ext.padded(fig.dpi / 72.0))  # 1 pt of air: survives small layout shifts
 
 
-def _draw_iso_lines(ax, setting: Setting, part: pd.DataFrame, stp_rate: float | None) -> None:
+def _draw_iso_lines(
+    ax, setting: Setting, part: pd.DataFrame, stp_rate: float | None, ref_rates: Sequence[float] = ()
+) -> None:
     """Dashed lines of constant throughput through the plot box, labelled where they leave it. In
-    (accepted bytes per cycle, mu_lat[ms]) coordinates: y = 1000 (x + c) / T."""
+    (accepted bytes per cycle, mu_lat[ms]) coordinates: y = 1000 (x + c) / T. The levels span the
+    points', STP's and the references' throughputs."""
     c = iso_offset(setting, part)
     rates = part["throughput_mean"].to_numpy(dtype=float)  # the logged throughput, as the tables
     if stp_rate is not None:
         rates = np.append(rates, stp_rate)
+    rates = np.append(rates, np.asarray(ref_rates, dtype=float))
     rates = rates[np.isfinite(rates) & (rates > 0)]
     if len(rates) == 0:
         return

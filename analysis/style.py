@@ -36,6 +36,9 @@ CIRCUIT_STYLE: dict[str, tuple[str, str]] = {
     EVABYTE_MTP: ("#D55E00", "P"),  # EvaByte's own multi-byte decoding, a baseline
 }
 _OTHER_STYLE = ("#555555", "x")
+#: a reference head measured outside the sweep (analysis/reference.py): a black-edged yellow star,
+#: larger than STP's black one
+REFERENCE_STYLE = ("#F0E442", "*")
 PAPER_RC = {
     "font.size": 7,
     "axes.titlesize": 7,

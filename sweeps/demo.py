@@ -1,14 +1,17 @@
 """`make demo` (= `python -m sweeps.demo`): the whole suite once, on the 2-core CPU.
 
 1. check the shipped default model (`mtpc/default_model/`, committed: no pre-training) against its
-   manifest, build the bundled ShareGPT corpus once (cached under `mtpc.paths.cache_dir()`), and print
+   manifest, build the bundled ShareGPT corpus once (cached under `mtpc.paths.cache_dir()`), print
    the shipped default head's speed-up over plain decoding on 4 held-out prompts (`shipped_head_line`),
+   and measure that head by the sweep's own evaluation (`shipped_reference`: the trials' function,
+   prompt sets and metrics) into `<out>/shipped_head.json`, its reference point in the Pareto plots,
 2. run `sweeps/smoke.yaml` locally, overridden to train on the default model
    (`train.config=default`: 200 steps of 2 x 512 bytes per head) and evaluated on one set of 32
    held-out prompts x 64 bytes, greedy and sampling: acceptance offline on all 32, latency timed on
    the first 8 (`DEMO_EVAL`); the objective is the derived throughput,
 3. run `python -m analysis` (Pareto fronts, figures, tables; logged to the sweep-level MLflow run
-   `pareto-summary` as well) on the results,
+   `pareto-summary` as well) on the results, with `--reference <out>/shipped_head.json`: the shipped
+   head as a labelled star beside the sweep's points,
 4. print where the Optuna journal, the MLflow store, the trained heads (one per grid point, in
    `<out>/checkpoints/mtpc-demo/<grid key>/head`, loadable with `MtpcModel.from_pretrained`) and the
    figures are, and how to open the UI on the experiment's runs table (the saved view `compare
@@ -39,6 +42,7 @@ import shlex
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,6 +135,95 @@ def shipped_head_line(prompts: int = SHIPPED_LINE_PROMPTS, new_bytes: int = SHIP
         f"{r['greedy']['bytes_per_cycle']:.2f} / {r['sample']['bytes_per_cycle']:.2f} bytes per cycle, on "
         f"{prompts} held-out prompts x {new_bytes} bytes, one thread of this machine"
     )
+
+
+SHIPPED_REFERENCE = "shipped_head.json"
+
+
+def shipped_reference(spec, out: Path) -> Path | None:
+    """The shipped default head as the Pareto plots' reference point: `<out>/shipped_head.json`
+    (analysis/reference.py), None when no head ships.
+
+    Measured as every sweep trial measures its head: `evaluate_heads` with the spec's `eval` section
+    on the same prompt sets (`eval_prompt_sets`), the same acceptance method and timed subset beside
+    STP, with the trials' CPU thread count (`train.run.cpu_threads`), under the machine-wide timing
+    lock. The head decodes as it ships (its index's draft_len m; the label says m when m < n), and
+    its runs name the backbone as the trials' do (`default`, not the head's `default@<sha8>` of the
+    same model), so the analysis finds the setting they share. This is not the first line's figure
+    (`shipped_head_line`: an interleaved wall-clock speed-up on a few prompts). Run before the
+    sweep, in this process; a file from an earlier demo with the same head (its files' digests) and
+    the same evaluation is reused, not measured again."""
+    from mtpc.shipped_heads import read_index, shipped_head_names
+
+    if not shipped_head_names():
+        return None
+    from analysis.reference import write_reference
+
+    index = read_index()
+    name = index["default"]
+    threads = spec.train.run.cpu_threads
+    source = json.loads(json.dumps({
+        "head": name, "files": index["heads"][name]["files"], "eval": asdict(spec.eval), "cpu_threads": threads,
+    }))  # fmt: skip  # as stored: tuples become lists
+    path = out / SHIPPED_REFERENCE
+    try:
+        if json.loads(path.read_text(encoding="utf-8")).get("source") == source:
+            return path
+    except (OSError, ValueError, AttributeError):
+        pass  # absent, unreadable or another head / evaluation: measured again
+    import torch
+
+    from experiments.evaluation.decoding import evaluate_heads
+    from experiments.evaluation.prompts import eval_prompt_sets
+    from mtpc import MtpcModel
+
+    before = torch.get_num_threads()
+    if threads:  # as the trials time (experiments/training/fit.py sets it before training and evaluating)
+        torch.set_num_threads(int(threads))
+    try:
+        model = MtpcModel.from_pretrained("default")
+        if spec.train.model.backbone == "default":
+            # the trials' heads record the shipped model as `default`; this head's `default@<sha8>` is
+            # that very model (resolve_head checked it), so its runs carry the name theirs do
+            model.head.config.backbone = "default"
+        sets, names = eval_prompt_sets(spec.eval)
+        results = evaluate_heads({name: model}, sets, spec.eval, set_names=names, progress=False)
+    finally:
+        torch.set_num_threads(before)
+    c, m = model.head.config, model.draft_len
+    label = f"shipped {name}" + (f" (m={m})" if m < c.window else "")
+    e = spec.eval
+    about = (
+        f"the shipped default head {name} ({c.kind}, n={c.window}, r={c.rank}, k={c.lora_depth}, draft_len m={m}) "
+        "through the sweep trials' evaluation (experiments.evaluation.decoding.evaluate_heads with the sweep "
+        f"spec's eval section: {e.acceptance} acceptance on {e.n_prompts} prompt(s) x {e.max_new_tokens} bytes "
+        f"per set, latency timed on the first {e.latency_prompts} beside STP), {threads or 'default'} CPU "
+        "thread(s) as the trials, in the demo's process under the timing lock"
+    )
+    return write_reference(path, label, results, about, source)
+
+
+def reference_line(path: Path) -> str:
+    """One line: what the reference point holds per mode (bytes per cycle, speed-up over STP) and where."""
+    ref = json.loads(path.read_text(encoding="utf-8"))
+    parts = []
+    for row in ref["evaluation"]["summary"]:
+        derived = row.get("derived_speedup_vs_stp")  # offline: the sweep's objective's ratio
+        speedup = derived or row.get("speedup_vs_stp")
+        parts.append(
+            f"{row['mode']} {row['tokens_per_cycle']['mean']:.2f} bytes per cycle"
+            + (f", {speedup['mean']:.2f}x plain decoding{' (derived)' if derived else ''}" if speedup else "")
+        )
+    return (
+        f"reference point: {ref['label']} measured as the sweep's trials are: {'; '.join(parts)} "
+        f"({_shown(path)}, drawn in the Pareto plots)"
+    )
+
+
+def analysis_args(spec, fig_dir: Path, reference: Path | None) -> list[str]:
+    """`python -m analysis`'s arguments for the demo's sweep, with the shipped head's reference point."""
+    args = ["--tracking-uri", spec.tracking_uri, "--experiment", spec.experiment, "--out", str(fig_dir)]
+    return args + (["--reference", str(reference)] if reference is not None else [])
 
 
 def _shown(path: Path) -> str:
@@ -238,7 +331,7 @@ def _demo(a: argparse.Namespace, out: Path, phases: Phases) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if a.objective == "trial":
-        phases.step("1/4 the shipped default model and the bundled data (built once, then cached)")
+        phases.step("1/4 the shipped default model, its head and the bundled data (built once, then cached)")
         from mtpc.backbones.shipped import SHIPPED_DIR, verify_shipped
         from mtpc.data import sharegpt_corpus
 
@@ -248,6 +341,11 @@ def _demo(a: argparse.Namespace, out: Path, phases: Phases) -> int:
         )
         print(f"model: {verify_shipped()} ({SHIPPED_DIR})")
         print(shipped_head_line())
+        reference = shipped_reference(spec, out)
+        if reference is not None:
+            print(reference_line(reference))
+    else:
+        reference = None  # the plumbing objective's metrics are stand-ins: no measured head beside them
     phases.step(
         f"2/4 sweep {SMOKE.relative_to(REPO)} on the default model: {spec.n_trials} grid points, {a.workers} worker(s)"
         + " (training side by side, timing one at a time)"
@@ -270,15 +368,7 @@ def _demo(a: argparse.Namespace, out: Path, phases: Phases) -> int:
     print(f"trials: {st['states']}")
     fig_dir = out / "analysis"
     phases.step("3/4 python -m analysis: Pareto fronts, figures and tables")
-    cmd, env = run.python_module(
-        "analysis",
-        "--tracking-uri",
-        spec.tracking_uri,
-        "--experiment",
-        spec.experiment,
-        "--out",
-        str(fig_dir),
-    )
+    cmd, env = run.python_module("analysis", *analysis_args(spec, fig_dir, reference))
     r = subprocess.run(cmd, cwd=REPO, env=env)
     if r.returncode != 0:
         print(f"python -m analysis exited with {r.returncode}", file=sys.stderr)

@@ -155,6 +155,59 @@ def log_sweep(uri: str, experiment: str, evaluations: list[Evaluation]) -> dict[
     return ids
 
 
+def evaluation_result(
+    head: str = "shipped",
+    *,
+    backbone: str = "tiny",
+    window: int = 8,
+    rank: int = 16,
+    modes: tuple[str, ...] = ("greedy",),
+    prompt_sets: tuple[str, ...] = ("0", "1"),
+    hardware: str = "cpu-test",
+    acceptance: str | None = "offline",
+    eos: str | None = "banned",
+    temperature: float = 0.0,
+    mu_lat: float = 0.02,
+    mu_acc: float = 1.5,
+) -> dict:
+    """An `evaluate_heads` result (the shape experiments/evaluation/decoding.py returns) of one btree
+    head with known numbers: one run per (mode, prompt set), set i at mu_lat (1 + 0.1 i) and
+    mu_acc + 0.2 i; offline (`acceptance`) with the derived throughput beside the measured one.
+    `acceptance` / `eos` None leave the key out (a store from before that param)."""
+    runs, summary = [], []
+    for mode in modes:
+        per_set = []
+        for i, ps in enumerate(prompt_sets):
+            lat, acc = mu_lat * (1 + 0.1 * i), mu_acc + 0.2 * i
+            tpc, stp_lat = acc + 1.0, 0.015
+            m = {
+                "mu_lat": lat, "mu_acc": acc, "tokens_per_cycle": tpc, "throughput": 0.9 * tpc / lat,
+                "max_throughput": window / lat, "stp_mu_lat": stp_lat, "stp_throughput": 1 / stp_lat,
+                "speedup_vs_stp": 0.9 * tpc / lat * stp_lat, "peak_mem_bytes": 1e8,
+                "per_position_acceptance": [None, 0.8, 0.5, 0.3], "accepted_length_histogram": [3, 2, 1, 1],
+            }  # fmt: skip
+            if acceptance == "offline":
+                m.update(derived_throughput=tpc / lat, derived_speedup_vs_stp=tpc / lat * stp_lat)
+            run = {
+                "head": head, "backbone": backbone, "circuit": "btree", "window": window, "rank": rank,
+                "lora_depth": 0, "mode": mode, "extra_token": "keep", "temperature": temperature,
+                "top_p": 1.0, "prompt_set": ps, "seed": 0, "metrics": m, "per_prompt": [],
+            }  # fmt: skip
+            if eos is not None:
+                run["eos"] = eos
+            if acceptance is not None:
+                run["acceptance_method"] = acceptance
+            runs.append(run)
+            per_set.append(m)
+        summary.append({
+            "head": head, "mode": mode,
+            **{k: {"mean": float(np.mean([m[k] for m in per_set])), "std": 0.0}
+               for k in ("mu_lat", "mu_acc", "tokens_per_cycle", "speedup_vs_stp")},
+        })  # fmt: skip
+    config = {"max_new_tokens": 64, "ff_head": None, "acceptance": acceptance}
+    return {"hardware": hardware, "config": config, "stp": {}, "runs": runs, "summary": summary}
+
+
 if __name__ == "__main__":
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "outputs/synthetic")
     root.mkdir(parents=True, exist_ok=True)

@@ -244,7 +244,8 @@ def _offline(models: dict[str, MtpcModel], job: EvalJob, seed: int, kw: dict[str
         key = id(model.backbone)
         if key not in passes:
             passes[key] = teacher_force(model.backbone, job.prompts, ys, _decode_config(model, job, kw))
-        out[name] = offline_acceptance(passes[key], model.head)
+        # the bytes a cycle feeds, as the timed loop does
+        out[name] = offline_acceptance(passes[key], model.head, draft_len=model.draft_len)
     return ys, out
 
 
@@ -296,7 +297,9 @@ def evaluate_heads(
     metrics read the continuations; `continuation_cache` shares them through the on-disk cache
     (mtpc/speculative/continuation_cache.py) or (False) computes them here and stores nothing.
     "online": every prompt through the timed speculative loop.
-    Prompt i of a set is sampled with seed + i for STP and every head alike.
+    Prompt i of a set is sampled with seed + i for STP and every head alike. A model whose `draft_len`
+    m is below its window n (a shipped head's decoding default) is evaluated as it decodes: offline
+    and timed, a cycle feeds m bytes, and the per-position acceptance and max_throughput are of m.
     Everything timed runs under `experiments.plumbing.timing_lock.timing`: one timer on the machine at a time;
     STP and the heads run each prompt in turn (interleaved rounds, after a short warm-up call each). The
     offline computation runs after it, untimed, and waits while another process times.
@@ -447,7 +450,7 @@ def _evaluate_at(
                 **{k: base[k] for k in DEGENERACY_METRICS}, "per_prompt": _per_prompt(tjob.prompts, stats, answers, job.set_name),
             })  # fmt: skip
         for (name, model, extra), (stats, answers) in zip(heads, head_t, strict=True):
-            metrics = _pool(stats, model.window, answers)
+            metrics = _pool(stats, model.draft_len, answers)  # the positions a cycle feeds (m <= n)
             run: dict[str, Any] = {"latency_prompts": len(tjob.prompts)} if offline else {}
             if offline:
                 pooled = pool_offline(off[name])

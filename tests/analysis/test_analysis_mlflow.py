@@ -491,3 +491,115 @@ def test_evabyte_mtp_runs_are_rows_of_the_analysis_and_a_design_of_their_own(tmp
     summary = pd.read_csv(out / "summary.csv")
     assert sorted(summary["circuit"]) == ["cp", METHOD]
     assert METHOD in (out / "table_greedy.md").read_text()
+
+
+def _spy_pareto(monkeypatch) -> list:
+    """Record the (setting, references) of every Pareto figure the CLI draws (and still draw it)."""
+    from analysis import pareto_plot
+
+    calls, real = [], pareto_plot.pareto_figure
+    monkeypatch.setattr(
+        pareto_plot,
+        "pareto_figure",
+        lambda setting, part, **kw: (
+            calls.append((setting, kw.get("references"))) or real(setting, part, **kw)
+        ),
+    )
+    return calls
+
+
+def test_cli_reference_is_drawn_in_its_setting_and_logged_with_the_figures(
+    store, tmp_path, capsys, monkeypatch
+):
+    """--reference FILE: drawn in the Pareto figure of the setting it was measured in (greedy, tiny,
+    cpu-test, prompt sets chat and code), in no other; no flag: no figure gets one; a reference
+    filtered out or measured elsewhere is a note; an unreadable file an error before anything loads."""
+    from analysis.reference import write_reference
+    from tests.analysis_helpers import evaluation_result
+
+    ref = write_reference(
+        tmp_path / "shipped_head.json", "shipped h (m=4)",
+        evaluation_result(prompt_sets=("chat", "code"), acceptance=None, eos=None), "measured so",
+    )  # fmt: skip
+    base = ["--tracking-uri", store["uri"], "--experiment", "sweep", "--backbone", "tiny"]
+    calls = _spy_pareto(monkeypatch)
+    assert cli.main([*base, "--out", str(tmp_path / "a"), "--reference", str(ref)]) == 0  # logs the summary
+    drawn = {s.mode: refs for s, refs in calls}
+    assert [r.label for r in drawn["greedy"]] == ["shipped h (m=4)"] and drawn["sample"] == []
+    assert "not drawn" not in capsys.readouterr().err
+    client = tracking.client(store["uri"])
+    exp = client.get_experiment_by_name("sweep")
+    (summary,) = client.search_runs(
+        [exp.experiment_id], filter_string=f"tags.`{tracking.SUMMARY_TAG}` = 'summary'"
+    )
+    logged = [Path(f.path).name for f in client.list_artifacts(summary.info.run_id, "references")]
+    assert logged == ["shipped_head.json"]
+    # no flag: every figure as before, without a reference
+    calls.clear()
+    assert cli.main([*base, "--out", str(tmp_path / "b"), "--no-log-to-mlflow"]) == 0
+    assert calls and all(refs == [] for _, refs in calls)
+    # the reference's setting filtered out: a note, no figure with it
+    calls.clear()
+    rc = cli.main(
+        [
+            *base,
+            "--mode",
+            "sample",
+            "--out",
+            str(tmp_path / "c"),
+            "--reference",
+            str(ref),
+            "--no-log-to-mlflow",
+        ]
+    )
+    assert rc == 0 and all(refs == [] for _, refs in calls)
+    assert "reference 'shipped h (m=4)'" in capsys.readouterr().err
+    # measured on other hardware: a note naming where, not drawn beside incomparable points
+    other = write_reference(
+        tmp_path / "other.json", "elsewhere", evaluation_result(prompt_sets=("chat", "code"), hardware="gpu-x",
+                                                                acceptance=None, eos=None), "about",
+    )  # fmt: skip
+    calls.clear()
+    assert (
+        cli.main([*base, "--out", str(tmp_path / "d"), "--reference", str(other), "--no-log-to-mlflow"]) == 0
+    )
+    assert all(refs == [] for _, refs in calls)
+    err = capsys.readouterr().err
+    assert "'elsewhere'" in err and "measured in no setting" in err and "gpu-x" in err
+    # an unreadable file: exit 1, one line, nothing written
+    rc = cli.main([*base, "--out", str(tmp_path / "e"), "--reference", str(tmp_path / "missing.json")])
+    err = capsys.readouterr().err
+    assert rc == 1 and f"error: --reference {tmp_path / 'missing.json'}: no such file" in err
+    assert "Traceback" not in err and not (tmp_path / "e").exists()
+
+
+def test_a_reference_is_aggregated_as_the_same_evaluation_logged_by_a_trial(store, tmp_path):
+    """The reference reader and the trial's path (log_evaluation_to_mlflow, then analysis.load) give
+    one setting and one point: the reference is measured and aggregated as the sweep's points are."""
+    from analysis.aggregate import aggregate, split_settings
+    from analysis.reference import points_for, read_reference, reference_points, write_reference
+    from experiments.evaluation.decoding import log_evaluation_to_mlflow
+    from tests.analysis_helpers import evaluation_result
+
+    results = evaluation_result(
+        modes=("greedy", "sample"), temperature=1.0, hardware="cpu; engine compact/onednn"
+    )
+    uri = store["uri"]
+    exp_id = tracking.ensure_experiment(uri, "reference-check")
+    parent = tracking.start_parent_run(uri, exp_id, "shipped", tags={}, params={})
+    log_evaluation_to_mlflow(results, parent, tracking_uri=uri)
+    tracking.terminate(uri, [parent], "FINISHED")
+    result, _, _ = load(uri, "reference-check")
+    parts = split_settings(aggregate(result.runs))
+    points = reference_points(read_reference(write_reference(tmp_path / "r.json", "ref", results, "about")))
+    assert len(parts) == 2 and set(points) == {s for s, _ in parts}
+    for setting, part in parts:
+        (point,) = points_for(setting, part, [points])
+        row = part.iloc[0]
+        assert point.mu_lat == pytest.approx(row["mu_lat_mean"]) and point.mu_acc == pytest.approx(
+            row["mu_acc_mean"]
+        )
+        assert point.throughput == pytest.approx(row["throughput_mean"])  # the derived one: offline
+        assert (
+            point.mu_acc_std == pytest.approx(row["mu_acc_std"]) and point.prompt_sets == row["prompt_sets"]
+        )

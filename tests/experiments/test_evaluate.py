@@ -343,3 +343,20 @@ def test_offline_refuses_drop_in_one_line(exported, tmp_path, capsys):
     m = MtpcModel.from_pretrained(exported / "cp")
     with pytest.raises(ValueError, match="keep"):
         evaluate_heads(m, [["one"]], EvalConfig(modes=("greedy",), extra_token="drop"), progress=False)
+
+
+def test_a_model_with_a_shorter_draft_len_is_evaluated_as_it_decodes(exported):
+    """A shipped head decodes with draft_len m < its window n: evaluate_heads feeds m bytes a cycle
+    offline as in the timed loop (it used to index n positions of m-long stats and fail), and the
+    offline greedy counts equal the online loop's at that m."""
+    m = MtpcModel.from_pretrained(exported / "cp", draft_len=2)  # window 4
+    prompts = [["one", "two", "three"]]
+    e = EvalConfig(modes=("greedy",), max_new_tokens=12, stp=False)
+    on = evaluate_heads(m, prompts, replace(e, acceptance="online"), progress=False)["runs"][0]
+    off = evaluate_heads(m, prompts, replace(e, acceptance="offline", latency_prompts=1), progress=False)[
+        "runs"
+    ][0]
+    for r in (on, off):
+        assert len(r["metrics"]["per_position_acceptance"]) == 2 and r["metrics"]["mu_acc"] <= 1.0
+    assert [p["cycles"] for p in off["per_prompt"]] == [p["cycles"] for p in on["per_prompt"]]
+    assert off["metrics"]["mu_acc"] == pytest.approx(on["metrics"]["mu_acc"])
