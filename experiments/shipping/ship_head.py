@@ -30,6 +30,7 @@ import torch
 from mtpc.atomic import sha256_file, write_json, write_text
 from mtpc.backbones.shipped import SHIPPED_DIR, verify_shipped
 from mtpc.heads import load_head, save_head
+from mtpc.names import check_draft_len
 from mtpc.shipped_heads import CARD_FILE, DEFAULT, HEADS_DIR, INDEX_FILE, MAX_HEAD_BYTES, NAME
 
 
@@ -48,8 +49,9 @@ def _card(
     lines = [
         f"# Shipped head `{name}`",
         "",
-        f"An MtPC head for the shipped default backbone `{label}`: `MtpcModel.from_pretrained("
-        f'"{"default" if report is None or report.get("default") else "shipped:" + name}")`.',
+        f"An MtPC head for the shipped default backbone `{label}`: "
+        f'`MtpcModel.from_pretrained("shipped:{name}")` (`"default"` loads the head that '
+        "`mtpc/default_heads/INDEX.json` names its default).",
         "",
         f"- **Circuit**: {head.config.kind}, window n = {head.config.window}, rank r = {head.config.rank}, "
         f"leaves {'App. G (rank-' + str(head.config.leaf_delta_rank) + ' deltas)' if head.config.leaf_delta_rank else 'full'}, "
@@ -136,8 +138,8 @@ def update_shipped(
         )
     verify_head(name, index, heads_dir)
     head, _ = load_head(heads_dir / name)
-    if draft_len is not None and not 2 <= draft_len <= head.config.window:
-        raise ValueError(f"--draft-len {draft_len}: expected 2..{head.config.window} (the head's window)")
+    if draft_len is not None:
+        check_draft_len(draft_len, head.config.window)
     report = json.loads(report_path.read_text())
     card_path = heads_dir / name / CARD_FILE
     card = card_path.read_text()
@@ -194,8 +196,6 @@ def ship(
             f"{export}: trained on {head.config.backbone!r}; only heads of the shipped {label} ship"
         )
     report = json.loads(report_path.read_text()) if report_path else None
-    if report is not None:
-        report["default"] = make_default
     index_path = heads_dir / INDEX_FILE
     index = json.loads(index_path.read_text()) if index_path.is_file() else {"backbone": label, "heads": {}}
     if index.get("backbone") != label:
