@@ -15,7 +15,7 @@ points are placed first).
 
 A reference is placed by the same rule as the points (x = its throughput × its mu_lat − c, from the
 same evaluation function and aggregation: analysis/reference.py), so it lies on the iso-line of its
-own throughput; it is a legend entry of its own (its label, e.g. "shipped btree-n8-r16-known (m=4)")
+own throughput; it is a legend entry of its own (its label, e.g. "shipped btree-n4-r16-known")
 with an n/r/k label beside it, takes part in the box's limits and the iso-lines' range, and is
 never on the Pareto front.
 

@@ -4,7 +4,7 @@ the front, in a table or in summary.csv.
 
 A reference file is JSON (`write_reference`; the demo writes `<out>/shipped_head.json`):
 
-    {"format": "mtpc-reference/1", "label": "shipped btree-n8-r16-known (m=4)",
+    {"format": "mtpc-reference/1", "label": "shipped btree-n4-r16-known",
      "about": "how it was measured", "source": {what the writer keys it by}, "evaluation": <one evaluate_heads result>}
 
 `evaluation` is what `experiments.evaluation.decoding.evaluate_heads` returns for one head: the
@@ -46,7 +46,7 @@ class ReferencePoint:
     """One reference head in one setting, in the units the setting's points are placed by."""
 
     label: str
-    """the legend entry (the demo's: shipped btree-n8-r16-known (m=4))"""
+    """the legend entry (the demo's: shipped btree-n4-r16-known)"""
     text: str
     """beside the marker: n/r/k, as the sweep's points"""
     mu_acc: float
