@@ -43,24 +43,6 @@ ENGINE_ATTENTION: tuple[str, ...] = ("sdpa", "split_kv")
 MIN_HEAD_WINDOW = 1
 MIN_DECODE_WINDOW = 2
 MAX_WINDOW = 64
-
-
-def check_draft_len(draft_len: object, window: int) -> int:
-    """The bytes a cycle feeds: `draft_len` checked against the head's window n (None: n)."""
-    if draft_len is None:
-        return window
-    if (
-        isinstance(draft_len, bool)
-        or not isinstance(draft_len, int)
-        or not MIN_DECODE_WINDOW <= draft_len <= window
-    ):
-        raise ValueError(
-            f"draft_len: expected an integer in [{MIN_DECODE_WINDOW}, {window}] (the head's window) or None, "
-            f"got {draft_len!r}"
-        )
-    return draft_len
-
-
 #: rank r: latent states per sum unit (ff has none: r must be 1)
 MIN_RANK = 1
 MAX_RANK = 1024
@@ -117,6 +99,22 @@ def check_axis(name: str, value: Any, *, decoding: bool = False, where: str = ""
         raise ArchitectureError(where, name, f"expected an integer in [{low}, {high}], got {value!r}")
     if not low <= value <= high:
         raise ArchitectureError(where, name, f"{value} out of range; expected an integer in [{low}, {high}]")
+
+
+def check_draft_len(draft_len: object, window: int) -> int:
+    """The bytes a cycle feeds: `draft_len` checked against the head's window n (None: n)."""
+    if draft_len is None:
+        return window
+    if (
+        isinstance(draft_len, bool)
+        or not isinstance(draft_len, int)
+        or not MIN_DECODE_WINDOW <= draft_len <= window
+    ):
+        raise ValueError(
+            f"draft_len: expected an integer in [{MIN_DECODE_WINDOW}, {window}] (the head's window) or None, "
+            f"got {draft_len!r}"
+        )
+    return draft_len
 
 
 def check_architecture(
