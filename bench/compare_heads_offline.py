@@ -9,7 +9,7 @@ same texts: per mode (greedy, sampling at T = 1) one plain pass over the develop
 evaluation's seeded draw (`--dev-sets` x `--prompts` prompts after the 3 report sets, never the
 report sets), `--bytes` new bytes each, EOS banned (`decode_and_force`); then, for every head and
 every `--draft-lens` m up to its window n, `offline_acceptance` (exact expectations, no decoding) pooled: bytes per
-cycle and acceptance per window position. For choosing between heads or options (docs/heads.md);
+cycle and acceptance per window position, beside the plain texts' degeneracy (`texts`). For choosing between heads or options (docs/heads.md);
 no timing (speed-ups: bench/bench_shipped_head.py).
 """
 
@@ -28,6 +28,7 @@ from mtpc.heads import load_head  # noqa: E402
 from mtpc.shipped_heads import resolve_head  # noqa: E402
 from mtpc.speculative.loop import DecodeConfig  # noqa: E402
 from mtpc.speculative.offline import decode_and_force, offline_acceptance, pool_offline  # noqa: E402
+from mtpc.textstats import degeneracy_metrics  # noqa: E402
 
 
 def _heads(specs: list[str], dry_run: bool, backbone) -> dict:
@@ -87,12 +88,15 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": f"{a.dev_sets} development sets x {a.prompts} prompts x {a.bytes} bytes, EOS banned",
         "machine": machine_line(machine()),
         "heads": {name: spec.partition("=")[2] for name, spec in zip(heads, a.heads, strict=True)},
+        "texts": {},
         "results": {},
     }
     for mode in a.modes.split(","):
         cfg = DecodeConfig(max_new_tokens=a.bytes, mode=mode, ban_eos=True, eos_id=backbone.eos_token_id)
         seeds = list(range(len(prompts))) if mode == "sample" else None
         tf = decode_and_force(backbone, prompts, cfg, seeds=seeds)
+        # the plain texts every head is scored on: acceptance of degenerate text means little
+        result["texts"][mode] = degeneracy_metrics(tf.continuations)
         for name, head in heads.items():
             for m in (m for m in lens if m <= head.config.window):  # a shorter head: its own m only
                 pooled = pool_offline(offline_acceptance(tf, head, draft_len=m))

@@ -54,6 +54,9 @@ def test_compare_heads_offline_dry_run_scores_each_head_per_draft_length(tmp_pat
     got = json.loads(out.read_text())
     res = got["results"]
     assert "machine" in got
+    for stats in got["texts"].values():  # the scored texts' degeneracy beside the acceptance
+        assert 0.0 <= stats["degenerate_fraction"] <= 1.0
+    assert set(got["texts"]) == {"greedy", "sample"}
     assert set(res) == {"greedy", "sample"} and set(res["greedy"]) == {"a", "known"}
     for mode in res.values():
         for by_m in mode.values():
