@@ -71,10 +71,15 @@ def test_training_waits_for_a_timer_not_for_heavy_work(lock_env, tmp_path):
     timer = _start(lock_env, "timing", release, linger=0.0)
     try:
         assert timer.stdout.readline().startswith("held")
-        code = "from experiments.plumbing.timing_lock import wait_while_timing; print(round(wait_while_timing(), 2))"
+        code = (
+            "from experiments.plumbing.timing_lock import wait_while_timing\n"
+            "print('waiting', flush=True)\n"
+            "print(round(wait_while_timing(), 2), flush=True)"
+        )
         waiter = subprocess.Popen(
             [sys.executable, "-c", code], env=lock_env, stdout=subprocess.PIPE, text=True
         )
+        assert waiter.stdout.readline().strip() == "waiting"  # imports done: the wait starts now
         time.sleep(1.0)
         assert waiter.poll() is None  # blocked while the timer times
         release.touch()
