@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # pytest-xdist workers for `make test` (one test file per worker at a time; every test runs one torch thread); 0: in-process
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup setup-compat test test-compat test-fast demo bench bench-circuits bench-head bench-loss bench-decode pretrain device-prep lint clean-cache
+.PHONY: setup kernels setup-compat test test-compat test-fast demo bench bench-circuits bench-head bench-loss bench-decode pretrain device-prep lint clean-cache
 
 setup: $(VENV)/.installed
 
@@ -20,8 +20,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -e '.[dev,data]'
 	@touch $@
 
+# the CPU row-dot kernel (mtpc/csrc/rowdot.cpp), compiled once per machine (~30 s); never fails
+kernels: setup
+	@$(PY) -m mtpc.kernels
+
 # pytest's exit code 5 (nothing collected) is a failure, not a pass.
-test: setup
+test: kernels
 	@set +e; $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests — failing"; exit 1; fi; exit $$rc
 
@@ -50,7 +54,7 @@ test-compat: setup-compat
 test-fast: setup
 	$(PY) -m pytest -m "not slow and not slurm" $(PYTEST_ARGS)
 
-demo: setup
+demo: kernels
 	$(PY) -m sweeps.demo
 
 # trains a byte Llama into the cache (load it by its path); the shipped default needs no training

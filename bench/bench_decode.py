@@ -125,7 +125,22 @@ def _eos(model) -> int:
     return int(eos[0] if isinstance(eos, (list, tuple)) else (eos if eos is not None else 257))
 
 
-LAYOUTS = ("onednn", "views", "packed")  # the compact engine's weight layouts; the first is the CPU default
+LAYOUTS = (
+    "rowdot",
+    "onednn",
+    "views",
+    "packed",
+)  # the compact engine's weight layouts; the first is the CPU default
+
+
+def usable_layouts(model) -> tuple[str, ...]:
+    """LAYOUTS less those that cannot run for this model's weights here (the row-dot kernel off x86 or
+    without a compiler; oneDNN off the CPU)."""
+    from mtpc.kernels import onednn_unsupported, rowdot_unsupported
+
+    w = model.get_output_embeddings().weight
+    why = {"rowdot": rowdot_unsupported(w.device, w.dtype), "onednn": onednn_unsupported(w.device, w.dtype)}
+    return tuple(lay for lay in LAYOUTS if why.get(lay) is None)
 
 
 def _shipped_head(label: str):
@@ -145,6 +160,7 @@ def engine_section(args) -> dict:
     from mtpc.shipped_heads import decode_defaults
 
     model, label = load_engine_model(args.model)
+    layouts = usable_layouts(model)
     eos, P, new, R = _eos(model), args.context, args.new_tokens, args.rounds
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     prompt = et.random_prompts(1, P, seed=args.seed)[0]
@@ -157,7 +173,7 @@ def engine_section(args) -> dict:
     hf1.load_lora_state_dict(bb1.lora_state_dict())
     default = LlamaEngine(bb0, cap).layout
     engines = {"hf_k0": AdapterEngine(hf0), "hf_k1": AdapterEngine(hf1)}
-    for lay in LAYOUTS:  # compact_k0 / _k1 / _k1_merged: the default layout; other layouts suffixed
+    for lay in layouts:  # compact_k0 / _k1 / _k1_merged: the default layout; other layouts suffixed
         sfx = "" if lay == default else f"_{lay}"
         engines[f"compact_k0{sfx}"] = LlamaEngine(bb0, cap, weights=lay)
         engines[f"compact_k1{sfx}"] = LlamaEngine(bb1, cap, weights=lay)
@@ -181,7 +197,7 @@ def engine_section(args) -> dict:
         out["floor_kernel"] = best
         ids_n = {n: torch.randint(0, 256, (n,), generator=g) for n in (2, 4, 8, 16)}
         ver = {}
-        for lay in LAYOUTS:
+        for lay in layouts:
             sfx = "" if lay == default else f"_{lay}"
             e = engines[f"compact_k0{sfx}"]
             ver[f"step{sfx}"] = et.engine_call(e, one, P)
@@ -190,12 +206,12 @@ def engine_section(args) -> dict:
         vres = et.timed(ver, args.reps, R, clock=clock)
         out["verify_ms"] = vres["ms"]
         out["short_verify_over_step"] = {n: et.ratio(vres, f"verify_{n}", "step") for n in (2, 4)}
-        for lay in LAYOUTS:
+        for lay in layouts:
             sfx = "" if lay == default else f"_{lay}"
             out[f"verify_over_step{sfx}"] = {
                 n: et.ratio(vres, f"verify_{n}{sfx}", f"step{sfx}") for n in (8, 16)
             }
-        for lay in LAYOUTS:
+        for lay in layouts:
             if lay != default:
                 out[f"{lay}_verify_over_{default}_verify"] = {
                     n: et.ratio(vres, f"verify_{n}_{lay}", f"verify_{n}") for n in (8, 16)
@@ -232,7 +248,7 @@ def engine_section(args) -> dict:
     # the cycle, our plain step and one HF generate step, interleaved per round
     head = et.make_head(bb0, "btree", 8, 8, 16)
     models = {"compact": MtpcModel(bb0, head)}
-    models |= {f"compact_{lay}": MtpcModel(bb0, head, weights=lay) for lay in LAYOUTS if lay != default}
+    models |= {f"compact_{lay}": MtpcModel(bb0, head, weights=lay) for lay in layouts if lay != default}
     models["hf"] = MtpcModel(hf0, head)
     if args.compile:
         models["compact_compiled"] = MtpcModel(bb0, head, compile=True)
@@ -317,7 +333,7 @@ def engine_section(args) -> dict:
          "cycle_over_plain_step": per_round("cycle_compact", "plain_step_compact"),
          "hf_engine_cycle_over_hf_generate_step": per_round("cycle_hf", "hf_generate_step")}  # fmt: skip
     r |= {f"floor_{k}_over_floor": et.ratio(steps, k, "floor") for k in floors}
-    for lay in LAYOUTS:
+    for lay in layouts:
         if lay == default:
             continue
         r[f"{lay}_step_over_floor"] = et.ratio(steps, f"compact_k0_{lay}", "floor")

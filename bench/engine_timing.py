@@ -119,25 +119,33 @@ def weight_floor(model) -> Callable[[], None]:
     return run
 
 
+def _layer_weights(model) -> list[dict[str, torch.Tensor]]:
+    """Per decoder layer, its HF weights by name (q k v o gate up down)."""
+    from mtpc.backbones.llama import _ATTN, _GROUPS
+
+    return [
+        {
+            n: getattr(layer.self_attn if n in _ATTN else layer.mlp, n).weight.detach()
+            for g in _GROUPS.values()
+            for n in g
+        }
+        for layer in model.model.layers
+    ]
+
+
 def weight_floors(model) -> dict[str, Callable[[], None]]:
     """Floors of a step, each reading every step weight once: "mkl_mv" (`weight_floor`: one
     F.linear of one row per HF weight), "onednn_mv" (one oneDNN product of one row per fused
     group, q|k|v o gate|up down and the lm_head, as the "onednn" engine layout holds them; where
-    oneDNN runs) and "read" (a sum over each weight: a plain read, no product)."""
-    from mtpc.backbones.llama import _ATTN, _GROUPS, _onednn_pack
-    from mtpc.kernels import onednn_linear, onednn_unsupported
+    oneDNN runs), "rowdot_mv" (the same groups through the row-dot kernel, as the "rowdot" layout
+    holds them; where it runs) and "read" (a sum over each weight: a plain read, no product)."""
+    from mtpc.backbones.llama import _GROUPS, _onednn_pack, _rowdot_pack
+    from mtpc.kernels import onednn_linear, onednn_unsupported, rowdot_linear, rowdot_unsupported
 
     ws = step_weights(model)
     out = {"mkl_mv": weight_floor(model)}
     if onednn_unsupported(ws[0].device, ws[0].dtype) is None:
-        mats = []
-        for layer in model.model.layers:
-            w = {
-                n: getattr(layer.self_attn if n in _ATTN else layer.mlp, n).weight.detach()
-                for g in _GROUPS.values()
-                for n in g
-            }
-            mats += [_onednn_pack([w[n] for n in ms]) for ms in _GROUPS.values()]
+        mats = [_onednn_pack([w[n] for n in ms]) for w in _layer_weights(model) for ms in _GROUPS.values()]
         mats.append(_onednn_pack([model.get_output_embeddings().weight.detach()]))
         xs = [torch.randn(1, m.shape[1], dtype=ws[0].dtype) for m in mats]
 
@@ -146,6 +154,16 @@ def weight_floors(model) -> dict[str, Callable[[], None]]:
                 onednn_linear(x, m)
 
         out["onednn_mv"] = onednn_mv
+    if rowdot_unsupported(ws[0].device, ws[0].dtype) is None:
+        rows = [_rowdot_pack([w[n] for n in ms]) for w in _layer_weights(model) for ms in _GROUPS.values()]
+        rows.append(_rowdot_pack([model.get_output_embeddings().weight.detach()]))
+        xr = [torch.randn(1, m.shape[1], dtype=ws[0].dtype) for m in rows]
+
+        def rowdot_mv():
+            for x, m in zip(xr, rows, strict=True):
+                rowdot_linear(x, m)
+
+        out["rowdot_mv"] = rowdot_mv
 
     def read():
         for w in ws:

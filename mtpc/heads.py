@@ -41,7 +41,14 @@ from torch.nn import functional as F
 
 from mtpc.atomic import sha256_file, write_bytes, write_json
 from mtpc.circuits import build_circuit
-from mtpc.kernels import onednn_linear, onednn_pack, use_onednn, warn_fallback
+from mtpc.kernels import (
+    onednn_linear,
+    onednn_pack,
+    rowdot_linear,
+    rowdot_unsupported,
+    use_onednn,
+    warn_fallback,
+)
 from mtpc.names import ArchitectureError, check_architecture
 
 FORMAT_VERSION = 2  # 2: config.json has known_byte (version-1 exports load as known_byte False)
@@ -318,8 +325,9 @@ class MtpcHead(nn.Module):
         `load_state_dict` bumps; writes through `.data`, invisible to autograd too, are not seen,
         nor are in-place writes to parameters that are inference tensors). Call it once per
         generation, not per cycle: the check costs tens of microseconds in a decoding loop.
-        onednn: multiply by oneDNN (mtpc.kernels; None: where it runs, CPU float32 / bf16; False
-        under torch.compile, which does not lower its blocked weights)."""
+        onednn: multiply by oneDNN (mtpc.kernels; None: automatic, the row-dot kernel where it runs
+        (x86 CPU, float32), else oneDNN where it runs (CPU float32 / bf16); False under
+        torch.compile, which lowers neither)."""
         stamp = tuple(
             (p.device, p.dtype, p.data_ptr(), -1 if p.is_inference() else p._version)
             for p in self.parameters()
@@ -343,18 +351,20 @@ class HeadDecoder:
 
     How: every weight that multiplies e (leaves W, or for App. G leaves the shared unembedding U
     and the deltas' A; every sum weight R) is copied once and concatenated into one matrix with
-    the biases beside it, so that one row-vector product reads each byte once: on the CPU in
-    float32 / bf16 an (N, d) copy in oneDNN's blocked format (`onednn`, mtpc.kernels: ~1.4x
-    faster than MKL's best layout on the CPU measured), else a transposed (d, N) copy for
-    `addmm` (about twice MKL's (N, d) layout there; cuBLAS on CUDA). App. G leaves are then U e + B (A e): one (1, k) x (k, v)
-    product per component on a transposed view of B (no copy) plus U e broadcast over the
-    components; nothing of size (n r, N, v) or (n, r, v, d) is formed. One log_softmax
-    normalises the leaves and one every sum unit (all have r children).
+    the biases beside it, so that one row-vector product reads each byte once: on an x86 CPU in
+    float32 the (N, d) copy as it is, multiplied by the row-dot kernel (`rowdot`, mtpc.kernels),
+    where it runs and the choice is automatic; else on the CPU in float32 / bf16 an (N, d) copy in
+    oneDNN's blocked format (`onednn`: ~1.4x faster than MKL's best layout on the CPU measured),
+    else a transposed (d, N) copy for `addmm` (about twice MKL's (N, d) layout there; cuBLAS on
+    CUDA). App. G leaves are then U e + B (A e): one (1, k) x (k, v) product per component on a
+    contiguous copy of B^T (a bmm reads it ~3x faster than a transposed view of B) plus U e
+    broadcast over the components; nothing of size (n r, N, v) or (n, r, v, d) is formed. One
+    log_softmax normalises the leaves and one every sum unit (all have r children).
 
     A known-byte head adds E[c] to e first (one row gathered on the device, `index_select`: no
-    host read, so c can be a graph's static input). A snapshot: it holds the copy of the weights it
-    was built from (the head's size again, but B, which it reads in place); `MtpcHead.decoder()` builds a new one after the head's weights
-    change.
+    host read, so c can be a graph's static input). A snapshot: it holds a copy of the weights it
+    was built from (the head's size again); `MtpcHead.decoder()` builds a new one after the head's
+    weights change.
     """
 
     def __init__(self, head: MtpcHead, onednn: bool | None = None) -> None:
@@ -373,13 +383,18 @@ class HeadDecoder:
             else:
                 blocks = [head.leaf_base.view(n * v, d), head.leaf_delta_in.view(n * r * k, d)]
                 delta_out = head.leaf_delta_out.detach()  # B (n, r, v, k)
-                self.delta_out = delta_out.view(n * r, v, k).transpose(1, 2)  # (n r, k, v) B^T, a view
+                # (n r, k, v) B^T as a contiguous copy: bmm reads it ~3x faster than the transposed view
+                self.delta_out = delta_out.view(n * r, v, k).transpose(1, 2).contiguous()
             sums = [head.sum_weight[name].view(-1, d) for name in self.sum_names]
             stacked = torch.cat([b.detach() for b in blocks + sums])  # (N, d)
             self.dtype, width, device = stacked.dtype, stacked.shape[0], stacked.device
-            # (N, d) blocked for oneDNN, or (d, N) for addmm; the copy is the head's size again
-            self.onednn = use_onednn(onednn, device, self.dtype, "head decoder")
-            if self.onednn:
+            # (N, d) as it is for the row-dot kernel, blocked for oneDNN, or (d, N) for addmm; the
+            # copy is the head's size again
+            self.rowdot = onednn is None and rowdot_unsupported(device, self.dtype) is None
+            self.onednn = not self.rowdot and use_onednn(onednn, device, self.dtype, "head decoder")
+            if self.rowdot:
+                self.weight = stacked.contiguous()
+            elif self.onednn:
                 try:
                     self.weight = onednn_pack(stacked)
                 except (
@@ -389,7 +404,7 @@ class HeadDecoder:
                         raise
                     self.onednn = False
                     warn_fallback("head decoder", err, "addmm")
-            if not self.onednn:
+            if not (self.onednn or self.rowdot):
                 self.weight = stacked.t().contiguous()
             del stacked
             self.bias = torch.zeros(
@@ -429,10 +444,12 @@ class HeadDecoder:
                 got = "none" if c is None else f"{c.dtype} {tuple(c.shape)}"
                 raise ValueError(f"c: a known-byte head needs the known byte, one integer id; got {got}")
             e = e + self.known.index_select(0, c.reshape(1)).view(-1)  # u = e + E[c]
-        if self.onednn:
-            y = onednn_linear(e.unsqueeze(0), self.weight, self.bias_vec).view(
+        if self.rowdot:
+            y = rowdot_linear(e.unsqueeze(0), self.weight, self.bias_vec).view(
                 -1
             )  # (N,) every e-dependent logit
+        elif self.onednn:
+            y = onednn_linear(e.unsqueeze(0), self.weight, self.bias_vec).view(-1)
         else:
             y = torch.addmm(self.bias, e.unsqueeze(0), self.weight).view(-1)
         if self.delta_out is None:

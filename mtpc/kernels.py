@@ -14,11 +14,24 @@ but the per-call reorder.
 without oneDNN) or None; `use_onednn` applies the rule the engine and the head decoder share
 (asked for / automatic / off), `warn_fallback` says when the automatic choice fell back. Leaves out: CUDA (cuBLAS reads at speed there), autograd (decoding
 only), torch.compile (inductor does not lower the blocked weights).
+
+The row-dot kernel (mtpc/csrc/rowdot.cpp, float32, x86 with AVX2 + FMA) multiplies by W in its own
+(out, in) layout, a row's bits the same whatever the number of rows in the call (so the verify's
+rows equal the step's exactly), and reads W at about memory speed for one row and at 1.2-1.4x one
+row's time for four (oneDNN's: 1.3-1.6x and ~1.6x; bench/bench_decode.py's engine section). It is
+compiled once per machine on first use (`torch.utils.cpp_extension`, a C++ compiler and ninja,
+~30 s) into torch's extensions folder (`$TORCH_EXTENSIONS_DIR`, else ~/.cache/torch_extensions):
+
+    rowdot_unsupported(device, dtype)   # why it cannot run here (one line), or None; builds it
+    y = rowdot_linear(x, W, bias)       # x (..., in) -> x W^T + bias (..., out); W contiguous (out, in)
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import warnings
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -75,3 +88,83 @@ def onednn_linear(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tens
     """x (..., in) -> x W^T (+ bias (out,)) (..., out) for a `onednn_pack`ed W. A row's product came
     out the same bits whether the call held 1 or 8 rows (MKL's sgemm here does not)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+# --- the row-dot kernel (mtpc/csrc/rowdot.cpp) -------------------------------------------------
+
+ROWDOT_SOURCE = Path(__file__).resolve().parent / "csrc" / "rowdot.cpp"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+@functools.cache
+def _rowdot_module() -> tuple[object | None, str | None]:
+    """(the compiled extension, None) or (None, why it is not there); built once per process."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"the row-dot kernel is x86 code (this machine: {platform.machine()})"
+    missing = {"avx2", "fma"} - _cpu_flags()
+    if missing:
+        return None, f"the row-dot kernel needs a CPU with {' and '.join(sorted(missing))}"
+    try:
+        from torch.utils import cpp_extension
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            module = cpp_extension.load(  # into torch's extensions folder ($TORCH_EXTENSIONS_DIR)
+                name="mtpc_rowdot",
+                sources=[str(ROWDOT_SOURCE)],
+                extra_cflags=["-O3", "-mavx2", "-mfma"],
+                verbose=os.environ.get("MTPC_VERBOSE_BUILD") == "1",
+            )
+    except Exception as err:  # no compiler, no ninja, a failed build: say so in one line
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return None, f"the row-dot kernel did not build ({type(err).__name__}: {first[:200]})"
+    return module, None
+
+
+def rowdot_unsupported(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Why the row-dot kernel cannot run here (one line), or None; builds it on the first call."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return f"weights='rowdot' runs on the CPU only (the weights are on {device})"
+    if dtype != torch.float32:
+        return f"weights='rowdot' needs float32 weights (got {dtype})"
+    return _rowdot_module()[1]
+
+
+def rowdot_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (..., in) float32 -> x W^T (+ bias (out,)) (..., out) for W (out, in) contiguous float32 on
+    the CPU; row m of the result has the same bits whatever the number of rows (see the module
+    docstring). Raises RuntimeError where `rowdot_unsupported` gives a reason."""
+    module, why = _rowdot_module()
+    if module is None:
+        raise RuntimeError(why)
+    return module.rowdot_linear(x, weight, bias)
+
+
+def main() -> int:
+    """`python -m mtpc.kernels`: build the row-dot kernel now (`make test` and `make demo` do, so no
+    run pays the build later) and say in one line whether the engine will use it. Exit 0 either way:
+    without it the engine multiplies by oneDNN."""
+    import time
+
+    t0 = time.perf_counter()
+    why = rowdot_unsupported("cpu", torch.float32)
+    if why:
+        print(f"mtpc: {why}; the CPU engine multiplies by oneDNN instead")
+    else:
+        print(f"mtpc: row-dot kernel ready ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -34,7 +34,7 @@ DRAFT_LORA_MODES: tuple[str, ...] = ("lowrank", "merged")
 #: packed (one transposed (in, out) copy, q|k|v and gate|up fused: fewer products) or onednn (the
 #: same groups in oneDNN's blocked format, multiplied by oneDNN: CPU, float32 / bf16 only, the
 #: default there; elsewhere views is)
-ENGINE_WEIGHT_LAYOUTS: tuple[str, ...] = ("views", "packed", "onednn")
+ENGINE_WEIGHT_LAYOUTS: tuple[str, ...] = ("views", "packed", "onednn", "rowdot")
 #: how the compact engine attends in its static-shape calls: sdpa (torch's attention over the whole
 #: capacity with a mask, the default) or split_kv (the split-KV Triton kernel over the live length read
 #: from a device tensor: CUDA with triton, unverified on a GPU; mtpc/backbones/decode_attention.py)

@@ -57,7 +57,14 @@ from torch.nn import functional as F
 
 from mtpc.backbones.common import Backbone, StepOutput
 from mtpc.backbones.decode_attention import split_kv_decode_attention, split_kv_unsupported
-from mtpc.kernels import onednn_linear, onednn_pack, use_onednn, warn_fallback
+from mtpc.kernels import (
+    onednn_linear,
+    onednn_pack,
+    rowdot_linear,
+    rowdot_unsupported,
+    use_onednn,
+    warn_fallback,
+)
 from mtpc.names import DRAFT_LORA_MODES, ENGINE_ATTENTION, ENGINE_WEIGHT_LAYOUTS
 
 ROPE_TYPES = ("default", "llama3")  # the rotary variants this forward implements
@@ -314,6 +321,14 @@ def _onednn_pack(mats: list[Tensor]) -> Tensor:
     return onednn_pack(torch.cat(mats, dim=0))
 
 
+def _rowdot_pack(mats: list[Tensor]) -> Tensor:
+    """(out_i, in) matrices -> one contiguous (sum out_i, in) copy: `rowdot_linear(x, it)` == cat(x W_i^T)."""
+    return torch.cat(mats, dim=0).contiguous()
+
+
+_PACKERS = {"packed": _pack, "onednn": _onednn_pack, "rowdot": _rowdot_pack}  # layout -> its group copy
+
+
 def _layer(hf_layer: Any, draft_layer: Any | None, lora_mode: str, layout: str) -> _Layer:
     attn, mlp = hf_layer.self_attn, hf_layer.mlp
     w = {n: getattr(attn, n).weight.detach() for n in _ATTN} | {
@@ -330,13 +345,13 @@ def _layer(hf_layer: Any, draft_layer: Any | None, lora_mode: str, layout: str) 
             lo = _peft_lora(mod)
             if lo is not None:
                 lora[n] = lo
-    pack = {"packed": _pack, "onednn": _onednn_pack}.get(layout)
+    pack = _PACKERS.get(layout)
     packed = {g: pack([w[n] for n in ms]) for g, ms in _GROUPS.items()} if pack else {}
     merged: dict[str, Any] = {}
     if lora_mode == "merged" and draft_layer is not None:  # a copy: the draft top's merged weights
-        if layout == "onednn":  # (verifier, draft) blocked copies: one product per top row
+        if layout in ("onednn", "rowdot"):  # (verifier, draft) copies: one product per top row
             for g, ms in _GROUPS.items():
-                merged[g] = (packed[g], _onednn_pack([_merge(w[n], lora.get(n)) for n in ms]))
+                merged[g] = (packed[g], pack([_merge(w[n], lora.get(n)) for n in ms]))
         elif layout == "packed":
             for g, ms in _GROUPS.items():
                 merged[g] = torch.stack([packed[g], _pack([_merge(w[n], lora.get(n)) for n in ms])])
@@ -426,7 +441,19 @@ class LlamaEngine:
         if compile and static is False:
             raise ValueError("compile=True needs static shapes: pass static=True or None")
         auto = weights is None
-        if weights == "onednn" or auto:  # auto: oneDNN's products where they run, else the HF views
+        if auto and not compile and rowdot_unsupported(self.device, self.dtype) is None:
+            weights = (
+                "rowdot"  # auto: the row-dot kernel where it runs (x86, float32), else oneDNN, else views
+            )
+        if weights == "rowdot":
+            reason = (
+                "weights='rowdot' does not combine with compile=True (use views or packed)"
+                if compile
+                else rowdot_unsupported(self.device, self.dtype)
+            )
+            if reason:
+                raise ValueError(f"compact Llama forward: {reason}")
+        elif weights == "onednn" or auto:  # auto: oneDNN's products where they run, else the HF views
             if compile and weights:
                 raise ValueError(
                     "compact Llama forward: weights='onednn' does not combine with compile=True (use views or packed)"
@@ -445,7 +472,7 @@ class LlamaEngine:
             self._build_weights()
         # the one-row fast path (`_block_one`): fused layouts, layers without LoRA (the trunk)
         self._one_row = self.layout != "views"
-        self._mm = onednn_linear if self.layout == "onednn" else torch.matmul
+        self._mm = {"onednn": onednn_linear, "rowdot": rowdot_linear}.get(self.layout, torch.matmul)
         self._qk_width = (self.args.n_heads + self.args.n_kv_heads) * self.args.head_dim
         self.static = (self.device.type == "cuda" or compile) if static is None else static
         self.cuda_graphs = bool(cuda_graphs and self.static and self.device.type == "cuda")
@@ -490,8 +517,10 @@ class LlamaEngine:
         ]
         self.norm = inner.norm.weight.detach()  # (d,)
         self.lm_head = self._model.get_output_embeddings().weight.detach()  # (v, d)
-        pack = {"packed": _pack, "onednn": _onednn_pack}.get(self.layout)
-        self.lm_head_packed = pack([self.lm_head]) if pack else None  # (d, v) or blocked: the layout's copy
+        pack = _PACKERS.get(self.layout)
+        self.lm_head_packed = (
+            pack([self.lm_head]) if pack else None
+        )  # (d, v), blocked or (v, d): the layout's copy
         # what the copies were made from: the base weights (packed), the top's LoRA too (merged)
         merged = any(L.merged for L in self.layers)
         base = [self.lm_head] + [t for L in self.layers for t in L.w.values()]
@@ -632,10 +661,8 @@ class LlamaEngine:
             return tuple(self._linear(x, layer, n) for n in members)
         if not layer.merged:
             y = self._mm(x, layer.packed[group])  # (rows, T, out): one product, column slices below
-        elif self.layout == "onednn":  # one product per top row, each with its own weights
-            y = torch.stack(
-                [onednn_linear(x[0], layer.merged[group][0]), onednn_linear(x[1], layer.merged[group][1])]
-            )
+        elif self.layout in ("onednn", "rowdot"):  # one product per top row, each with its own weights
+            y = torch.stack([self._mm(x[0], layer.merged[group][0]), self._mm(x[1], layer.merged[group][1])])
         else:
             y = torch.matmul(x, layer.merged[group])  # (2, T, in) @ (2, in, out): one batched product
         parts = y.split(layer.widths[group], dim=-1)  # column views, one per member

@@ -13,6 +13,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from mtpc.heads import HeadConfig, MtpcHead
+from mtpc.kernels import rowdot_unsupported
 from mtpc.names import CIRCUIT_KINDS
 
 V, D = 7, 6
@@ -172,21 +173,26 @@ def test_draft_reads_nothing_back(kind, greedy):
 
 @pytest.mark.parametrize("kind", CIRCUIT_KINDS)
 @pytest.mark.parametrize("delta", [0, 2])
-def test_onednn_product_in_float32(kind, delta):
-    """On the CPU in float32 the decoder multiplies by oneDNN (the default there; not in float64):
-    its parameters equal the training path's and the addmm decoder's to float32 rounding, and a
-    sum bias the blocked product leaves out would show up as O(1)."""
+def test_cpu_float32_products(kind, delta):
+    """On the CPU in float32 the decoder multiplies by the row-dot kernel where it runs (the
+    automatic choice), else by oneDNN (asked for with onednn=True; never in float64): each
+    decoder's parameters equal the training path's and the addmm decoder's to float32 rounding,
+    and a sum bias a product left out would show up as O(1)."""
     head = make_head(kind, 8, delta=delta, dtype=torch.float32)
     e = torch.randn(D)
-    dec, mkl = head.decoder(), head.decoder(onednn=False)
-    assert make_head(kind, 3).decoder().onednn is False  # float64: addmm
-    assert head.decoder() is not mkl and head.decoder().onednn is True
+    auto, dnn, mkl = head.decoder(), head.decoder(onednn=True), head.decoder(onednn=False)
+    assert (
+        make_head(kind, 3).decoder().onednn is False and not make_head(kind, 3).decoder().rowdot
+    )  # float64: addmm
+    rowdot = rowdot_unsupported("cpu", torch.float32) is None
+    assert auto.rowdot is rowdot and auto.onednn is not rowdot
+    assert dnn.onednn and not dnn.rowdot and not (mkl.onednn or mkl.rowdot)
     with torch.inference_mode():
-        got, ref, want = head.decoder().params(e), mkl.params(e), old_params(head, e)
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0)
-        torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=0)
-    assert dec.onednn and not mkl.onednn
+        want = old_params(head, e)
+        for dec in (auto, dnn, mkl):
+            got = dec.params(e)
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0)
     if head.sum_names:  # not vacuous: the sums carry biases that move the result
         assert any(float(head.sum_bias[n].detach().abs().max()) > 0.1 for n in head.sum_names)
 
@@ -205,6 +211,7 @@ def test_automatic_onednn_falls_back_to_addmm_when_oneDNN_cannot_reorder(monkeyp
         raise RuntimeError("could not create a primitive")
 
     monkeypatch.setattr(heads, "onednn_pack", broken)
+    monkeypatch.setattr(heads, "rowdot_unsupported", lambda device, dtype: "no row-dot kernel here")
     head = make_head("cp", 4, dtype=torch.float32)
     e = torch.randn(D)
     with pytest.warns(RuntimeWarning, match="oneDNN could not reorder the weights"):

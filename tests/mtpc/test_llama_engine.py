@@ -18,6 +18,7 @@ from torch.testing import assert_close
 
 from mtpc.backbones import AdapterEngine, BackboneAdapter, LlamaEngine, load_backbone, make_engine
 from mtpc.backbones.llama import LlamaArgs, llama_unsupported, rope_inv_freq
+from mtpc.kernels import rowdot_unsupported
 from tests.backbone_helpers import randomize_lora, set_rope, tiny_llama
 
 L = 4
@@ -413,28 +414,44 @@ def _f32_adapter(k, seed=1, **kw):
     return bb
 
 
+# the row-dot kernel's tests are skipped, saying why, where it does not build (not x86 with AVX2 +
+# FMA, or no C++ compiler); there the CPU float32 default is oneDNN
+ROWDOT_WHY = rowdot_unsupported("cpu", torch.float32)
+ROWDOT = pytest.mark.skipif(ROWDOT_WHY is not None, reason=str(ROWDOT_WHY))
+DEFAULT_F32 = "onednn" if ROWDOT_WHY else "rowdot"
+
+
+def _float32_layouts():
+    """The float32-only CPU layouts: oneDNN and the row-dot kernel."""
+    return ["onednn", pytest.param("rowdot", marks=ROWDOT)]
+
+
+@pytest.mark.parametrize("weights", _float32_layouts())
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("k", [0, 1, L])
-def test_onednn_layout_close_to_hf_in_float32(k, static):
-    """oneDNN has no float64: in float32 every segment stays within 1e-4 of the HF forward over the
-    script (prefill, steps, verifies, crops); a wrong group order or column split is off by O(1)."""
+def test_float32_layouts_close_to_hf(k, static, weights):
+    """oneDNN has no float64 and the row-dot kernel is float32 only: in float32 every segment stays
+    within 1e-4 of the HF forward over the script (prefill, steps, verifies, crops); a wrong group
+    order or column split is off by O(1)."""
     bb = _f32_adapter(k)
-    engine = LlamaEngine(bb, capacity=40, static=static)
-    assert engine.layout == "onednn" and engine.lm_head_packed is not None  # the CPU float32 default
+    engine = LlamaEngine(bb, capacity=40, static=static, weights=weights)
+    assert engine.layout == weights and engine.lm_head_packed is not None
     _run_script(engine, bb, vocab=16, atol=1e-4)
 
 
+@pytest.mark.parametrize("weights", _float32_layouts())
 @pytest.mark.parametrize("kw", [{"rope": LLAMA3, "max_context": 128}, {"heads": 4, "kv_heads": 1, "tie": True}],
                          ids=["llama3-rope", "gqa4-tied"])  # fmt: skip
-def test_onednn_variants_close_to_hf(kw):
+def test_float32_layout_variants_close_to_hf(kw, weights):
     bb = _f32_adapter(1, **kw)
-    _run_script(LlamaEngine(bb, capacity=64, weights="onednn"), bb, vocab=16, atol=1e-4)
+    _run_script(LlamaEngine(bb, capacity=64, weights=weights), bb, vocab=16, atol=1e-4)
 
 
-def test_onednn_merged_lora_and_rebuild_after_in_place_changes():
+@pytest.mark.parametrize("weights", _float32_layouts())
+def test_float32_layout_merged_lora_and_rebuild_after_in_place_changes(weights):
     bb = _f32_adapter(2)
     model = bb.model
-    low, merged = LlamaEngine(bb, 32, weights="onednn"), LlamaEngine(bb, 32, weights="onednn", lora="merged")
+    low, merged = LlamaEngine(bb, 32, weights=weights), LlamaEngine(bb, 32, weights=weights, lora="merged")
     ids = torch.randint(0, 16, (9,))
     a, b = low.feed(ids), merged.feed(ids)
     assert_close(b.draft_hidden, a.draft_hidden, rtol=0, atol=1e-4)
@@ -456,16 +473,22 @@ def test_onednn_merged_lora_and_rebuild_after_in_place_changes():
 def test_default_layout_per_dtype_and_refusals():
     f64, f32 = _adapter(_model(), 0), _f32_adapter(0)
     assert LlamaEngine(f64, 16).layout == "views"  # oneDNN has no float64
-    assert LlamaEngine(f32, 16).layout == "onednn"
-    assert LlamaEngine(f32, 16, compile=True).layout == "views"  # inductor does not lower oneDNN's weights
+    assert LlamaEngine(f32, 16).layout == DEFAULT_F32
+    assert LlamaEngine(f32, 16, compile=True).layout == "views"  # inductor lowers neither kernel
     with pytest.raises(ValueError, match=r"weights='onednn' needs float32 or bfloat16.*float64"):
         LlamaEngine(f64, 16, weights="onednn")
     with pytest.raises(ValueError, match=r"weights='onednn' does not combine with compile=True"):
         LlamaEngine(f32, 16, weights="onednn", compile=True)
+    with pytest.raises(ValueError, match=r"weights='rowdot' needs float32 weights \(got torch.float64\)"):
+        LlamaEngine(f64, 16, weights="rowdot")
+    with pytest.raises(ValueError, match=r"weights='rowdot' does not combine with compile=True"):
+        LlamaEngine(f32, 16, weights="rowdot", compile=True)
 
 
 @pytest.mark.parametrize(
-    "weights,dtype", [("onednn", torch.float32), ("packed", torch.float64), ("packed", torch.float32)]
+    "weights,dtype",
+    [("onednn", torch.float32), ("packed", torch.float64), ("packed", torch.float32)]
+    + [pytest.param("rowdot", torch.float32, marks=ROWDOT)],
 )
 @pytest.mark.parametrize("k", [0, 1])
 def test_one_row_fast_path_gives_the_generic_blocks_bits(weights, dtype, k):
@@ -500,6 +523,7 @@ def test_automatic_onednn_choice_falls_back_to_views_when_oneDNN_cannot_reorder(
         raise RuntimeError("could not create a primitive")
 
     monkeypatch.setattr(llama, "onednn_pack", broken)
+    monkeypatch.setattr(llama, "rowdot_unsupported", lambda device, dtype: "no row-dot kernel here")
     bb = _f32_adapter(1)
     with pytest.warns(RuntimeWarning, match="oneDNN could not reorder the weights"):
         engine = LlamaEngine(bb, 32)  # the automatic choice falls back, and says why
@@ -513,7 +537,7 @@ def test_engine_label_names_the_engine_and_layout():
     from mtpc import MtpcModel
 
     spec = {"kind": "cp", "window": 3, "rank": 2}
-    assert MtpcModel.from_components(_f32_adapter(0), spec).engine_label() == "compact/onednn"
+    assert MtpcModel.from_components(_f32_adapter(0), spec).engine_label() == f"compact/{DEFAULT_F32}"
     assert MtpcModel.from_components(_adapter(_model(), 0), spec).engine_label() == "compact/views"
     assert (
         MtpcModel.from_components(_f32_adapter(0), spec, weights="packed").engine_label() == "compact/packed"

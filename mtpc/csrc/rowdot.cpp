@@ -1,0 +1,369 @@
+// Row-vector products for decoding on x86 CPUs with AVX2 + FMA (float32): y = x W^T (+ b).
+//
+// Built on first use by mtpc/kernels.py (torch.utils.cpp_extension, -O3 -mavx2 -mfma) and used by
+// the compact engine's "rowdot" weight layout and the head decoder. W stays in its (out, in)
+// row-major layout; x is (M, in) with M the rows of one call (1 for the plain step, n for the
+// verify of n bytes).
+//
+// The bits of a row do not depend on M: every output (m, o) accumulates in one 8-lane register,
+// lane l taking i = l, l + 8, ... in order, then a fixed horizontal sum, the tail (in % 8) in order
+// and the bias. The tiling (how many rows and outputs share a pass) only changes which products
+// run side by side, never a row's arithmetic. So a verify row equals the step's row exactly.
+//
+// Speed: per block of 48 outputs (48 rows of W stay in L2) the rows go through in tiles of 4, 3, 2
+// or 1 with 3, 3, 4 or 8 outputs each, so a tile keeps 8-12 accumulators in registers and reuses
+// each loaded W vector for every row of the tile; each tile prefetches the next tile's rows of W at
+// the offset it reads (a prefetch past the end of W is a hint that never faults). The tiles are written out (not loops over arrays of __m256, whose
+// may_alias type makes GCC store the accumulators on every iteration).
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+static inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  __m128 s = _mm_add_ps(lo, hi);                  // l0+l4, l1+l5, l2+l6, l3+l7
+  __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));  // (l0+l4)+(l2+l6), (l1+l5)+(l3+l7)
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+static inline float finish(__m256 acc, const float* x, const float* w, int64_t k8, int64_t K, const float* b) {
+  float s = hsum(acc);
+  for (int64_t i = k8; i < K; ++i) s += x[i] * w[i];
+  return b ? s + *b : s;
+}
+
+// tile_RxC: R rows of x times C consecutive rows of W (C outputs), K inputs
+static inline void tile_1x8(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
+                            float* __restrict y, int64_t ldy, const float* __restrict b) {
+  __m256 a00 = _mm256_setzero_ps();
+  __m256 a01 = _mm256_setzero_ps();
+  __m256 a02 = _mm256_setzero_ps();
+  __m256 a03 = _mm256_setzero_ps();
+  __m256 a04 = _mm256_setzero_ps();
+  __m256 a05 = _mm256_setzero_ps();
+  __m256 a06 = _mm256_setzero_ps();
+  __m256 a07 = _mm256_setzero_ps();
+  const int64_t k8 = K & ~int64_t(7);
+  for (int64_t i = 0; i < k8; i += 8) {
+    _mm_prefetch((const char*)(w + (8 + 0) * K + i), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w + (8 + 1) * K + i), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w + (8 + 2) * K + i), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w + (8 + 3) * K + i), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w + (8 + 4) * K + i), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w + (8 + 5) * K + i), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w + (8 + 6) * K + i), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w + (8 + 7) * K + i), _MM_HINT_T0);
+    const __m256 w0 = _mm256_loadu_ps(w + 0 * K + i);
+    const __m256 w1 = _mm256_loadu_ps(w + 1 * K + i);
+    const __m256 w2 = _mm256_loadu_ps(w + 2 * K + i);
+    const __m256 w3 = _mm256_loadu_ps(w + 3 * K + i);
+    const __m256 w4 = _mm256_loadu_ps(w + 4 * K + i);
+    const __m256 w5 = _mm256_loadu_ps(w + 5 * K + i);
+    const __m256 w6 = _mm256_loadu_ps(w + 6 * K + i);
+    const __m256 w7 = _mm256_loadu_ps(w + 7 * K + i);
+    { const __m256 xv = _mm256_loadu_ps(x + 0 * ldx + i);
+      a00 = _mm256_fmadd_ps(xv, w0, a00);
+      a01 = _mm256_fmadd_ps(xv, w1, a01);
+      a02 = _mm256_fmadd_ps(xv, w2, a02);
+      a03 = _mm256_fmadd_ps(xv, w3, a03);
+      a04 = _mm256_fmadd_ps(xv, w4, a04);
+      a05 = _mm256_fmadd_ps(xv, w5, a05);
+      a06 = _mm256_fmadd_ps(xv, w6, a06);
+      a07 = _mm256_fmadd_ps(xv, w7, a07);
+    }
+  }
+  y[0 * ldy + 0] = finish(a00, x + 0 * ldx, w + 0 * K, k8, K, b ? b + 0 : nullptr);
+  y[0 * ldy + 1] = finish(a01, x + 0 * ldx, w + 1 * K, k8, K, b ? b + 1 : nullptr);
+  y[0 * ldy + 2] = finish(a02, x + 0 * ldx, w + 2 * K, k8, K, b ? b + 2 : nullptr);
+  y[0 * ldy + 3] = finish(a03, x + 0 * ldx, w + 3 * K, k8, K, b ? b + 3 : nullptr);
+  y[0 * ldy + 4] = finish(a04, x + 0 * ldx, w + 4 * K, k8, K, b ? b + 4 : nullptr);
+  y[0 * ldy + 5] = finish(a05, x + 0 * ldx, w + 5 * K, k8, K, b ? b + 5 : nullptr);
+  y[0 * ldy + 6] = finish(a06, x + 0 * ldx, w + 6 * K, k8, K, b ? b + 6 : nullptr);
+  y[0 * ldy + 7] = finish(a07, x + 0 * ldx, w + 7 * K, k8, K, b ? b + 7 : nullptr);
+}
+
+static inline void tile_1x1(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
+                            float* __restrict y, int64_t ldy, const float* __restrict b) {
+  __m256 a00 = _mm256_setzero_ps();
+  const int64_t k8 = K & ~int64_t(7);
+  for (int64_t i = 0; i < k8; i += 8) {
+    _mm_prefetch((const char*)(w + (1 + 0) * K + i), _MM_HINT_T0);
+    const __m256 w0 = _mm256_loadu_ps(w + 0 * K + i);
+    { const __m256 xv = _mm256_loadu_ps(x + 0 * ldx + i);
+      a00 = _mm256_fmadd_ps(xv, w0, a00);
+    }
+  }
+  y[0 * ldy + 0] = finish(a00, x + 0 * ldx, w + 0 * K, k8, K, b ? b + 0 : nullptr);
+}
+
+static inline void tile_2x4(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
+                            float* __restrict y, int64_t ldy, const float* __restrict b) {
+  __m256 a00 = _mm256_setzero_ps();
+  __m256 a01 = _mm256_setzero_ps();
+  __m256 a02 = _mm256_setzero_ps();
+  __m256 a03 = _mm256_setzero_ps();
+  __m256 a10 = _mm256_setzero_ps();
+  __m256 a11 = _mm256_setzero_ps();
+  __m256 a12 = _mm256_setzero_ps();
+  __m256 a13 = _mm256_setzero_ps();
+  const int64_t k8 = K & ~int64_t(7);
+  for (int64_t i = 0; i < k8; i += 8) {
+    _mm_prefetch((const char*)(w + (4 + 0) * K + i), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w + (4 + 1) * K + i), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w + (4 + 2) * K + i), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w + (4 + 3) * K + i), _MM_HINT_T0);
+    const __m256 w0 = _mm256_loadu_ps(w + 0 * K + i);
+    const __m256 w1 = _mm256_loadu_ps(w + 1 * K + i);
+    const __m256 w2 = _mm256_loadu_ps(w + 2 * K + i);
+    const __m256 w3 = _mm256_loadu_ps(w + 3 * K + i);
+    { const __m256 xv = _mm256_loadu_ps(x + 0 * ldx + i);
+      a00 = _mm256_fmadd_ps(xv, w0, a00);
+      a01 = _mm256_fmadd_ps(xv, w1, a01);
+      a02 = _mm256_fmadd_ps(xv, w2, a02);
+      a03 = _mm256_fmadd_ps(xv, w3, a03);
+    }
+    { const __m256 xv = _mm256_loadu_ps(x + 1 * ldx + i);
+      a10 = _mm256_fmadd_ps(xv, w0, a10);
+      a11 = _mm256_fmadd_ps(xv, w1, a11);
+      a12 = _mm256_fmadd_ps(xv, w2, a12);
+      a13 = _mm256_fmadd_ps(xv, w3, a13);
+    }
+  }
+  y[0 * ldy + 0] = finish(a00, x + 0 * ldx, w + 0 * K, k8, K, b ? b + 0 : nullptr);
+  y[0 * ldy + 1] = finish(a01, x + 0 * ldx, w + 1 * K, k8, K, b ? b + 1 : nullptr);
+  y[0 * ldy + 2] = finish(a02, x + 0 * ldx, w + 2 * K, k8, K, b ? b + 2 : nullptr);
+  y[0 * ldy + 3] = finish(a03, x + 0 * ldx, w + 3 * K, k8, K, b ? b + 3 : nullptr);
+  y[1 * ldy + 0] = finish(a10, x + 1 * ldx, w + 0 * K, k8, K, b ? b + 0 : nullptr);
+  y[1 * ldy + 1] = finish(a11, x + 1 * ldx, w + 1 * K, k8, K, b ? b + 1 : nullptr);
+  y[1 * ldy + 2] = finish(a12, x + 1 * ldx, w + 2 * K, k8, K, b ? b + 2 : nullptr);
+  y[1 * ldy + 3] = finish(a13, x + 1 * ldx, w + 3 * K, k8, K, b ? b + 3 : nullptr);
+}
+
+static inline void tile_2x1(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
+                            float* __restrict y, int64_t ldy, const float* __restrict b) {
+  __m256 a00 = _mm256_setzero_ps();
+  __m256 a10 = _mm256_setzero_ps();
+  const int64_t k8 = K & ~int64_t(7);
+  for (int64_t i = 0; i < k8; i += 8) {
+    _mm_prefetch((const char*)(w + (1 + 0) * K + i), _MM_HINT_T0);
+    const __m256 w0 = _mm256_loadu_ps(w + 0 * K + i);
+    { const __m256 xv = _mm256_loadu_ps(x + 0 * ldx + i);
+      a00 = _mm256_fmadd_ps(xv, w0, a00);
+    }
+    { const __m256 xv = _mm256_loadu_ps(x + 1 * ldx + i);
+      a10 = _mm256_fmadd_ps(xv, w0, a10);
+    }
+  }
+  y[0 * ldy + 0] = finish(a00, x + 0 * ldx, w + 0 * K, k8, K, b ? b + 0 : nullptr);
+  y[1 * ldy + 0] = finish(a10, x + 1 * ldx, w + 0 * K, k8, K, b ? b + 0 : nullptr);
+}
+
+static inline void tile_3x3(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
+                            float* __restrict y, int64_t ldy, const float* __restrict b) {
+  __m256 a00 = _mm256_setzero_ps();
+  __m256 a01 = _mm256_setzero_ps();
+  __m256 a02 = _mm256_setzero_ps();
+  __m256 a10 = _mm256_setzero_ps();
+  __m256 a11 = _mm256_setzero_ps();
+  __m256 a12 = _mm256_setzero_ps();
+  __m256 a20 = _mm256_setzero_ps();
+  __m256 a21 = _mm256_setzero_ps();
+  __m256 a22 = _mm256_setzero_ps();
+  const int64_t k8 = K & ~int64_t(7);
+  for (int64_t i = 0; i < k8; i += 8) {
+    _mm_prefetch((const char*)(w + (3 + 0) * K + i), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w + (3 + 1) * K + i), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w + (3 + 2) * K + i), _MM_HINT_T0);
+    const __m256 w0 = _mm256_loadu_ps(w + 0 * K + i);
+    const __m256 w1 = _mm256_loadu_ps(w + 1 * K + i);
+    const __m256 w2 = _mm256_loadu_ps(w + 2 * K + i);
+    { const __m256 xv = _mm256_loadu_ps(x + 0 * ldx + i);
+      a00 = _mm256_fmadd_ps(xv, w0, a00);
+      a01 = _mm256_fmadd_ps(xv, w1, a01);
+      a02 = _mm256_fmadd_ps(xv, w2, a02);
+    }
+    { const __m256 xv = _mm256_loadu_ps(x + 1 * ldx + i);
+      a10 = _mm256_fmadd_ps(xv, w0, a10);
+      a11 = _mm256_fmadd_ps(xv, w1, a11);
+      a12 = _mm256_fmadd_ps(xv, w2, a12);
+    }
+    { const __m256 xv = _mm256_loadu_ps(x + 2 * ldx + i);
+      a20 = _mm256_fmadd_ps(xv, w0, a20);
+      a21 = _mm256_fmadd_ps(xv, w1, a21);
+      a22 = _mm256_fmadd_ps(xv, w2, a22);
+    }
+  }
+  y[0 * ldy + 0] = finish(a00, x + 0 * ldx, w + 0 * K, k8, K, b ? b + 0 : nullptr);
+  y[0 * ldy + 1] = finish(a01, x + 0 * ldx, w + 1 * K, k8, K, b ? b + 1 : nullptr);
+  y[0 * ldy + 2] = finish(a02, x + 0 * ldx, w + 2 * K, k8, K, b ? b + 2 : nullptr);
+  y[1 * ldy + 0] = finish(a10, x + 1 * ldx, w + 0 * K, k8, K, b ? b + 0 : nullptr);
+  y[1 * ldy + 1] = finish(a11, x + 1 * ldx, w + 1 * K, k8, K, b ? b + 1 : nullptr);
+  y[1 * ldy + 2] = finish(a12, x + 1 * ldx, w + 2 * K, k8, K, b ? b + 2 : nullptr);
+  y[2 * ldy + 0] = finish(a20, x + 2 * ldx, w + 0 * K, k8, K, b ? b + 0 : nullptr);
+  y[2 * ldy + 1] = finish(a21, x + 2 * ldx, w + 1 * K, k8, K, b ? b + 1 : nullptr);
+  y[2 * ldy + 2] = finish(a22, x + 2 * ldx, w + 2 * K, k8, K, b ? b + 2 : nullptr);
+}
+
+static inline void tile_3x1(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
+                            float* __restrict y, int64_t ldy, const float* __restrict b) {
+  __m256 a00 = _mm256_setzero_ps();
+  __m256 a10 = _mm256_setzero_ps();
+  __m256 a20 = _mm256_setzero_ps();
+  const int64_t k8 = K & ~int64_t(7);
+  for (int64_t i = 0; i < k8; i += 8) {
+    _mm_prefetch((const char*)(w + (1 + 0) * K + i), _MM_HINT_T0);
+    const __m256 w0 = _mm256_loadu_ps(w + 0 * K + i);
+    { const __m256 xv = _mm256_loadu_ps(x + 0 * ldx + i);
+      a00 = _mm256_fmadd_ps(xv, w0, a00);
+    }
+    { const __m256 xv = _mm256_loadu_ps(x + 1 * ldx + i);
+      a10 = _mm256_fmadd_ps(xv, w0, a10);
+    }
+    { const __m256 xv = _mm256_loadu_ps(x + 2 * ldx + i);
+      a20 = _mm256_fmadd_ps(xv, w0, a20);
+    }
+  }
+  y[0 * ldy + 0] = finish(a00, x + 0 * ldx, w + 0 * K, k8, K, b ? b + 0 : nullptr);
+  y[1 * ldy + 0] = finish(a10, x + 1 * ldx, w + 0 * K, k8, K, b ? b + 0 : nullptr);
+  y[2 * ldy + 0] = finish(a20, x + 2 * ldx, w + 0 * K, k8, K, b ? b + 0 : nullptr);
+}
+
+static inline void tile_4x3(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
+                            float* __restrict y, int64_t ldy, const float* __restrict b) {
+  __m256 a00 = _mm256_setzero_ps();
+  __m256 a01 = _mm256_setzero_ps();
+  __m256 a02 = _mm256_setzero_ps();
+  __m256 a10 = _mm256_setzero_ps();
+  __m256 a11 = _mm256_setzero_ps();
+  __m256 a12 = _mm256_setzero_ps();
+  __m256 a20 = _mm256_setzero_ps();
+  __m256 a21 = _mm256_setzero_ps();
+  __m256 a22 = _mm256_setzero_ps();
+  __m256 a30 = _mm256_setzero_ps();
+  __m256 a31 = _mm256_setzero_ps();
+  __m256 a32 = _mm256_setzero_ps();
+  const int64_t k8 = K & ~int64_t(7);
+  for (int64_t i = 0; i < k8; i += 8) {
+    _mm_prefetch((const char*)(w + (3 + 0) * K + i), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w + (3 + 1) * K + i), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w + (3 + 2) * K + i), _MM_HINT_T0);
+    const __m256 w0 = _mm256_loadu_ps(w + 0 * K + i);
+    const __m256 w1 = _mm256_loadu_ps(w + 1 * K + i);
+    const __m256 w2 = _mm256_loadu_ps(w + 2 * K + i);
+    { const __m256 xv = _mm256_loadu_ps(x + 0 * ldx + i);
+      a00 = _mm256_fmadd_ps(xv, w0, a00);
+      a01 = _mm256_fmadd_ps(xv, w1, a01);
+      a02 = _mm256_fmadd_ps(xv, w2, a02);
+    }
+    { const __m256 xv = _mm256_loadu_ps(x + 1 * ldx + i);
+      a10 = _mm256_fmadd_ps(xv, w0, a10);
+      a11 = _mm256_fmadd_ps(xv, w1, a11);
+      a12 = _mm256_fmadd_ps(xv, w2, a12);
+    }
+    { const __m256 xv = _mm256_loadu_ps(x + 2 * ldx + i);
+      a20 = _mm256_fmadd_ps(xv, w0, a20);
+      a21 = _mm256_fmadd_ps(xv, w1, a21);
+      a22 = _mm256_fmadd_ps(xv, w2, a22);
+    }
+    { const __m256 xv = _mm256_loadu_ps(x + 3 * ldx + i);
+      a30 = _mm256_fmadd_ps(xv, w0, a30);
+      a31 = _mm256_fmadd_ps(xv, w1, a31);
+      a32 = _mm256_fmadd_ps(xv, w2, a32);
+    }
+  }
+  y[0 * ldy + 0] = finish(a00, x + 0 * ldx, w + 0 * K, k8, K, b ? b + 0 : nullptr);
+  y[0 * ldy + 1] = finish(a01, x + 0 * ldx, w + 1 * K, k8, K, b ? b + 1 : nullptr);
+  y[0 * ldy + 2] = finish(a02, x + 0 * ldx, w + 2 * K, k8, K, b ? b + 2 : nullptr);
+  y[1 * ldy + 0] = finish(a10, x + 1 * ldx, w + 0 * K, k8, K, b ? b + 0 : nullptr);
+  y[1 * ldy + 1] = finish(a11, x + 1 * ldx, w + 1 * K, k8, K, b ? b + 1 : nullptr);
+  y[1 * ldy + 2] = finish(a12, x + 1 * ldx, w + 2 * K, k8, K, b ? b + 2 : nullptr);
+  y[2 * ldy + 0] = finish(a20, x + 2 * ldx, w + 0 * K, k8, K, b ? b + 0 : nullptr);
+  y[2 * ldy + 1] = finish(a21, x + 2 * ldx, w + 1 * K, k8, K, b ? b + 1 : nullptr);
+  y[2 * ldy + 2] = finish(a22, x + 2 * ldx, w + 2 * K, k8, K, b ? b + 2 : nullptr);
+  y[3 * ldy + 0] = finish(a30, x + 3 * ldx, w + 0 * K, k8, K, b ? b + 0 : nullptr);
+  y[3 * ldy + 1] = finish(a31, x + 3 * ldx, w + 1 * K, k8, K, b ? b + 1 : nullptr);
+  y[3 * ldy + 2] = finish(a32, x + 3 * ldx, w + 2 * K, k8, K, b ? b + 2 : nullptr);
+}
+
+static inline void tile_4x1(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
+                            float* __restrict y, int64_t ldy, const float* __restrict b) {
+  __m256 a00 = _mm256_setzero_ps();
+  __m256 a10 = _mm256_setzero_ps();
+  __m256 a20 = _mm256_setzero_ps();
+  __m256 a30 = _mm256_setzero_ps();
+  const int64_t k8 = K & ~int64_t(7);
+  for (int64_t i = 0; i < k8; i += 8) {
+    _mm_prefetch((const char*)(w + (1 + 0) * K + i), _MM_HINT_T0);
+    const __m256 w0 = _mm256_loadu_ps(w + 0 * K + i);
+    { const __m256 xv = _mm256_loadu_ps(x + 0 * ldx + i);
+      a00 = _mm256_fmadd_ps(xv, w0, a00);
+    }
+    { const __m256 xv = _mm256_loadu_ps(x + 1 * ldx + i);
+      a10 = _mm256_fmadd_ps(xv, w0, a10);
+    }
+    { const __m256 xv = _mm256_loadu_ps(x + 2 * ldx + i);
+      a20 = _mm256_fmadd_ps(xv, w0, a20);
+    }
+    { const __m256 xv = _mm256_loadu_ps(x + 3 * ldx + i);
+      a30 = _mm256_fmadd_ps(xv, w0, a30);
+    }
+  }
+  y[0 * ldy + 0] = finish(a00, x + 0 * ldx, w + 0 * K, k8, K, b ? b + 0 : nullptr);
+  y[1 * ldy + 0] = finish(a10, x + 1 * ldx, w + 0 * K, k8, K, b ? b + 0 : nullptr);
+  y[2 * ldy + 0] = finish(a20, x + 2 * ldx, w + 0 * K, k8, K, b ? b + 0 : nullptr);
+  y[3 * ldy + 0] = finish(a30, x + 3 * ldx, w + 0 * K, k8, K, b ? b + 0 : nullptr);
+}
+
+
+#define ROWS(R, C)                                                                        \
+  static void rows_##R(const float* x, int64_t ldx, const float* w, int64_t K, float* y,  \
+                       int64_t ldy, const float* b, int64_t o0, int64_t o1) {             \
+    int64_t o = o0;                                                                       \
+    for (; o + C <= o1; o += C) tile_##R##x##C(x, ldx, w + o * K, K, y + o, ldy, b ? b + o : nullptr); \
+    for (; o < o1; ++o) tile_##R##x1(x, ldx, w + o * K, K, y + o, ldy, b ? b + o : nullptr);           \
+  }
+ROWS(1, 8)
+ROWS(2, 4)
+ROWS(3, 3)
+ROWS(4, 3)
+
+torch::Tensor rowdot_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, "rowdot: float32 only");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "rowdot: w must be a contiguous (N, K) matrix");
+  const int64_t K = w.size(1), N = w.size(0);
+  TORCH_CHECK(x.size(-1) == K, "rowdot: x's last dim must equal w's K");
+  auto lead = x.sizes().vec();
+  lead.back() = N;
+  auto x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const float* b = nullptr;
+  torch::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->contiguous();
+    TORCH_CHECK(bc.numel() == N && bc.dtype() == torch::kFloat32, "rowdot: bias must be (N,) float32");
+    b = bc.data_ptr<float>();
+  }
+  const float* xp = x2.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t BLOCK = 48;  // outputs per block: 48 rows of W stay in L2 across the row tiles
+  const int64_t nblocks = (N + BLOCK - 1) / BLOCK;
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t o0 = blk * BLOCK, o1 = std::min(N, o0 + BLOCK);
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) rows_4(xp + m * K, K, wp, K, yp + m * N, N, b, o0, o1);
+      switch (M - m) {
+        case 3: rows_3(xp + m * K, K, wp, K, yp + m * N, N, b, o0, o1); break;
+        case 2: rows_2(xp + m * K, K, wp, K, yp + m * N, N, b, o0, o1); break;
+        case 1: rows_1(xp + m * K, K, wp, K, yp + m * N, N, b, o0, o1); break;
+        default: break;
+      }
+    }
+  });
+  return y.view(lead);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("rowdot_linear", &rowdot_linear, "x (..., in), W (out, in), bias (out,) or None -> x W^T + bias"); }
