@@ -491,29 +491,38 @@ def test_default_layout_per_dtype_and_refusals():
     + [pytest.param("rowdot", torch.float32, marks=ROWDOT)],
 )
 @pytest.mark.parametrize("k", [0, 1])
-def test_one_row_fast_path_gives_the_generic_blocks_bits(weights, dtype, k):
-    """The plain step's fast path (`_block_one`: trunk layers, one byte, fused layouts) computes
-    the same bits as the generic block, for the logits, the draft state and every cache."""
+def test_fast_paths_give_the_generic_blocks_bits(weights, dtype, k):
+    """The trunk layers' fast paths in fused layouts (`_block_one`: one byte, the plain step;
+    `_block_rows`: several bytes after cached ones, the verify) compute the same bits as the
+    generic block, for the logits, the draft state and every cache."""
     bb = _adapter(_model(), k) if dtype == torch.float64 else _f32_adapter(k)
     fast, slow = LlamaEngine(bb, 40, weights=weights), LlamaEngine(bb, 40, weights=weights)
     slow._one_row = False
-    calls = {"n": 0}
-    original = fast._block_one
+    calls = {"one": 0, "rows": 0}
 
-    def counting(*args):
-        calls["n"] += 1
-        return original(*args)
+    def counting(name, original):
+        def run(*args):
+            calls[name] += 1
+            return original(*args)
 
-    fast._block_one = counting
+        return run
+
+    fast._block_one = counting("one", fast._block_one)
+    fast._block_rows = counting("rows", fast._block_rows)
     g = torch.Generator().manual_seed(3)
-    for T in (6, 1, 1, 3, 1, 1, 1):
+    for T in (6, 1, 1, 3, 1, 1, 4, 1):  # a prefill (the generic causal path), steps and verifies
         ids = torch.randint(0, 16, (T,), generator=g)
         a, b = fast.feed(ids), slow.feed(ids)
         assert torch.equal(a.p_logits, b.p_logits) and torch.equal(a.draft_hidden, b.draft_hidden)
+        if T == 4:  # a crop then a verify again, as the loop's rejected drafts do
+            fast.crop(fast.length - 2), slow.crop(slow.length - 2)
+            ids = torch.randint(0, 16, (2,), generator=g)
+            a, b = fast.feed(ids), slow.feed(ids)
+            assert torch.equal(a.p_logits, b.p_logits) and torch.equal(a.draft_hidden, b.draft_hidden)
     for (k1, v1), (k2, v2) in zip(fast.kv, slow.kv, strict=True):
         assert torch.equal(k1[:, :, : fast.length], k2[:, :, : slow.length])
         assert torch.equal(v1[:, :, : fast.length], v2[:, :, : slow.length])
-    assert calls["n"] == 5 * (L - k)  # five 1-byte calls, every trunk layer took the fast path
+    assert calls == {"one": 5 * (L - k), "rows": 3 * (L - k)}  # every trunk layer took its fast path
 
 
 def test_automatic_onednn_choice_falls_back_to_views_when_oneDNN_cannot_reorder(monkeypatch):
