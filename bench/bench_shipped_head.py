@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python bench/bench_shipped_head.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": f"{machine_line(machine())}; L3 {l3_cache()}",
         "head": a.head if not a.dry_run else "dry-run",
+        "engine": model.engine_label(),  # the backbone's engine and weight layout, e.g. compact/rowdot
         "prompts": f"{a.sets} {'development' if a.dev else 'held-out'} sets x {a.prompts} prompts x {a.bytes} "
         f"bytes, EOS banned, {a.rounds} rounds",
         "date": time.strftime("%Y-%m-%d"),

@@ -46,6 +46,7 @@ from mtpc.kernels import (
     onednn_pack,
     rowdot_linear,
     rowdot_unsupported,
+    rowdot_weight,
     use_onednn,
     warn_fallback,
 )
@@ -393,7 +394,7 @@ class HeadDecoder:
             self.rowdot = onednn is None and rowdot_unsupported(device, self.dtype) is None
             self.onednn = not self.rowdot and use_onednn(onednn, device, self.dtype, "head decoder")
             if self.rowdot:
-                self.weight = stacked.contiguous()
+                self.weight = rowdot_weight(stacked)  # bf16 storage where exact (a bf16-stored head)
             elif self.onednn:
                 try:
                     self.weight = onednn_pack(stacked)

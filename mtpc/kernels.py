@@ -1,4 +1,5 @@
-"""oneDNN's row-vector products on the CPU, shared by the compact engine and the head decoder.
+"""The CPU row-vector products the compact engine and the head decoder multiply by: oneDNN's and
+mtpc's row-dot kernel.
 
 At batch 1 a decoding step is reading weights. On the 2-core test CPU (AMD EPYC, one thread)
 MKL's `F.linear` / `addmm` read float32 weights at about half of memory speed, while oneDNN with
@@ -15,15 +16,19 @@ without oneDNN) or None; `use_onednn` applies the rule the engine and the head d
 (asked for / automatic / off), `warn_fallback` says when the automatic choice fell back. Leaves out: CUDA (cuBLAS reads at speed there), autograd (decoding
 only), torch.compile (inductor does not lower the blocked weights).
 
-The row-dot kernel (mtpc/csrc/rowdot.cpp, float32, x86 with AVX2 + FMA) multiplies by W in its own
-(out, in) layout, a row's bits the same whatever the number of rows in the call (so the verify's
-rows equal the step's exactly), and reads W at about memory speed for one row and at 1.2-1.4x one
-row's time for four (oneDNN's: 1.3-1.6x and ~1.6x; bench/bench_decode.py's engine section). It is
-compiled once per machine on first use (`torch.utils.cpp_extension`, a C++ compiler and ninja,
-~30 s) into torch's extensions folder (`$TORCH_EXTENSIONS_DIR`, else ~/.cache/torch_extensions):
+The row-dot kernel (mtpc/csrc/rowdot.cpp, float32 arithmetic, x86 with AVX2 + FMA) multiplies by W
+in its own (out, in) layout, a row's bits the same whatever the number of rows in the call (so the
+verify's rows equal the step's exactly). W is read from bfloat16 storage where its values are bf16
+numbers (`rowdot_weight`: a bf16 checkpoint loaded to float32), widened exactly: the same bits as
+from float32, half the bytes. On the AMD EPYC VM (one thread, bench/bench_decode.py's engine
+section) one row through the default model's fused groups takes 1.09x a plain read of them against
+oneDNN's 1.33x, and the engine step with it 0.79x oneDNN's (docs/decoding.md). It is compiled once
+per machine on first use (`torch.utils.cpp_extension`, a C++ compiler and ninja, ~30 s) into
+torch's extensions folder (`$TORCH_EXTENSIONS_DIR`, else ~/.cache/torch_extensions):
 
     rowdot_unsupported(device, dtype)   # why it cannot run here (one line), or None; builds it
-    y = rowdot_linear(x, W, bias)       # x (..., in) -> x W^T + bias (..., out); W contiguous (out, in)
+    w = rowdot_weight(W)                # W (out, in) float32 -> its copy: bf16 storage where exact
+    y = rowdot_linear(x, w, bias)       # x (..., in) -> x W^T + bias (..., out)
 """
 
 from __future__ import annotations
@@ -141,10 +146,21 @@ def rowdot_unsupported(device: torch.device | str, dtype: torch.dtype) -> str | 
     return _rowdot_module()[1]
 
 
+def rowdot_weight(weight: Tensor) -> Tensor:
+    """W (out, in) float32 -> the copy `rowdot_linear` reads: bfloat16 *storage* when every value is
+    a bf16 number (a checkpoint stored in bf16 and loaded to float32, as the shipped default model
+    and heads are), else float32. The kernel widens bf16 exactly and computes in float32, so both
+    give the same bits; the bf16 copy is half the bytes to read."""
+    w = weight.detach().contiguous()
+    narrow = w.to(torch.bfloat16)
+    return narrow if torch.equal(narrow.to(w.dtype), w) else w.clone()
+
+
 def rowdot_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x (..., in) float32 -> x W^T (+ bias (out,)) (..., out) for W (out, in) contiguous float32 on
-    the CPU; row m of the result has the same bits whatever the number of rows (see the module
-    docstring). Raises RuntimeError where `rowdot_unsupported` gives a reason."""
+    """x (..., in) float32 -> x W^T (+ bias (out,) float32) (..., out) for W (out, in) contiguous,
+    float32 or bfloat16 storage (`rowdot_weight`), on the CPU; row m of the result has the same bits
+    whatever the number of rows (see the module docstring). Raises RuntimeError where
+    `rowdot_unsupported` gives a reason."""
     module, why = _rowdot_module()
     if module is None:
         raise RuntimeError(why)

@@ -31,9 +31,10 @@ DECODE_ENGINES: tuple[str, ...] = ("auto", "compact", "hf")
 #: how the compact engine runs the LoRA draft top: lowrank (s B (A x) beside the shared W) or merged
 DRAFT_LORA_MODES: tuple[str, ...] = ("lowrank", "merged")
 #: how the compact engine holds the base weights: views (the HF parameters as they are, (out, in)),
-#: packed (one transposed (in, out) copy, q|k|v and gate|up fused: fewer products) or onednn (the
-#: same groups in oneDNN's blocked format, multiplied by oneDNN: CPU, float32 / bf16 only, the
-#: default there; elsewhere views is)
+#: packed (one transposed (in, out) copy, q|k|v and gate|up fused: fewer products), onednn (the
+#: same groups in oneDNN's blocked format, multiplied by oneDNN: CPU, float32 / bf16) or rowdot (the
+#: same groups as (out, in) copies for mtpc's row-dot kernel: x86 CPU with AVX2 + FMA, float32, the
+#: default there; oneDNN is where rowdot does not run, elsewhere views is)
 ENGINE_WEIGHT_LAYOUTS: tuple[str, ...] = ("views", "packed", "onednn", "rowdot")
 #: how the compact engine attends in its static-shape calls: sdpa (torch's attention over the whole
 #: capacity with a mask, the default) or split_kv (the split-KV Triton kernel over the live length read

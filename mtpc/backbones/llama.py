@@ -3,15 +3,20 @@
 `LlamaEngine` runs a transformers Llama (`LlamaForCausalLM`: the embedded default byte Llama,
 Llama-3.2 with `llama3` RoPE scaling) wrapped in a `BackboneAdapter` with its own small forward
 in the style of gpt-fast's model.py, reading the adapter's peft LoRA matrices as they are (views)
-and the base weights in one of three layouts (`weights=`; None picks "onednn" where it runs, else
-"views"): `"views"` multiplies by the HF parameters themselves (nothing copied unless
-`lora="merged"`); `"packed"` by one transposed copy with q|k|v and gate|up side by side (fewer,
-row-major products); `"onednn"` (CPU, float32 / bf16) by the same groups reordered once into
-oneDNN's blocked format and multiplied by oneDNN (`torch.ops.mkldnn._linear_pointwise`). The two
-copies double the base weights' memory and are rebuilt at `reset` when a source tensor changed in
-place. On the 2-core CPU (AMD EPYC, bench_decode's engine section) oneDNN's products read the
-weights at ~2x the speed of MKL's F.linear for one row and ~2.3x for 8 rows, so the step costs
-0.58-0.64x and the 8-byte verify 0.52-0.62x the views layout's; packed sits between:
+and the base weights in one of four layouts (`weights=`; None picks "rowdot" where it runs, else
+"onednn" where it runs, else "views"): `"views"` multiplies by the HF parameters themselves
+(nothing copied unless `lora="merged"`); `"packed"` by one transposed copy with q|k|v and gate|up
+side by side (fewer, row-major products); `"onednn"` (CPU, float32 / bf16) by the same groups
+reordered once into oneDNN's blocked format and multiplied by oneDNN
+(`torch.ops.mkldnn._linear_pointwise`); `"rowdot"` (x86 CPU with AVX2 + FMA, float32) by the same
+groups as one contiguous (out, in) copy each, multiplied by mtpc's row-dot kernel
+(mtpc/csrc/rowdot.cpp), whose rows come out with the same bits whatever the number of rows in the
+call. The copies double the base weights' memory and are rebuilt at `reset` when a source tensor
+changed in place. On the 2-core CPU (AMD EPYC, bench_decode's engine section) the row-dot step
+and verify cost less than oneDNN's, and oneDNN's less than the views layout's
+(docs/decoding.md has the figures). In a fused layout the trunk's layers take fast paths with
+fewer calls and the same bits: `_block_one` for the plain step, `_block_rows` for the verify.
+The forward:
 
     embed -> layers[0, L-k)                         trunk, one batch row
           -> layers[L-k, L) on rows [verify, draft] both tops in one pass: one weight read;
@@ -62,6 +67,7 @@ from mtpc.kernels import (
     onednn_pack,
     rowdot_linear,
     rowdot_unsupported,
+    rowdot_weight,
     use_onednn,
     warn_fallback,
 )
@@ -322,8 +328,9 @@ def _onednn_pack(mats: list[Tensor]) -> Tensor:
 
 
 def _rowdot_pack(mats: list[Tensor]) -> Tensor:
-    """(out_i, in) matrices -> one contiguous (sum out_i, in) copy: `rowdot_linear(x, it)` == cat(x W_i^T)."""
-    return torch.cat(mats, dim=0).contiguous()
+    """(out_i, in) matrices -> one contiguous (sum out_i, in) copy, in bf16 storage where every value
+    is a bf16 number (`rowdot_weight`): `rowdot_linear(x, it)` == cat(x W_i^T)."""
+    return rowdot_weight(torch.cat(mats, dim=0))
 
 
 _PACKERS = {"packed": _pack, "onednn": _onednn_pack, "rowdot": _rowdot_pack}  # layout -> its group copy
@@ -393,10 +400,12 @@ class LlamaEngine:
     eager (~1e-6 on float32 logits). Off by default: each T compiles for seconds (needs a C++
     compiler on the CPU).
     weights: "views" (multiply by the HF parameters as they are), "packed" (one transposed, fused
-    copy: q|k|v and gate|up as one product each) or "onednn" (the same groups in oneDNN's blocked
-    format: CPU, float32 / bf16, not with compile); None: "onednn" where it runs, else "views".
-    A packed, oneDNN (or merged) copy doubles the base weights' memory and is rebuilt at `reset`
-    when a source tensor changed in place (its version moved).
+    copy: q|k|v and gate|up as one product each), "onednn" (the same groups in oneDNN's blocked
+    format: CPU, float32 / bf16, not with compile) or "rowdot" (the same groups as (out, in)
+    copies for the row-dot kernel: x86 CPU with AVX2 + FMA, float32, not with compile); None:
+    "rowdot" where it runs, else "onednn" where it runs, else "views". A packed, oneDNN, row-dot
+    (or merged) copy doubles the base weights' memory and is rebuilt at `reset` when a source
+    tensor changed in place (its version moved).
     attention: "sdpa" (default: torch's attention over the whole capacity with a causal mask in
     the static calls) or "split_kv": the static calls of at most SPLIT_KV_MAX_ROWS new positions
     (the step, the verify; not the prefill) attend with the split-KV Triton kernel over the live
@@ -518,9 +527,11 @@ class LlamaEngine:
         self.norm = inner.norm.weight.detach()  # (d,)
         self.lm_head = self._model.get_output_embeddings().weight.detach()  # (v, d)
         pack = _PACKERS.get(self.layout)
-        self.lm_head_packed = (
-            pack([self.lm_head]) if pack else None
-        )  # (d, v), blocked or (v, d): the layout's copy
+        # (d, v), blocked or (v, d): the layout's copy
+        self.lm_head_packed = pack([self.lm_head]) if pack else None
+        # the row-dot layout holds every base weight in bf16 storage (exact: a bf16 checkpoint loaded to float32)
+        copies = [self.lm_head_packed] + [t for L in self.layers for t in L.packed.values()]
+        self.bf16_storage = self.layout == "rowdot" and all(t.dtype == torch.bfloat16 for t in copies)
         # what the copies were made from: the base weights (packed), the top's LoRA too (merged)
         merged = any(L.merged for L in self.layers)
         base = [self.lm_head] + [t for L in self.layers for t in L.w.values()]
@@ -697,7 +708,9 @@ class LlamaEngine:
         g, u = self._mm(h, p["gu"]).split(a.intermediate, dim=-1)
         return x + self._mm(F.silu(g) * u, p["down"])
 
-    def _block_rows(self, x: Tensor, layer: _Layer, kv, cos: Tensor, sin: Tensor, mask: Tensor | None, start: int) -> Tensor:
+    def _block_rows(
+        self, x: Tensor, layer: _Layer, kv, cos: Tensor, sin: Tensor, mask: Tensor | None, start: int
+    ) -> Tensor:
         """`_block` for T > 1 new bytes after cached ones (the verify) in a fused layout, without a
         LoRA: the same ops on the same values, hence the same bits (tested), in fewer calls. As in
         `_block_one`, q and k come out of one product side by side and take one RoPE (cos / sin
@@ -713,7 +726,9 @@ class LlamaEngine:
         vc[0, :, start:end] = y[:, self._qk_width :].unflatten(-1, (a.n_kv_heads, a.head_dim)).transpose(0, 1)
         # grouped queries (see _attend): head g n_rep + r of the group g is row r T + t
         q = qk[:, : a.n_heads].transpose(0, 1).reshape(1, a.n_kv_heads, self.n_rep * T, a.head_dim)
-        o = F.scaled_dot_product_attention(q, kc[:, :, :end], vc[:, :, :end], attn_mask=mask, scale=self.scale)
+        o = F.scaled_dot_product_attention(
+            q, kc[:, :, :end], vc[:, :, :end], attn_mask=mask, scale=self.scale
+        )
         o = o.reshape(a.n_heads, T, a.head_dim).transpose(0, 1).reshape(1, T, a.n_heads * a.head_dim)
         x = x + self._mm(o, p["o"])
         h = rms_norm(x, layer.ln2, a.norm_eps)

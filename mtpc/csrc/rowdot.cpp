@@ -1,4 +1,7 @@
-// Row-vector products for decoding on x86 CPUs with AVX2 + FMA (float32): y = x W^T (+ b).
+// Row-vector products for decoding on x86 CPUs with AVX2 + FMA: y = x W^T (+ b), x and y float32,
+// W float32 or bfloat16 *storage* (widened exactly to float32 as it is loaded; the arithmetic is
+// float32 either way, so a W of bf16 numbers gives the same bits from either storage, reading half
+// the bytes from bf16).
 //
 // Built on first use by mtpc/kernels.py (torch.utils.cpp_extension, -O3 -mavx2 -mfma) and used by
 // the compact engine's "rowdot" weight layout and the head decoder. W stays in its (out, in)
@@ -13,10 +16,13 @@
 // Speed: per block of 48 outputs (48 rows of W stay in L2) the rows go through in tiles of 4, 3, 2
 // or 1 with 3, 3, 4 or 8 outputs each, so a tile keeps 8-12 accumulators in registers and reuses
 // each loaded W vector for every row of the tile; each tile prefetches the next tile's rows of W at
-// the offset it reads (a prefetch past the end of W is a hint that never faults). The tiles are written out (not loops over arrays of __m256, whose
-// may_alias type makes GCC store the accumulators on every iteration).
+// the offset it reads (a prefetch past the end of W is a hint that never faults). The tiles are
+// written out (not loops over arrays of __m256, whose may_alias type makes GCC store the
+// accumulators on every iteration).
 
 #include <ATen/Parallel.h>
+#include <cmath>
+#include <cstring>
 #include <immintrin.h>
 #include <torch/extension.h>
 
@@ -27,14 +33,31 @@ static inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
-static inline float finish(__m256 acc, const float* x, const float* w, int64_t k8, int64_t K, const float* b) {
+// W as float32, or as bfloat16 storage (the top 16 bits of a float32, read as uint16): widened
+// exactly, so a bf16-stored W whose values are bf16 numbers gives the float32 W's bits
+static inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+static inline __m256 load8(const uint16_t* w) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline float to_f32(float v) { return v; }
+static inline float to_f32(uint16_t v) {
+  const uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename WT>
+static inline float finish(__m256 acc, const float* x, const WT* w, int64_t k8, int64_t K, const float* b) {
   float s = hsum(acc);
-  for (int64_t i = k8; i < K; ++i) s += x[i] * w[i];
+  for (int64_t i = k8; i < K; ++i) s = std::fma(x[i], to_f32(w[i]), s);  // one rounding, whatever -ffp-contract
   return b ? s + *b : s;
 }
 
 // tile_RxC: R rows of x times C consecutive rows of W (C outputs), K inputs
-static inline void tile_1x8(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
+template <typename WT>
+static inline void tile_1x8(const float* __restrict x, int64_t ldx, const WT* __restrict w, int64_t K,
                             float* __restrict y, int64_t ldy, const float* __restrict b) {
   __m256 a00 = _mm256_setzero_ps();
   __m256 a01 = _mm256_setzero_ps();
@@ -54,14 +77,14 @@ static inline void tile_1x8(const float* __restrict x, int64_t ldx, const float*
     _mm_prefetch((const char*)(w + (8 + 5) * K + i), _MM_HINT_T0);
     _mm_prefetch((const char*)(w + (8 + 6) * K + i), _MM_HINT_T0);
     _mm_prefetch((const char*)(w + (8 + 7) * K + i), _MM_HINT_T0);
-    const __m256 w0 = _mm256_loadu_ps(w + 0 * K + i);
-    const __m256 w1 = _mm256_loadu_ps(w + 1 * K + i);
-    const __m256 w2 = _mm256_loadu_ps(w + 2 * K + i);
-    const __m256 w3 = _mm256_loadu_ps(w + 3 * K + i);
-    const __m256 w4 = _mm256_loadu_ps(w + 4 * K + i);
-    const __m256 w5 = _mm256_loadu_ps(w + 5 * K + i);
-    const __m256 w6 = _mm256_loadu_ps(w + 6 * K + i);
-    const __m256 w7 = _mm256_loadu_ps(w + 7 * K + i);
+    const __m256 w0 = load8(w + 0 * K + i);
+    const __m256 w1 = load8(w + 1 * K + i);
+    const __m256 w2 = load8(w + 2 * K + i);
+    const __m256 w3 = load8(w + 3 * K + i);
+    const __m256 w4 = load8(w + 4 * K + i);
+    const __m256 w5 = load8(w + 5 * K + i);
+    const __m256 w6 = load8(w + 6 * K + i);
+    const __m256 w7 = load8(w + 7 * K + i);
     { const __m256 xv = _mm256_loadu_ps(x + 0 * ldx + i);
       a00 = _mm256_fmadd_ps(xv, w0, a00);
       a01 = _mm256_fmadd_ps(xv, w1, a01);
@@ -83,13 +106,14 @@ static inline void tile_1x8(const float* __restrict x, int64_t ldx, const float*
   y[0 * ldy + 7] = finish(a07, x + 0 * ldx, w + 7 * K, k8, K, b ? b + 7 : nullptr);
 }
 
-static inline void tile_1x1(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
+template <typename WT>
+static inline void tile_1x1(const float* __restrict x, int64_t ldx, const WT* __restrict w, int64_t K,
                             float* __restrict y, int64_t ldy, const float* __restrict b) {
   __m256 a00 = _mm256_setzero_ps();
   const int64_t k8 = K & ~int64_t(7);
   for (int64_t i = 0; i < k8; i += 8) {
     _mm_prefetch((const char*)(w + (1 + 0) * K + i), _MM_HINT_T0);
-    const __m256 w0 = _mm256_loadu_ps(w + 0 * K + i);
+    const __m256 w0 = load8(w + 0 * K + i);
     { const __m256 xv = _mm256_loadu_ps(x + 0 * ldx + i);
       a00 = _mm256_fmadd_ps(xv, w0, a00);
     }
@@ -97,7 +121,8 @@ static inline void tile_1x1(const float* __restrict x, int64_t ldx, const float*
   y[0 * ldy + 0] = finish(a00, x + 0 * ldx, w + 0 * K, k8, K, b ? b + 0 : nullptr);
 }
 
-static inline void tile_2x4(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
+template <typename WT>
+static inline void tile_2x4(const float* __restrict x, int64_t ldx, const WT* __restrict w, int64_t K,
                             float* __restrict y, int64_t ldy, const float* __restrict b) {
   __m256 a00 = _mm256_setzero_ps();
   __m256 a01 = _mm256_setzero_ps();
@@ -113,10 +138,10 @@ static inline void tile_2x4(const float* __restrict x, int64_t ldx, const float*
     _mm_prefetch((const char*)(w + (4 + 1) * K + i), _MM_HINT_T0);
     _mm_prefetch((const char*)(w + (4 + 2) * K + i), _MM_HINT_T0);
     _mm_prefetch((const char*)(w + (4 + 3) * K + i), _MM_HINT_T0);
-    const __m256 w0 = _mm256_loadu_ps(w + 0 * K + i);
-    const __m256 w1 = _mm256_loadu_ps(w + 1 * K + i);
-    const __m256 w2 = _mm256_loadu_ps(w + 2 * K + i);
-    const __m256 w3 = _mm256_loadu_ps(w + 3 * K + i);
+    const __m256 w0 = load8(w + 0 * K + i);
+    const __m256 w1 = load8(w + 1 * K + i);
+    const __m256 w2 = load8(w + 2 * K + i);
+    const __m256 w3 = load8(w + 3 * K + i);
     { const __m256 xv = _mm256_loadu_ps(x + 0 * ldx + i);
       a00 = _mm256_fmadd_ps(xv, w0, a00);
       a01 = _mm256_fmadd_ps(xv, w1, a01);
@@ -140,14 +165,15 @@ static inline void tile_2x4(const float* __restrict x, int64_t ldx, const float*
   y[1 * ldy + 3] = finish(a13, x + 1 * ldx, w + 3 * K, k8, K, b ? b + 3 : nullptr);
 }
 
-static inline void tile_2x1(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
+template <typename WT>
+static inline void tile_2x1(const float* __restrict x, int64_t ldx, const WT* __restrict w, int64_t K,
                             float* __restrict y, int64_t ldy, const float* __restrict b) {
   __m256 a00 = _mm256_setzero_ps();
   __m256 a10 = _mm256_setzero_ps();
   const int64_t k8 = K & ~int64_t(7);
   for (int64_t i = 0; i < k8; i += 8) {
     _mm_prefetch((const char*)(w + (1 + 0) * K + i), _MM_HINT_T0);
-    const __m256 w0 = _mm256_loadu_ps(w + 0 * K + i);
+    const __m256 w0 = load8(w + 0 * K + i);
     { const __m256 xv = _mm256_loadu_ps(x + 0 * ldx + i);
       a00 = _mm256_fmadd_ps(xv, w0, a00);
     }
@@ -159,7 +185,8 @@ static inline void tile_2x1(const float* __restrict x, int64_t ldx, const float*
   y[1 * ldy + 0] = finish(a10, x + 1 * ldx, w + 0 * K, k8, K, b ? b + 0 : nullptr);
 }
 
-static inline void tile_3x3(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
+template <typename WT>
+static inline void tile_3x3(const float* __restrict x, int64_t ldx, const WT* __restrict w, int64_t K,
                             float* __restrict y, int64_t ldy, const float* __restrict b) {
   __m256 a00 = _mm256_setzero_ps();
   __m256 a01 = _mm256_setzero_ps();
@@ -175,9 +202,9 @@ static inline void tile_3x3(const float* __restrict x, int64_t ldx, const float*
     _mm_prefetch((const char*)(w + (3 + 0) * K + i), _MM_HINT_T0);
     _mm_prefetch((const char*)(w + (3 + 1) * K + i), _MM_HINT_T0);
     _mm_prefetch((const char*)(w + (3 + 2) * K + i), _MM_HINT_T0);
-    const __m256 w0 = _mm256_loadu_ps(w + 0 * K + i);
-    const __m256 w1 = _mm256_loadu_ps(w + 1 * K + i);
-    const __m256 w2 = _mm256_loadu_ps(w + 2 * K + i);
+    const __m256 w0 = load8(w + 0 * K + i);
+    const __m256 w1 = load8(w + 1 * K + i);
+    const __m256 w2 = load8(w + 2 * K + i);
     { const __m256 xv = _mm256_loadu_ps(x + 0 * ldx + i);
       a00 = _mm256_fmadd_ps(xv, w0, a00);
       a01 = _mm256_fmadd_ps(xv, w1, a01);
@@ -205,7 +232,8 @@ static inline void tile_3x3(const float* __restrict x, int64_t ldx, const float*
   y[2 * ldy + 2] = finish(a22, x + 2 * ldx, w + 2 * K, k8, K, b ? b + 2 : nullptr);
 }
 
-static inline void tile_3x1(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
+template <typename WT>
+static inline void tile_3x1(const float* __restrict x, int64_t ldx, const WT* __restrict w, int64_t K,
                             float* __restrict y, int64_t ldy, const float* __restrict b) {
   __m256 a00 = _mm256_setzero_ps();
   __m256 a10 = _mm256_setzero_ps();
@@ -213,7 +241,7 @@ static inline void tile_3x1(const float* __restrict x, int64_t ldx, const float*
   const int64_t k8 = K & ~int64_t(7);
   for (int64_t i = 0; i < k8; i += 8) {
     _mm_prefetch((const char*)(w + (1 + 0) * K + i), _MM_HINT_T0);
-    const __m256 w0 = _mm256_loadu_ps(w + 0 * K + i);
+    const __m256 w0 = load8(w + 0 * K + i);
     { const __m256 xv = _mm256_loadu_ps(x + 0 * ldx + i);
       a00 = _mm256_fmadd_ps(xv, w0, a00);
     }
@@ -229,7 +257,8 @@ static inline void tile_3x1(const float* __restrict x, int64_t ldx, const float*
   y[2 * ldy + 0] = finish(a20, x + 2 * ldx, w + 0 * K, k8, K, b ? b + 0 : nullptr);
 }
 
-static inline void tile_4x3(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
+template <typename WT>
+static inline void tile_4x3(const float* __restrict x, int64_t ldx, const WT* __restrict w, int64_t K,
                             float* __restrict y, int64_t ldy, const float* __restrict b) {
   __m256 a00 = _mm256_setzero_ps();
   __m256 a01 = _mm256_setzero_ps();
@@ -248,9 +277,9 @@ static inline void tile_4x3(const float* __restrict x, int64_t ldx, const float*
     _mm_prefetch((const char*)(w + (3 + 0) * K + i), _MM_HINT_T0);
     _mm_prefetch((const char*)(w + (3 + 1) * K + i), _MM_HINT_T0);
     _mm_prefetch((const char*)(w + (3 + 2) * K + i), _MM_HINT_T0);
-    const __m256 w0 = _mm256_loadu_ps(w + 0 * K + i);
-    const __m256 w1 = _mm256_loadu_ps(w + 1 * K + i);
-    const __m256 w2 = _mm256_loadu_ps(w + 2 * K + i);
+    const __m256 w0 = load8(w + 0 * K + i);
+    const __m256 w1 = load8(w + 1 * K + i);
+    const __m256 w2 = load8(w + 2 * K + i);
     { const __m256 xv = _mm256_loadu_ps(x + 0 * ldx + i);
       a00 = _mm256_fmadd_ps(xv, w0, a00);
       a01 = _mm256_fmadd_ps(xv, w1, a01);
@@ -286,7 +315,8 @@ static inline void tile_4x3(const float* __restrict x, int64_t ldx, const float*
   y[3 * ldy + 2] = finish(a32, x + 3 * ldx, w + 2 * K, k8, K, b ? b + 2 : nullptr);
 }
 
-static inline void tile_4x1(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
+template <typename WT>
+static inline void tile_4x1(const float* __restrict x, int64_t ldx, const WT* __restrict w, int64_t K,
                             float* __restrict y, int64_t ldy, const float* __restrict b) {
   __m256 a00 = _mm256_setzero_ps();
   __m256 a10 = _mm256_setzero_ps();
@@ -295,7 +325,7 @@ static inline void tile_4x1(const float* __restrict x, int64_t ldx, const float*
   const int64_t k8 = K & ~int64_t(7);
   for (int64_t i = 0; i < k8; i += 8) {
     _mm_prefetch((const char*)(w + (1 + 0) * K + i), _MM_HINT_T0);
-    const __m256 w0 = _mm256_loadu_ps(w + 0 * K + i);
+    const __m256 w0 = load8(w + 0 * K + i);
     { const __m256 xv = _mm256_loadu_ps(x + 0 * ldx + i);
       a00 = _mm256_fmadd_ps(xv, w0, a00);
     }
@@ -316,10 +346,11 @@ static inline void tile_4x1(const float* __restrict x, int64_t ldx, const float*
 }
 
 
-#define ROWS(R, C)                                                                        \
-  static void rows_##R(const float* x, int64_t ldx, const float* w, int64_t K, float* y,  \
-                       int64_t ldy, const float* b, int64_t o0, int64_t o1) {             \
-    int64_t o = o0;                                                                       \
+#define ROWS(R, C)                                                                                  \
+  template <typename WT>                                                                            \
+  static void rows_##R(const float* x, int64_t ldx, const WT* w, int64_t K, float* y, int64_t ldy,  \
+                       const float* b, int64_t o0, int64_t o1) {                                    \
+    int64_t o = o0;                                                                                 \
     for (; o + C <= o1; o += C) tile_##R##x##C(x, ldx, w + o * K, K, y + o, ldy, b ? b + o : nullptr); \
     for (; o < o1; ++o) tile_##R##x1(x, ldx, w + o * K, K, y + o, ldy, b ? b + o : nullptr);           \
   }
@@ -328,26 +359,8 @@ ROWS(2, 4)
 ROWS(3, 3)
 ROWS(4, 3)
 
-torch::Tensor rowdot_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, "rowdot: float32 only");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "rowdot: w must be a contiguous (N, K) matrix");
-  const int64_t K = w.size(1), N = w.size(0);
-  TORCH_CHECK(x.size(-1) == K, "rowdot: x's last dim must equal w's K");
-  auto lead = x.sizes().vec();
-  lead.back() = N;
-  auto x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0);
-  auto y = torch::empty({M, N}, x.options());
-  const float* b = nullptr;
-  torch::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->contiguous();
-    TORCH_CHECK(bc.numel() == N && bc.dtype() == torch::kFloat32, "rowdot: bias must be (N,) float32");
-    b = bc.data_ptr<float>();
-  }
-  const float* xp = x2.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+template <typename WT>
+static void product(const float* xp, const WT* wp, float* yp, const float* b, int64_t M, int64_t N, int64_t K) {
   constexpr int64_t BLOCK = 48;  // outputs per block: 48 rows of W stay in L2 across the row tiles
   const int64_t nblocks = (N + BLOCK - 1) / BLOCK;
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
@@ -363,6 +376,32 @@ torch::Tensor rowdot_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
       }
     }
   });
+}
+
+torch::Tensor rowdot_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32, "rowdot: x must be float32");
+  TORCH_CHECK(w.dtype() == torch::kFloat32 || w.dtype() == torch::kBFloat16,
+              "rowdot: w must be float32 or bfloat16 storage");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "rowdot: w must be a contiguous (N, K) matrix");
+  const int64_t K = w.size(1), N = w.size(0);
+  TORCH_CHECK(x.size(-1) == K, "rowdot: x's last dim must equal w's K");
+  auto lead = x.sizes().vec();
+  lead.back() = N;
+  auto x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const float* b = nullptr;
+  torch::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->contiguous();
+    TORCH_CHECK(bc.numel() == N && bc.dtype() == torch::kFloat32, "rowdot: bias must be (N,) float32");
+    b = bc.data_ptr<float>();
+  }
+  if (w.dtype() == torch::kFloat32)
+    product(x2.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), b, M, N, K);
+  else
+    product(x2.data_ptr<float>(), reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
+            y.data_ptr<float>(), b, M, N, K);
   return y.view(lead);
 }
 

@@ -101,9 +101,10 @@ class MtpcModel:
     (None: on when the backbone is on CUDA and its engine is "compact"). compile: the compact
     engine's decoding calls and, without CUDA graphs, the greedy head + draft (`CompiledDraft`)
     through torch.compile with static shapes (each new shape compiles for seconds).
-    weights: the compact engine's weight layout ("views", "packed" or "onednn"; None: oneDNN's
-    on the CPU in float32 / bf16 without compile, else views; see mtpc/backbones/llama.py). Both
-    are passed to every engine this model builds.
+    weights: the compact engine's weight layout ("views", "packed", "onednn" or "rowdot"; None:
+    the row-dot kernel on an x86 CPU in float32, else oneDNN's on the CPU in float32 / bf16, in
+    both cases without compile, else views; see mtpc/backbones/llama.py). Both are passed to every
+    engine this model builds.
     draft_len: bytes each cycle feeds, MIN_DECODE_WINDOW <= draft_len <= the head's window n (None: n);
     the cycle drafts n and feeds the first draft_len (mtpc/speculative/loop.py, "The draft length"):
     fewer verify rows when the head's late positions are rarely accepted. `generate` can override it.
@@ -278,12 +279,15 @@ class MtpcModel:
         return self.head.decoder(self._head_onednn).params(hidden, known)
 
     def engine_label(self) -> str:
-        """How this model decodes: "compact/<weight layout>" (e.g. "compact/onednn") or "hf". Latencies
-        compare only within one (an evaluation appends it to its hardware setting). Reads the verifier
-        engine a generation built (else builds it)."""
+        """How this model decodes: "compact/<weight layout>" (e.g. "compact/onednn"; "compact/rowdot-bf16"
+        when the row-dot layout reads its weights from bf16 storage, `LlamaEngine.bf16_storage`) or "hf".
+        Latencies compare only within one (an evaluation appends it to its hardware setting). Reads the
+        verifier engine a generation built (else builds it)."""
         eng = self._engines.get(False) or self._engines.get(True) or self.engine(False, 0)
         layout = getattr(eng, "layout", None)
-        return f"compact/{layout}" if layout else "hf"
+        if not layout:
+            return "hf"
+        return f"compact/{layout}" + ("-bf16" if getattr(eng, "bf16_storage", False) else "")
 
     def engine(self, draft: bool = True, capacity: int = 0) -> Any:
         """This model's engine (draft top or verifier only), reset to hold `capacity` positions."""

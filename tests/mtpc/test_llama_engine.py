@@ -470,6 +470,33 @@ def test_float32_layout_merged_lora_and_rebuild_after_in_place_changes(weights):
         assert (out.p_logits - a.p_logits).abs().max() > 1e-2 and not e._stale()
 
 
+@ROWDOT
+def test_rowdot_layout_reads_a_bf16_checkpoint_from_bf16_storage_with_the_float32_bits(monkeypatch):
+    """Weights that are bf16 numbers (a bf16 checkpoint loaded to float32) are held in bf16 storage
+    (half the bytes) and give exactly the float32 copies' outputs; other weights stay float32."""
+    import mtpc.backbones.llama as llama
+
+    bb = _f32_adapter(1)
+    wide = LlamaEngine(bb, 32, weights="rowdot")
+    assert all(t.dtype == torch.float32 for t in wide.layers[0].packed.values()) and not wide.bf16_storage
+    with torch.no_grad():  # round the base weights to bf16 numbers, as a bf16 checkpoint loaded to float32
+        for name, p in bb.model.named_parameters():
+            if "lora_" not in name:
+                p.copy_(p.bfloat16().float())
+    narrow = LlamaEngine(bb, 32, weights="rowdot")
+    assert all(t.dtype == torch.bfloat16 for L in narrow.layers for t in L.packed.values())
+    assert narrow.lm_head_packed.dtype == torch.bfloat16 and narrow.bf16_storage
+    monkeypatch.setattr(llama, "rowdot_weight", lambda w: w.detach().contiguous().clone())
+    wide = LlamaEngine(bb, 32, weights="rowdot")
+    assert all(t.dtype == torch.float32 for L in wide.layers for t in L.packed.values())
+    g = torch.Generator().manual_seed(5)
+    for T in (7, 1, 3, 1):
+        ids = torch.randint(0, 16, (T,), generator=g)
+        a, b = narrow.feed(ids), wide.feed(ids)
+        assert torch.equal(a.p_logits, b.p_logits) and torch.equal(a.draft_hidden, b.draft_hidden)
+    _run_script(LlamaEngine(bb, 40, weights="rowdot"), bb, vocab=16, atol=1e-4)
+
+
 def test_default_layout_per_dtype_and_refusals():
     f64, f32 = _adapter(_model(), 0), _f32_adapter(0)
     assert LlamaEngine(f64, 16).layout == "views"  # oneDNN has no float64

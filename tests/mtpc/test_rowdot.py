@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtpc.kernels import rowdot_linear, rowdot_unsupported
+from mtpc.kernels import rowdot_linear, rowdot_unsupported, rowdot_weight
 
 WHY = rowdot_unsupported("cpu", torch.float32)
 pytestmark = pytest.mark.skipif(WHY is not None, reason=str(WHY))
@@ -45,8 +45,10 @@ def test_shapes_strides_and_lead_dims():
 
 def test_refusals_name_what_was_wrong():
     w = torch.randn(4, 8)
-    with pytest.raises(RuntimeError, match="float32 only"):
-        rowdot_linear(torch.randn(2, 8, dtype=torch.float64), w.double())
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        rowdot_linear(torch.randn(2, 8, dtype=torch.float64), w)
+    with pytest.raises(RuntimeError, match="w must be float32 or bfloat16 storage"):
+        rowdot_linear(torch.randn(2, 8), w.double())
     with pytest.raises(RuntimeError, match="contiguous"):
         rowdot_linear(torch.randn(2, 4), w.t())
     with pytest.raises(RuntimeError, match="last dim"):
@@ -55,3 +57,22 @@ def test_refusals_name_what_was_wrong():
         rowdot_linear(torch.randn(2, 8), w, torch.randn(5))
     assert "float32" in rowdot_unsupported("cpu", torch.bfloat16)
     assert "CPU only" in rowdot_unsupported("meta", torch.float32)
+
+
+@pytest.mark.parametrize("K", [512, 37])
+def test_bf16_storage_gives_the_float32_bits_for_bf16_numbers(K):
+    """W read from bf16 storage is widened exactly: for a W of bf16 numbers (a bf16 checkpoint
+    loaded to float32) the product has the float32 W's bits; `rowdot_weight` narrows only then."""
+    g = torch.Generator().manual_seed(K)
+    w = torch.randn(97, K, generator=g).bfloat16().float()  # bf16 numbers in float32
+    b = torch.randn(97, generator=g)
+    stored = rowdot_weight(w)
+    assert stored.dtype == torch.bfloat16 and stored.is_contiguous()
+    for M in (1, 4, 5):
+        x = torch.randn(M, K, generator=g)
+        assert torch.equal(rowdot_linear(x, stored, b), rowdot_linear(x, w, b))
+        assert torch.equal(rowdot_linear(x[:1], stored, b)[0], rowdot_linear(x, stored, b)[0])
+    off = w.clone()
+    off[3, 5] += 1e-3  # one value that is not a bf16 number: the copy stays float32
+    kept = rowdot_weight(off)
+    assert kept.dtype == torch.float32 and torch.equal(kept, off) and kept.data_ptr() != off.data_ptr()
