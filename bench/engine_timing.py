@@ -144,26 +144,22 @@ def weight_floors(model) -> dict[str, Callable[[], None]]:
 
     ws = step_weights(model)
     out = {"mkl_mv": weight_floor(model)}
-    if onednn_unsupported(ws[0].device, ws[0].dtype) is None:
-        mats = [_onednn_pack([w[n] for n in ms]) for w in _layer_weights(model) for ms in _GROUPS.values()]
-        mats.append(_onednn_pack([model.get_output_embeddings().weight.detach()]))
+    kernels = {  # name -> (why it cannot run here, the layout's group copy, its product)
+        "onednn_mv": (onednn_unsupported, _onednn_pack, onednn_linear),
+        "rowdot_mv": (rowdot_unsupported, _rowdot_pack, rowdot_linear),
+    }
+    for name, (unsupported, pack, linear) in kernels.items():
+        if unsupported(ws[0].device, ws[0].dtype) is not None:
+            continue
+        mats = [pack([w[n] for n in ms]) for w in _layer_weights(model) for ms in _GROUPS.values()]
+        mats.append(pack([model.get_output_embeddings().weight.detach()]))
         xs = [torch.randn(1, m.shape[1], dtype=ws[0].dtype) for m in mats]
 
-        def onednn_mv():
+        def product(xs=xs, mats=mats, linear=linear):
             for x, m in zip(xs, mats, strict=True):
-                onednn_linear(x, m)
+                linear(x, m)
 
-        out["onednn_mv"] = onednn_mv
-    if rowdot_unsupported(ws[0].device, ws[0].dtype) is None:
-        rows = [_rowdot_pack([w[n] for n in ms]) for w in _layer_weights(model) for ms in _GROUPS.values()]
-        rows.append(_rowdot_pack([model.get_output_embeddings().weight.detach()]))
-        xr = [torch.randn(1, m.shape[1], dtype=ws[0].dtype) for m in rows]
-
-        def rowdot_mv():
-            for x, m in zip(xr, rows, strict=True):
-                rowdot_linear(x, m)
-
-        out["rowdot_mv"] = rowdot_mv
+        out[name] = product
 
     def read():
         for w in ws:

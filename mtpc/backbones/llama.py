@@ -450,10 +450,9 @@ class LlamaEngine:
         if compile and static is False:
             raise ValueError("compile=True needs static shapes: pass static=True or None")
         auto = weights is None
+        # auto: the row-dot kernel where it runs (x86, float32), else oneDNN where it runs, else views
         if auto and not compile and rowdot_unsupported(self.device, self.dtype) is None:
-            weights = (
-                "rowdot"  # auto: the row-dot kernel where it runs (x86, float32), else oneDNN, else views
-            )
+            weights = "rowdot"
         if weights == "rowdot":
             reason = (
                 "weights='rowdot' does not combine with compile=True (use views or packed)"
@@ -703,9 +702,14 @@ class LlamaEngine:
         end = start + 1
         q = qk[: a.n_heads].view(1, a.n_kv_heads, self.n_rep, a.head_dim)  # the grouped layout (see _block)
         o = F.scaled_dot_product_attention(q, kc[:, :, :end], vc[:, :, :end], scale=self.scale)
-        x = x + self._mm(o.reshape(1, 1, a.n_heads * a.head_dim), p["o"])
-        h = rms_norm(x, layer.ln2, a.norm_eps)
-        g, u = self._mm(h, p["gu"]).split(a.intermediate, dim=-1)
+        return self._out_and_mlp(x, layer, o.reshape(1, 1, a.n_heads * a.head_dim))
+
+    def _out_and_mlp(self, x: Tensor, layer: _Layer, o: Tensor) -> Tensor:
+        """The fast paths' end of a layer: x + o W_o, then the MLP's residual (fused layouts, no LoRA)."""
+        p = layer.packed
+        x = x + self._mm(o, p["o"])
+        h = rms_norm(x, layer.ln2, self.args.norm_eps)
+        g, u = self._mm(h, p["gu"]).split(self.args.intermediate, dim=-1)
         return x + self._mm(F.silu(g) * u, p["down"])
 
     def _block_rows(
@@ -730,10 +734,7 @@ class LlamaEngine:
             q, kc[:, :, :end], vc[:, :, :end], attn_mask=mask, scale=self.scale
         )
         o = o.reshape(a.n_heads, T, a.head_dim).transpose(0, 1).reshape(1, T, a.n_heads * a.head_dim)
-        x = x + self._mm(o, p["o"])
-        h = rms_norm(x, layer.ln2, a.norm_eps)
-        g, u = self._mm(h, p["gu"]).split(a.intermediate, dim=-1)
-        return x + self._mm(F.silu(g) * u, p["down"])
+        return self._out_and_mlp(x, layer, o)
 
     def _block(self, x, layer, kv, cos, sin, mask, pos, start, causal=False, length=None):
         B, T, _ = x.shape
