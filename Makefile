@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -e '.[dev,data]'
 	@touch $@
 
-# the CPU row-dot kernel (mtpc/csrc/rowdot.cpp), compiled once per machine (~30 s); never fails
+# the CPU kernels (mtpc/csrc/: the row-dot product, the btree greedy draft), compiled once per machine (~50 s); never fails
 kernels: setup
 	@$(PY) -m mtpc.kernels
 

@@ -16,6 +16,13 @@ without oneDNN) or None; `use_onednn` applies the rule the engine and the head d
 (asked for / automatic / off), `warn_fallback` says when the automatic choice fell back. Leaves out: CUDA (cuBLAS reads at speed there), autograd (decoding
 only), torch.compile (inductor does not lower the blocked weights).
 
+The btree greedy draft (mtpc/csrc/btree_greedy.cpp, built in the same module): the batch-1 decoding
+cycle's max-product draft of a btree circuit in one call instead of ~40 small torch ops, the same
+floats in the same order (the same window, ties included):
+
+    native_draft_unsupported(device, dtype)            # why not here (one line), or None
+    x = btree_greedy_draft(root, internal, leaves, prefix, plan)
+
 The row-dot kernel (mtpc/csrc/rowdot.cpp, float32 arithmetic, x86 with AVX2 + FMA) multiplies by W
 in its own (out, in) layout, a row's bits the same whatever the number of rows in the call (so the
 verify's rows equal the step's exactly). W is read from bfloat16 storage where its values are bf16
@@ -97,7 +104,9 @@ def onednn_linear(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tens
 
 # --- the row-dot kernel (mtpc/csrc/rowdot.cpp) -------------------------------------------------
 
-ROWDOT_SOURCE = Path(__file__).resolve().parent / "csrc" / "rowdot.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+# one module: the row-dot product, the btree greedy draft and their Python binding
+KERNEL_SOURCES = [CSRC / "rowdot.cpp", CSRC / "btree_greedy.cpp", CSRC / "module.cpp"]
 
 
 def _cpu_flags() -> set[str]:
@@ -125,8 +134,8 @@ def _rowdot_module() -> tuple[object | None, str | None]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             module = cpp_extension.load(  # into torch's extensions folder ($TORCH_EXTENSIONS_DIR)
-                name="mtpc_rowdot",
-                sources=[str(ROWDOT_SOURCE)],
+                name="mtpc_kernels",
+                sources=[str(p) for p in KERNEL_SOURCES],
                 extra_cflags=["-O3", "-mavx2", "-mfma"],
                 verbose=os.environ.get("MTPC_VERBOSE_BUILD") == "1",
             )
@@ -167,6 +176,30 @@ def rowdot_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     return module.rowdot_linear(x, weight, bias)
 
 
+def btree_greedy_draft(
+    root: Tensor, internal: Tensor, leaves: Tensor, prefix: Tensor, plan: Tensor
+) -> Tensor:
+    """The btree circuit's greedy window for one context in one native call (mtpc/csrc/btree_greedy.cpp):
+    root (r,), internal (m, r, r), leaves (n, r, v) float32 normalised log-parameters on the CPU,
+    prefix (k,) int64, plan the tree (`mtpc.circuits.btree._Schedule.native_plan`) -> (n,) int64,
+    the same window (bits and ties) as `BTreeCircuit._greedy_window` with the prefix. Raises
+    RuntimeError where the kernels do not build (`native_draft_unsupported` says why)."""
+    module, why = _rowdot_module()
+    if module is None:
+        raise RuntimeError(why)
+    return module.btree_greedy_draft(root, internal, leaves, prefix, plan)
+
+
+def native_draft_unsupported(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Why the native greedy draft cannot run here (one line), or None; builds the kernels on the
+    first call. $MTPC_NATIVE_DRAFT=0 turns it off (the torch path then runs: the same window)."""
+    if os.environ.get("MTPC_NATIVE_DRAFT", "1") == "0":
+        return "the native draft is off ($MTPC_NATIVE_DRAFT=0)"
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return "the native draft runs on float32 CPU parameters only"
+    return _rowdot_module()[1]
+
+
 def main() -> int:
     """`python -m mtpc.kernels`: build the row-dot kernel now (`make test` and `make demo` do, so no
     run pays the build later) and say in one line whether the engine will use it. Exit 0 either way:
@@ -178,7 +211,7 @@ def main() -> int:
     if why:
         print(f"mtpc: {why}; the CPU engine multiplies by oneDNN instead")
     else:
-        print(f"mtpc: row-dot kernel ready ({time.perf_counter() - t0:.1f} s)")
+        print(f"mtpc: CPU kernels ready ({time.perf_counter() - t0:.1f} s)")
     return 0
 
 

@@ -156,6 +156,14 @@ class _Schedule:
         self.spine_rows = spine[::-1]
         self.spine_index = t(self.spine_rows)
         self._offsets: dict[int, list[Tensor]] = {}
+        # the tree for the native greedy draft (mtpc/csrc/btree_greedy.cpp, its header has the layout)
+        plan = [m, n]
+        for k in up_order:
+            plan += [k - 1, kid(nodes[k].left), kid(nodes[k].right)]
+        plan += [kid(nodes[0].left), kid(nodes[0].right)]
+        plan += [nodes[k].parent for k in range(1, len(nodes))]
+        plan += leaf_parent
+        self.native_plan = torch.tensor(plan, dtype=torch.long)  # host memory: the kernel reads it there
 
     def down_offsets(self, rank: int) -> list[Tensor]:
         """Per downward level, the offsets k r of its internal rows k into a flattened (m r) table."""
@@ -366,7 +374,32 @@ class BTreeCircuit(Circuit):
             u_bfs = u_bfs.index_copy(-2, s.spine_index, torch.cat(us, dim=-2))
         return u_bfs, u.squeeze(-2)
 
+    def _native_greedy(self, q: Params, prefix: Tensor | None) -> Tensor | None:
+        """The batch-1 greedy window from the native kernel (mtpc.kernels.btree_greedy_draft: the same
+        window as `_greedy_window`, bits and ties), or None where it does not apply (a batch, not
+        float32 on the CPU, the kernels not built, $MTPC_NATIVE_DRAFT=0)."""
+        root, internal, leaves = q["root"], q["internal"], q["leaves"]
+        if root.dim() != 1 or (prefix is not None and prefix.dim() != 1):
+            return None
+        from mtpc.kernels import btree_greedy_draft, native_draft_unsupported
+
+        if native_draft_unsupported(root.device, root.dtype) is not None:
+            return None
+        if internal.dtype != root.dtype or leaves.dtype != root.dtype:
+            return None
+        pre = prefix if prefix is not None else self._no_prefix
+        s = self._sched(root.device)
+        return btree_greedy_draft(
+            root.contiguous(), internal.contiguous(), leaves.contiguous(), pre.contiguous(), s.native_plan
+        )
+
+    _no_prefix = torch.zeros(0, dtype=torch.long)
+
     def _draft(self, q, prefix, generator=None, greedy=False, conditionals=True):
+        if greedy and not conditionals:  # the decoding cycle's greedy draft: one native call where it runs
+            x = self._native_greedy(q, prefix)
+            if x is not None:
+                return x, None
         # one set of level tables for every pass, one exp of the leaves for the sampled rows and the
         # mix; messages up to a constant per node (each only enters a softmax or argmax over its row)
         root, internal, leaves, prefix, scores = self._parts(q, prefix)

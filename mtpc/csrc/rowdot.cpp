@@ -3,7 +3,8 @@
 // float32 either way, so a W of bf16 numbers gives the same bits from either storage, reading half
 // the bytes from bf16).
 //
-// Built on first use by mtpc/kernels.py (torch.utils.cpp_extension, -O3 -mavx2 -mfma) and used by
+// Built on first use by mtpc/kernels.py (torch.utils.cpp_extension, -O3 -mavx2 -mfma; bound in
+// module.cpp) and used by
 // the compact engine's "rowdot" weight layout and the head decoder. W stays in its (out, in)
 // row-major layout; x is (M, in) with M the rows of one call (1 for the plain step, n for the
 // verify of n bytes).
@@ -405,4 +406,3 @@ torch::Tensor rowdot_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   return y.view(lead);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("rowdot_linear", &rowdot_linear, "x (..., in), W (out, in), bias (out,) or None -> x W^T + bias"); }

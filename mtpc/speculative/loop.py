@@ -5,9 +5,11 @@ one backbone call per cycle, exact; "drop": the paper's Algorithm 2 as written, 
 distribution-preserving when sampling), the circuit drafter, and per-run statistics. The
 `Engine` protocol that owns the caches lives in mtpc/backbones/engine.py (re-exported here).
 
-One host read per cycle: draft, verify and accept run on the device; the cycle reads back one
-small tensor [s, extra, drafted bytes] (`.tolist()`), from which the host learns how far to crop
-and what was emitted. Fixed shapes per window (n bytes fed per verify, 1 per plain step) let
+One host read per cycle: draft and verify run on the device; a sampled cycle accepts there too and
+reads back one small tensor [s, extra, drafted bytes] (`.tolist()`), from which the host learns how
+far to crop and what was emitted; a greedy cycle reads back the verifier's choices and the draft
+instead and applies the greedy rule on the host (`greedy_accept`: a few comparisons, where the
+device rule is ~10 small tensor ops), the next known byte staying a device view of the choices. Fixed shapes per window (n bytes fed per verify, 1 per plain step) let
 the engine capture its calls as CUDA graphs.
 
 The keep cycle (DESIGN section 3). The caches hold bytes up to a; c = x_{a+1} is emitted but
@@ -57,8 +59,8 @@ from mtpc.names import DECODE_MODES, EXTRA_TOKEN_OPTIONS, MIN_DECODE_WINDOW
 from mtpc.speculative.acceptance import (
     Chooser,
     as_index,
+    greedy_accept,
     greedy_target,
-    greedy_verify,
     sample_verify,
     target_probs,
     testable_drafts,
@@ -286,12 +288,15 @@ def speculative_decode(
     ) -> tuple[list[int], Tensor]:
         """draft (m,), p_logits (m+1, v), log_q (m, v) (None: greedy); test at most `budget` drafts and none past an
         allowed EOS -> ([s, extra, testable count, *draft] on the host, extra (1,) on the device)."""
+        if greedy:  # the verifier's choices and the draft in the one host read, the rule on the host
+            m = draft.shape[0]
+            targets = greedy_target(p_logits, cfg.banned)  # (m+1,)
+            got = torch.cat([targets, draft]).tolist()  # the cycle's one host read
+            s, count = greedy_accept(got[: m + 1], got[m + 1 :], budget, cfg.stop_ids)
+            return [s, got[s], count, *got[m + 1 :]], targets[s : s + 1]
         ok = testable_drafts(draft, budget, cfg.stop_ids)  # (m,)
-        if greedy:
-            s, extra = greedy_verify(draft, greedy_target(p_logits, cfg.banned), ok)
-        else:
-            p = target_probs(p_logits, cfg.temperature, cfg.top_p, cfg.banned)
-            s, extra = sample_verify(draft, p, log_q.exp().to(p.dtype), choose, ok)
+        p = target_probs(p_logits, cfg.temperature, cfg.top_p, cfg.banned)
+        s, extra = sample_verify(draft, p, log_q.exp().to(p.dtype), choose, ok)
         extra = as_index(extra, dev)
         count = ok.sum().view(1)
         return torch.cat([as_index(s, dev), extra, count, draft]).tolist(), extra  # the cycle's one host read

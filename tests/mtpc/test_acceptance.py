@@ -15,11 +15,13 @@ import torch
 from mtpc.speculative.acceptance import (
     acceptance_length_distribution,
     acceptance_probs,
+    greedy_accept,
     greedy_verify,
     residual_distribution,
     sample_verify,
     target_probs,
 )
+from mtpc.speculative.acceptance import testable_drafts as _testable  # not a test
 from mtpc.speculative.loop import DecodeConfig, plain_decode, speculative_decode
 from tests.speculative_helpers import (
     MarkovEngine,
@@ -146,6 +148,24 @@ def test_greedy_verify_all_drafts():
         s, extra = greedy_verify(torch.tensor(draft), target)
         expect = next((j for j in range(m) if draft[j] != target[j]), m)
         assert (s, extra) == (expect, int(target[expect]))
+
+
+def test_greedy_accept_on_the_host_equals_the_device_rule():
+    """Every draft over 3 symbols, every budget and stop set: the loop's host rule gives the device
+    rule's (greedy_verify over testable_drafts) accepted count and testable count."""
+    v, m = 3, 3
+    target = [2, 0, 1, 1]
+    checked = 0
+    for draft in itertools.product(range(v), repeat=m):
+        for budget in range(-1, m + 2):
+            for stops in ([], [0], [1, 2]):
+                d = torch.tensor(draft)
+                ok = _testable(d, budget, stops)
+                s_dev, _ = greedy_verify(d, torch.tensor(target), ok)
+                s, count = greedy_accept(target, list(draft), budget, stops)
+                assert (s, count) == (int(s_dev), int(ok.sum())), (draft, budget, stops)
+                checked += 1
+    assert checked == v**m * (m + 3) * 3
 
 
 # ------------------------------------------------------------- whole cycles on a Markov target
