@@ -16,12 +16,16 @@ without oneDNN) or None; `use_onednn` applies the rule the engine and the head d
 (asked for / automatic / off), `warn_fallback` says when the automatic choice fell back. Leaves out: CUDA (cuBLAS reads at speed there), autograd (decoding
 only), torch.compile (inductor does not lower the blocked weights).
 
-The btree greedy draft (mtpc/csrc/btree_greedy.cpp, built in the same module): the batch-1 decoding
-cycle's max-product draft of a btree circuit in one call instead of ~40 small torch ops, the same
-floats in the same order (the same window, ties included):
+The cycle kernels (built in the same module), for the batch-1 decoding cycle on the CPU, where a
+small tensor op's dispatch costs more than its arithmetic: the btree drafts (mtpc/csrc/btree_draft.cpp,
+one call instead of ~40-80 small torch ops; greedy: the max-product window, the same floats in the
+same order as the torch path, so the same window, ties included; sampled: an exact draw with its
+conditionals, its own float order and uniforms) and the sampling accept (mtpc/csrc/accept.cpp):
 
-    native_draft_unsupported(device, dtype)            # why not here (one line), or None
+    native_cycle_unsupported(device, dtype)            # why not here (one line), or None
     x = btree_greedy_draft(root, internal, leaves, prefix, plan)
+    x, q = btree_sample_draft(root, internal, leaf_p, prefix, uniforms, plan)
+    got = sample_accept(p, q, draft, budget, stop_ids, uniforms)  # [s, extra, count, *draft]
 
 The row-dot kernel (mtpc/csrc/rowdot.cpp, float32 arithmetic, x86 with AVX2 + FMA) multiplies by W
 in its own (out, in) layout, a row's bits the same whatever the number of rows in the call (so the
@@ -105,8 +109,8 @@ def onednn_linear(x: Tensor, packed: Tensor, bias: Tensor | None = None) -> Tens
 # --- the row-dot kernel (mtpc/csrc/rowdot.cpp) -------------------------------------------------
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-# one module: the row-dot product, the btree greedy draft and their Python binding
-KERNEL_SOURCES = [CSRC / "rowdot.cpp", CSRC / "btree_greedy.cpp", CSRC / "module.cpp"]
+# one module: the row-dot product, the btree drafts, the sampling accept and their Python binding
+KERNEL_SOURCES = [CSRC / "rowdot.cpp", CSRC / "btree_draft.cpp", CSRC / "accept.cpp", CSRC / "module.cpp"]
 
 
 def _cpu_flags() -> set[str]:
@@ -179,24 +183,58 @@ def rowdot_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
 def btree_greedy_draft(
     root: Tensor, internal: Tensor, leaves: Tensor, prefix: Tensor, plan: Tensor
 ) -> Tensor:
-    """The btree circuit's greedy window for one context in one native call (mtpc/csrc/btree_greedy.cpp):
+    """The btree circuit's greedy window for one context in one native call (mtpc/csrc/btree_draft.cpp):
     root (r,), internal (m, r, r), leaves (n, r, v) float32 normalised log-parameters on the CPU,
     prefix (k,) int64, plan the tree (`mtpc.circuits.btree._Schedule.native_plan`) -> (n,) int64,
     the same window (bits and ties) as `BTreeCircuit._greedy_window` with the prefix. Raises
-    RuntimeError where the kernels do not build (`native_draft_unsupported` says why)."""
+    RuntimeError where the kernels do not build (`native_cycle_unsupported` says why)."""
     module, why = _rowdot_module()
     if module is None:
         raise RuntimeError(why)
     return module.btree_greedy_draft(root, internal, leaves, prefix, plan)
 
 
-def native_draft_unsupported(device: torch.device | str, dtype: torch.dtype) -> str | None:
-    """Why the native greedy draft cannot run here (one line), or None; builds the kernels on the
-    first call. $MTPC_NATIVE_DRAFT=0 turns it off (the torch path then runs: the same window)."""
-    if os.environ.get("MTPC_NATIVE_DRAFT", "1") == "0":
-        return "the native draft is off ($MTPC_NATIVE_DRAFT=0)"
+def btree_sample_draft(
+    root: Tensor, internal: Tensor, leaf_p: Tensor, prefix: Tensor, uniforms: Tensor, plan: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The btree circuit's sampled window for one context and its conditionals in one native call
+    (mtpc/csrc/btree_draft.cpp): root (r,), internal (m, r, r) float32 normalised log-parameters,
+    leaf_p (n, r, v) float32 leaf probabilities, prefix (k,) int64, uniforms (1 + m + n,) float64,
+    plan (`_Schedule.native_plan`) -> (window (n,) int64, q(x_i = . | x_<i) (n, v) float32): an exact
+    draw from the circuit (root, nodes, free leaves by inverse CDF, one uniform each) and the
+    conditionals of the drawn window. Raises RuntimeError where the kernels do not build."""
+    module, why = _rowdot_module()
+    if module is None:
+        raise RuntimeError(why)
+    x, q = module.btree_sample_draft(root, internal, leaf_p, prefix, uniforms, plan)
+    return x, q
+
+
+def sample_accept(
+    p: Tensor, q: Tensor, draft: Tensor, budget: int, stop_ids: list[int], uniforms: Tensor
+) -> Tensor:
+    """The sampling cycle's acceptance in one native call (mtpc/csrc/accept.cpp): p (m + 1, v) target
+    and q (m, v) draft probabilities (float32, CPU), draft (m,) int64, the byte budget and stop ids
+    (the testable drafts: `acceptance.testable_drafts`), two float64 uniforms -> [s accepted, the
+    extra token, the testable count, *draft] (int64, 3 + m): `acceptance.sample_verify`'s
+    distribution, drawn by inverse CDF instead of torch.multinomial. Raises RuntimeError where the
+    kernels do not build."""
+    module, why = _rowdot_module()
+    if module is None:
+        raise RuntimeError(why)
+    return module.sample_accept(
+        p.contiguous(), q.contiguous(), draft.contiguous(), budget, list(stop_ids), uniforms
+    )
+
+
+def native_cycle_unsupported(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Why the native cycle kernels (the btree drafts, the sampling accept) cannot run here (one
+    line), or None; builds the kernels on the first call. $MTPC_NATIVE_CYCLE=0 turns them off (the
+    torch paths run: the same greedy window; sampled draws from the same distributions)."""
+    if os.environ.get("MTPC_NATIVE_CYCLE", "1") == "0":
+        return "the native cycle kernels are off ($MTPC_NATIVE_CYCLE=0)"
     if torch.device(device).type != "cpu" or dtype != torch.float32:
-        return "the native draft runs on float32 CPU parameters only"
+        return "the native cycle kernels run on float32 CPU tensors only"
     return _rowdot_module()[1]
 
 

@@ -156,13 +156,17 @@ class _Schedule:
         self.spine_rows = spine[::-1]
         self.spine_index = t(self.spine_rows)
         self._offsets: dict[int, list[Tensor]] = {}
-        # the tree for the native greedy draft (mtpc/csrc/btree_greedy.cpp, its header has the layout)
+        # the tree for the native drafts (mtpc/csrc/btree_draft.cpp, its header has the layout)
         plan = [m, n]
         for k in up_order:
             plan += [k - 1, kid(nodes[k].left), kid(nodes[k].right)]
         plan += [kid(nodes[0].left), kid(nodes[0].right)]
         plan += [nodes[k].parent for k in range(1, len(nodes))]
         plan += leaf_parent
+        for k in range(1, len(nodes)):  # the sampled draft's downward pass: left siblings' slots
+            par = nodes[nodes[k].parent]
+            plan.append(kid(par.left) if par.right == ("node", k) else 0)
+        plan += leaf_sib
         self.native_plan = torch.tensor(plan, dtype=torch.long)  # host memory: the kernel reads it there
 
     def down_offsets(self, rank: int) -> list[Tensor]:
@@ -374,16 +378,45 @@ class BTreeCircuit(Circuit):
             u_bfs = u_bfs.index_copy(-2, s.spine_index, torch.cat(us, dim=-2))
         return u_bfs, u.squeeze(-2)
 
-    def _native_greedy(self, q: Params, prefix: Tensor | None) -> Tensor | None:
-        """The batch-1 greedy window from the native kernel (mtpc.kernels.btree_greedy_draft: the same
-        window as `_greedy_window`, bits and ties), or None where it does not apply (a batch, not
-        float32 on the CPU, the kernels not built, $MTPC_NATIVE_DRAFT=0)."""
+    def _native_sample(
+        self, q: Params, prefix: Tensor | None, generator: torch.Generator | None
+    ) -> tuple[Tensor, Tensor] | None:
+        """The batch-1 sampled window and its log conditionals (n, v) from the native kernel
+        (mtpc.kernels.btree_sample_draft: an exact draw from this circuit with its conditionals, its
+        own float order and 1 + m + n uniforms from `generator`), or None where it does not apply
+        (as `_native_greedy`)."""
         root, internal, leaves = q["root"], q["internal"], q["leaves"]
         if root.dim() != 1 or (prefix is not None and prefix.dim() != 1):
             return None
-        from mtpc.kernels import btree_greedy_draft, native_draft_unsupported
+        from mtpc.kernels import btree_sample_draft, native_cycle_unsupported
 
-        if native_draft_unsupported(root.device, root.dtype) is not None:
+        if native_cycle_unsupported(root.device, root.dtype) is not None:
+            return None
+        if internal.dtype != root.dtype or leaves.dtype != root.dtype:
+            return None
+        pre = prefix if prefix is not None else self._no_prefix
+        s = self._sched(root.device)
+        u = torch.rand(len(self._nodes) + self.window, generator=generator, dtype=torch.float64)
+        x, probs = btree_sample_draft(
+            root.contiguous(),
+            internal.contiguous(),
+            leaf_probs(leaves).contiguous(),
+            pre.contiguous(),
+            u,
+            s.native_plan,
+        )
+        return x, probs.log()
+
+    def _native_greedy(self, q: Params, prefix: Tensor | None) -> Tensor | None:
+        """The batch-1 greedy window from the native kernel (mtpc.kernels.btree_greedy_draft: the same
+        window as `_greedy_window`, bits and ties), or None where it does not apply (a batch, not
+        float32 on the CPU, the kernels not built, $MTPC_NATIVE_CYCLE=0)."""
+        root, internal, leaves = q["root"], q["internal"], q["leaves"]
+        if root.dim() != 1 or (prefix is not None and prefix.dim() != 1):
+            return None
+        from mtpc.kernels import btree_greedy_draft, native_cycle_unsupported
+
+        if native_cycle_unsupported(root.device, root.dtype) is not None:
             return None
         if internal.dtype != root.dtype or leaves.dtype != root.dtype:
             return None
@@ -400,6 +433,10 @@ class BTreeCircuit(Circuit):
             x = self._native_greedy(q, prefix)
             if x is not None:
                 return x, None
+        if not greedy and conditionals:  # the sampling cycle's draft: one native call where it runs
+            got = self._native_sample(q, prefix, generator)
+            if got is not None:
+                return got
         # one set of level tables for every pass, one exp of the leaves for the sampled rows and the
         # mix; messages up to a constant per node (each only enters a softmax or argmax over its row)
         root, internal, leaves, prefix, scores = self._parts(q, prefix)

@@ -163,6 +163,18 @@ def greedy_verify(draft: Tensor, target_ids: Tensor, testable: Tensor | None = N
     return s, target_ids.gather(0, s.view(1))[0]
 
 
+def testable_count(draft: Sequence[int], budget: int, stop_ids: Sequence[int]) -> int:
+    """`testable_drafts(draft, budget, stop_ids).sum()` for a draft on the host: the first `budget`
+    drafts, up to and including the first stop id."""
+    stops = set(stop_ids)
+    count = 0
+    for t in draft[: max(budget, 0)]:
+        count += 1
+        if t in stops:
+            break
+    return count
+
+
 def greedy_accept(
     targets: Sequence[int], draft: Sequence[int], budget: int, stop_ids: Sequence[int]
 ) -> tuple[int, int]:
@@ -171,12 +183,7 @@ def greedy_accept(
     same as `greedy_verify(draft, targets, testable_drafts(draft, budget, stop_ids))` and
     `testable_drafts(...).sum()` (tests check both agree); the extra token is targets[s]. A handful
     of Python comparisons instead of ~10 small tensor ops per cycle (the CPU cycle's accept)."""
-    stops = set(stop_ids)
-    count = 0
-    for t in draft[: max(budget, 0)]:
-        count += 1
-        if t in stops:  # testable up to and including the first stop id
-            break
+    count = testable_count(draft, budget, stop_ids)
     s = 0
     while s < count and draft[s] == targets[s]:
         s += 1

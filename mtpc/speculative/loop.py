@@ -55,9 +55,11 @@ import torch
 from torch import Tensor
 
 from mtpc.backbones.engine import AdapterEngine, Engine, StepOutput
+from mtpc.kernels import native_cycle_unsupported, sample_accept
 from mtpc.names import DECODE_MODES, EXTRA_TOKEN_OPTIONS, MIN_DECODE_WINDOW
 from mtpc.speculative.acceptance import (
     Chooser,
+    TorchChooser,
     as_index,
     greedy_accept,
     greedy_target,
@@ -294,13 +296,25 @@ def speculative_decode(
             got = torch.cat([targets, draft]).tolist()  # the cycle's one host read
             s, count = greedy_accept(got[: m + 1], got[m + 1 :], budget, cfg.stop_ids)
             return [s, got[s], count, *got[m + 1 :]], targets[s : s + 1]
-        ok = testable_drafts(draft, budget, cfg.stop_ids)  # (m,)
         p = target_probs(p_logits, cfg.temperature, cfg.top_p, cfg.banned)
+        if native_accept and p.dtype == torch.float32:  # the CPU: one native call from two uniforms
+            u = torch.rand(2, generator=choose.generator, dtype=torch.float64)
+            got = sample_accept(p, log_q.exp(), draft, budget, cfg.stop_ids, u)
+            return got.tolist(), got[1:2]  # the cycle's one host read
+        ok = testable_drafts(draft, budget, cfg.stop_ids)  # (m,)
         s, extra = sample_verify(draft, p, log_q.exp().to(p.dtype), choose, ok)
         extra = as_index(extra, dev)
         count = ok.sum().view(1)
         return torch.cat([as_index(s, dev), extra, count, draft]).tolist(), extra  # the cycle's one host read
 
+    # a sampling cycle on the CPU with the generator's chooser accepts in one native call
+    # (mtpc/csrc/accept.cpp: sample_verify's distribution from two uniforms of the same generator)
+    native_accept = (
+        not greedy
+        and dev.type == "cpu"
+        and type(choose) is TorchChooser
+        and native_cycle_unsupported(dev, torch.float32) is None
+    )
     t0 = _clock(sync)
     step = engine.feed(prompt)
     last_p = step.p_logits[-1].clone()  # (v,) verifier row for the next position (kept across feeds)
