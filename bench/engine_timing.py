@@ -326,7 +326,14 @@ def part_clocks(clock: Callable[[], float] = time.thread_time):
 
     accept = [
         n
-        for n in ("greedy_accept", "sample_accept", "sample_verify", "greedy_target", "target_probs", "testable_drafts")
+        for n in (
+            "greedy_accept",
+            "sample_accept",
+            "sample_verify",
+            "greedy_target",
+            "target_probs",
+            "testable_drafts",
+        )
         if hasattr(loop, n)
     ]
     with contextlib.ExitStack() as stack:
