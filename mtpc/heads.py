@@ -44,6 +44,7 @@ from mtpc.circuits import build_circuit
 from mtpc.kernels import (
     onednn_linear,
     onednn_pack,
+    rowdot_batched,
     rowdot_linear,
     rowdot_unsupported,
     rowdot_weight,
@@ -359,7 +360,9 @@ class HeadDecoder:
     else a transposed (d, N) copy for `addmm` (about twice MKL's (N, d) layout there; cuBLAS on
     CUDA). App. G leaves are then U e + B (A e): one (1, k) x (k, v) product per component on a
     contiguous copy of B^T (a bmm reads it ~3x faster than a transposed view of B) plus U e
-    broadcast over the components; nothing of size (n r, N, v) or (n, r, v, d) is formed. One
+    broadcast over the components, or with the row-dot kernels one `rowdot_batched` call over that
+    copy (bf16 storage where exact) with U e as each row's bias; nothing of size (n r, N, v) or
+    (n, r, v, d) is formed. One
     log_softmax normalises the leaves and one every sum unit (all have r children).
 
     A known-byte head adds E[c] to e first (one row gathered on the device, `index_select`: no
@@ -392,6 +395,8 @@ class HeadDecoder:
             # (N, d) as it is for the row-dot kernel, blocked for oneDNN, or (d, N) for addmm; the
             # copy is the head's size again
             self.rowdot = onednn is None and rowdot_unsupported(device, self.dtype) is None
+            if self.rowdot and k > 0:  # B^T (n r, k, v) for rowdot_batched, bf16 storage where exact
+                self.delta_out = rowdot_weight(self.delta_out.view(n * r * k, v)).view(n * r, k, v)
             self.onednn = not self.rowdot and use_onednn(onednn, device, self.dtype, "head decoder")
             if self.rowdot:
                 self.weight = rowdot_weight(stacked)  # bf16 storage where exact (a bf16-stored head)
@@ -455,6 +460,12 @@ class HeadDecoder:
             y = torch.addmm(self.bias, e.unsqueeze(0), self.weight).view(-1)
         if self.delta_out is None:
             leaves, rest = y.split(self.split)
+            leaves = leaves.view(self.leaf_shape)
+        elif self.rowdot:  # B (A e) + U e in one call, B in its own layout (bf16 storage where exact)
+            base, h, rest = y.split(self.split)
+            leaves = rowdot_batched(
+                h.view(self.h_shape[0], -1), self.delta_out, base.view(self.leaf_shape[0], -1)
+            )
             leaves = leaves.view(self.leaf_shape)
         else:
             base, h, rest = y.split(self.split)  # U e (n v), A e (n r k), sums

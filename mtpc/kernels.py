@@ -180,6 +180,18 @@ def rowdot_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     return module.rowdot_linear(x, weight, bias)
 
 
+def rowdot_batched(x: Tensor, weight_t: Tensor, bias: Tensor) -> Tensor:
+    """A batch of short row-vector products, one transposed matrix per row: x (J, K) float32,
+    weight_t (J, K, N) float32 or bf16 storage (`rowdot_weight` on the (J K, N) view), bias (G, N)
+    float32 -> (J, N), row j = x[j] @ weight_t[j] + bias[j // (J // G)], vectorised over the outputs
+    (the head decoder's App. G leaves B (A e) + U e, K the delta rank). Raises RuntimeError where the
+    kernels do not build."""
+    module, why = _rowdot_module()
+    if module is None:
+        raise RuntimeError(why)
+    return module.rowdot_batched(x.contiguous(), weight_t.contiguous(), bias.contiguous())
+
+
 def btree_greedy_draft(
     root: Tensor, internal: Tensor, leaves: Tensor, prefix: Tensor, plan: Tensor
 ) -> Tensor:

@@ -7,6 +7,7 @@
 #include <vector>
 
 torch::Tensor rowdot_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor rowdot_batched(torch::Tensor x, torch::Tensor wt, torch::Tensor bias);
 torch::Tensor btree_greedy_draft(torch::Tensor root, torch::Tensor internal, torch::Tensor leaves,
                                  torch::Tensor prefix, torch::Tensor plan);
 std::vector<torch::Tensor> btree_sample_draft(torch::Tensor root, torch::Tensor internal,
@@ -17,6 +18,8 @@ torch::Tensor sample_accept(torch::Tensor p, torch::Tensor q, torch::Tensor draf
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rowdot_linear", &rowdot_linear, "x (..., in), W (out, in), bias (out,) or None -> x W^T + bias");
+  m.def("rowdot_batched", &rowdot_batched,
+        "x (J, K), WT (J, K, N), bias (G, N) -> y (J, N), y[j] = x[j] WT[j] + bias[j / (J / G)]");
   m.def("btree_greedy_draft", &btree_greedy_draft,
         "root (r,), internal (m, r, r), leaves (n, r, v), prefix (k,), plan -> the greedy window (n,)");
   m.def("btree_sample_draft", &btree_sample_draft,

@@ -406,3 +406,67 @@ torch::Tensor rowdot_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   return y.view(lead);
 }
 
+
+// A batch of row-vector products with short rows, one matrix per row, the matrix transposed:
+// y[j] = x[j] WT[j] + bias[j / (J / G)] for x (J, K), WT (J, K, N) (float32 or bf16 storage), bias
+// (G, N) (each bias row shared by J / G consecutive rows). For the head decoder's App. G leaves,
+// B (A e) + U e with K = the delta rank (16): vectorised over the outputs (no horizontal sums),
+// each output accumulating over k in order with FMAs, then + bias.
+template <typename WT>
+static void batched_kn(const float* xp, const WT* wp, const float* bp, float* yp, int64_t J, int64_t K,
+                       int64_t N, int64_t per) {
+  for (int64_t j = 0; j < J; ++j) {
+    const float* x = xp + j * K;
+    const WT* w = wp + j * K * N;
+    const float* b = bp + (j / per) * N;
+    float* y = yp + j * N;
+    int64_t o = 0;
+    for (; o + 32 <= N; o += 32) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+             a3 = _mm256_setzero_ps();
+      for (int64_t k = 0; k < K; ++k) {
+        const __m256 xv = _mm256_set1_ps(x[k]);
+        const WT* row = w + k * N + o;
+        a0 = _mm256_fmadd_ps(xv, load8(row), a0);
+        a1 = _mm256_fmadd_ps(xv, load8(row + 8), a1);
+        a2 = _mm256_fmadd_ps(xv, load8(row + 16), a2);
+        a3 = _mm256_fmadd_ps(xv, load8(row + 24), a3);
+      }
+      _mm256_storeu_ps(y + o, _mm256_add_ps(a0, _mm256_loadu_ps(b + o)));
+      _mm256_storeu_ps(y + o + 8, _mm256_add_ps(a1, _mm256_loadu_ps(b + o + 8)));
+      _mm256_storeu_ps(y + o + 16, _mm256_add_ps(a2, _mm256_loadu_ps(b + o + 16)));
+      _mm256_storeu_ps(y + o + 24, _mm256_add_ps(a3, _mm256_loadu_ps(b + o + 24)));
+    }
+    for (; o + 8 <= N; o += 8) {
+      __m256 a0 = _mm256_setzero_ps();
+      for (int64_t k = 0; k < K; ++k) a0 = _mm256_fmadd_ps(_mm256_set1_ps(x[k]), load8(w + k * N + o), a0);
+      _mm256_storeu_ps(y + o, _mm256_add_ps(a0, _mm256_loadu_ps(b + o)));
+    }
+    for (; o < N; ++o) {
+      float a = 0.0f;
+      for (int64_t k = 0; k < K; ++k) a = std::fma(x[k], to_f32(w[k * N + o]), a);
+      y[o] = a + b[o];
+    }
+  }
+}
+
+torch::Tensor rowdot_batched(torch::Tensor x, torch::Tensor wt, torch::Tensor bias) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && bias.dtype() == torch::kFloat32,
+              "rowdot_batched: x and bias must be float32");
+  TORCH_CHECK(wt.dtype() == torch::kFloat32 || wt.dtype() == torch::kBFloat16,
+              "rowdot_batched: wt must be float32 or bfloat16 storage");
+  TORCH_CHECK(x.dim() == 2 && wt.dim() == 3 && bias.dim() == 2 && x.is_contiguous() && wt.is_contiguous() &&
+                  bias.is_contiguous(),
+              "rowdot_batched: contiguous x (J, K), wt (J, K, N), bias (G, N)");
+  const int64_t J = x.size(0), K = x.size(1), N = wt.size(2), G = bias.size(0);
+  TORCH_CHECK(wt.size(0) == J && wt.size(1) == K && bias.size(1) == N && G > 0 && J % G == 0,
+              "rowdot_batched: wt must be (J, K, N) and bias (G, N) with G dividing J");
+  auto y = torch::empty({J, N}, x.options());
+  if (wt.dtype() == torch::kFloat32)
+    batched_kn(x.data_ptr<float>(), wt.data_ptr<float>(), bias.data_ptr<float>(), y.data_ptr<float>(), J, K, N,
+               J / G);
+  else
+    batched_kn(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(wt.data_ptr<at::BFloat16>()),
+               bias.data_ptr<float>(), y.data_ptr<float>(), J, K, N, J / G);
+  return y;
+}

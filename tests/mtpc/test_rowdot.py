@@ -76,3 +76,26 @@ def test_bf16_storage_gives_the_float32_bits_for_bf16_numbers(K):
     off[3, 5] += 1e-3  # one value that is not a bf16 number: the copy stays float32
     kept = rowdot_weight(off)
     assert kept.dtype == torch.float32 and torch.equal(kept, off) and kept.data_ptr() != off.data_ptr()
+
+
+@pytest.mark.parametrize("N", [320, 40, 13])
+def test_batched_short_rows_match_float64_and_bf16_storage_keeps_the_bits(N):
+    """rowdot_batched (the head decoder's App. G leaves): x (J, K) @ WT (J, K, N) + a bias row per group,
+    within float32 rounding of float64; a WT of bf16 numbers from bf16 storage has the float32 bits."""
+    from mtpc.kernels import rowdot_batched
+
+    gen = torch.Generator().manual_seed(N)
+    J, K, G = 12, 16, 3
+    x = torch.randn(J, K, generator=gen)
+    wt = torch.randn(J, K, N, generator=gen).bfloat16().float()
+    bias = torch.randn(G, N, generator=gen)
+    y = rowdot_batched(x, wt, bias)
+    ref = torch.bmm(x.double().unsqueeze(1), wt.double()).squeeze(1) + bias.double().repeat_interleave(
+        J // G, 0
+    )
+    assert y.shape == (J, N) and torch.allclose(y.double(), ref, atol=1e-5)
+    narrow = rowdot_weight(wt.view(J * K, N)).view(J, K, N)
+    assert narrow.dtype == torch.bfloat16
+    assert torch.equal(rowdot_batched(x, narrow, bias), y)
+    with pytest.raises(RuntimeError, match="G dividing J"):
+        rowdot_batched(x, wt, torch.randn(5, N))
