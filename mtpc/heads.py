@@ -42,6 +42,7 @@ from torch.nn import functional as F
 from mtpc.atomic import sha256_file, write_bytes, write_json
 from mtpc.circuits import build_circuit
 from mtpc.kernels import (
+    head_params,
     onednn_linear,
     onednn_pack,
     rowdot_batched,
@@ -449,6 +450,18 @@ class HeadDecoder:
             if c is None or c.numel() != 1 or c.dtype.is_floating_point:
                 got = "none" if c is None else f"{c.dtype} {tuple(c.shape)}"
                 raise ValueError(f"c: a known-byte head needs the known byte, one integer id; got {got}")
+        if self.rowdot and self.out_dtype == self.dtype:  # the whole pass in one native call, same bits
+            leaves, sums = head_params(
+                e.contiguous(), c if self.known is not None else None, self.known, self.weight, self.bias_vec,
+                self.delta_out, self.leaf_shape[0], self.rank, self.leaf_shape[2],
+            )  # fmt: skip
+            out = {"leaves": leaves}
+            for name, t, shape in zip(
+                self.sum_names, sums.split(self.sum_split), self.sum_shapes, strict=True
+            ):
+                out[name] = t.view(shape)
+            return out
+        if self.known is not None:
             e = e + self.known.index_select(0, c.reshape(1)).view(-1)  # u = e + E[c]
         if self.rowdot:
             y = rowdot_linear(e.unsqueeze(0), self.weight, self.bias_vec).view(

@@ -26,6 +26,7 @@ conditionals, its own float order and uniforms) and the sampling accept (mtpc/cs
     x = btree_greedy_draft(root, internal, leaves, prefix, plan)
     x, q = btree_sample_draft(root, internal, leaf_p, prefix, uniforms, plan)
     got = sample_accept(p, q, draft, budget, stop_ids, uniforms)  # [s, extra, count, *draft]
+    got = greedy_accept_native(logits, draft, budget, stop_ids, banned)  # the greedy cycle's
 
 The row-dot kernel (mtpc/csrc/rowdot.cpp, float32 arithmetic, x86 with AVX2 + FMA) multiplies by W
 in its own (out, in) layout, a row's bits the same whatever the number of rows in the call (so the
@@ -192,6 +193,30 @@ def rowdot_batched(x: Tensor, weight_t: Tensor, bias: Tensor) -> Tensor:
     return module.rowdot_batched(x.contiguous(), weight_t.contiguous(), bias.contiguous())
 
 
+def head_params(
+    e: Tensor, c: Tensor | None, known: Tensor | None, weight: Tensor, bias: Tensor, delta_t: Tensor | None,
+    n: int, r: int, v: int,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The head decoder's parameter pass for one context in one native call (its row-dot path):
+    e (d,) float32, c (1,) int64 the known byte and known (V, d) its embedding (None: not a
+    known-byte head), weight (N, d) and bias (N,) the decoder's stacked product, delta_t (n r, k, v)
+    App. G's B^T (None: full leaves) -> (leaves (n, r, v) log-probabilities, every sum unit's
+    log-weights flat, in the decoder's order): the bits of the separate calls (the same product
+    kernels and ATen's log_softmax). Raises RuntimeError where the kernels do not build."""
+    module, why = _rowdot_module()
+    if module is None:
+        raise RuntimeError(why)
+    empty = _EMPTY
+    leaves, sums = module.head_params(
+        e, empty if c is None else c.reshape(1).long(), empty if known is None else known, weight, bias,
+        empty if delta_t is None else delta_t, n, r, v,
+    )  # fmt: skip
+    return leaves, sums
+
+
+_EMPTY = torch.empty(0)
+
+
 def btree_greedy_draft(
     root: Tensor, internal: Tensor, leaves: Tensor, prefix: Tensor, plan: Tensor
 ) -> Tensor:
@@ -237,6 +262,20 @@ def sample_accept(
     return module.sample_accept(
         p.contiguous(), q.contiguous(), draft.contiguous(), budget, list(stop_ids), uniforms
     )
+
+
+def greedy_accept_native(
+    logits: Tensor, draft: Tensor, budget: int, stop_ids: list[int], banned: list[int]
+) -> Tensor:
+    """The greedy cycle's acceptance in one native call (mtpc/csrc/accept.cpp): verifier logits
+    (m + 1, v) float32 on the CPU, draft (m,) int64, the byte budget, stop ids and banned ids ->
+    [s accepted, the extra token, the testable count, *draft] (int64, 3 + m): what
+    `acceptance.greedy_target` + `greedy_accept` give (the first maximum, banned ids excluded).
+    Raises RuntimeError where the kernels do not build."""
+    module, why = _rowdot_module()
+    if module is None:
+        raise RuntimeError(why)
+    return module.greedy_accept(logits.contiguous(), draft.contiguous(), budget, list(stop_ids), list(banned))
 
 
 def native_cycle_unsupported(device: torch.device | str, dtype: torch.dtype) -> str | None:

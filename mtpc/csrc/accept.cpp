@@ -1,4 +1,4 @@
-// The sampling cycle's acceptance for one window on the CPU, in one call: what
+// The cycle's acceptance for one window on the CPU, in one call. Sampling: what
 // acceptance.sample_verify computes with ~25 small tensor ops, from two uniforms instead of two
 // torch.multinomial draws (the same distribution; a different stream of random numbers).
 //
@@ -13,6 +13,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -75,6 +76,49 @@ torch::Tensor sample_accept(torch::Tensor p, torch::Tensor q, torch::Tensor draf
   int64_t* o = out.data_ptr<int64_t>();
   o[0] = s;
   o[1] = inverse_cdf(row.data(), v, u[1]);
+  o[2] = count;
+  std::copy(d, d + m, o + 3);
+  return out;
+}
+
+// The greedy cycle's acceptance in one call: the verifier's choice per row (argmax of p_logits
+// (m + 1, v) with the banned ids at -inf: acceptance.greedy_target, the first maximum), the
+// testable drafts (as sample_accept), s = the leading drafts equal to the choices, the extra token =
+// the choice at s. Returns [s, extra, testable count, *d] (int64), the cycle's one host read.
+torch::Tensor greedy_accept_native(torch::Tensor logits, torch::Tensor draft, int64_t budget,
+                                   std::vector<int64_t> stop_ids, std::vector<int64_t> banned) {
+  TORCH_CHECK(logits.dtype() == torch::kFloat32 && draft.dtype() == torch::kInt64,
+              "greedy_accept: float32 logits, int64 draft");
+  TORCH_CHECK(logits.dim() == 2 && draft.dim() == 1 && logits.is_contiguous() && draft.is_contiguous(),
+              "greedy_accept: contiguous logits (m + 1, v), draft (m,)");
+  const int64_t m = draft.size(0), v = logits.size(1);
+  TORCH_CHECK(logits.size(0) == m + 1, "greedy_accept: logits must be (m + 1, v) for a draft of m");
+  const float* L = logits.data_ptr<float>();
+  const int64_t* d = draft.data_ptr<int64_t>();
+  std::vector<char> ban(v, 0);
+  for (int64_t b : banned)
+    if (b >= 0 && b < v) ban[b] = 1;
+  auto choice = [&](int64_t row) {  // argmax, first maximum, banned ids excluded (-inf); NaN wins as in torch
+    const float* x = L + row * v;
+    int64_t arg = -1;
+    float best = 0;
+    for (int64_t t = 0; t < v; ++t) {
+      const float val = ban[t] ? -std::numeric_limits<float>::infinity() : x[t];
+      if (arg < 0 || val > best || (std::isnan(val) && !std::isnan(best))) best = val, arg = t;
+    }
+    return arg;
+  };
+  int64_t count = 0;
+  for (int64_t j = 0; j < std::min(m, budget); ++j) {
+    ++count;
+    if (std::find(stop_ids.begin(), stop_ids.end(), d[j]) != stop_ids.end()) break;
+  }
+  int64_t s = 0, extra = choice(0);
+  while (s < count && d[s] == extra) extra = choice(++s);
+  auto out = torch::empty({3 + m}, torch::dtype(torch::kInt64));
+  int64_t* o = out.data_ptr<int64_t>();
+  o[0] = s;
+  o[1] = extra;
   o[2] = count;
   std::copy(d, d + m, o + 3);
   return out;

@@ -470,3 +470,60 @@ torch::Tensor rowdot_batched(torch::Tensor x, torch::Tensor wt, torch::Tensor bi
                bias.data_ptr<float>(), y.data_ptr<float>(), J, K, N, J / G);
   return y;
 }
+
+// The head decoder's whole parameter pass for one context in one call (HeadDecoder.params on the
+// row-dot path): u = e (+ E[c] for a known-byte head), y = u W^T + bias, the leaves (App. G:
+// B (A u) + U u from y's blocks with batched_kn, else y's first n r v), then log_softmax over each
+// leaf row and over each sum unit's r children (ATen's own kernel, so the same bits as the
+// separate calls). Returns {leaves (n, r, v), every sum unit's log-weights, flat}.
+std::vector<torch::Tensor> head_params(torch::Tensor e, torch::Tensor c, torch::Tensor known, torch::Tensor w,
+                                       torch::Tensor bias, torch::Tensor bt, int64_t n, int64_t r, int64_t v) {
+  TORCH_CHECK(e.dtype() == torch::kFloat32 && e.dim() == 1 && e.is_contiguous(), "head_params: e (d,) float32");
+  const int64_t d = e.size(0), N = w.size(0);
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == d && w.is_contiguous() &&
+                  (w.dtype() == torch::kFloat32 || w.dtype() == torch::kBFloat16),
+              "head_params: w (N, d) float32 or bf16 storage");
+  TORCH_CHECK(bias.dtype() == torch::kFloat32 && bias.numel() == N && bias.is_contiguous(), "head_params: bias (N,)");
+  auto u = torch::empty({1, d}, e.options());
+  float* up = u.data_ptr<float>();
+  const float* ep = e.data_ptr<float>();
+  if (known.defined() && known.numel() > 0) {
+    TORCH_CHECK(known.dtype() == torch::kFloat32 && known.dim() == 2 && known.size(1) == d && known.is_contiguous(),
+                "head_params: known (V, d) float32");
+    TORCH_CHECK(c.defined() && c.numel() == 1 && c.dtype() == torch::kInt64 && c.device().is_cpu(),
+                "head_params: the known byte c, one int64 id on the CPU");
+    const int64_t id = c.data_ptr<int64_t>()[0];
+    TORCH_CHECK(id >= 0 && id < known.size(0), "head_params: known byte out of range");
+    const float* kp = known.data_ptr<float>() + id * d;
+    for (int64_t i = 0; i < d; ++i) up[i] = ep[i] + kp[i];
+  } else {
+    std::memcpy(up, ep, d * sizeof(float));
+  }
+  auto y = torch::empty({N}, e.options());
+  if (w.dtype() == torch::kFloat32)
+    product(up, w.data_ptr<float>(), y.data_ptr<float>(), bias.data_ptr<float>(), 1, N, d);
+  else
+    product(up, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), y.data_ptr<float>(),
+            bias.data_ptr<float>(), 1, N, d);
+  torch::Tensor leaves, rest;
+  if (bt.defined() && bt.numel() > 0) {
+    const int64_t J = bt.size(0), k = bt.size(1);
+    TORCH_CHECK(bt.dim() == 3 && bt.size(2) == v && J == n * r && bt.is_contiguous() && n * v + J * k <= N,
+                "head_params: bt (n r, k, v)");
+    leaves = torch::empty({J, v}, e.options());
+    const float* yp = y.data_ptr<float>();
+    if (bt.dtype() == torch::kFloat32)
+      batched_kn(yp + n * v, bt.data_ptr<float>(), yp, leaves.data_ptr<float>(), J, k, v, r);
+    else
+      batched_kn(yp + n * v, reinterpret_cast<const uint16_t*>(bt.data_ptr<at::BFloat16>()), yp,
+                 leaves.data_ptr<float>(), J, k, v, r);
+    rest = y.narrow(0, n * v + J * k, N - n * v - J * k);
+  } else {
+    TORCH_CHECK(n * r * v <= N, "head_params: fewer outputs than leaves");
+    leaves = y.narrow(0, 0, n * r * v);
+    rest = y.narrow(0, n * r * v, N - n * r * v);
+  }
+  leaves = at::_log_softmax(leaves.view({n, r, v}), -1, false);
+  auto sums = rest.numel() ? at::_log_softmax(rest.view({-1, r}), -1, false).view({-1}) : rest;
+  return {leaves, sums};
+}

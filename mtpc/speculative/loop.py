@@ -55,7 +55,7 @@ import torch
 from torch import Tensor
 
 from mtpc.backbones.engine import AdapterEngine, Engine, StepOutput
-from mtpc.kernels import native_cycle_unsupported, sample_accept
+from mtpc.kernels import greedy_accept_native, native_cycle_unsupported, sample_accept
 from mtpc.names import DECODE_MODES, EXTRA_TOKEN_OPTIONS, MIN_DECODE_WINDOW
 from mtpc.speculative.acceptance import (
     Chooser,
@@ -290,6 +290,9 @@ def speculative_decode(
     ) -> tuple[list[int], Tensor]:
         """draft (m,), p_logits (m+1, v), log_q (m, v) (None: greedy); test at most `budget` drafts and none past an
         allowed EOS -> ([s, extra, testable count, *draft] on the host, extra (1,) on the device)."""
+        if greedy and native and p_logits.dtype == torch.float32:  # the CPU: one native call
+            got = greedy_accept_native(p_logits, draft, budget, cfg.stop_ids, banned)
+            return got.tolist(), got[1:2]  # the cycle's one host read
         if greedy:  # the verifier's choices and the draft in the one host read, the rule on the host
             m = draft.shape[0]
             targets = greedy_target(p_logits, cfg.banned)  # (m+1,)
@@ -297,7 +300,7 @@ def speculative_decode(
             s, count = greedy_accept(got[: m + 1], got[m + 1 :], budget, cfg.stop_ids)
             return [s, got[s], count, *got[m + 1 :]], targets[s : s + 1]
         p = target_probs(p_logits, cfg.temperature, cfg.top_p, cfg.banned)
-        if native_accept and p.dtype == torch.float32:  # the CPU: one native call from two uniforms
+        if native and type(choose) is TorchChooser and p.dtype == torch.float32:  # two uniforms
             u = torch.rand(2, generator=choose.generator, dtype=torch.float64)
             got = sample_accept(p, log_q.exp(), draft, budget, cfg.stop_ids, u)
             return got.tolist(), got[1:2]  # the cycle's one host read
@@ -307,14 +310,11 @@ def speculative_decode(
         count = ok.sum().view(1)
         return torch.cat([as_index(s, dev), extra, count, draft]).tolist(), extra  # the cycle's one host read
 
-    # a sampling cycle on the CPU with the generator's chooser accepts in one native call
-    # (mtpc/csrc/accept.cpp: sample_verify's distribution from two uniforms of the same generator)
-    native_accept = (
-        not greedy
-        and dev.type == "cpu"
-        and type(choose) is TorchChooser
-        and native_cycle_unsupported(dev, torch.float32) is None
-    )
+    # on the CPU a cycle accepts in one native call (mtpc/csrc/accept.cpp): greedy, the same choices
+    # as greedy_target + greedy_accept; sampling with the generator's chooser, sample_verify's
+    # distribution from two uniforms of the same generator
+    native = dev.type == "cpu" and native_cycle_unsupported(dev, torch.float32) is None
+    banned = cfg.eos_ids if cfg.ban_eos else []
     t0 = _clock(sync)
     step = engine.feed(prompt)
     last_p = step.p_logits[-1].clone()  # (v,) verifier row for the next position (kept across feeds)

@@ -197,6 +197,42 @@ def test_cpu_float32_products(kind, delta):
         assert any(float(head.sum_bias[n].detach().abs().max()) > 0.1 for n in head.sum_names)
 
 
+@pytest.mark.skipif(rowdot_unsupported("cpu", torch.float32) is not None, reason="no row-dot kernel here")
+@pytest.mark.parametrize("kind", CIRCUIT_KINDS)
+@pytest.mark.parametrize("delta", [0, 2])
+@pytest.mark.parametrize("known", [False, True])
+def test_rowdot_params_in_one_call_have_the_separate_calls_bits(kind, delta, known):
+    """The row-dot decoder's one native call (mtpc.kernels.head_params) against the same pass as
+    separate calls (known row added, rowdot_linear, rowdot_batched for App. G, log_softmax): the
+    same bits."""
+    from mtpc.kernels import rowdot_batched, rowdot_linear
+
+    cfg = HeadConfig(kind, 4, 1 if kind == "ff" else 3, V, D, leaf_delta_rank=delta, known_byte=known)
+    head = MtpcHead(cfg)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    dec = head.decoder()
+    assert dec.rowdot
+    with torch.inference_mode():
+        for c in range(3):
+            e, cc = torch.randn(D, generator=g), torch.tensor([c + 2])
+            got = dec.params(e, cc)
+            u = e + dec.known[c + 2] if known else e
+            y = rowdot_linear(u.unsqueeze(0), dec.weight, dec.bias_vec).view(-1)
+            if dec.delta_out is None:
+                leaves, rest = y.split(dec.split)
+            else:
+                base, h, rest = y.split(dec.split)
+                leaves = rowdot_batched(h.view(dec.h_shape[0], -1), dec.delta_out, base.view(4, -1))
+            assert torch.equal(got["leaves"], leaves.view(dec.leaf_shape).log_softmax(-1))
+            sums = rest.view(-1, dec.rank).log_softmax(-1).view(-1).split(dec.sum_split)
+            for name, want in zip(dec.sum_names, sums, strict=True):
+                assert torch.equal(got[name], want.view(dec.sum_shapes[dec.sum_names.index(name)]))
+            assert list(got) == ["leaves", *dec.sum_names]
+
+
 def test_onednn_refused_where_it_cannot_run():
     with pytest.raises(
         ValueError, match=r"head decoder: weights='onednn' needs float32 or bfloat16.*float64"

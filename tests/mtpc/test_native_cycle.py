@@ -222,3 +222,28 @@ def test_sample_accept_counts_testable_drafts_as_the_device_rule():
             for stops in ([], [2], [1, 4]):
                 got = sample_accept(p, q, d, budget, stops, u).tolist()
                 assert got[2] == int(testable(d, budget, stops).sum()), (draft, budget, stops)
+
+
+def test_greedy_accept_native_equals_the_torch_rule():
+    """Random logits with ties (integers), banned ids, budgets, stop ids, a NaN row: the native call
+    gives greedy_target's choices and greedy_accept's s and count."""
+    from mtpc.kernels import greedy_accept_native
+    from mtpc.speculative.acceptance import greedy_accept, greedy_target
+
+    gen = torch.Generator().manual_seed(5)
+    m, v, checked = 4, 6, 0
+    for trial in range(200):
+        logits = torch.randint(0, 3, (m + 1, v), generator=gen).float()
+        if trial % 50 == 0:
+            logits[1, 2] = float("nan")
+        banned = [[], [0], [1, 5]][trial % 3]
+        targets = greedy_target(logits, banned or None).tolist()
+        # drafts that follow the choices for a while, then may not
+        draft = [t if torch.rand(1, generator=gen) < 0.7 else (t + 1) % v for t in targets[:m]]
+        for budget in (0, 2, m):
+            for stops in ([], [targets[0]]):
+                got = greedy_accept_native(logits, torch.tensor(draft), budget, stops, banned).tolist()
+                s, count = greedy_accept(targets, draft, budget, stops)
+                assert got == [s, targets[s], count, *draft], (trial, budget, stops)
+                checked += 1
+    assert checked == 1200
