@@ -291,7 +291,16 @@ def engine_section(args) -> dict:
 
     # the loop's cycle and its parts beside the plain step, same rounds, same clock (default layout, k = 0):
     # a random btree n = 8, r = 16, App. G 16 head, and the shipped default head when this is its backbone
-    cycle_heads = {"random_btree_n8_r16_appG16": MtpcModel(bb0, et.make_head(bb0, "btree", 8, 16, 16))}
+    # the random head twice: float32 weights, and rounded to bf16 numbers as a shipped head is stored
+    # (the decoder then reads them from bf16 storage: half the bytes, the same arithmetic)
+    rounded = et.make_head(bb0, "btree", 8, 16, 16)
+    with torch.no_grad():
+        for prm in rounded.parameters():
+            prm.copy_(prm.to(torch.bfloat16).to(prm.dtype))
+    cycle_heads = {
+        "random_btree_n8_r16_appG16": MtpcModel(bb0, et.make_head(bb0, "btree", 8, 16, 16)),
+        "random_btree_n8_r16_appG16_bf16_stored": MtpcModel(bb0, rounded),
+    }
     if shipped is not None:  # with its full window and with its recorded draft length
         cycle_heads[f"shipped_{shipped[0]}"] = MtpcModel(bb0, shipped[1])
         m = decode_defaults("default").get("draft_len")

@@ -328,6 +328,7 @@ def part_clocks(clock: Callable[[], float] = time.thread_time):
         n
         for n in (
             "greedy_accept",
+            "greedy_accept_native",
             "sample_accept",
             "sample_verify",
             "greedy_target",
