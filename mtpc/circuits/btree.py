@@ -378,53 +378,48 @@ class BTreeCircuit(Circuit):
             u_bfs = u_bfs.index_copy(-2, s.spine_index, torch.cat(us, dim=-2))
         return u_bfs, u.squeeze(-2)
 
+    def _native_args(self, q: Params, prefix: Tensor | None) -> tuple[Tensor, ...] | None:
+        """(root, internal, leaves, prefix (k,), plan) for the native kernels, or None where they do not
+        apply: a batch, not float32 on the CPU, the kernels not built, $MTPC_NATIVE_CYCLE=0."""
+        root, internal, leaves = q["root"], q["internal"], q["leaves"]
+        if root.dim() != 1 or (prefix is not None and prefix.dim() != 1):
+            return None
+        from mtpc.kernels import native_cycle_unsupported
+
+        if native_cycle_unsupported(root.device, root.dtype) is not None:
+            return None
+        if internal.dtype != root.dtype or leaves.dtype != root.dtype:
+            return None
+        pre = prefix if prefix is not None else self._no_prefix
+        plan = self._sched(root.device).native_plan
+        return root.contiguous(), internal.contiguous(), leaves.contiguous(), pre.contiguous(), plan
+
     def _native_sample(
         self, q: Params, prefix: Tensor | None, generator: torch.Generator | None
     ) -> tuple[Tensor, Tensor] | None:
         """The batch-1 sampled window and its log conditionals (n, v) from the native kernel
         (mtpc.kernels.btree_sample_draft: an exact draw from this circuit with its conditionals, its
         own float order and 1 + m + n uniforms from `generator`), or None where it does not apply
-        (as `_native_greedy`)."""
-        root, internal, leaves = q["root"], q["internal"], q["leaves"]
-        if root.dim() != 1 or (prefix is not None and prefix.dim() != 1):
+        (`_native_args`)."""
+        args = self._native_args(q, prefix)
+        if args is None:
             return None
-        from mtpc.kernels import btree_sample_draft, native_cycle_unsupported
+        from mtpc.kernels import btree_sample_draft
 
-        if native_cycle_unsupported(root.device, root.dtype) is not None:
-            return None
-        if internal.dtype != root.dtype or leaves.dtype != root.dtype:
-            return None
-        pre = prefix if prefix is not None else self._no_prefix
-        s = self._sched(root.device)
+        root, internal, leaves, pre, plan = args
         u = torch.rand(len(self._nodes) + self.window, generator=generator, dtype=torch.float64)
-        x, probs = btree_sample_draft(
-            root.contiguous(),
-            internal.contiguous(),
-            leaf_probs(leaves).contiguous(),
-            pre.contiguous(),
-            u,
-            s.native_plan,
-        )
+        x, probs = btree_sample_draft(root, internal, leaf_probs(leaves).contiguous(), pre, u, plan)
         return x, probs.log()
 
     def _native_greedy(self, q: Params, prefix: Tensor | None) -> Tensor | None:
         """The batch-1 greedy window from the native kernel (mtpc.kernels.btree_greedy_draft: the same
-        window as `_greedy_window`, bits and ties), or None where it does not apply (a batch, not
-        float32 on the CPU, the kernels not built, $MTPC_NATIVE_CYCLE=0)."""
-        root, internal, leaves = q["root"], q["internal"], q["leaves"]
-        if root.dim() != 1 or (prefix is not None and prefix.dim() != 1):
+        window as `_greedy_window`, bits and ties), or None where it does not apply (`_native_args`)."""
+        args = self._native_args(q, prefix)
+        if args is None:
             return None
-        from mtpc.kernels import btree_greedy_draft, native_cycle_unsupported
+        from mtpc.kernels import btree_greedy_draft
 
-        if native_cycle_unsupported(root.device, root.dtype) is not None:
-            return None
-        if internal.dtype != root.dtype or leaves.dtype != root.dtype:
-            return None
-        pre = prefix if prefix is not None else self._no_prefix
-        s = self._sched(root.device)
-        return btree_greedy_draft(
-            root.contiguous(), internal.contiguous(), leaves.contiguous(), pre.contiguous(), s.native_plan
-        )
+        return btree_greedy_draft(*args)
 
     _no_prefix = torch.zeros(0, dtype=torch.long)
 

@@ -12,23 +12,12 @@
 
 #include <torch/extension.h>
 
+#include "inverse_cdf.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
-
-static int64_t inverse_cdf(const double* w, int64_t count, double u) {
-  // first index whose running sum exceeds u * total (torch.searchsorted(cdf, u * total, right=True))
-  double total = 0;
-  for (int64_t i = 0; i < count; ++i) total += w[i];
-  const double target = u * total;
-  double run = 0;
-  for (int64_t i = 0; i < count; ++i) {
-    run += w[i];
-    if (run > target) return i;
-  }
-  return count - 1;
-}
 
 torch::Tensor sample_accept(torch::Tensor p, torch::Tensor q, torch::Tensor draft, int64_t budget,
                             std::vector<int64_t> stop_ids, torch::Tensor uniforms) {

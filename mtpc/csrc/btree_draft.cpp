@@ -20,6 +20,8 @@
 
 #include <torch/extension.h>
 
+#include "inverse_cdf.h"
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -143,19 +145,6 @@ torch::Tensor btree_greedy_draft(torch::Tensor root, torch::Tensor internal, tor
 // Plan: the greedy plan followed by, per non-root node breadth-first, its left sibling's slot (0 for
 // a left child) and, per position, its left sibling's slot (0 for a left child).
 
-static int64_t draw(const double* w, int64_t count, double u) {
-  // first index whose running sum exceeds u * total (as torch.searchsorted(cdf, u * total, right=True))
-  double total = 0;
-  for (int64_t i = 0; i < count; ++i) total += w[i];
-  const double target = u * total;
-  double run = 0;
-  for (int64_t i = 0; i < count; ++i) {
-    run += w[i];
-    if (run > target) return i;
-  }
-  return count - 1;
-}
-
 static void rescale(double* v, int64_t r) {
   double mx = 0;
   for (int64_t i = 0; i < r; ++i) mx = v[i] > mx ? v[i] : mx;
@@ -232,19 +221,19 @@ std::vector<torch::Tensor> btree_sample_draft(torch::Tensor root, torch::Tensor 
   {
     const double *lm = buf.data() + root_kids[0] * r, *rm = buf.data() + root_kids[1] * r;
     for (int64_t a = 0; a < r; ++a) w[a] = Rp[a] * lm[a] * rm[a];
-    z[0] = draw(w.data(), r, u[0]);
+    z[0] = inverse_cdf(w.data(), r, u[0]);
   }
   for (int64_t node = 1; node <= m; ++node) {
     const int64_t row = node - 1;
     const double* t = Tp.data() + (row * r + z[parent[row]]) * r;
     const double* uk = U.data() + row * r;
     for (int64_t b = 0; b < r; ++b) w[b] = t[b] * uk[b];
-    z[node] = draw(w.data(), r, u[node]);
+    z[node] = inverse_cdf(w.data(), r, u[node]);
   }
   for (int64_t i = k; i < n; ++i) {
     const float* row = P + (i * r + z[leaf_parent[i]]) * v;
     for (int64_t t = 0; t < v; ++t) w[t] = row[t];
-    x[i] = draw(w.data(), v, u[1 + m + i]);
+    x[i] = inverse_cdf(w.data(), v, u[1 + m + i]);
   }
 
   // the conditionals given the whole window
