@@ -16,7 +16,9 @@ Sections (each run in this process, 1 intra-op thread; the JSON keeps sections n
   HF generate, our plain decoding and our speculative decoding compared byte for byte; and the loop's
   cycle in its parts (verify = feed + crop, head, draft, accept, Python) beside the plain step
   (`generate_plain` per byte), same rounds, same clock, for a random btree n = 8, r = 16, App. G 16
-  head and the shipped default head when `--model default` (`cycle_parts`). Times are
+  head (float32 weights, and rounded to bf16 numbers as a shipped head is stored) and the shipped
+  default head when `--model default`, that one also with the cycle's native calls off
+  (`$MTPC_NATIVE_CYCLE=0`: head, draft and accept as torch ops) (`cycle_parts`). Times are
   this thread's CPU time by default (`--clock cpu`: a shared core's other jobs drop out; memory
   contention does not); generations are timed as (n bytes - 1 byte) / steps or cycles, the same
   way for HF `generate`. `--compile` adds the compact engine under torch.compile.
@@ -36,7 +38,9 @@ Leaves out: GPU measurements (bench/bench_gpu.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -153,6 +157,21 @@ def _shipped_head(label: str):
         return None
     head, _ = load_head(resolve_head("default"))
     return read_index()["default"], head.float()
+
+
+@contextlib.contextmanager
+def _native_cycle(on: bool):
+    """The cycle's native calls on (as configured) or off ($MTPC_NATIVE_CYCLE=0) inside the block."""
+    old = os.environ.get("MTPC_NATIVE_CYCLE")
+    if not on:
+        os.environ["MTPC_NATIVE_CYCLE"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("MTPC_NATIVE_CYCLE", None)
+        else:
+            os.environ["MTPC_NATIVE_CYCLE"] = old
 
 
 def engine_section(args) -> dict:
@@ -306,18 +325,22 @@ def engine_section(args) -> dict:
         m = decode_defaults("default").get("draft_len")
         if m is not None and m != shipped[1].config.window:
             cycle_heads[f"shipped_{shipped[0]}_draft{m}"] = MtpcModel(bb0, shipped[1], draft_len=m)
+        # and with the cycle's native calls off ($MTPC_NATIVE_CYCLE=0: head, draft and accept as torch ops)
+        cycle_heads[f"shipped_{shipped[0]}_torch_cycle"] = MtpcModel(bb0, shipped[1])
     parts_rounds: dict[str, list[dict[str, float]]] = {name: [] for name in cycle_heads}
     step_rounds: list[float] = []
     plain = models["compact"]
     with torch.inference_mode():
-        for m in cycle_heads.values():  # warm-up
-            et.cycle_parts(m, prompt, 8, clock)
+        for name, m in cycle_heads.items():  # warm-up
+            with _native_cycle(not name.endswith("_torch_cycle")):
+                et.cycle_parts(m, prompt, 8, clock)
         for _ in range(R):
             t_long = cost(lambda: plain.generate_plain(prompt, max_new_tokens=new, ban_eos=True))
             t_one = cost(lambda: plain.generate_plain(prompt, max_new_tokens=1, ban_eos=True))
             step_rounds.append((t_long - t_one) / (new - 1))
             for name, m in cycle_heads.items():
-                parts_rounds[name].append(et.cycle_parts(m, prompt, new, clock))
+                with _native_cycle(not name.endswith("_torch_cycle")):
+                    parts_rounds[name].append(et.cycle_parts(m, prompt, new, clock))
     step_med = statistics.median(step_rounds)
     out["cycle_parts"] = {"plain_step_ms": step_med, "rounds_plain_step_ms": step_rounds}
     for name, rows in parts_rounds.items():

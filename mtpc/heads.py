@@ -43,6 +43,7 @@ from mtpc.atomic import sha256_file, write_bytes, write_json
 from mtpc.circuits import build_circuit
 from mtpc.kernels import (
     head_params,
+    native_cycle_unsupported,
     onednn_linear,
     onednn_pack,
     rowdot_batched,
@@ -450,7 +451,7 @@ class HeadDecoder:
             if c is None or c.numel() != 1 or c.dtype.is_floating_point:
                 got = "none" if c is None else f"{c.dtype} {tuple(c.shape)}"
                 raise ValueError(f"c: a known-byte head needs the known byte, one integer id; got {got}")
-        if self.rowdot and self.out_dtype == self.dtype:  # the whole pass in one native call, same bits
+        if self.rowdot and native_cycle_unsupported(e.device, self.dtype) is None:  # one call, same bits
             leaves, sums = head_params(
                 e.contiguous(), c if self.known is not None else None, self.known, self.weight, self.bias_vec,
                 self.delta_out, self.leaf_shape[0], self.rank, self.leaf_shape[2],
