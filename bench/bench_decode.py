@@ -210,7 +210,7 @@ def engine_section(args) -> dict:
         steps = et.timed(
             floors | {k: et.engine_call(e, one, P) for k, e in engines.items()}, args.reps, R, clock=clock
         )
-        best = min((k for k in floors if k != "read"), key=lambda k: steps["ms"][k])
+        best = min((k for k in floors if not k.startswith("read")), key=lambda k: steps["ms"][k])
         steps["rounds_ms"]["floor"] = steps["rounds_ms"][best]  # the fastest product kernel: the floor
         out["step_ms"] = steps["ms"] | {"floor": steps["ms"][best]}
         out["floor_kernel"] = best
@@ -355,6 +355,7 @@ def engine_section(args) -> dict:
     # ratios and bars (each variant against the floor / HF step timed in the same rounds)
     r = {"step_over_floor": et.ratio(steps, "compact_k0", "floor"),
          "step_over_read": et.ratio(steps, "compact_k0", "read"),
+         "step_over_read_bf16": et.ratio(steps, "compact_k0", "read_bf16") if "read_bf16" in steps["ms"] else None,
          "k1_draft_top_adds": et.ratio(steps, "compact_k1", "compact_k0") - 1,
          "k1_merged_draft_top_adds": et.ratio(steps, "compact_k1_merged", "compact_k0") - 1,
          "step_over_adapter_step": et.ratio(steps, "compact_k0", "hf_k0"),

@@ -135,10 +135,12 @@ def _layer_weights(model) -> list[dict[str, torch.Tensor]]:
 
 def weight_floors(model) -> dict[str, Callable[[], None]]:
     """Floors of a step, each reading every step weight once: "mkl_mv" (`weight_floor`: one
-    F.linear of one row per HF weight), "onednn_mv" (one oneDNN product of one row per fused
-    group, q|k|v o gate|up down and the lm_head, as the "onednn" engine layout holds them; where
-    oneDNN runs), "rowdot_mv" (the same groups through the row-dot kernel, as the "rowdot" layout
-    holds them; where it runs) and "read" (a sum over each weight: a plain read, no product)."""
+        F.linear of one row per HF weight), "onednn_mv" (one oneDNN product of one row per fused
+        group, q|k|v o gate|up down and the lm_head, as the "onednn" engine layout holds them; where
+        oneDNN runs), "rowdot_mv" (the same groups through the row-dot kernel, as the "rowdot" layout
+        holds them; where it runs), "read" (a sum over each weight: a plain read, no product) and, when
+    every weight is a bf16 number, "read_bf16" (the same over their bf16 copies, as the row-dot layout
+    stores them)."""
     from mtpc.backbones.llama import _GROUPS, _onednn_pack, _rowdot_pack
     from mtpc.kernels import onednn_linear, onednn_unsupported, rowdot_linear, rowdot_unsupported
 
@@ -166,6 +168,16 @@ def weight_floors(model) -> dict[str, Callable[[], None]]:
             w.sum()
 
     out["read"] = read
+    narrow = [w.to(torch.bfloat16) for w in ws]
+    if all(torch.equal(n.to(w.dtype), w) for n, w in zip(narrow, ws, strict=True)):
+        # every weight a bf16 number (a bf16 checkpoint): the row-dot layout reads them from bf16
+        # storage, so its step also compares with a plain read of that copy (half the bytes)
+
+        def read_bf16():
+            for w in narrow:
+                w.sum()
+
+        out["read_bf16"] = read_bf16
     return out
 
 
