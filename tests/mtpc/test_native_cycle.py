@@ -247,3 +247,48 @@ def test_greedy_accept_native_equals_the_torch_rule():
                 assert got == [s, targets[s], count, *draft], (trial, budget, stops)
                 checked += 1
     assert checked == 1200
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("known", [False, True])
+def test_native_sampling_cycle_matches_plain_distribution(known, monkeypatch):
+    """test_speculative_sampling's chi-square check in float32, where the cycle runs the native
+    sampled draft and the native accept (their calls counted): N seeded generate(mode="sample")
+    runs of a confident, mismatched btree head against the exact plain distribution of the first
+    T bytes; an accept given the wrong draft probabilities is flagged (the check can fail)."""
+    import mtpc.kernels as kernels
+    import mtpc.speculative.loop as loop
+    from mtpc import MtpcModel
+    from tests.mtpc.test_speculative import RANK, _peaked_backbone
+    from tests.mtpc.test_speculative_sampling import (
+        ALPHA,
+        N_RUNS,
+        _exact_plain,
+        _sampled_counts,
+        chi_square_pvalue,
+    )
+
+    calls = {"draft": 0, "accept": 0}
+    draft, accept = kernels.btree_sample_draft, loop.sample_accept
+
+    def counted_draft(*a):
+        calls["draft"] += 1
+        return draft(*a)
+
+    def counted_accept(*a):
+        calls["accept"] += 1
+        return accept(*a)
+
+    monkeypatch.setattr(kernels, "btree_sample_draft", counted_draft)
+    monkeypatch.setattr(loop, "sample_accept", counted_accept)
+    bb = _peaked_backbone(0, vocab=4, scale=2.0, dtype=torch.float32)
+    cfg = {"kind": "btree", "window": 3, "rank": RANK["btree"], "seed": 1, "known_byte": known}
+    m = MtpcModel.from_components(bb, cfg)
+    with torch.no_grad():
+        m.head.leaf_weight.mul_(10.0)
+    exact = _exact_plain(bb)
+    assert chi_square_pvalue(_sampled_counts(m, "keep"), exact, N_RUNS) > ALPHA
+    assert calls["draft"] >= N_RUNS and calls["accept"] >= N_RUNS
+    # a planted error: the accept told the draft was uniform (it is peaked) is flagged
+    monkeypatch.setattr(loop, "sample_accept", lambda p, q, *a: accept(p, torch.full_like(q, 0.25), *a))
+    assert chi_square_pvalue(_sampled_counts(m, "keep"), exact, N_RUNS) < ALPHA
