@@ -364,8 +364,9 @@ class HeadDecoder:
     contiguous copy of B^T (a bmm reads it ~3x faster than a transposed view of B) plus U e
     broadcast over the components, or with the row-dot kernels one `rowdot_batched` call over that
     copy (bf16 storage where exact) with U e as each row's bias; nothing of size (n r, N, v) or
-    (n, r, v, d) is formed. One
-    log_softmax normalises the leaves and one every sum unit (all have r children).
+    (n, r, v, d) is formed. One log_softmax normalises the leaves and one every sum unit (all have
+    r children). On the row-dot path the whole pass is one native call (`mtpc.kernels.head_params`:
+    the same kernels, the same bits; `MTPC_NATIVE_CYCLE=0` runs the separate calls).
 
     A known-byte head adds E[c] to e first (one row gathered on the device, `index_select`: no
     host read, so c can be a graph's static input). A snapshot: it holds a copy of the weights it

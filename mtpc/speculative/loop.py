@@ -9,8 +9,10 @@ One host read per cycle: draft and verify run on the device; a sampled cycle acc
 reads back one small tensor [s, extra, drafted bytes] (`.tolist()`), from which the host learns how
 far to crop and what was emitted; a greedy cycle reads back the verifier's choices and the draft
 instead and applies the greedy rule on the host (`greedy_accept`: a few comparisons, where the
-device rule is ~10 small tensor ops), the next known byte staying a device view of the choices. Fixed shapes per window (n bytes fed per verify, 1 per plain step) let
-the engine capture its calls as CUDA graphs.
+device rule is ~10 small tensor ops), the next known byte staying a device view of the choices.
+On the CPU either accept is one native call (mtpc.kernels; `MTPC_NATIVE_CYCLE=0` turns it off).
+Fixed shapes per window (n bytes fed per verify, 1 per plain step) let the engine capture its
+calls as CUDA graphs.
 
 The keep cycle (DESIGN section 3). The caches hold bytes up to a; c = x_{a+1} is emitted but
 has no state. theta_a = head(e_a, c) drafts the window [c, d_2..d_n] with prefix [c] (c reaches
