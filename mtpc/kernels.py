@@ -124,7 +124,7 @@ def _cpu_flags() -> set[str]:
 
 
 @functools.cache
-def _rowdot_module() -> tuple[object | None, str | None]:
+def _kernel_module() -> tuple[object | None, str | None]:
     """(the compiled extension, None) or (None, why it is not there); built once per process."""
     import platform
 
@@ -150,6 +150,14 @@ def _rowdot_module() -> tuple[object | None, str | None]:
     return module, None
 
 
+def _kernels():
+    """The compiled module, or RuntimeError with the one-line reason it is not there."""
+    module, why = _kernel_module()
+    if module is None:
+        raise RuntimeError(why)
+    return module
+
+
 def rowdot_unsupported(device: torch.device | str, dtype: torch.dtype) -> str | None:
     """Why the row-dot kernel cannot run here (one line), or None; builds it on the first call."""
     device = torch.device(device)
@@ -157,7 +165,7 @@ def rowdot_unsupported(device: torch.device | str, dtype: torch.dtype) -> str | 
         return f"weights='rowdot' runs on the CPU only (the weights are on {device})"
     if dtype != torch.float32:
         return f"weights='rowdot' needs float32 weights (got {dtype})"
-    return _rowdot_module()[1]
+    return _kernel_module()[1]
 
 
 def rowdot_weight(weight: Tensor) -> Tensor:
@@ -175,9 +183,7 @@ def rowdot_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     float32 or bfloat16 storage (`rowdot_weight`), on the CPU; row m of the result has the same bits
     whatever the number of rows (see the module docstring). Raises RuntimeError where
     `rowdot_unsupported` gives a reason."""
-    module, why = _rowdot_module()
-    if module is None:
-        raise RuntimeError(why)
+    module = _kernels()
     return module.rowdot_linear(x, weight, bias)
 
 
@@ -187,9 +193,7 @@ def rowdot_batched(x: Tensor, weight_t: Tensor, bias: Tensor) -> Tensor:
     float32 -> (J, N), row j = x[j] @ weight_t[j] + bias[j // (J // G)], vectorised over the outputs
     (the head decoder's App. G leaves B (A e) + U e, K the delta rank). Raises RuntimeError where the
     kernels do not build."""
-    module, why = _rowdot_module()
-    if module is None:
-        raise RuntimeError(why)
+    module = _kernels()
     return module.rowdot_batched(x.contiguous(), weight_t.contiguous(), bias.contiguous())
 
 
@@ -203,9 +207,7 @@ def head_params(
     App. G's B^T (None: full leaves) -> (leaves (n, r, v) log-probabilities, every sum unit's
     log-weights flat, in the decoder's order): the bits of the separate calls (the same product
     kernels and ATen's log_softmax). Raises RuntimeError where the kernels do not build."""
-    module, why = _rowdot_module()
-    if module is None:
-        raise RuntimeError(why)
+    module = _kernels()
     empty = _EMPTY
     leaves, sums = module.head_params(
         e, empty if c is None else c.reshape(1).long(), empty if known is None else known, weight, bias,
@@ -225,9 +227,7 @@ def btree_greedy_draft(
     prefix (k,) int64, plan the tree (`mtpc.circuits.btree._Schedule.native_plan`) -> (n,) int64,
     the same window (bits and ties) as `BTreeCircuit._greedy_window` with the prefix. Raises
     RuntimeError where the kernels do not build (`native_cycle_unsupported` says why)."""
-    module, why = _rowdot_module()
-    if module is None:
-        raise RuntimeError(why)
+    module = _kernels()
     return module.btree_greedy_draft(root, internal, leaves, prefix, plan)
 
 
@@ -240,9 +240,7 @@ def btree_sample_draft(
     plan (`_Schedule.native_plan`) -> (window (n,) int64, q(x_i = . | x_<i) (n, v) float32): an exact
     draw from the circuit (root, nodes, free leaves by inverse CDF, one uniform each) and the
     conditionals of the drawn window. Raises RuntimeError where the kernels do not build."""
-    module, why = _rowdot_module()
-    if module is None:
-        raise RuntimeError(why)
+    module = _kernels()
     x, q = module.btree_sample_draft(root, internal, leaf_p, prefix, uniforms, plan)
     return x, q
 
@@ -256,9 +254,7 @@ def sample_accept(
     extra token, the testable count, *draft] (int64, 3 + m): `acceptance.sample_verify`'s
     distribution, drawn by inverse CDF instead of torch.multinomial. Raises RuntimeError where the
     kernels do not build."""
-    module, why = _rowdot_module()
-    if module is None:
-        raise RuntimeError(why)
+    module = _kernels()
     return module.sample_accept(
         p.contiguous(), q.contiguous(), draft.contiguous(), budget, list(stop_ids), uniforms
     )
@@ -272,9 +268,7 @@ def greedy_accept_native(
     [s accepted, the extra token, the testable count, *draft] (int64, 3 + m): what
     `acceptance.greedy_target` + `greedy_accept` give (the first maximum, banned ids excluded).
     Raises RuntimeError where the kernels do not build."""
-    module, why = _rowdot_module()
-    if module is None:
-        raise RuntimeError(why)
+    module = _kernels()
     return module.greedy_accept(logits.contiguous(), draft.contiguous(), budget, list(stop_ids), list(banned))
 
 
@@ -286,7 +280,7 @@ def native_cycle_unsupported(device: torch.device | str, dtype: torch.dtype) -> 
         return "the native cycle kernels are off ($MTPC_NATIVE_CYCLE=0)"
     if torch.device(device).type != "cpu" or dtype != torch.float32:
         return "the native cycle kernels run on float32 CPU tensors only"
-    return _rowdot_module()[1]
+    return _kernel_module()[1]
 
 
 def main() -> int:
