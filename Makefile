@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # pytest-xdist workers for `make test` (one test file per worker at a time; every test runs one torch thread); 0: in-process
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup kernels setup-compat test test-compat test-fast demo bench bench-circuits bench-head bench-loss bench-decode pretrain device-prep lint clean-cache
+.PHONY: setup kernels setup-compat test test-compat test-triton test-fast demo bench bench-circuits bench-head bench-loss bench-decode pretrain device-prep lint clean-cache
 
 setup: $(VENV)/.installed
 
@@ -50,6 +50,22 @@ $(COMPAT_VENV)/.installed: pyproject.toml Makefile
 test-compat: setup-compat
 	@set +e; $(COMPAT_PY) -m pytest -p no:cacheprovider -m "not slow or realmodel" $(COMPAT_TESTS) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-compat: pytest collected no tests — failing"; exit 1; fi; exit $$rc
+
+# The split-KV decode attention's Triton kernels under Triton's interpreter on CPU tensors: triton (not a
+# dependency; the device image's release) goes into its own folder on PYTHONPATH for these tests only,
+# and MTPC_REQUIRE_TRITON=1 turns the kernel tests' skip into a failure.
+TRITON_SITE ?= .triton-site
+TRITON_SPEC ?= triton==3.6.0
+TRITON_TESTS ?= tests/mtpc/test_decode_attention.py tests/bench/test_bench_dry_runs.py::test_bench_gpu_tiny_runs_every_part
+
+$(TRITON_SITE)/.installed: Makefile
+	$(PY) -m pip install -q --no-deps --upgrade --target $(TRITON_SITE) "$(TRITON_SPEC)"
+	@touch $@
+
+test-triton: kernels $(TRITON_SITE)/.installed
+	@set +e; TRITON_INTERPRET=1 MTPC_REQUIRE_TRITON=1 PYTHONPATH=$(TRITON_SITE) $(PY) -m pytest -p no:cacheprovider \
+	$(TRITON_TESTS) $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-triton: pytest collected no tests — failing"; exit 1; fi; exit $$rc
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow and not slurm" $(PYTEST_ARGS)

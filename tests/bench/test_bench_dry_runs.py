@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mtpc.names import CIRCUIT_KINDS
 
@@ -38,7 +39,14 @@ def test_bench_gpu_tiny_runs_every_part(tmp_path):
         three_b["cycle_ms"]
     )
     assert "over_plain_byte" in three_b["bars"]["cycle_btree_appG_over_step"]
-    assert "skipped" in three_b["split_kv"]  # no CUDA (and no interpreter): the reason, not a timing
+    from mtpc.backbones.decode_attention import split_kv_unsupported
+
+    if split_kv_unsupported("cpu", torch.float32) is None:  # Triton's interpreter (make test-triton)
+        split = three_b["split_kv"]
+        assert "skipped" not in split and max(split["max_abs_logit_diff"].values()) < 1e-4, split
+        assert set(split["split_kv_over_sdpa"]) >= {"step", "verify_16"}
+    else:  # no CUDA and no interpreter: the reason, not a timing
+        assert "skipped" in three_b["split_kv"]
 
 
 def test_compare_heads_offline_dry_run_scores_each_head_per_draft_length(tmp_path):
