@@ -21,7 +21,8 @@ skipped once `--budget-s` seconds have passed:
 4. `fp32_identity`: float32 greedy speculative == plain decoding on CUDA (every kind, keep and
    drop, graphs on), on the default model (or a random one of its shape).
 5. `graph_vs_eager`: CUDA graph replay == the same static-shape forward run eagerly (step, verify,
-   head + draft), max abs difference.
+   head + draft), max abs difference; the sampled accept captured with its generator registered
+   draws what eager draws from the same seed (`sample_accept_replay_equal`).
 6. `bf16`: fraction of prompts whose bf16 greedy speculative output differs from the same engine's
    bf16 plain output, and the mean first-difference position (3B shape and default model).
 
@@ -310,9 +311,36 @@ def part_graph_vs_eager(args, device) -> dict:
             equal, worst = equal and bool(torch.equal(x_e, x_g)), max(worst, float((q_e - q_g).abs().max()))
         diffs["known_byte_head_draft_window_equal"] = equal
         diffs["known_byte_head_draft_logq"] = worst
+        diffs["sample_accept_replay_equal"] = sampled_accept_replays_as_eager(bb.vocab_size, device)
     return {"max_abs_diff": diffs, "graphs_captured": sorted(graph._graphs), "graph_errors": graph.graph_errors,
             "draft_graph_errors": {str(k): v for k, v in m._graphed_draft.errors.items()},
             "known_byte_draft_graph_errors": {str(k): v for k, v in mk._graphed_draft.errors.items()}}  # fmt: skip
+
+
+def sampled_accept_replays_as_eager(v: int, device, n: int = 8, calls: int = 16) -> bool:
+    """The sampled accept (`sample_verify` with the production chooser, an exponential race on the
+    generator) captured as a CUDA graph with its generator registered: replays from a seed give the
+    (s, extra) eager calls give from the same seed, call after call (no host read inside)."""
+    from mtpc.backbones.graphs import CapturedFn
+    from mtpc.speculative.acceptance import TorchChooser, sample_verify
+
+    g = torch.Generator().manual_seed(3)
+    p = torch.softmax(2 * torch.randn(n + 1, v, generator=g), -1).to(device)
+    q = torch.softmax(2 * torch.randn(n, v, generator=g), -1).to(device)
+    draft = torch.multinomial(q.cpu(), 1, generator=g).view(-1).to(device)
+    gen = torch.Generator(device=device)
+
+    def accept(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+        s, extra = sample_verify(draft, p, q, TorchChooser(gen))
+        return torch.stack([s, extra])
+
+    gen.manual_seed(5)
+    graph = CapturedFn(accept, [p, q, draft], generator=gen)
+    runs = {}
+    for name, fn in (("eager", accept), ("replay", graph)):
+        gen.manual_seed(7)
+        runs[name] = [fn(p, q, draft).tolist() for _ in range(calls)]
+    return runs["eager"] == runs["replay"] and len({tuple(r) for r in runs["eager"]}) > 1
 
 
 def part_bf16(args, device) -> dict:

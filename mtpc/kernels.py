@@ -252,7 +252,7 @@ def sample_accept(
     and q (m, v) draft probabilities (float32, CPU), draft (m,) int64, the byte budget and stop ids
     (the testable drafts: `acceptance.testable_drafts`), two float64 uniforms -> [s accepted, the
     extra token, the testable count, *draft] (int64, 3 + m): `acceptance.sample_verify`'s
-    distribution, drawn by inverse CDF instead of torch.multinomial. Raises RuntimeError where the
+    distribution, drawn by inverse CDF instead of two exponential races. Raises RuntimeError where the
     kernels do not build."""
     module = _kernels()
     return module.sample_accept(

@@ -37,13 +37,20 @@ class Chooser(Protocol):
 
 
 class TorchChooser:
-    """`torch.multinomial` with an optional generator (the production chooser); a 0-d device tensor."""
+    """The production chooser, with an optional generator; a 0-d device tensor.
+
+    An exponential race: argmax(probs / E) with E ~ Exp(1) drawn from the generator, which is how
+    `torch.multinomial(probs, 1)` draws one sample (the same draws from the same generator state;
+    tested), minus multinomial's check that the probabilities are finite and non-negative, whose
+    `.item()` reads the device back on every call. So a draw costs no host read and can be
+    captured in a CUDA graph (with the generator registered), graph replay drawing as eager does.
+    The probabilities must be valid (the loop's come from a softmax and its residuals)."""
 
     def __init__(self, generator: torch.Generator | None = None):
         self.generator = generator
 
     def __call__(self, probs: Tensor) -> Tensor:
-        return torch.multinomial(probs, 1, generator=self.generator)[0]
+        return (probs / torch.empty_like(probs).exponential_(1, generator=self.generator)).argmax()
 
 
 def as_index(i: int | Tensor, device: torch.device) -> Tensor:

@@ -408,9 +408,9 @@ def contradiction(backbone: Backbone, prompts: list[Tensor], continuations: list
     None when every byte is the one decoding would choose there, else where the first one is not.
 
     Greedy: y_t must be the argmax of its row (after the ban), within `NEAR_TIE`. Sampling: y_t must
-    be the draw of prompt i's generator seeded with seeds[i] (`TorchChooser`: `torch.multinomial`,
-    one draw per byte, which takes argmax p / q with q ~ Exp(1) from the generator; the check replays
-    q and accepts y_t when its p / q is the row's largest within `NEAR_TIE`, over temperature). A
+    be the draw of prompt i's generator seeded with seeds[i] (`TorchChooser`: the race
+    `torch.multinomial` runs, one draw per byte, argmax p / q with q ~ Exp(1) from the generator;
+    the check replays q and accepts y_t when its p / q is the row's largest within `NEAR_TIE`, over temperature). A
     continuation the config cannot produce at all (ids outside the vocabulary, too long, bytes after
     a stop id, unfinished) is reported the same way. Costs one pass: `teacher_force(..., seeds,
     check=True)` does the same check on the pass it computes anyway (`TeacherForced.contradiction`).

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mtpc.speculative.acceptance import (
+    TorchChooser,
     acceptance_length_distribution,
     acceptance_probs,
     greedy_accept,
@@ -334,3 +335,36 @@ def test_sampled_counts_are_of_emitted_bytes_on_every_path(eos_id):
         assert sum(st.tested_at) <= sum(st.accepted) + len(st.accepted)
         if eos_id is not None:
             assert eos_id not in out[:-1]  # stops at the first EOS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_production_chooser_draws_what_multinomial_draws_without_calling_it(dtype, monkeypatch):
+    """TorchChooser is the exponential race torch.multinomial(probs, 1) runs: the same draws from the
+    same generator state (zeros in probs included), without multinomial itself, whose validity check
+    reads the device back (and so cannot be captured in a CUDA graph)."""
+    cases = []
+    for seed in range(300):
+        g = torch.Generator().manual_seed(seed)
+        v = (2, 5, 320)[seed % 3]
+        p = torch.softmax(3 * torch.randn(v, generator=g, dtype=dtype), 0)
+        if seed % 4 == 0:
+            p[: v // 2] = 0
+            p = p / p.sum()
+        cases.append(p)
+    want = []
+    g = torch.Generator().manual_seed(11)
+    for p in cases:
+        want += [int(torch.multinomial(p, 1, generator=g)[0]) for _ in range(4)]
+
+    def refuse(*a, **k):
+        raise AssertionError("TorchChooser called torch.multinomial")
+
+    monkeypatch.setattr(torch, "multinomial", refuse)
+    choose = TorchChooser(torch.Generator().manual_seed(11))
+    got = []
+    for p in cases:
+        draws = [choose(p) for _ in range(4)]
+        assert all(d.dim() == 0 and d.dtype == torch.long for d in draws)
+        got += [int(d) for d in draws]
+    assert got == want
+    assert all(p[i] > 0 for p, i in zip([c for c in cases for _ in range(4)], got, strict=True))
