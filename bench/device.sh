@@ -16,8 +16,10 @@
 #      timeout 270 python3 -m experiments.pretrain --config gpu --out /tmp/mtpc_default --ship
 #      then its shards are moved to $OUT and the small files packed into $OUT/default_meta.tar
 #   1b. only when .device/head_train.jsonl is there (`make device-prep` writes it, 16 MiB of training chats):
-#      the shipped head (btree n = 8, r = 16, App. G 16, beta = 0.5) trained for 3 minutes in bf16-mixed,
-#      exported to $OUT/head_btree_n8_r16 (ship it here with experiments.shipping.ship_head after measuring it)
+#      the shipped default head's design (btree n = 4, r = 16, App. G 16, known byte, beta = 0.5: the card of
+#      mtpc/default_heads/btree-n4-r16-known) trained for 3 minutes in bf16-mixed, exported to
+#      $OUT/head_btree_n4_r16_known (compare it here on the development prompts with bench/compare_heads_offline.py,
+#      then ship it with experiments.shipping.ship_head if it wins)
 #   2. timeout 150 python3 bench/bench_gpu.py --default-model /tmp/mtpc_default --out $OUT/bench_gpu.json
 #      (the benchmark falls back to the shipped default model if part 1 failed)
 #   3. timeout 60 python3 bench/bench_evabyte_gpu.py --out $OUT/evabyte_gpu.json: a tiny EvaByte from its
@@ -101,13 +103,14 @@ if [ -f "$DEFAULT_OUT/MANIFEST.json" ]; then  # the shipped form: shards as file
 fi
 
 if [ -f .device/head_train.jsonl ]; then  # device_prep writes it unless --no-heads
-  log "part 1b: train the shipped head on the GPU (timeout ${T4}s) -> \$OUT/head_btree_n8_r16"
+  log "part 1b: train the shipped head's design on the GPU (timeout ${T4}s) -> \$OUT/head_btree_n4_r16_known"
   timeout "$T4" "$PY" -m experiments.train fit --config experiments/configs/default.yaml \
-    --model.circuit btree --model.window 8 --model.rank 16 --model.kl_beta 0.5 --model.leaf_delta_rank 16 \
+    --model.circuit btree --model.window 4 --model.rank 16 --model.kl_beta 0.5 --model.leaf_delta_rank 16 \
+    --model.known_byte true \
     --data.source .device/head_train.jsonl --data.val_fraction 0.01 --data.max_train_conversations null \
     "${HEAD_ARGS[@]}" --run.tracking false --run.checkpoint_every_n_steps 0 \
-    --run.dir /tmp/mtpc_head_run --run.export_dir "$OUT/head_btree_n8_r16" >>"$OUT/device.log" 2>&1
-  log "part 1b exit code $? ($(ls "$OUT/head_btree_n8_r16" 2>/dev/null | tr '\n' ' '))"
+    --run.dir /tmp/mtpc_head_run --run.export_dir "$OUT/head_btree_n4_r16_known" >>"$OUT/device.log" 2>&1
+  log "part 1b exit code $? ($(ls "$OUT/head_btree_n4_r16_known" 2>/dev/null | tr '\n' ' '))"
 else
   log "part 1b skipped: no .device/head_train.jsonl (make device-prep writes it)"
 fi
