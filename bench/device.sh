@@ -22,14 +22,17 @@
 #      then ship it with experiments.shipping.ship_head if it wins)
 #   2. timeout 150 python3 bench/bench_gpu.py --default-model /tmp/mtpc_default --out $OUT/bench_gpu.json
 #      (the benchmark falls back to the shipped default model if part 1 failed)
+#   2b. timeout 60 python3 bench/profile_gpu_step.py --out $OUT/profile_verify16.json: the step and the 16-byte
+#      verify profiled, graphed and eager, and what the verify adds kernel by kernel (Llama-3.2-3B's shape, bf16)
 #   3. timeout 60 python3 bench/bench_evabyte_gpu.py --out $OUT/evabyte_gpu.json: a tiny EvaByte from its
 #      own code (MTPC_THIRD_PARTY, else ../shared/third_party or shared/third_party) on CUDA with triton,
 #      float32 and bf16: finite logits, adapter = its forward, greedy speculative = its own greedy
 #   4. timeout 200 python3 bench/bench_offline.py --device cuda ... --out $OUT/offline_gpu.json: offline (teacher-forced)
 #      against online acceptance on the GPU, the shipped default, 3 sets x 32 held-out prompts x 256 bytes
 #      (.device/heldout_prompts.jsonl; the trained heads in .device/heads go to the mtpc cache there)
-# Files under $OUT (<= 8): device.log (every part's output), bench_gpu.json, evabyte_gpu.json, offline_gpu.json, default_meta.tar and the
-# model's bf16 shards (3 of < 16 MiB). To ship them: unpack default_meta.tar and the shards into
+# Files under $OUT: device.log (every part's output), bench_gpu.json, profile_verify16.json, evabyte_gpu.json,
+# offline_gpu.json, head_btree_n4_r16_known/ (part 1b), and with part 1 default_meta.tar and the model's bf16 shards
+# (3 of < 16 MiB). To ship them: unpack default_meta.tar and the shards into
 # mtpc/default_model/ (the manifest inside checks them).
 set -u
 cd "$(dirname "$0")/.."
@@ -39,13 +42,14 @@ if [ "${MTPC_DEVICE_DRY:-0}" = "1" ]; then
   T0=${MTPC_DRY_TIMEOUT_PRETRAIN:-300}; T1=${MTPC_DRY_TIMEOUT_BENCH:-300}; TINY=--tiny
   T2=${MTPC_DRY_TIMEOUT_EVABYTE:-600}; EVA_ARGS=(--dry --new-bytes 16)
   T3=${MTPC_DRY_TIMEOUT_OFFLINE:-300}; OFFLINE_ARGS=(--device cpu --prompts 2 --max-new-tokens 16)
+  T5=${MTPC_DRY_TIMEOUT_PROFILE:-300}
   T4=${MTPC_DRY_TIMEOUT_HEAD:-300}; HEAD_ARGS=(--trainer.max_steps 2 --data.max_val_rows 2)
   PRETRAIN_ARGS=(--config gpu --set accelerator=cpu --set precision=32-true --set compile=false --set max_steps=2
                  --set batch_size=2 --set seq_len=256 --set heldout_rows=2 --set warmup_steps=1 --ship-rows 2)  # no GPU here
 else
   OUT=${OUT:?OUT must name the output folder}
   T0=270; T1=150; TINY=""
-  T2=60; EVA_ARGS=()
+  T2=60; EVA_ARGS=(); T5=60
   T3=200; OFFLINE_ARGS=(--device cuda --prompts 32 --max-new-tokens 256 --batch 256 --slot-budget 1048576)
   PRETRAIN_ARGS=(--config gpu)
   # part 1b: 32 rows of 512 bytes a step in bf16-mixed, stopped by the clock (Lightning's max_time) before its timeout
@@ -119,6 +123,9 @@ log "part 2: GPU benchmark (timeout ${T1}s)"
 timeout "$T1" "$PY" bench/bench_gpu.py --default-model "$DEFAULT_OUT" --out "$OUT/bench_gpu.json" $TINY \
   >>"$OUT/device.log" 2>&1
 log "part 2 exit code $?"
+log "part 2b: where verify_16's time goes against the step's, kernel by kernel (timeout ${T5}s)"
+timeout "$T5" "$PY" bench/profile_gpu_step.py --out "$OUT/profile_verify16.json" $TINY >>"$OUT/device.log" 2>&1
+log "part 2b exit code $?"
 log "part 3: EvaByte's own code on CUDA + triton (timeout ${T2}s)"
 timeout "$T2" "$PY" bench/bench_evabyte_gpu.py --out "$OUT/evabyte_gpu.json" ${EVA_ARGS[@]+"${EVA_ARGS[@]}"} >>"$OUT/device.log" 2>&1
 log "part 3 exit code $?"

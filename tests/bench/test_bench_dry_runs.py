@@ -49,6 +49,21 @@ def test_bench_gpu_tiny_runs_every_part(tmp_path):
         assert "skipped" in three_b["split_kv"]
 
 
+def test_profile_gpu_step_tiny_compares_the_verify_with_the_step_kernel_by_kernel(tmp_path):
+    import profile_gpu_step
+
+    out = tmp_path / "profile.json"
+    assert profile_gpu_step.main(["--tiny", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["ms"]) >= {"step_graph", "step_eager", "verify16_graph", "verify16_eager"}
+    assert all(r > 0 for r in report["verify16_over_step"].values())
+    rows = report["verify16_vs_step"]
+    assert rows and all(r["added_us"] == pytest.approx(r["verify_us"] - r["step_us"]) for r in rows)
+    assert [r["added_us"] for r in rows] == sorted((r["added_us"] for r in rows), reverse=True)
+    for name in ("step_graph", "verify16_graph"):
+        assert report[f"profile_{name}"] and report[f"profile_{name}"][0]["count"] > 0
+
+
 def test_compare_heads_offline_dry_run_scores_each_head_per_draft_length(tmp_path):
     import compare_heads_offline
 
