@@ -150,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {r['total_us'] / 10:9.1f} us/call  x{r['count'] // 10:<4} {r['name'][:90]}")
     print("verify16_graph - step_graph, by kernel")
     for r in report["verify16_vs_step"][:8]:
-        print(f"  {r['added_us']:+9.1f} us/call ({r['step_us']:.1f} -> {r['verify_us']:.1f}) {r['name'][:80]}")
+        print(
+            f"  {r['added_us']:+9.1f} us/call ({r['step_us']:.1f} -> {r['verify_us']:.1f}) {r['name'][:80]}"
+        )
     return 0
 
 
