@@ -13,7 +13,8 @@ skipped once `--budget-s` seconds have passed:
    head + draft for every circuit kind at n = 16, r = 32 with full (n, r, v, d) leaves and with
    App. G leaves (rank 16 deltas); the full greedy cycle of each; plain decoding's time per byte
    (`generate_plain`: the step plus its pick, host read and Python) and every cycle against it as
-   well as against the bare step; the step and verifies with `attention="split_kv"` (live-length
+   well as against the bare step; the btree keep cycles fused into one call (`fused_cycle`: one CUDA
+   graph per setting, greedy and sampled, beside the loop's cycle); the step and verifies with `attention="split_kv"` (live-length
    attention, a Triton kernel) beside masked SDPA over the capacity, and their largest logit difference; the step's bandwidth bound (weight + KV bytes / the measured
    bandwidth) and the bars (`BARS_3B`).
 3. `default_model`: the same on the default model (`--default-model DIR`, else the shipped
@@ -154,12 +155,44 @@ def measure_backbone(
             del m, head, drafter
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    out["fused_cycle"] = fused_cycle_part(bb, prompt, new, args, heads, budget, device)
     step = out["ms"]["step"]
     out["cycle_over_step"] = {k: v / step for k, v in out["cycle_ms"].items()}
+    out["fused_cycle"]["over_step"] = {k: v / step for k, v in out["fused_cycle"]["cycle_ms"].items()}
     plain_byte = out["ms"]["plain_per_byte"]  # what a user compares with: the loop's pick, host read, Python
     out["cycle_over_plain_byte"] = {k: v / plain_byte for k, v in out["cycle_ms"].items()}
     out["plain_byte_over_step"] = plain_byte / step
     out["hf_generate_step_over_step"] = out["ms"]["hf_generate_step"] / step
+    return out
+
+
+def fused_cycle_part(bb, prompt, new: int, args, heads: dict, budget: Budget, device) -> dict:
+    """The keep cycle as one call (`MtpcModel(fused_cycle=True)`: head + draft, verify and accept in one
+    CUDA graph per setting) for the btree heads, greedy and sampled, beside the loop's cycle in the same
+    rounds; whether the graph was captured (else why not), and greedy output against plain decoding."""
+    out: dict = {"cycle_ms": {}, "loop_cycle_ms": {}, "graph_errors": {}, "greedy_equals_plain": {}}
+    for name, (rank, delta) in heads.items():
+        if budget.left() < args.reserve_s:
+            out.setdefault("skipped", []).append(f"btree_{name}: time budget")
+            continue
+        head = et.make_head(bb, "btree", args.window, rank, delta)
+        fused, loop = MtpcModel(bb, head, fused_cycle=True), MtpcModel(bb, head)
+        for mode in ("greedy", "sample"):
+            key = f"btree_{name}_{mode}"
+            runs: dict[str, list[float]] = {"fused": [], "loop": []}
+            for r in range(max(2, args.rounds // 2)):
+                for which, m in (("fused", fused), ("loop", loop)):
+                    with torch.inference_mode():
+                        runs[which].append(et.cycle_ms(m, prompt, new, mode=mode, seed=r)[0])
+            out["cycle_ms"][key] = statistics.median(runs["fused"])
+            out["loop_cycle_ms"][key] = statistics.median(runs["loop"])
+        with torch.inference_mode():
+            got = fused.generate(prompt, max_new_tokens=new, ban_eos=True).ids.tolist()
+            want = fused.generate_plain(prompt, max_new_tokens=new, ban_eos=True).ids.tolist()
+        out["greedy_equals_plain"][name] = got == want
+        out["graph_errors"][name] = {str(k): c.error for k, c in fused._fused.items() if c.error}
+        out.setdefault("captured", {})[name] = sum(c.graph is not None for c in fused._fused.values())
+        del fused, loop, head
     return out
 
 

@@ -508,6 +508,7 @@ class LlamaEngine:
 
             self._compiled = compile_static(self._forward, self.device)
         self._graphs: dict[int, Any] = {}  # input length T -> CapturedFn
+        self.graph_epoch = 0  # +1 whenever the buffers a captured graph reads are replaced
         self.graph_errors: dict[int, str] = {}
         if capacity:
             self.reset(capacity)
@@ -559,6 +560,7 @@ class LlamaEngine:
         if self._sources and self._stale():
             self._build_weights()
             self._graphs.clear()  # captured graphs read the old copies
+            self.graph_epoch += 1
         if capacity <= self.capacity:
             return
         cap = min(_round_up(capacity, 256), self.args.max_context)
@@ -573,6 +575,7 @@ class LlamaEngine:
         self.positions = torch.arange(cap, device=self.device)
         self.capacity = cap
         self._graphs.clear()
+        self.graph_epoch += 1
 
     def crop(self, length: int) -> None:
         """Forget every position >= length (the caches keep their bytes; only the length moves)."""
@@ -608,6 +611,14 @@ class LlamaEngine:
         self.length = start + T
         self.calls += 1
         return out
+
+    def forward_at(self, ids: Tensor, pos: Tensor) -> StepOutput:
+        """The static call for ids (T,) at the device positions pos (T,): caches written there,
+        `length` and `calls` left to the caller (a cycle captured as one graph,
+        mtpc/speculative/fused_cycle.py). Static shapes only; eager (the caller captures it)."""
+        if not self.static:
+            raise ValueError("forward_at: needs static shapes (LlamaEngine(static=True))")
+        return self._forward(ids, pos, 0)
 
     def _forward(self, ids: Tensor, pos: Tensor | None, start: int, eids: Tensor | None = None) -> StepOutput:
         """pos: (T,) position tensor (static shapes) or None (slice the caches at host ints);

@@ -71,7 +71,7 @@ from mtpc.speculative.acceptance import (
 )
 
 __all__ = ["AdapterEngine", "CircuitDrafter", "DecodeConfig", "DecodeStats", "Engine", "StepOutput",
-           "plain_decode", "plain_decode_batch", "speculative_decode"]  # fmt: skip
+           "fused_speculative_decode", "plain_decode", "plain_decode_batch", "speculative_decode"]  # fmt: skip
 
 
 # head_fn: (draft hidden (d,), the known byte c (1,) or None in the drop cycle) -> normalised
@@ -367,5 +367,47 @@ def speculative_decode(
         stats.record_cycle(_clock(sync) - t0, s, len(out) - before, tested_from, tested)
     stats.generated = len(out)
     stats.decode_generated = len(out) - prefill_out
+    stats.backbone_calls = engine.calls
+    return out, stats
+
+
+def fused_speculative_decode(
+    engine: Engine,
+    cycle: Callable[[Tensor, Tensor, int, int], tuple[Tensor, Tensor, Tensor]],
+    window: int,
+    prompt: Tensor,  # (P,)
+    cfg: DecodeConfig,
+    choose: Chooser,
+    sync: Callable[[], None] | None = None,
+) -> tuple[list[int], DecodeStats]:
+    """The keep cycle with the whole cycle in one call (`FusedKeepCycle`, mtpc/speculative/fused_cycle.py:
+    one CUDA graph on a GPU): cycle(h, c, start, budget) -> ([s, extra, testable count, *drafts], next
+    h, next c) on the device; the host reads the first (the cycle's one host read), crops to a + 1 + s
+    and applies the stop rule, as `speculative_decode`'s keep cycle does with the same statistics."""
+    if window < MIN_DECODE_WINDOW:
+        raise ValueError(f"speculative decoding needs a window n >= {MIN_DECODE_WINDOW}, got {window}")
+    if cfg.extra_token != "keep":
+        raise ValueError(f"fused cycle: the keep cycle only (got extra_token={cfg.extra_token!r})")
+    stats = DecodeStats(window=window, extra_token="keep")
+    out: list[int] = []
+    dev = prompt.device
+    t0 = _clock(sync)
+    step = engine.feed(prompt)
+    h = step.draft_hidden[-1]  # (d,) head input at the last byte with state
+    c = as_index(_pick(step.p_logits[-1], cfg, choose), dev)  # (1,)
+    done = _finish(out, c.tolist(), cfg)
+    stats.prefill_s = _clock(sync) - t0
+    while not done:
+        t0 = _clock(sync)
+        a1 = engine.length  # a + 1 bytes have state
+        info, h, c = cycle(h, c, a1, cfg.max_new_tokens - len(out) - 1)
+        got = info.tolist()  # the cycle's one host read
+        s, extra, testable = got[0], got[1], got[2]
+        engine.crop(a1 + 1 + s)
+        before = len(out)
+        done = _finish(out, got[3 : 3 + s] + [extra], cfg)
+        stats.record_cycle(_clock(sync) - t0, s, len(out) - before, 1, min(s + 1, testable))
+    stats.generated = len(out)
+    stats.decode_generated = len(out) - 1
     stats.backbone_calls = engine.calls
     return out, stats

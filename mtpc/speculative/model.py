@@ -37,10 +37,12 @@ from mtpc.backbones.engine import cuda_sync, make_engine
 from mtpc.names import MIN_DECODE_WINDOW, check_draft_len
 from mtpc.speculative.acceptance import TorchChooser
 from mtpc.speculative.drafters import CompiledDraft, GraphedDraft
+from mtpc.speculative.fused_cycle import FusedKeepCycle
 from mtpc.speculative.loop import (
     CircuitDrafter,
     DecodeConfig,
     DecodeStats,
+    fused_speculative_decode,
     plain_decode,
     speculative_decode,
 )
@@ -108,11 +110,14 @@ class MtpcModel:
     draft_len: bytes each cycle feeds, MIN_DECODE_WINDOW <= draft_len <= the head's window n (None: n);
     the cycle drafts n and feeds the first draft_len (mtpc/speculative/loop.py, "The draft length"):
     fewer verify rows when the head's late positions are rarely accepted. `generate` can override it.
+    fused_cycle: run each keep cycle as one call (`FusedKeepCycle`: head + draft, verify and accept
+    from device inputs, one CUDA graph per setting with cuda_graphs) on the compact engine with static
+    shapes (which plain decoding then uses too); off by default: unverified on a GPU.
     """
 
     def __init__(
         self, backbone: Backbone, head: nn.Module, cuda_graphs: bool | None = None, compile: bool = False,
-        weights: str | None = None, draft_len: int | None = None,
+        weights: str | None = None, draft_len: int | None = None, fused_cycle: bool = False,
     ):  # fmt: skip
         cfg = head.config
         if cfg.window < MIN_DECODE_WINDOW:
@@ -137,9 +142,15 @@ class MtpcModel:
             raise ValueError(
                 f"weights={weights!r}: only the compact engine has a weight layout (this backbone's is 'hf')"
             )
-        self._engine_kw = ({"compile": True} if compile and compact else {}) | (
-            {"weights": weights} if weights else {}
+        if fused_cycle and not compact:
+            raise ValueError("fused_cycle=True: needs the compact engine (this backbone's is 'hf')")
+        self.fused_cycle = bool(fused_cycle)
+        self._engine_kw = (
+            ({"compile": True} if compile and compact else {})
+            | ({"weights": weights} if weights else {})
+            | ({"static": True} if fused_cycle else {})
         )
+        self._fused: dict[tuple, FusedKeepCycle] = {}  # decoding setting -> its fused cycle
         self._engines: dict[bool, Any] = {}  # draft top or not -> engine (caches kept between calls)
         self._head_onednn = False if compile else None  # inductor does not lower oneDNN's blocked weights
         self._gen = torch.Generator(device=backbone.device)  # re-seeded per call; captured graphs advance it
@@ -156,15 +167,16 @@ class MtpcModel:
     @classmethod
     def from_pretrained(
         cls, head_dir: str | Path, backbone: Backbone | nn.Module | str | Path | None = None, *, cuda_graphs: bool | None = None, compile: bool = False,
-        weights: str | None = None, allow_unverified: bool = False, draft_len: int | None = None, **load_kw: Any,
+        weights: str | None = None, allow_unverified: bool = False, draft_len: int | None = None,
+        fused_cycle: bool = False, **load_kw: Any,
     ) -> MtpcModel:  # fmt: skip
         """Load a `save_head` export — or a shipped head: `"default"` (the default backbone's default
         head) or `"shipped:<name>"` (`mtpc.shipped_heads`; a local folder named so is given as a path,
         `./default`); the backbone is its recorded name/path unless one is given.
 
         load_kw go to `mtpc.backbones.load_backbone` when the backbone is loaded here (e.g.
-        engine="hf" to decode through the HF layers); cuda_graphs / compile / weights / draft_len: see
-        the class (a shipped head's draft_len defaults to the one its index records).
+        engine="hf" to decode through the HF layers); cuda_graphs / compile / weights / draft_len /
+        fused_cycle: see the class (a shipped head's draft_len defaults to the one its index records).
         allow_unverified: accept an export without SHA-256s (`load_head`; `migrate_head` adds them).
         """
         from mtpc.backbones import load_backbone
@@ -190,16 +202,17 @@ class MtpcModel:
             raise ValueError(f"{head_dir}: lora_depth={k} but the export has no lora.safetensors")
         head = head.to(dtype=backbone.dtype)
         return cls(
-            backbone, head, cuda_graphs=cuda_graphs, compile=compile, weights=weights, draft_len=draft_len
-        )
+            backbone, head, cuda_graphs=cuda_graphs, compile=compile, weights=weights, draft_len=draft_len,
+            fused_cycle=fused_cycle,
+        )  # fmt: skip
 
     @classmethod
     def from_components(
         cls, backbone: Backbone | nn.Module, head: nn.Module | dict, *, cuda_graphs: bool | None = None, compile: bool = False,
-        weights: str | None = None, draft_len: int | None = None,
+        weights: str | None = None, draft_len: int | None = None, fused_cycle: bool = False,
     ) -> MtpcModel:  # fmt: skip
         """backbone: a transformers causal LM or an adapter; head: an MtpcHead or a dict for a fresh one;
-        cuda_graphs / compile / weights / draft_len: see the class."""
+        cuda_graphs / compile / weights / draft_len / fused_cycle: see the class."""
         if isinstance(head, dict):
             lora_depth = int(head.get("lora_depth", 0))
             backbone = _wrap_backbone(backbone, lora_depth)
@@ -209,8 +222,9 @@ class MtpcModel:
         else:
             raise ValueError(f"head: expected an MtpcHead or a dict spec, got {type(head).__name__}")
         return cls(
-            backbone, head, cuda_graphs=cuda_graphs, compile=compile, weights=weights, draft_len=draft_len
-        )
+            backbone, head, cuda_graphs=cuda_graphs, compile=compile, weights=weights, draft_len=draft_len,
+            fused_cycle=fused_cycle,
+        )  # fmt: skip
 
     # -- helpers --------------------------------------------------------------------------------
     @property
@@ -336,6 +350,15 @@ class MtpcModel:
         gen = self._generator(seed)
         reset_peak_memory(self.device)
         engine = self.engine(True, ids.shape[0] + cfg.max_new_tokens + m)
+        if self.fused_cycle and extra_token == "keep":
+            key = (m, cfg.mode, cfg.temperature, cfg.top_p, tuple(cfg.stop_ids), repr(cfg.banned))
+            cycle = self._fused.get(key)
+            if cycle is None or cycle.engine is not engine:
+                cycle = self._fused[key] = FusedKeepCycle(
+                    engine, self._head_fn, self.circuit, m, cfg, gen, graphs=self.cuda_graphs
+                )
+            out, st = fused_speculative_decode(engine, cycle, m, ids, cfg, TorchChooser(gen), self._sync())
+            return self._output(out, st, mode)
         head_fn, drafter = (
             self.head.decoder(self._head_onednn).params,
             CircuitDrafter(self.circuit, gen),

@@ -39,6 +39,14 @@ def test_bench_gpu_tiny_runs_every_part(tmp_path):
         three_b["cycle_ms"]
     )
     assert "over_plain_byte" in three_b["bars"]["cycle_btree_appG_over_step"]
+    fused = three_b["fused_cycle"]  # the keep cycle in one call, beside the loop's, greedy and sampled
+    assert (
+        set(fused["cycle_ms"])
+        == set(fused["loop_cycle_ms"])
+        == {f"btree_{leaf}_{mode}" for leaf in ("full", "appG") for mode in ("greedy", "sample")}
+    )
+    assert all(fused["greedy_equals_plain"].values()) and set(fused["over_step"]) == set(fused["cycle_ms"])
+    assert fused["captured"] == {"full": 0, "appG": 0}  # no CUDA: the eager function
     from mtpc.backbones.decode_attention import split_kv_unsupported
 
     if split_kv_unsupported("cpu", torch.float32) is None:  # Triton's interpreter (make test-triton)
