@@ -51,12 +51,13 @@ test-compat: setup-compat
 	@set +e; $(COMPAT_PY) -m pytest -p no:cacheprovider -m "not slow or realmodel" $(COMPAT_TESTS) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-compat: pytest collected no tests — failing"; exit 1; fi; exit $$rc
 
-# The split-KV decode attention's Triton kernels under Triton's interpreter on CPU tensors: triton (not a
+# The split-KV decode attention's and the fused ops' Triton kernels under Triton's interpreter on CPU tensors: triton (not a
 # dependency; the device image's release) goes into its own folder on PYTHONPATH for these tests only,
 # and MTPC_REQUIRE_TRITON=1 turns the kernel tests' skip into a failure.
 TRITON_SITE ?= .triton-site
 TRITON_SPEC ?= triton==3.6.0
-TRITON_TESTS ?= tests/mtpc/test_decode_attention.py tests/bench/test_bench_dry_runs.py::test_bench_gpu_tiny_runs_every_part
+TRITON_TESTS ?= tests/mtpc/test_decode_attention.py tests/mtpc/test_fused_ops.py \
+	tests/bench/test_bench_dry_runs.py::test_bench_gpu_tiny_runs_every_part
 
 $(TRITON_SITE)/.installed: Makefile
 	$(PY) -m pip install -q --no-deps --upgrade --target $(TRITON_SITE) "$(TRITON_SPEC)"

@@ -13,7 +13,8 @@ skipped once `--budget-s` seconds have passed:
    head + draft for every circuit kind at n = 16, r = 32 with full (n, r, v, d) leaves and with
    App. G leaves (rank 16 deltas); the full greedy cycle of each; plain decoding's time per byte
    (`generate_plain`: the step plus its pick, host read and Python) and every cycle against it as
-   well as against the bare step; the btree keep cycles fused into one call (`fused_cycle`: one CUDA
+   well as against the bare step; the same with the fused norm / RoPE / cache-write kernels
+   (`fused_ops`, beside split-KV); the btree keep cycles fused into one call (`fused_cycle`: one CUDA
    graph per setting, greedy and sampled, beside the loop's cycle); the step and verifies with `attention="split_kv"` (live-length
    attention, a Triton kernel) beside masked SDPA over the capacity, and their largest logit difference; the step's bandwidth bound (weight + KV bytes / the measured
    bandwidth) and the bars (`BARS_3B`).
@@ -209,8 +210,10 @@ def split_kv_part(bb, prompt, ctx: int, cap: int, win: dict, one, reps: int, R: 
     warmup = 2
     if not graphs:  # Triton's interpreter on the CPU (a dry run): one timed pass checks the path
         reps, R, warmup = 1, 1, 0
-    engines = {a: et.prefilled(LlamaEngine(bb, cap, cuda_graphs=graphs, attention=a, static=True), prompt, cap)
-               for a in ("sdpa", "split_kv")}  # fmt: skip
+    variants = {"sdpa": {}, "split_kv": {"attention": "split_kv"}, "fused": {"fused_ops": True},
+                "split_kv_fused": {"attention": "split_kv", "fused_ops": True}}  # fmt: skip
+    engines = {a: et.prefilled(LlamaEngine(bb, cap, cuda_graphs=graphs, static=True, **kw), prompt, cap)
+               for a, kw in variants.items()}  # fmt: skip
     out: dict = {"max_abs_logit_diff": {}}
     with torch.inference_mode():
         for name, ids in {"step": one, **{f"verify_{n}": w for n, w in win.items()}}.items():
@@ -219,13 +222,19 @@ def split_kv_part(bb, prompt, ctx: int, cap: int, win: dict, one, reps: int, R: 
                 got[a] = e.feed(ids).p_logits.float().clone()
                 e.crop(ctx)
             out["max_abs_logit_diff"][name] = float((got["sdpa"] - got["split_kv"]).abs().max())
+            for a in ("fused", "split_kv_fused"):
+                out["max_abs_logit_diff"][f"{name}_{a}"] = float((got["sdpa"] - got[a]).abs().max())
         fns = {f"{name}_{a}": et.engine_call(e, ids, ctx) for a, e in engines.items()
                for name, ids in {"step": one, **{f"verify_{n}": w for n, w in win.items()}}.items()}  # fmt: skip
         res = et.timed(fns, reps, R, device=device, warmup=warmup)
     out["ms"] = res["ms"]
-    out["split_kv_over_sdpa"] = {k[: -len("_sdpa")]: et.ratio(res, k[: -len("_sdpa")] + "_split_kv", k)
-                                 for k in res["ms"] if k.endswith("_sdpa")}  # fmt: skip
+    calls = [k[: -len("_sdpa")] for k in res["ms"] if k.endswith("_sdpa")]
+    for a in ("split_kv", "fused", "split_kv_fused"):
+        out[f"{a}_over_sdpa"] = {c: et.ratio(res, f"{c}_{a}", f"{c}_sdpa") for c in calls}
     out["verify16_over_step"] = et.ratio(res, "verify_16_split_kv", "step_split_kv")
+    out["verify16_over_step_split_kv_fused"] = et.ratio(
+        res, "verify_16_split_kv_fused", "step_split_kv_fused"
+    )
     out["graph_errors"] = {a: dict(e.graph_errors) for a, e in engines.items()}
     return out
 

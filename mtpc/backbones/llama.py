@@ -32,6 +32,9 @@ default slices the caches to the live length (views) and skips the mask for one 
 `attention="split_kv"` (static shapes, CUDA with triton; UNVERIFIED on a GPU) runs the static calls
 of up to 64 new positions on the split-KV kernel of decode_attention.py instead: it reads the live
 length from the position tensor on the device and attends over the live keys only, with no mask.
+`fused_ops=True` (static shapes, CUDA with triton; UNVERIFIED on a GPU) runs those static calls'
+norms with their residual adds and their RoPE with the cache writes as the Triton kernels of
+fused_ops.py (within rounding of the eager ops).
 
 Numerics follow transformers' Llama: RMSNorm in float32 then cast, cos/sin from float32
 frequencies cast to the model dtype, sdpa with scale head_dim**-0.5, peft's LoRA dtype rules;
@@ -413,6 +416,10 @@ class LlamaEngine:
     length (mtpc/backbones/decode_attention.py). Needs static shapes, CUDA with triton importable
     (or TRITON_INTERPRET=1, the interpreter the tests run on CPU tensors) and float32 / bf16 / fp16;
     not with compile. UNVERIFIED on a GPU: bench/bench_gpu.py is where it is to be measured.
+    fused_ops: the same static calls with each layer's norms (the second one with its residual add)
+    and its RoPE with the cache writes as one Triton kernel each (mtpc/backbones/fused_ops.py; within
+    rounding of the eager ops, so the step and the verify both use them). Needs what split_kv needs;
+    UNVERIFIED on a GPU.
     """
 
     def __init__(
@@ -426,6 +433,7 @@ class LlamaEngine:
         compile: bool = False,
         weights: str | None = None,
         attention: str = "sdpa",
+        fused_ops: bool = False,
     ):
         reason = llama_unsupported(adapter.model)
         if reason:
@@ -495,6 +503,17 @@ class LlamaEngine:
             if reason:
                 raise ValueError(f"compact Llama forward: attention='split_kv': {reason}")
         self.attention = attention
+        if fused_ops:
+            from mtpc.backbones.fused_ops import fused_ops_unsupported
+
+            reason = (
+                "it needs static shapes (static=True, or None on CUDA) and does not combine with compile"
+                if compile or not self.static
+                else fused_ops_unsupported(self.device, self.dtype)
+            )
+            if reason:
+                raise ValueError(f"compact Llama forward: fused_ops=True: {reason}")
+        self.fused_ops = bool(fused_ops)
         self.scale = self.args.head_dim**-0.5
         kw = {"dtype": self.dtype, "device": self.device}
         self._mask_values = (torch.zeros((), **kw), torch.full((), float("-inf"), **kw))  # attend, masked
@@ -659,6 +678,8 @@ class LlamaEngine:
                 x = self._block_one(x, layer, self.kv[i], cos[0], sin[0], start)
             elif rows and i < self.split:
                 x = self._block_rows(x, layer, self.kv[i], cos, sin, mask, start)
+            elif self.fused_ops and pos is not None and T <= SPLIT_KV_MAX_ROWS:
+                x = self._block_fused(x, layer, self.kv[i], mask, pos, length)
             else:
                 x = self._block(x, layer, self.kv[i], cos, sin, mask, pos, start, causal, length)
         h = rms_norm(x, self.norm, self.args.norm_eps)  # (rows, T, d)
@@ -786,6 +807,33 @@ class LlamaEngine:
         (o,) = self._group(y, layer, "o")
         x = x + o
         h = rms_norm(x, layer.ln2, a.norm_eps)
+        g, u = self._group(h, layer, "gu")
+        (down,) = self._group(F.silu(g) * u, layer, "down")
+        return x + down
+
+    def _block_fused(self, x, layer, kv, mask, pos, length):
+        """`_block` for a static call (positions on the device) with the fused Triton ops
+        (`fused_ops=True`): the first norm, RoPE of q and k with the cache writes, and the residual
+        add with the second norm, one kernel each; the products and the attention as in `_block`."""
+        from mtpc.backbones.fused_ops import add_rms_norm, rope_cache_write
+
+        B, T, _ = x.shape
+        a = self.args
+        _, h = add_rms_norm(x, None, layer.ln1, a.norm_eps)
+        q, k, v = self._group(h, layer, "qkv")
+        kc, vc = kv
+        q = rope_cache_write(q, k, v, self.cos, self.sin, pos, kc, vc, a.n_heads, a.n_kv_heads, a.head_dim)
+        if length is not None:  # (B, h, T, hd) -> the split-KV kernel's (B, T, h, hd) buffer
+            y = split_kv_decode_attention(q, kc, vc, length, scale=self.scale)
+            y = y.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim)
+        elif T == 1:  # one query: (B, h, 1, hd) is the grouped layout (B, h_kv, n_rep, hd)
+            q = q.view(B, a.n_kv_heads, self.n_rep, a.head_dim)
+            y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, scale=self.scale)
+            y = y.reshape(B, 1, a.n_heads * a.head_dim)
+        else:
+            y = self._attend(q, kc, vc, mask).transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim)
+        (o,) = self._group(y, layer, "o")
+        x, h = add_rms_norm(x, o, layer.ln2, a.norm_eps)
         g, u = self._group(h, layer, "gu")
         (down,) = self._group(F.silu(g) * u, layer, "down")
         return x + down

@@ -53,6 +53,9 @@ def test_bench_gpu_tiny_runs_every_part(tmp_path):
         split = three_b["split_kv"]
         assert "skipped" not in split and max(split["max_abs_logit_diff"].values()) < 1e-4, split
         assert set(split["split_kv_over_sdpa"]) >= {"step", "verify_16"}
+        assert (
+            set(split["split_kv_fused_over_sdpa"]) == set(split["fused_over_sdpa"]) >= {"step", "verify_16"}
+        )
     else:  # no CUDA and no interpreter: the reason, not a timing
         assert "skipped" in three_b["split_kv"]
 
