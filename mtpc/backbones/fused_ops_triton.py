@@ -40,6 +40,17 @@ def _add_rms_norm_kernel(
 
 
 @triton.jit
+def _rotate(src, d, rolled, ok, cos, sin):
+    """HF's rotate-half of one head at src: x cos + roll(x, D/2) signed_sin, each product and the
+    sum rounded to the dtype as torch rounds them (float32 math in between)."""
+    x = tl.load(src + d, mask=ok, other=0.0)
+    xr = tl.load(src + rolled, mask=ok, other=0.0)
+    a = (x.to(tl.float32) * cos).to(x.dtype)
+    c = (xr.to(tl.float32) * sin).to(x.dtype)
+    return (a.to(tl.float32) + c.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
 def _rope_cache_kernel(
     Q, K, V, COS, SIN, POS, QOUT, KC, VC,
     sqb, sqt, skb, skt, svb, svt,
@@ -58,21 +69,11 @@ def _rope_cache_kernel(
     cos = tl.load(COS + p * D + d, mask=ok, other=0.0).to(tl.float32)
     sin = tl.load(SIN + p * D + d, mask=ok, other=0.0).to(tl.float32)
     if head < N_HEADS:
-        src = Q + b * sqb + t * sqt + head * D
-        x = tl.load(src + d, mask=ok, other=0.0)
-        xr = tl.load(src + rolled, mask=ok, other=0.0)
-        a = (x.to(tl.float32) * cos).to(x.dtype)
-        c = (xr.to(tl.float32) * sin).to(x.dtype)
-        out = (a.to(tl.float32) + c.to(tl.float32)).to(x.dtype)
+        out = _rotate(Q + b * sqb + t * sqt + head * D, d, rolled, ok, cos, sin)
         tl.store(QOUT + b * sob + head * soh + t * sot + d, out, mask=ok)
     else:
         j = head - N_HEADS
-        src = K + b * skb + t * skt + j * D
-        x = tl.load(src + d, mask=ok, other=0.0)
-        xr = tl.load(src + rolled, mask=ok, other=0.0)
-        a = (x.to(tl.float32) * cos).to(x.dtype)
-        c = (xr.to(tl.float32) * sin).to(x.dtype)
-        out = (a.to(tl.float32) + c.to(tl.float32)).to(x.dtype)
+        out = _rotate(K + b * skb + t * skt + j * D, d, rolled, ok, cos, sin)
         tl.store(KC + b * skcb + j * skch + p * skcn + d, out, mask=ok)
         v = tl.load(V + b * svb + t * svt + j * D + d, mask=ok, other=0.0)
         tl.store(VC + b * svcb + j * svch + p * svcn + d, v, mask=ok)
