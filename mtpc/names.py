@@ -102,6 +102,13 @@ def check_axis(name: str, value: Any, *, decoding: bool = False, where: str = ""
         raise ArchitectureError(where, name, f"{value} out of range; expected an integer in [{low}, {high}]")
 
 
+def check_decode_window(window: int, what: str = "speculative decoding") -> int:
+    """A window a cycle can decode with (at least MIN_DECODE_WINDOW bytes), else a one-line ValueError."""
+    if window < MIN_DECODE_WINDOW:
+        raise ValueError(f"{what} needs a window n >= {MIN_DECODE_WINDOW}, got {window}")
+    return window
+
+
 def check_draft_len(draft_len: object, window: int) -> int:
     """The bytes a cycle feeds: `draft_len` checked against the head's window n (None: n)."""
     if draft_len is None:

@@ -58,7 +58,7 @@ from torch import Tensor
 
 from mtpc.backbones.engine import AdapterEngine, Engine, StepOutput
 from mtpc.kernels import greedy_accept_native, native_cycle_unsupported, sample_accept
-from mtpc.names import DECODE_MODES, EXTRA_TOKEN_OPTIONS, MIN_DECODE_WINDOW
+from mtpc.names import DECODE_MODES, EXTRA_TOKEN_OPTIONS, check_decode_window
 from mtpc.speculative.acceptance import (
     Chooser,
     TorchChooser,
@@ -280,8 +280,7 @@ def speculative_decode(
     Draft, verify and accept stay on the device; each cycle reads back one small tensor
     [s, extra, drafts] (the accepted count and the bytes it emits), nothing else.
     """
-    if window < MIN_DECODE_WINDOW:
-        raise ValueError(f"speculative decoding needs a window n >= {MIN_DECODE_WINDOW}, got {window}")
+    check_decode_window(window)
     greedy = cfg.mode == "greedy"
     stats = DecodeStats(window=window, extra_token=cfg.extra_token)
     out: list[int] = []
@@ -384,8 +383,7 @@ def fused_speculative_decode(
     one CUDA graph on a GPU): cycle(h, c, start, budget) -> ([s, extra, testable count, *drafts], next
     h, next c) on the device; the host reads the first (the cycle's one host read), crops to a + 1 + s
     and applies the stop rule, as `speculative_decode`'s keep cycle does with the same statistics."""
-    if window < MIN_DECODE_WINDOW:
-        raise ValueError(f"speculative decoding needs a window n >= {MIN_DECODE_WINDOW}, got {window}")
+    check_decode_window(window)
     if cfg.extra_token != "keep":
         raise ValueError(f"fused cycle: the keep cycle only (got extra_token={cfg.extra_token!r})")
     stats = DecodeStats(window=window, extra_token="keep")

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from mtpc.backbones.common import Backbone
 from mtpc.backbones.engine import cuda_sync, make_engine
-from mtpc.names import MIN_DECODE_WINDOW, check_draft_len
+from mtpc.names import check_decode_window, check_draft_len
 from mtpc.speculative.acceptance import TorchChooser
 from mtpc.speculative.drafters import CompiledDraft, GraphedDraft
 from mtpc.speculative.fused_cycle import FusedKeepCycle
@@ -107,7 +107,7 @@ class MtpcModel:
     the row-dot kernel on an x86 CPU in float32, else oneDNN's on the CPU in float32 / bf16, in
     both cases without compile, else views; see mtpc/backbones/llama.py). Both are passed to every
     engine this model builds.
-    draft_len: bytes each cycle feeds, MIN_DECODE_WINDOW <= draft_len <= the head's window n (None: n);
+    draft_len: bytes each cycle feeds, names.MIN_DECODE_WINDOW <= draft_len <= the head's window n (None: n);
     the cycle drafts n and feeds the first draft_len (mtpc/speculative/loop.py, "The draft length"):
     fewer verify rows when the head's late positions are rarely accepted. `generate` can override it.
     fused_cycle: run each keep cycle as one call (`FusedKeepCycle`: head + draft, verify and accept
@@ -120,10 +120,7 @@ class MtpcModel:
         weights: str | None = None, draft_len: int | None = None, fused_cycle: bool = False,
     ):  # fmt: skip
         cfg = head.config
-        if cfg.window < MIN_DECODE_WINDOW:
-            raise ValueError(
-                f"head: speculative decoding needs window >= {MIN_DECODE_WINDOW}, got {cfg.window}"
-            )
+        check_decode_window(cfg.window, "head: speculative decoding")
         head.check_compatible(backbone.hidden_size, backbone.vocab_size)
         from mtpc.backbones.shipped import check_backbone_label
 

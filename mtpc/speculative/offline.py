@@ -57,7 +57,7 @@ import torch
 from torch import Tensor
 
 from mtpc.backbones.common import Backbone
-from mtpc.names import MIN_DECODE_WINDOW, check_draft_len
+from mtpc.names import check_decode_window, check_draft_len
 from mtpc.speculative.acceptance import TorchChooser, greedy_target, stop_hits, target_probs
 from mtpc.speculative.loop import DecodeConfig, plain_decode
 
@@ -656,10 +656,7 @@ def offline_acceptance(
     if cfg_h.lora_depth != tf.lora_depth:
         raise ValueError(f"head: lora_depth={cfg_h.lora_depth}, but the pass ran with lora_depth={tf.lora_depth} "
                          "(one pass per LoRA top)")  # fmt: skip
-    if cfg_h.window < MIN_DECODE_WINDOW:
-        raise ValueError(
-            f"head: speculative decoding needs window >= {MIN_DECODE_WINDOW}, got {cfg_h.window}"
-        )
+    check_decode_window(cfg_h.window, "head: speculative decoding")
     if tf.hidden and tf.hidden[0].shape[-1] != cfg_h.hidden:
         raise ValueError(f"head: hidden={cfg_h.hidden}, but the pass's states have {tf.hidden[0].shape[-1]}")
     if chunk < 1:
