@@ -52,6 +52,7 @@ import engine_timing as et  # noqa: E402  (bench/engine_timing.py)
 from mtpc import MtpcModel  # noqa: E402
 from mtpc.backbones import BackboneAdapter, LlamaEngine, make_engine  # noqa: E402
 from mtpc.circuits import CIRCUIT_KINDS  # noqa: E402
+from mtpc.names import DECODE_MODES  # noqa: E402
 from mtpc.heads import HeadConfig, random_head  # noqa: E402
 
 # The cycle issue's GPU targets on Llama-3.2-3B's shape (bf16, n = 16, r = 32): the step within 2x its
@@ -178,7 +179,7 @@ def fused_cycle_part(bb, prompt, new: int, args, heads: dict, budget: Budget, de
             continue
         head = et.make_head(bb, "btree", args.window, rank, delta)
         fused, loop = MtpcModel(bb, head, fused_cycle=True), MtpcModel(bb, head)
-        for mode in ("greedy", "sample"):
+        for mode in DECODE_MODES:
             key = f"btree_{name}_{mode}"
             runs: dict[str, list[float]] = {"fused": [], "loop": []}
             for r in range(max(2, args.rounds // 2)):
