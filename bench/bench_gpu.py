@@ -52,8 +52,8 @@ import engine_timing as et  # noqa: E402  (bench/engine_timing.py)
 from mtpc import MtpcModel  # noqa: E402
 from mtpc.backbones import BackboneAdapter, LlamaEngine, make_engine  # noqa: E402
 from mtpc.circuits import CIRCUIT_KINDS  # noqa: E402
-from mtpc.names import DECODE_MODES  # noqa: E402
 from mtpc.heads import HeadConfig, random_head  # noqa: E402
+from mtpc.names import DECODE_MODES  # noqa: E402
 
 # The cycle issue's GPU targets on Llama-3.2-3B's shape (bf16, n = 16, r = 32): the step within 2x its
 # bandwidth bound (1.5x the stretch), the verify of 16 bytes within 1.08 steps, the greedy cycle within
