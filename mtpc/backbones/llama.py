@@ -607,11 +607,7 @@ class LlamaEngine:
     def feed(self, ids: Tensor) -> StepOutput:
         """Append ids (T,) to every cache; p logits (T, v) and draft hidden (T, d), valid until the next feed."""
         T, start = ids.shape[0], self.length
-        if start + T > self.capacity:
-            raise ValueError(
-                f"input: {start} cached + {T} new positions exceed the engine's capacity={self.capacity}; "
-                "call reset(capacity) with the sequence's full length first"
-            )
+        self.check_room(start, T)
         eids = None
         if self.expand is not None:  # O(maxlen) per new id; the history before `start` is kept
             eids = torch.tensor(
@@ -630,6 +626,15 @@ class LlamaEngine:
         self.length = start + T
         self.calls += 1
         return out
+
+    def check_room(self, start: int, T: int) -> None:
+        """Refuse T new positions after `start` cached ones beyond the caches' capacity (feed and
+        the fused cycle, which writes at device positions and cannot check there)."""
+        if start + T > self.capacity:
+            raise ValueError(
+                f"input: {start} cached + {T} new positions exceed the engine's capacity={self.capacity}; "
+                "call reset(capacity) with the sequence's full length first"
+            )
 
     def forward_at(self, ids: Tensor, pos: Tensor) -> StepOutput:
         """The static call for ids (T,) at the device positions pos (T,): caches written there,

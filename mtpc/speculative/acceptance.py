@@ -62,9 +62,10 @@ def target_probs(
     logits: Tensor,  # (..., v)
     temperature: float = 1.0,
     top_p: float = 1.0,
-    banned: int | None = None,
+    banned: int | Tensor | None = None,
 ) -> Tensor:  # (..., v)
-    """p = the plain sampler's distribution: ban one id, divide by temperature, keep the top-p nucleus.
+    """p = the plain sampler's distribution: ban one id (or the ids of a device index tensor: no host
+    list inside a captured graph), divide by temperature, keep the top-p nucleus.
 
     The nucleus is the smallest set of most probable tokens whose mass reaches `top_p` (ties
     broken by index order); the result is renormalised over it.
@@ -88,8 +89,9 @@ def target_probs(
     return probs
 
 
-def greedy_target(logits: Tensor, banned: int | None = None) -> Tensor:  # (..., v) -> (...) int64
-    """argmax of the verifier's logits (after the optional ban): the plain greedy choice."""
+def greedy_target(logits: Tensor, banned: int | Tensor | None = None) -> Tensor:  # (..., v) -> (...) int64
+    """argmax of the verifier's logits (after the optional ban of one id or of a device index
+    tensor's ids, as in target_probs): the plain greedy choice."""
     if banned is not None:
         logits = logits.clone()
         logits[..., banned] = float("-inf")

@@ -76,11 +76,6 @@ class FusedKeepCycle:
         self.error: str | None = None
         self.epoch = -1  # the engine's graph_epoch at capture
 
-    def _logits(self, logits: Tensor) -> Tensor:
-        """The verifier's logits with the banned ids at -inf (greedy_target's / target_probs' ban,
-        as one index_fill on a device index: no host list inside a captured graph)."""
-        return logits if self.banned is None else logits.index_fill(-1, self.banned, float("-inf"))
-
     def cycle(self, h: Tensor, c: Tensor, pos: Tensor, budget: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """h (d,), c (1,), pos (window,), budget (1,) -> ([s, extra, testable count, *drafts], next h
         (d,), next c (1,)), all on the device."""
@@ -92,11 +87,10 @@ class FusedKeepCycle:
         out = self.engine.forward_at(x, pos)  # (window, v), (window, d): caches written at pos
         draft = x[1:]
         ok = testable_drafts(draft, budget, self.stop_ids)
-        logits = self._logits(out.p_logits)
-        if self.greedy:
-            s, extra = greedy_verify(draft, greedy_target(logits), ok)
+        if self.greedy:  # the ban as a device index: no host list inside a captured graph
+            s, extra = greedy_verify(draft, greedy_target(out.p_logits, self.banned), ok)
         else:
-            p = target_probs(logits, self.temperature, self.top_p)
+            p = target_probs(out.p_logits, self.temperature, self.top_p, self.banned)
             q = log_q[1 : self.window].exp().to(p.dtype)
             s, extra = sample_verify(draft, p, q, TorchChooser(self.generator), ok)
         s, extra = as_index(s, x.device), as_index(extra, x.device)
@@ -109,11 +103,7 @@ class FusedKeepCycle:
         from mtpc.backbones.graphs import CapturedFn
 
         eng = self.engine
-        if start + self.window > eng.capacity:
-            raise ValueError(
-                f"input: {start} cached + {self.window} new positions exceed the engine's "
-                f"capacity={eng.capacity}; call reset(capacity) with the sequence's full length first"
-            )
+        eng.check_room(start, self.window)
         pos = eng.positions[start : start + self.window]
         budget_t = torch.tensor([budget], dtype=torch.long).to(eng.device, non_blocking=True)
         args = (h, c, pos, budget_t)
