@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mtpc.names import CIRCUIT_KINDS
+from tests.mtpc.test_decode_attention import device  # noqa: F401  (the Triton tests' device fixture)
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -49,15 +50,38 @@ def test_bench_gpu_tiny_runs_every_part(tmp_path):
     assert fused["captured"] == {"full": 0, "appG": 0}  # no CUDA: the eager function
     from mtpc.backbones.decode_attention import split_kv_unsupported
 
-    if split_kv_unsupported("cpu", torch.float32) is None:  # Triton's interpreter (make test-triton)
-        split = three_b["split_kv"]
-        assert "skipped" not in split and max(split["max_abs_logit_diff"].values()) < 1e-4, split
-        assert set(split["split_kv_over_sdpa"]) >= {"step", "verify_16"}
-        assert (
-            set(split["split_kv_fused_over_sdpa"]) == set(split["fused_over_sdpa"]) >= {"step", "verify_16"}
-        )
+    if split_kv_unsupported("cpu", torch.float32) is None:  # Triton's interpreter on the path
+        _check_split_kv(three_b["split_kv"])
     else:  # no CUDA and no interpreter: the reason, not a timing
         assert "skipped" in three_b["split_kv"]
+
+
+def _check_split_kv(split: dict) -> None:
+    """bench_gpu's split-KV part ran every variant and call, and split-KV's logits equal SDPA's."""
+    assert "skipped" not in split and max(split["max_abs_logit_diff"].values()) < 1e-4, split
+    assert set(split["split_kv_over_sdpa"]) >= {"step", "verify_16"}
+    assert set(split["split_kv_fused_over_sdpa"]) == set(split["fused_over_sdpa"]) >= {"step", "verify_16"}
+
+
+def test_bench_gpu_split_kv_part_runs_under_the_triton_interpreter(device):  # noqa: F811 (the fixture)
+    """`make test-triton`: bench_gpu's split-KV / fused-op part alone on the tiny model under Triton's
+    interpreter (the rest of the dry run is the test above, without triton: its parts run no Triton
+    kernel, and under the interpreter the whole dry run takes minutes). A short prompt: the
+    interpreter's cost grows with every prefilled byte."""
+    import bench_gpu
+    import engine_timing as et
+
+    from mtpc.backbones import BackboneAdapter
+
+    dev = torch.device(device)
+    model = et.random_llama(et.TINY_SHAPE, dtype=torch.float32, device=dev)
+    bb = BackboneAdapter.from_hf(model, name="bench")
+    ctx = 24
+    prompt = et.random_prompts(1, ctx, seed=0, device=dev)[0]
+    g = torch.Generator().manual_seed(1)
+    win = {n: torch.randint(0, 256, (n,), generator=g).to(dev) for n in (8, 16)}
+    one = torch.tensor([65], device=dev)
+    _check_split_kv(bench_gpu.split_kv_part(bb, prompt, ctx, ctx + 32, win, one, 1, 1, dev))
 
 
 def test_profile_gpu_step_tiny_compares_the_verify_with_the_step_kernel_by_kernel(tmp_path):
