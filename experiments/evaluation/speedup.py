@@ -3,7 +3,9 @@
 `measure_speedup(model, prompts, mode, ...)`: every round times plain decoding (`generate_plain`) and
 speculative decoding (`generate`) prompt by prompt, interleaved (which goes first alternates by prompt
 and round), EOS banned; a round's ratio is its total plain time over its total speculative time, the
-figure is the median of the rounds' ratios. Beside it: bytes per cycle (keep cycle: 1 + mu_acc), greedy
+figure is the median of the rounds' ratios. Beside it the same ratio over the decoding alone (the
+generations' own clocks, prefill excluded: both arms prefill the same prompt at the same cost) and
+the prefill's share of plain decoding's time, which caps the whole ratio; bytes per cycle (keep cycle: 1 + mu_acc), greedy
 outputs compared byte for byte with plain decoding's, and the text's degenerate fraction and
 distinct-4-gram ratio (`mtpc.textstats`). The caller holds the timing lock (experiments.plumbing.timing_lock).
 Used by bench/bench_shipped_head.py (the reported figures) and the demo's first line.
@@ -37,8 +39,9 @@ def measure_speedup(
     model.generate(prompts[0], **spec_kw, seed=0)  # warm both paths (allocations, oneDNN packing)
     model.generate_plain(prompts[0], **kw, seed=0)
     ratios, spec_out, plain_out, emitted, cycles, identical = [], [], [], 0, 0, 0
+    decode_ratios, prefill_share = [], []
     for r in range(rounds):
-        t_plain = t_spec = 0.0
+        t_plain = t_spec = d_plain = d_spec = pre_plain = 0.0
         for i, prompt in enumerate(prompts):
             seed = 1000 * r + i
             order = ("plain", "spec") if (i + r) % 2 == 0 else ("spec", "plain")
@@ -47,9 +50,11 @@ def measure_speedup(
                 if which == "plain":
                     p = model.generate_plain(prompt, **kw, seed=seed)
                     t_plain += time.perf_counter() - t0
+                    d_plain, pre_plain = d_plain + p.stats.decode_s, pre_plain + p.stats.prefill_s
                 else:
                     s = model.generate(prompt, **spec_kw, seed=seed)
                     t_spec += time.perf_counter() - t0
+                    d_spec += s.stats.decode_s
             if r == 0:
                 spec_out.append(s.ids.tolist())
                 plain_out.append(p.ids.tolist())
@@ -57,6 +62,8 @@ def measure_speedup(
                 cycles += int(s.stats.cycles)
                 identical += int(s.ids.tolist() == p.ids.tolist())
         ratios.append(t_plain / t_spec)
+        decode_ratios.append(d_plain / d_spec)
+        prefill_share.append(pre_plain / t_plain)
         if say:
             print(
                 f"  {mode}{'' if draft_len is None else f' m={draft_len}'} round {r + 1}/{rounds}: plain {t_plain:.1f} s, speculative {t_spec:.1f} s, "
@@ -68,6 +75,9 @@ def measure_speedup(
     out = {
         "speedup_median": statistics.median(ratios),
         "speedup_rounds": ratios,
+        "decode_speedup_median": statistics.median(decode_ratios),  # prefill excluded (module docstring)
+        "decode_speedup_rounds": decode_ratios,
+        "prefill_share_of_plain": statistics.median(prefill_share),
         "bytes_per_cycle": emitted / cycles if cycles else 0.0,
         "draft_len": int(s.stats.window),
         "degenerate_fraction": spec_deg["degenerate_fraction"],

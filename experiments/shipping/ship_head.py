@@ -109,15 +109,18 @@ def _speed_section(report: dict[str, Any], draft_len: int | None = None) -> list
         ]
     lines += [
         "",
-        "| mode | draft length | speed-up over plain (median of rounds) | per-round | bytes per cycle | "
-        "degenerate fraction | distinct 4-grams | greedy identical |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mode | draft length | speed-up over plain (median of rounds) | per-round | decoding alone "
+        "(prefill excluded) | prefill's share of plain | bytes per cycle | degenerate fraction | "
+        "distinct 4-grams | greedy identical |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, m, r in _report_rows(report):
+        decode = f"{r['decode_speedup_median']:.2f}x" if "decode_speedup_median" in r else "-"
+        share = f"{r['prefill_share_of_plain']:.2f}" if "prefill_share_of_plain" in r else "-"
         lines.append(
             f"| {mode} | {m} | {r['speedup_median']:.2f}x | {', '.join(f'{x:.2f}' for x in r['speedup_rounds'])} | "
-            f"{r['bytes_per_cycle']:.2f} | {r['degenerate_fraction']:.3f} | {r['distinct_4gram_ratio']:.3f} | "
-            f"{r.get('identical', '-')} |"
+            f"{decode} | {share} | {r['bytes_per_cycle']:.2f} | {r['degenerate_fraction']:.3f} | "
+            f"{r['distinct_4gram_ratio']:.3f} | {r.get('identical', '-')} |"
         )
     return lines
 

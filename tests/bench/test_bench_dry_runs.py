@@ -232,5 +232,8 @@ def test_bench_shipped_head_dry_run_reports_speed_text_and_identity(tmp_path, mo
     assert greedy["identical"] == "2/2"
     for r in (greedy, sample):
         assert r["speedup_median"] > 0 and r["bytes_per_cycle"] >= 1.0
+        # the decoding alone beside the whole generation, and the prefill's share of plain's time
+        assert r["decode_speedup_median"] > 0 and len(r["decode_speedup_rounds"]) == len(r["speedup_rounds"])
+        assert 0.0 < r["prefill_share_of_plain"] < 1.0
         assert 0.0 <= r["degenerate_fraction"] <= 1.0 and 0.0 < r["distinct_4gram_ratio"] <= 1.0
     assert "plain_degenerate_fraction" in sample

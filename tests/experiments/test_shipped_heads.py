@@ -199,6 +199,18 @@ def test_update_records_the_draft_len_the_shipped_head_then_decodes_with(shipped
     update_shipped("tiny-btree", report, heads_dir=heads)
     card = (heads / "tiny-btree" / sh.CARD_FILE).read_text()
     assert card.count("## Held-out speed") == 1 and "feeds the first **3** bytes" in card
+    assert (
+        "| greedy | 4 | 1.50x | 1.50, 1.40 | - | - | 2.00 |" in card
+    )  # an older report: no decode-only figures
+    decode = {"decode_speedup_median": 1.75, "decode_speedup_rounds": [1.75], "prefill_share_of_plain": 0.21}
+    report.write_text(
+        json.dumps(
+            {**_report(), "modes": {"greedy": {"4": dict(_report()["modes"]["greedy"]["4"], **decode)}}}
+        )
+    )
+    update_shipped("tiny-btree", report, heads_dir=heads)
+    card = (heads / "tiny-btree" / sh.CARD_FILE).read_text()
+    assert "| greedy | 4 | 1.50x | 1.50, 1.40 | 1.75x | 0.21 | 2.00 |" in card
     assert main(["--update", "tiny-btree", "--report", str(report), "--draft-len", "9"]) == 2
 
 
