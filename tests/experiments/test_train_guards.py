@@ -210,6 +210,7 @@ def test_a_stop_signal_after_the_last_step_finishes_the_export_and_says_so(
     monkeypatch.setattr(train_mod, "train_head", functools.partial(train_mod.train_head, callbacks=[late]))
     reached = []  # a signal the run did not handle lands here instead of killing pytest
     guards = {s: signal.signal(s, lambda n, f: reached.append(n)) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    sigint = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN under a shell's `cmd &`
     try:
         code = main(["fit", "--config", DEBUG, "--run.dir", str(run), *flags])
     finally:
@@ -224,4 +225,4 @@ def test_a_stop_signal_after_the_last_step_finishes_the_export_and_says_so(
     ), out
     assert (run / "head" / "head.safetensors").is_file()
     assert json.loads((run / "metrics.json").read_text())["global_step"] == (last_step or late.step_seen)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are given back
+    assert signal.getsignal(signal.SIGINT) is sigint  # the handlers are given back
