@@ -83,15 +83,23 @@ def _has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def split_kv_unsupported(device: torch.device | str, dtype: torch.dtype) -> str | None:
-    """Why the split-KV kernel cannot run for tensors of this device and dtype (one line), or None."""
+def triton_unsupported(
+    device: torch.device | str, dtype: torch.dtype, dtypes: tuple, what: str = "the kernel"
+) -> str | None:
+    """Why Triton kernels (`what`) taking `dtypes` cannot run for tensors of this device and dtype (one
+    line), or None: the split-KV kernel's and the fused ops' (mtpc/backbones/fused_ops.py) check."""
     if not _has_triton():
         return "triton is not importable"
     if torch.device(device).type != "cuda" and not _interpreting():
-        return f"device {torch.device(device).type!r}: the kernel runs on CUDA (or under TRITON_INTERPRET=1)"
-    if dtype not in SPLIT_KV_DTYPES:
-        return f"dtype {dtype}: the kernel takes {', '.join(str(d) for d in SPLIT_KV_DTYPES)}"
+        return f"device {torch.device(device).type!r}: {what} runs on CUDA (or under TRITON_INTERPRET=1)"
+    if dtype not in dtypes:
+        return f"dtype {dtype}: {what} takes {', '.join(str(d) for d in dtypes)}"
     return None
+
+
+def split_kv_unsupported(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Why the split-KV kernel cannot run for tensors of this device and dtype (one line), or None."""
+    return triton_unsupported(device, dtype, SPLIT_KV_DTYPES)
 
 
 def _as_4d(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> tuple[Tensor, Tensor, Tensor, bool]:

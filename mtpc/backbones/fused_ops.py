@@ -28,20 +28,14 @@ import contextlib
 import torch
 from torch import Tensor
 
-from mtpc.backbones.decode_attention import SPLIT_KV_DTYPES, _has_triton, _interpreting
+from mtpc.backbones.decode_attention import SPLIT_KV_DTYPES, triton_unsupported
 
 FUSED_OPS_DTYPES = SPLIT_KV_DTYPES
 
 
 def fused_ops_unsupported(device: torch.device | str, dtype: torch.dtype) -> str | None:
     """Why the fused ops cannot run for tensors of this device and dtype (one line), or None."""
-    if not _has_triton():
-        return "triton is not importable"
-    if torch.device(device).type != "cuda" and not _interpreting():
-        return f"device {torch.device(device).type!r}: the kernels run on CUDA (or under TRITON_INTERPRET=1)"
-    if dtype not in FUSED_OPS_DTYPES:
-        return f"dtype {dtype}: the kernels take {', '.join(str(d) for d in FUSED_OPS_DTYPES)}"
-    return None
+    return triton_unsupported(device, dtype, FUSED_OPS_DTYPES, "each fused-op kernel")
 
 
 def _device(t: Tensor):
