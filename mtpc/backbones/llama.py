@@ -65,6 +65,7 @@ from torch.nn import functional as F
 
 from mtpc.backbones.common import Backbone, StepOutput
 from mtpc.backbones.decode_attention import split_kv_decode_attention, split_kv_unsupported
+from mtpc.backbones.fused_ops import fused_ops_unsupported
 from mtpc.kernels import (
     onednn_linear,
     onednn_pack,
@@ -494,25 +495,19 @@ class LlamaEngine:
         self.cuda_graphs = bool(cuda_graphs and self.static and self.device.type == "cuda")
         if attention not in ENGINE_ATTENTION:
             raise ValueError(f"attention={attention!r}: expected one of {ENGINE_ATTENTION}")
-        if attention == "split_kv":
-            reason = (
+        # the Triton options: static shapes, no compile, and a device / dtype their kernels take
+        for option, on, unsupported in (
+            ("attention='split_kv'", attention == "split_kv", split_kv_unsupported),
+            ("fused_ops=True", fused_ops, fused_ops_unsupported),
+        ):
+            reason = on and (
                 "it needs static shapes (static=True, or None on CUDA) and does not combine with compile"
                 if compile or not self.static
-                else split_kv_unsupported(self.device, self.dtype)
+                else unsupported(self.device, self.dtype)
             )
             if reason:
-                raise ValueError(f"compact Llama forward: attention='split_kv': {reason}")
+                raise ValueError(f"compact Llama forward: {option}: {reason}")
         self.attention = attention
-        if fused_ops:
-            from mtpc.backbones.fused_ops import fused_ops_unsupported
-
-            reason = (
-                "it needs static shapes (static=True, or None on CUDA) and does not combine with compile"
-                if compile or not self.static
-                else fused_ops_unsupported(self.device, self.dtype)
-            )
-            if reason:
-                raise ValueError(f"compact Llama forward: fused_ops=True: {reason}")
         self.fused_ops = bool(fused_ops)
         self.scale = self.args.head_dim**-0.5
         kw = {"dtype": self.dtype, "device": self.device}
