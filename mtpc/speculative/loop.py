@@ -176,6 +176,13 @@ class DecodeStats:
         for i in range(first_tested, first_tested + s):
             self.accepted_at[i] += 1
 
+    def close(self, out: list[int], prefill_out: int, engine: Engine) -> None:
+        """The generation's totals: bytes returned, those the cycles emitted (all but the `prefill_out`
+        the prefill emitted), the backbone calls."""
+        self.generated = len(out)
+        self.decode_generated = len(out) - prefill_out
+        self.backbone_calls = engine.calls
+
 
 def _clock(sync: Callable[[], None] | None) -> float:
     if sync is not None:
@@ -200,6 +207,18 @@ def _finish(out: list[int], new: list[int], cfg: DecodeConfig) -> bool:
     return False
 
 
+def _prefill(
+    engine: Engine, prompt: Tensor, cfg: DecodeConfig, choose: Chooser, out: list[int], pick: bool = True
+) -> tuple[StepOutput, Tensor | None, bool]:
+    """Feed the prompt; with `pick` (plain decoding, the keep cycle) choose the first byte c (1,) from
+    its last row as plain decoding does and apply the stop rule -> (step, c or None, done)."""
+    step = engine.feed(prompt)
+    if not pick:
+        return step, None, False
+    c = as_index(_pick(step.p_logits[-1], cfg, choose), prompt.device)
+    return step, c, _finish(out, c.tolist(), cfg)
+
+
 def plain_decode(
     engine: Engine,
     prompt: Tensor,  # (P,)
@@ -209,11 +228,9 @@ def plain_decode(
 ) -> tuple[list[int], DecodeStats]:
     """The single-token baseline: prefill, then one call per byte (one host read per byte)."""
     stats = DecodeStats(window=1, extra_token="plain")
-    t0 = _clock(sync)
-    step = engine.feed(prompt)
-    c = as_index(_pick(step.p_logits[-1], cfg, choose), prompt.device)  # (1,)
     out: list[int] = []
-    done = _finish(out, c.tolist(), cfg)
+    t0 = _clock(sync)
+    _, c, done = _prefill(engine, prompt, cfg, choose, out)
     stats.prefill_s = _clock(sync) - t0
     while not done:
         t0 = _clock(sync)
@@ -221,9 +238,7 @@ def plain_decode(
         c = as_index(_pick(step.p_logits[-1], cfg, choose), prompt.device)
         done = _finish(out, c.tolist(), cfg)  # the step's one host read
         stats.record_cycle(_clock(sync) - t0, 0, 1, 0, 0)
-    stats.generated = len(out)
-    stats.decode_generated = len(out) - 1
-    stats.backbone_calls = engine.calls
+    stats.close(out, 1, engine)
     return out, stats
 
 
@@ -317,13 +332,9 @@ def speculative_decode(
     native = dev.type == "cpu" and native_cycle_unsupported(dev, torch.float32) is None
     banned = cfg.eos_ids if cfg.ban_eos else []
     t0 = _clock(sync)
-    step = engine.feed(prompt)
+    step, c, done = _prefill(engine, prompt, cfg, choose, out, pick=cfg.extra_token == "keep")
     last_p = step.p_logits[-1].clone()  # (v,) verifier row for the next position (kept across feeds)
     last_h = step.draft_hidden[-1]  # (d,) head input at the last byte with state
-    done = False
-    if cfg.extra_token == "keep":
-        c = as_index(_pick(last_p, cfg, choose), dev)  # (1,)
-        done = _finish(out, c.tolist(), cfg)
     stats.prefill_s = _clock(sync) - t0
     prefill_out = len(out)
 
@@ -364,9 +375,7 @@ def speculative_decode(
         before = len(out)
         done = _finish(out, new, cfg)
         stats.record_cycle(_clock(sync) - t0, s, len(out) - before, tested_from, tested)
-    stats.generated = len(out)
-    stats.decode_generated = len(out) - prefill_out
-    stats.backbone_calls = engine.calls
+    stats.close(out, prefill_out, engine)
     return out, stats
 
 
@@ -388,12 +397,9 @@ def fused_speculative_decode(
         raise ValueError(f"fused cycle: the keep cycle only (got extra_token={cfg.extra_token!r})")
     stats = DecodeStats(window=window, extra_token="keep")
     out: list[int] = []
-    dev = prompt.device
     t0 = _clock(sync)
-    step = engine.feed(prompt)
+    step, c, done = _prefill(engine, prompt, cfg, choose, out)
     h = step.draft_hidden[-1]  # (d,) head input at the last byte with state
-    c = as_index(_pick(step.p_logits[-1], cfg, choose), dev)  # (1,)
-    done = _finish(out, c.tolist(), cfg)
     stats.prefill_s = _clock(sync) - t0
     while not done:
         t0 = _clock(sync)
@@ -405,7 +411,5 @@ def fused_speculative_decode(
         before = len(out)
         done = _finish(out, got[3 : 3 + s] + [extra], cfg)
         stats.record_cycle(_clock(sync) - t0, s, len(out) - before, 1, min(s + 1, testable))
-    stats.generated = len(out)
-    stats.decode_generated = len(out) - 1
-    stats.backbone_calls = engine.calls
+    stats.close(out, 1, engine)
     return out, stats
